@@ -1,0 +1,1 @@
+//! helios-cache (filled by its issue).

@@ -1,0 +1,84 @@
+//! Readers for every execution ABI this engine has shipped.
+//!
+//! A core is never re-exported because the engine changed. Each ABI's reader resolves the
+//! fields that did not exist when that ABI was current to the behavior those cores had.
+//!
+//! | ABI | added | default for older cores |
+//! |-----|-------|-------------------------|
+//! | 1   | first release | — |
+//! | 2   | `CacheScheme.verification_width` | 1 |
+//! | 2   | `CacheScheme.padding_slot` | -1 |
+//! | 2   | `Graph.continuation_rows_per_request` | 1 |
+//! | 2   | `KernelNode.launch_attributes` | none (an ABI 1 core carrying them is invalid) |
+//!
+//! `Graph.completion_token_capacity`: omitted or zero resolves to
+//! [`DEFAULT_COMPLETION_TOKEN_CAPACITY`] in every ABI.
+
+use crate::error::{CoreError, FieldPath, InvalidReason};
+use crate::model::{ABI_VERSIONS, DEFAULT_COMPLETION_TOKEN_CAPACITY};
+
+/// The reader selected by a core's `Identity.abi_version`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AbiReader {
+    V1,
+    V2,
+}
+
+impl AbiReader {
+    pub fn for_version(field: &FieldPath, version: u32) -> Result<Self, CoreError> {
+        match version {
+            1 => Ok(AbiReader::V1),
+            2 => Ok(AbiReader::V2),
+            found => Err(CoreError::UnsupportedAbi { field: field.clone(), found, supported: ABI_VERSIONS }),
+        }
+    }
+
+    pub fn version(self) -> u32 {
+        match self {
+            AbiReader::V1 => 1,
+            AbiReader::V2 => 2,
+        }
+    }
+
+    pub fn verification_width(self, field: &FieldPath, raw: u32) -> Result<u32, CoreError> {
+        match self {
+            AbiReader::V1 => Ok(1),
+            AbiReader::V2 => positive(field, raw),
+        }
+    }
+
+    pub fn padding_slot(self, field: &FieldPath, raw: i64) -> Result<i64, CoreError> {
+        match self {
+            AbiReader::V1 => Ok(-1),
+            AbiReader::V2 if raw < 0 => Ok(raw),
+            AbiReader::V2 => Err(CoreError::InvalidValue {
+                field: field.clone(),
+                reason: InvalidReason::NotNegative(raw),
+            }),
+        }
+    }
+
+    pub fn continuation_rows_per_request(self, raw: u32) -> u32 {
+        match self {
+            AbiReader::V1 => 1,
+            AbiReader::V2 => raw,
+        }
+    }
+
+    pub fn completion_token_capacity(self, raw: u32) -> u32 {
+        if raw == 0 { DEFAULT_COMPLETION_TOKEN_CAPACITY } else { raw }
+    }
+
+    /// Whether `KernelNode.launch_attributes` may be present.
+    pub fn has_launch_attributes(self) -> bool {
+        matches!(self, AbiReader::V2)
+    }
+}
+
+fn positive(field: &FieldPath, raw: u32) -> Result<u32, CoreError> {
+    if raw == 0 {
+        Err(CoreError::InvalidValue { field: field.clone(), reason: InvalidReason::MustBePositive })
+    } else {
+        Ok(raw)
+    }
+}

@@ -1,0 +1,282 @@
+//! Structured output through llguidance, over our own `tokenizers` instance.
+//!
+//! The answer grammar is composed with the output protocol's delimiters: an optional
+//! `<think>…</think>` block (free text) and, when tools are offered, `<tool_call>…</tool_call>`
+//! blocks whose payloads stay unconstrained (they keep their normal parsing).
+
+use std::sync::Arc;
+
+use helios_contract::{ReasoningParser, ToolParser};
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+use llguidance::{Matcher, ParserFactory};
+use serde_json::Value as Json;
+
+use crate::error::GrammarError;
+use crate::tokenizer::Tokenizer;
+
+/// `TokenizerEnv` over a shared [`Tokenizer`]; special tokens carry toktrie's 0xFF marker.
+struct HeliosTokEnv {
+    tokenizer: Arc<Tokenizer>,
+    trie: TokTrie,
+}
+
+impl TokenizerEnv for HeliosTokEnv {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
+        self.trie.tokenize_with_greedy_fallback(s, |s| {
+            self.tokenizer.inner().encode_fast(s, false).map(|e| e.get_ids().to_vec()).unwrap_or_default()
+        })
+    }
+
+    fn tokenize_is_canonical(&self) -> bool {
+        true
+    }
+}
+
+/// Per-tokenizer grammar machinery; build once and share.
+pub struct GrammarEnv {
+    tokenizer: Arc<Tokenizer>,
+    factory: ParserFactory,
+}
+
+impl std::fmt::Debug for GrammarEnv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrammarEnv").field("vocab_size", &self.tokenizer.vocab_size()).finish()
+    }
+}
+
+/// The answer's constraint.
+#[derive(Clone, Debug, PartialEq)]
+pub enum AnswerFormat {
+    /// Free text (only the protocol's delimiters are structured).
+    Text,
+    JsonSchema(Json),
+    /// Any JSON object (`response_format: json_object`).
+    JsonObject,
+    /// A Rust-`regex`-syntax pattern the whole answer must match.
+    Regex(String),
+}
+
+/// The output protocol the answer grammar is composed with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OutputProtocol {
+    pub reasoning: ReasoningParser,
+    pub tools: ToolParser,
+    /// Whether the request offers tools (tool calls become an alternative to the answer).
+    pub tools_offered: bool,
+    /// The prompt already opened a reasoning block.
+    pub starts_in_reasoning: bool,
+}
+
+/// Allowed-token set for one step. Invariant: one bit per vocabulary id.
+#[derive(Clone, Debug)]
+pub struct TokenMask(SimpleVob);
+
+impl TokenMask {
+    pub fn is_allowed(&self, id: u32) -> bool {
+        (id as usize) < self.0.len() && self.0.is_allowed(id)
+    }
+    /// Packed bits, 32 ids per word, id `i` at bit `i % 32` of word `i / 32`.
+    pub fn words(&self) -> &[u32] {
+        self.0.as_slice()
+    }
+    pub fn num_allowed(&self) -> usize {
+        self.0.num_set()
+    }
+}
+
+/// Per-request matcher: the runtime calls `compute_mask`, samples, then `consume_token`;
+/// speculation uses `rollback`.
+pub struct GrammarMatcher {
+    matcher: Matcher,
+    consumed: usize,
+}
+
+fn lit(tok: &Tokenizer, s: &str) -> String {
+    match tok.token_id(s).filter(|&id| tok.is_special(id)) {
+        Some(id) => format!("<[{id}]>"),
+        None => serde_json::to_string(s).unwrap_or_default(),
+    }
+}
+
+impl GrammarEnv {
+    /// `eos_token_ids` from the core's frontend section; the first is the primary EOS.
+    pub fn new(tokenizer: Arc<Tokenizer>, eos_token_ids: &[u32]) -> Result<Self, GrammarError> {
+        let n = tokenizer.vocab_size();
+        let words: Vec<Vec<u8>> = (0..n as u32)
+            .map(|id| {
+                let b = tokenizer.token_bytes(id).unwrap_or(&[]);
+                if tokenizer.is_special(id) {
+                    let mut v = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+                    v.extend_from_slice(b);
+                    v
+                } else {
+                    b.to_vec()
+                }
+            })
+            .collect();
+        let eos = *eos_token_ids.first().ok_or_else(|| GrammarError::Env("no EOS token".into()))?;
+        if eos as usize >= n {
+            return Err(GrammarError::Env(format!("EOS {eos} outside vocabulary")));
+        }
+        let info = TokRxInfo::new(n as u32, eos);
+        let trie = TokTrie::from(&info, &words);
+        let env: TokEnv = Arc::new(HeliosTokEnv { tokenizer: tokenizer.clone(), trie });
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| GrammarError::Env(e.to_string()))?;
+        factory.quiet();
+        Ok(GrammarEnv { tokenizer, factory })
+    }
+
+    /// The composed Lark grammar (exposed for inspection and tests).
+    pub fn lark(&self, format: &AnswerFormat, proto: &OutputProtocol) -> Result<String, GrammarError> {
+        let t = &self.tokenizer;
+        let answer = match format {
+            AnswerFormat::Text => "answer: /(?s:.*)/".to_string(),
+            AnswerFormat::JsonSchema(s) => {
+                format!("answer: %json {}", serde_json::to_string(s).map_err(|e| GrammarError::Compile(e.to_string()))?)
+            }
+            AnswerFormat::JsonObject => "answer: %json {\"type\": \"object\"}".to_string(),
+            AnswerFormat::Regex(r) => format!("answer: /{}/", r.replace('/', "\\/")),
+        };
+        let mut g = String::new();
+        let body = if proto.tools_offered && proto.tools != ToolParser::None {
+            g.push_str(&format!(
+                "body: answer | tool_call (sep? tool_call)*\ntool_call: {} tool_body\ntool_body[lazy]: /(?s:.*)/ {}\n",
+                lit(t, "<tool_call>"),
+                lit(t, "</tool_call>")
+            ));
+            "body"
+        } else {
+            "answer"
+        };
+        match proto.reasoning {
+            ReasoningParser::None => g.push_str(&format!("start: {body}\n")),
+            ReasoningParser::ThinkTags => {
+                let open = if proto.starts_in_reasoning { String::new() } else { format!("{} ", lit(t, "<think>")) };
+                let think = if proto.starts_in_reasoning { "think" } else { "think?" };
+                g.push_str(&format!(
+                    "start: {think} sep? {body}\nthink: {open}think_body\nthink_body[lazy]: /(?s:.*)/ {}\n",
+                    lit(t, "</think>")
+                ));
+            }
+        }
+        g.push_str("sep: /[ \\t\\r\\n]+/\n");
+        g.push_str(&answer);
+        g.push('\n');
+        Ok(g)
+    }
+
+    /// Builds a matcher for one request.
+    pub fn matcher(&self, format: &AnswerFormat, proto: &OutputProtocol) -> Result<GrammarMatcher, GrammarError> {
+        let grammar = TopLevelGrammar::from_lark(self.lark(format, proto)?);
+        let parser = self.factory.create_parser(grammar).map_err(|e| GrammarError::Compile(e.to_string()))?;
+        Ok(GrammarMatcher { matcher: Matcher::new(Ok(parser)), consumed: 0 })
+    }
+}
+
+impl std::fmt::Debug for GrammarMatcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrammarMatcher").field("consumed", &self.consumed).finish_non_exhaustive()
+    }
+}
+
+impl GrammarMatcher {
+    /// Tokens allowed next (EOS is allowed exactly when the grammar accepts).
+    pub fn compute_mask(&mut self) -> Result<TokenMask, GrammarError> {
+        self.matcher.compute_mask().map(TokenMask).map_err(|e| GrammarError::Matcher(e.to_string()))
+    }
+
+    /// Advances by one sampled token; a token the grammar forbids is rejected and the
+    /// matcher state is unchanged.
+    pub fn consume_token(&mut self, id: u32) -> Result<(), GrammarError> {
+        match self.matcher.try_consume_tokens(&[id]) {
+            Ok(1) => {
+                self.consumed += 1;
+                Ok(())
+            }
+            Ok(_) => Err(GrammarError::Rejected(id)),
+            Err(e) => Err(GrammarError::Matcher(e.to_string())),
+        }
+    }
+
+    /// Undoes the last `n` consumed tokens (speculative decoding).
+    pub fn rollback(&mut self, n: usize) -> Result<(), GrammarError> {
+        if n > self.consumed {
+            return Err(GrammarError::Rollback { requested: n, available: self.consumed });
+        }
+        self.matcher.rollback(n).map_err(|e| GrammarError::Matcher(e.to_string()))?;
+        self.consumed -= n;
+        Ok(())
+    }
+
+    /// Whether ending now satisfies the grammar.
+    pub fn is_accepting(&mut self) -> bool {
+        self.matcher.is_accepting().unwrap_or(false)
+    }
+
+    /// Tokens consumed and not rolled back.
+    pub fn consumed(&self) -> usize {
+        self.consumed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tokenizer::tests::smol;
+    use serde_json::json;
+
+    fn env() -> GrammarEnv {
+        let t = Arc::new(smol());
+        let eos = t.token_id("<|im_end|>").expect("eos");
+        GrammarEnv::new(t, &[eos]).expect("env")
+    }
+
+    fn drive(env: &GrammarEnv, m: &mut GrammarMatcher, text: &str) -> Result<(), GrammarError> {
+        for id in env.tokenizer.encode(text, false).map_err(|e| GrammarError::Env(e.to_string()))?.ids {
+            let mask = m.compute_mask()?;
+            if !mask.is_allowed(id) {
+                return Err(GrammarError::Rejected(id));
+            }
+            m.consume_token(id)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn json_schema_with_reasoning_and_tools() {
+        let e = env();
+        let schema = json!({"type":"object","properties":{"n":{"type":"integer"}},"required":["n"],"additionalProperties":false});
+        let proto = OutputProtocol { reasoning: ReasoningParser::ThinkTags, tools: ToolParser::HermesJson, tools_offered: true, starts_in_reasoning: false };
+        let mut m = e.matcher(&AnswerFormat::JsonSchema(schema.clone()), &proto).expect("compiles");
+        drive(&e, &mut m, "<think>weigh {options}</think>\n{\"n\": 42}").expect("accepted");
+        assert!(m.is_accepting());
+        let mut m = e.matcher(&AnswerFormat::JsonSchema(schema.clone()), &proto).expect("compiles");
+        drive(&e, &mut m, "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>").expect("accepted");
+        assert!(m.is_accepting());
+        let mut m = e.matcher(&AnswerFormat::JsonSchema(schema), &proto).expect("compiles");
+        assert!(drive(&e, &mut m, "{\"m\": 1}").is_err());
+    }
+
+    #[test]
+    fn regex_json_object_and_rollback() {
+        let e = env();
+        let proto = OutputProtocol { reasoning: ReasoningParser::None, tools: ToolParser::None, tools_offered: false, starts_in_reasoning: false };
+        let mut m = e.matcher(&AnswerFormat::Regex("[0-9]{3}-a/b".into()), &proto).expect("compiles");
+        drive(&e, &mut m, "123-a/b").expect("accepted");
+        assert!(m.is_accepting());
+        let n = m.consumed();
+        m.rollback(n).expect("rolls back");
+        assert!(matches!(m.rollback(1), Err(GrammarError::Rollback { .. })));
+        drive(&e, &mut m, "987-a/b").expect("accepted again");
+        let mut m = e.matcher(&AnswerFormat::JsonObject, &proto).expect("compiles");
+        let bad = e.tokenizer.encode("x", false).expect("enc").ids[0];
+        assert!(matches!(m.consume_token(bad), Err(GrammarError::Rejected(_))));
+        drive(&e, &mut m, "{\"a\": [1]}").expect("accepted");
+        assert!(m.is_accepting());
+    }
+}

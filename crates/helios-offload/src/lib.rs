@@ -1,0 +1,1 @@
+//! helios-offload (filled by its issue).

@@ -1,0 +1,1 @@
+//! helios-replay (filled by its issue).

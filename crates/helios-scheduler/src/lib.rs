@@ -1,0 +1,1 @@
+//! helios-scheduler (filled by its issue).
