@@ -236,9 +236,11 @@ impl BoundContract {
         match candidates.next() {
             Some((_, &i)) => Ok(&self.graphs[i]),
             None => match self.maintenance.range((op, 0)..=(op, u32::MAX)).next_back() {
-                Some(((_, largest), _)) => {
-                    Err(CapacityError::Exceeded { kind: GraphKind::StateMaintenance, requested: requests, largest: *largest })
-                }
+                Some(((_, largest), _)) => Err(CapacityError::Exceeded {
+                    kind: GraphKind::StateMaintenance,
+                    requested: requests,
+                    largest: *largest,
+                }),
                 None => Err(CapacityError::Missing { kind: GraphKind::StateMaintenance, op: Some(op) }),
             },
         }

@@ -51,10 +51,9 @@ impl AbiReader {
         match self {
             AbiReader::V1 => Ok(-1),
             AbiReader::V2 if raw < 0 => Ok(raw),
-            AbiReader::V2 => Err(CoreError::InvalidValue {
-                field: field.clone(),
-                reason: InvalidReason::NotNegative(raw),
-            }),
+            AbiReader::V2 => {
+                Err(CoreError::InvalidValue { field: field.clone(), reason: InvalidReason::NotNegative(raw) })
+            }
         }
     }
 

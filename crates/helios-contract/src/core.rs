@@ -85,7 +85,12 @@ impl RuntimeCore {
             // treated as immutable while loaded (documented in the README).
             let map = unsafe { Mmap::map(&file) }.map_err(|source| CoreError::Io { path: path.clone(), source })?;
             if map.len() as u64 != f.byte_size {
-                return Err(CoreError::FileSize { field: field.field("byte_size"), path: f.path.clone(), expected: f.byte_size, actual: map.len() as u64 });
+                return Err(CoreError::FileSize {
+                    field: field.field("byte_size"),
+                    path: f.path.clone(),
+                    expected: f.byte_size,
+                    actual: map.len() as u64,
+                });
             }
             if options.verify_payload_digests {
                 check_digest(&map, &f.sha256, &f.path, &field.field("sha256"))?;
@@ -122,9 +127,11 @@ impl RuntimeCore {
                 path: path.clone(),
                 tensor: tensor.clone(),
             })?;
-            let mismatch = |reason: String| CoreError::TensorMismatch { field: field.clone(), tensor: tensor.clone(), reason };
+            let mismatch =
+                |reason: String| CoreError::TensorMismatch { field: field.clone(), tensor: tensor.clone(), reason };
             let tensor_dtype = from_safetensors_dtype(info.dtype);
-            let compatible = tensor_dtype == Some(b.dtype) || (b.dtype == DType::Bytes && tensor_dtype == Some(DType::U8));
+            let compatible =
+                tensor_dtype == Some(b.dtype) || (b.dtype == DType::Bytes && tensor_dtype == Some(DType::U8));
             if !compatible {
                 return Err(mismatch(format!("dtype {:?}, buffer is {}", info.dtype, b.dtype.name())));
             }
@@ -141,7 +148,9 @@ impl RuntimeCore {
         }
 
         let fe_path = FieldPath::root("core").field("frontend");
-        for (asset, name) in [(&manifest.frontend.tokenizer, "tokenizer"), (&manifest.frontend.chat_template, "chat_template")] {
+        for (asset, name) in
+            [(&manifest.frontend.tokenizer, "tokenizer"), (&manifest.frontend.chat_template, "chat_template")]
+        {
             let bytes = read_file(&root.join(&asset.path))?;
             check_digest(&bytes, &asset.sha256, &asset.path, &fe_path.field(name).field("sha256"))?;
         }
@@ -194,7 +203,12 @@ fn check_digest(bytes: &[u8], expected: &str, path: &str, field: &FieldPath) -> 
     if actual == expected {
         Ok(())
     } else {
-        Err(CoreError::DigestMismatch { field: field.clone(), path: path.to_owned(), expected: expected.to_owned(), actual })
+        Err(CoreError::DigestMismatch {
+            field: field.clone(),
+            path: path.to_owned(),
+            expected: expected.to_owned(),
+            actual,
+        })
     }
 }
 

@@ -69,7 +69,8 @@ pub const ARENA_BASE: u64 = 0x7e00_0000_0000;
 const ALIGN: u64 = 256;
 const COMPLETION_HEADER_WORDS: u32 = 8;
 
-pub const TOKENIZER_JSON: &str = r#"{"version":"1.0","model":{"type":"WordLevel","vocab":{"<unk>":0},"unk_token":"<unk>"}}"#;
+pub const TOKENIZER_JSON: &str =
+    r#"{"version":"1.0","model":{"type":"WordLevel","vocab":{"<unk>":0},"unk_token":"<unk>"}}"#;
 pub const CHAT_TEMPLATE: &str = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}";
 
 struct Layout {
@@ -78,7 +79,15 @@ struct Layout {
 }
 
 impl Layout {
-    fn add(&mut self, name: &str, role: pb::BufferRole, dtype: pb::Dtype, shape: Vec<u64>, byte_size: u64, payload: pb::buffer::Payload) -> u32 {
+    fn add(
+        &mut self,
+        name: &str,
+        role: pb::BufferRole,
+        dtype: pb::Dtype,
+        shape: Vec<u64>,
+        byte_size: u64,
+        payload: pb::buffer::Payload,
+    ) -> u32 {
         let id = self.buffers.len() as u32 + 1;
         let offset = self.next;
         self.next = (offset + byte_size).div_ceil(ALIGN) * ALIGN;
@@ -146,7 +155,14 @@ impl Fixture {
         let mut graphs = Vec::new();
         let input = |v: &mut Views, value, dtype: pb::Dtype, shape: Vec<u64>| {
             let bytes = shape.iter().product::<u64>() * dtype_size(dtype);
-            PlannedBinding { value, direction: pb::Direction::Input, dtype, shape, in_completion: false, offset: v.take(bytes) }
+            PlannedBinding {
+                value,
+                direction: pb::Direction::Input,
+                dtype,
+                shape,
+                in_completion: false,
+                offset: v.take(bytes),
+            }
         };
         let record = |v: &mut Views, b: u64| PlannedBinding {
             value: pb::ValueKind::CompletionRecords,
@@ -171,7 +187,12 @@ impl Fixture {
                 kind: pb::GraphKind::Decode,
                 op: pb::MaintenanceOp::Unspecified,
                 name: format!("decode_b{b}"),
-                capacity: pb::GraphCapacity { request_count: b, token_capacity: b, proposal_depth: 0, patch_capacity: 0 },
+                capacity: pb::GraphCapacity {
+                    request_count: b,
+                    token_capacity: b,
+                    proposal_depth: 0,
+                    patch_capacity: 0,
+                },
                 bindings,
             });
         }
@@ -190,7 +211,12 @@ impl Fixture {
                 kind: pb::GraphKind::Prefill,
                 op: pb::MaintenanceOp::Unspecified,
                 name: format!("prefill_t{t}"),
-                capacity: pb::GraphCapacity { request_count: 1, token_capacity: t, proposal_depth: 0, patch_capacity: 0 },
+                capacity: pb::GraphCapacity {
+                    request_count: 1,
+                    token_capacity: t,
+                    proposal_depth: 0,
+                    patch_capacity: 0,
+                },
                 bindings,
             });
         }
@@ -219,7 +245,12 @@ impl Fixture {
                 kind: pb::GraphKind::StateMaintenance,
                 op,
                 name: name.into(),
-                capacity: pb::GraphCapacity { request_count: 1, token_capacity: 0, proposal_depth: 0, patch_capacity: 0 },
+                capacity: pb::GraphCapacity {
+                    request_count: 1,
+                    token_capacity: 0,
+                    proposal_depth: 0,
+                    patch_capacity: 0,
+                },
                 bindings,
             });
         }
@@ -244,7 +275,10 @@ impl Fixture {
             pb::Dtype::Bf16,
             embed_shape.to_vec(),
             embed.len() as u64,
-            pb::buffer::Payload::Safetensors(pb::SafetensorsPayload { file_index: 0, tensor: "model.embed_tokens.weight".into() }),
+            pb::buffer::Payload::Safetensors(pb::SafetensorsPayload {
+                file_index: 0,
+                tensor: "model.embed_tokens.weight".into(),
+            }),
         );
         let norm_id = layout.add(
             "model.norm.weight",
@@ -252,7 +286,10 @@ impl Fixture {
             pb::Dtype::F32,
             vec![spec.hidden],
             norm.len() as u64,
-            pb::buffer::Payload::Safetensors(pb::SafetensorsPayload { file_index: 0, tensor: "model.norm.weight".into() }),
+            pb::buffer::Payload::Safetensors(pb::SafetensorsPayload {
+                file_index: 0,
+                tensor: "model.norm.weight".into(),
+            }),
         );
         let bytes_per_page = u64::from(spec.page_tokens) * spec.hidden * 2 * 2;
         layout.add(
@@ -301,7 +338,8 @@ impl Fixture {
         );
 
         // Kernel images: placeholder bytes with a realistic parameter layout.
-        let kernel_bytes = [b"FLARE-FIXTURE-CUBIN embed_rmsnorm\0".to_vec(), b"FLARE-FIXTURE-CUBIN sample_tokens\0".to_vec()];
+        let kernel_bytes =
+            [b"FLARE-FIXTURE-CUBIN embed_rmsnorm\0".to_vec(), b"FLARE-FIXTURE-CUBIN sample_tokens\0".to_vec()];
         let kernels = vec![
             pb::KernelImage {
                 id: 1,
@@ -338,7 +376,10 @@ impl Fixture {
                     .map(|b| pb::ValueBinding {
                         value: b.value as i32,
                         direction: b.direction as i32,
-                        view: Some(pb::BufferRange { buffer_id: if b.in_completion { completion_id } else { staging_id }, offset: b.offset }),
+                        view: Some(pb::BufferRange {
+                            buffer_id: if b.in_completion { completion_id } else { staging_id },
+                            offset: b.offset,
+                        }),
                         dtype: b.dtype as i32,
                         shape: b.shape.clone(),
                     })
@@ -349,17 +390,17 @@ impl Fixture {
 
                 // Node 1: embed+norm kernel reading staging, weights; writing scratch.
                 let mut p1 = vec![0u8; 56];
-                let r1 = [
-                    (0, staging_id, first_input),
-                    (1, embed_id, 0),
-                    (2, norm_id, 0),
-                    (3, scratch_id, 0),
-                ];
+                let r1 = [(0, staging_id, first_input), (1, embed_id, 0), (2, norm_id, 0), (3, scratch_id, 0)];
                 let mut relocations = Vec::new();
                 for &(param, buffer, within) in &r1 {
                     let at = param as usize * 8;
                     p1[at..at + 8].copy_from_slice(&arena_address(buffer, within).to_le_bytes());
-                    relocations.push(pb::Relocation { param_index: param, byte_offset: 0, buffer_id: buffer, buffer_offset: within });
+                    relocations.push(pb::Relocation {
+                        param_index: param,
+                        byte_offset: 0,
+                        buffer_id: buffer,
+                        buffer_offset: within,
+                    });
                 }
                 p1[32..36].copy_from_slice(&(tokens as u32).to_le_bytes());
                 let kernel1 = pb::KernelNode {
@@ -369,7 +410,11 @@ impl Fixture {
                     dynamic_shared_memory: 0,
                     param_bytes: p1,
                     relocations,
-                    launch_attributes: if abi2 { vec![pb::LaunchAttribute { value: Some(pb::launch_attribute::Value::Priority(0)) }] } else { vec![] },
+                    launch_attributes: if abi2 {
+                        vec![pb::LaunchAttribute { value: Some(pb::launch_attribute::Value::Priority(0)) }]
+                    } else {
+                        vec![]
+                    },
                 };
                 let mut nodes = vec![pb::Node { id: 10, op: Some(pb::node::Op::Kernel(kernel1)) }];
                 let mut edges = Vec::new();
@@ -402,8 +447,18 @@ impl Fixture {
                             dynamic_shared_memory: 32 * 1024,
                             param_bytes: p2,
                             relocations: vec![
-                                pb::Relocation { param_index: 0, byte_offset: 0, buffer_id: scratch_id, buffer_offset: 0 },
-                                pb::Relocation { param_index: 1, byte_offset: 0, buffer_id: completion_id, buffer_offset: record_offset },
+                                pb::Relocation {
+                                    param_index: 0,
+                                    byte_offset: 0,
+                                    buffer_id: scratch_id,
+                                    buffer_offset: 0,
+                                },
+                                pb::Relocation {
+                                    param_index: 1,
+                                    byte_offset: 0,
+                                    buffer_id: completion_id,
+                                    buffer_offset: record_offset,
+                                },
                             ],
                             launch_attributes: vec![],
                         })),
@@ -425,7 +480,10 @@ impl Fixture {
                         edges.push(pb::Edge { from: last, to: 13 });
                     }
                 } else {
-                    nodes.push(pb::Node { id: 13, op: Some(pb::node::Op::EventRecord(pb::EventRecordNode { event: 0 })) });
+                    nodes.push(pb::Node {
+                        id: 13,
+                        op: Some(pb::node::Op::EventRecord(pb::EventRecordNode { event: 0 })),
+                    });
                     nodes.push(pb::Node { id: 14, op: Some(pb::node::Op::EventWait(pb::EventWaitNode { event: 0 })) });
                     nodes.push(pb::Node { id: 15, op: Some(pb::node::Op::Empty(pb::EmptyNode {})) });
                     edges.push(pb::Edge { from: last, to: 13 });
@@ -454,8 +512,18 @@ impl Fixture {
         let row_layout = if spec.continuation_row_bytes >= 64 {
             let half = spec.continuation_row_bytes / 2;
             vec![
-                pb::RowRegion { name: "recurrent".into(), kind: pb::RowRegionKind::RecurrentState as i32, offset: 0, byte_size: half },
-                pb::RowRegion { name: "hidden".into(), kind: pb::RowRegionKind::HiddenVector as i32, offset: half, byte_size: spec.hidden * 2 },
+                pb::RowRegion {
+                    name: "recurrent".into(),
+                    kind: pb::RowRegionKind::RecurrentState as i32,
+                    offset: 0,
+                    byte_size: half,
+                },
+                pb::RowRegion {
+                    name: "hidden".into(),
+                    kind: pb::RowRegionKind::HiddenVector as i32,
+                    offset: half,
+                    byte_size: spec.hidden * 2,
+                },
             ]
         } else {
             vec![]

@@ -150,7 +150,10 @@ impl DType {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Payload {
     /// A tensor in one of the core's safetensors files; its bytes equal the buffer's size.
-    Safetensors { file_index: usize, tensor: String },
+    Safetensors {
+        file_index: usize,
+        tensor: String,
+    },
     ZeroFill,
     Uninitialized,
 }

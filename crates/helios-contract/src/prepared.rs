@@ -4,9 +4,7 @@
 //! Shapes are derived from the graph's captured capacity and the core's declared geometry only,
 //! so shared packing code can write any model's inputs without knowing the model.
 
-use crate::model::{
-    CacheScheme, Capacities, DType, Direction, Graph, GraphKind, MaintenanceOp, ValueKind,
-};
+use crate::model::{CacheScheme, Capacities, DType, Direction, Graph, GraphKind, MaintenanceOp, ValueKind};
 
 /// What a value's view must look like in one graph.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -39,12 +37,7 @@ const POSITION: &[DType] = &[DType::I32, DType::I64];
 const PIXELS: &[DType] = &[DType::BF16, DType::F16, DType::F32];
 
 /// Expected view of `value` in `graph`.
-pub fn expected_view(
-    value: ValueKind,
-    graph: &Graph,
-    scheme: &CacheScheme,
-    caps: &Capacities,
-) -> ExpectedView {
+pub fn expected_view(value: ValueKind, graph: &Graph, scheme: &CacheScheme, caps: &Capacities) -> ExpectedView {
     let b = u64::from(graph.capacity.request_count);
     let t = u64::from(graph.capacity.token_capacity);
     let per_request = |dtypes| ExpectedView { dtypes, shape: vec![Some(b)], direction: Direction::Input };
@@ -92,9 +85,7 @@ pub fn expected_view(
             shape: vec![Some(u64::from(graph.capacity.patch_capacity)), None],
             direction: Direction::Input,
         },
-        ValueKind::ImageFeatureOffsets => {
-            ExpectedView { dtypes: I32, shape: vec![None], direction: Direction::Input }
-        }
+        ValueKind::ImageFeatureOffsets => ExpectedView { dtypes: I32, shape: vec![None], direction: Direction::Input },
     }
 }
 

@@ -47,7 +47,13 @@ impl fmt::Display for Summary<'_> {
         if !id.producer.is_empty() {
             writeln!(f, "  producer           {}", id.producer)?;
         }
-        writeln!(f, "arena  base {:#x}, {} (alignment {})", m.arena.base_address, bytes(m.arena.byte_size), m.arena.alignment)?;
+        writeln!(
+            f,
+            "arena  base {:#x}, {} (alignment {})",
+            m.arena.base_address,
+            bytes(m.arena.byte_size),
+            m.arena.alignment
+        )?;
 
         writeln!(f, "buffers  {} in all", m.buffers.len())?;
         for (role, (count, total)) in m.bytes_by_role() {
@@ -61,7 +67,9 @@ impl fmt::Display for Summary<'_> {
                 GraphKind::Prefill => format!("T={}", c.token_capacity),
                 GraphKind::Decode if c.proposal_depth > 0 => format!("B={} D={}", c.request_count, c.proposal_depth),
                 GraphKind::Decode | GraphKind::ResumeSampling => format!("B={}", c.request_count),
-                GraphKind::StateMaintenance => format!("{:?} B={}", g.maintenance_op.unwrap_or(crate::MaintenanceOp::Reset), c.request_count),
+                GraphKind::StateMaintenance => {
+                    format!("{:?} B={}", g.maintenance_op.unwrap_or(crate::MaintenanceOp::Reset), c.request_count)
+                }
                 GraphKind::Vision => format!("patches={}", c.patch_capacity),
                 GraphKind::TuningProducer => g.name.clone(),
             };
@@ -132,7 +140,13 @@ impl fmt::Display for Summary<'_> {
         writeln!(f, "  parsers            reasoning: {reasoning}, tools: {tools}")?;
         let sp = &fe.sampling;
         writeln!(f, "  sampling           temperature {}", param(&sp.temperature))?;
-        writeln!(f, "                     top_k {}, top_p {}, min_p {}", param(&sp.top_k), param(&sp.top_p), param(&sp.min_p))?;
+        writeln!(
+            f,
+            "                     top_k {}, top_p {}, min_p {}",
+            param(&sp.top_k),
+            param(&sp.top_p),
+            param(&sp.min_p)
+        )?;
         writeln!(
             f,
             "                     repetition {}, presence {}, frequency {}",

@@ -34,7 +34,14 @@ pub fn validate(raw: &pb::RuntimeCore) -> Result<Manifest> {
     let caps_path = root.field("capacities");
     let capacities = capacities(required(&raw.capacities, &caps_path)?, &caps_path)?;
     check_cache_storage(&buffers, &cache_scheme, &capacities, &root.field("buffers"))?;
-    let ctx = GraphContext { abi, arena: &arena, buffers: &buffers, kernels: &kernels, scheme: &cache_scheme, caps: &capacities };
+    let ctx = GraphContext {
+        abi,
+        arena: &arena,
+        buffers: &buffers,
+        kernels: &kernels,
+        scheme: &cache_scheme,
+        caps: &capacities,
+    };
     let graphs = graphs(&raw.graphs, &ctx, &root.field("graphs"))?;
     check_graph_catalog(&graphs, &capacities, &caps_path)?;
     let fe_path = root.field("frontend");
@@ -202,7 +209,11 @@ fn payload_files(raw: &[pb::PayloadFile], path: &FieldPath) -> Result<Vec<Payloa
             if !seen.insert(file_path.clone()) {
                 return Err(invalid(&p.field("path"), InvalidReason::DuplicateName(file_path)));
             }
-            Ok(PayloadFile { path: file_path, sha256: sha256_hex(&f.sha256, &p.field("sha256"))?, byte_size: f.byte_size })
+            Ok(PayloadFile {
+                path: file_path,
+                sha256: sha256_hex(&f.sha256, &p.field("sha256"))?,
+                byte_size: f.byte_size,
+            })
         })
         .collect()
 }
@@ -219,7 +230,10 @@ fn buffers(raw: &[pb::Buffer], arena: &Arena, payload_count: usize, path: &Field
         let dtype = dtype(b.dtype, &p.field("dtype"))?;
         let alignment = power_of_two(b.alignment, &p.field("alignment"))?;
         if alignment > arena.alignment {
-            return Err(invalid(&p.field("alignment"), InvalidReason::Misaligned { offset: arena.alignment, alignment }));
+            return Err(invalid(
+                &p.field("alignment"),
+                InvalidReason::Misaligned { offset: arena.alignment, alignment },
+            ));
         }
         if b.offset % alignment != 0 {
             return Err(invalid(&p.field("offset"), InvalidReason::Misaligned { offset: b.offset, alignment }));
@@ -271,7 +285,11 @@ fn buffers(raw: &[pb::Buffer], arena: &Arena, payload_count: usize, path: &Field
     for pair in out.windows(2) {
         let ((_, a), (j, b)) = (&pair[0], &pair[1]);
         if a.end() > b.offset {
-            return Err(CoreError::OverlappingBuffers { field: path.index(*j).field("offset"), first: a.id.0, second: b.id.0 });
+            return Err(CoreError::OverlappingBuffers {
+                field: path.index(*j).field("offset"),
+                first: a.id.0,
+                second: b.id.0,
+            });
         }
     }
     let mut buffers: Vec<Buffer> = out.into_iter().map(|(_, b)| b).collect();
@@ -340,7 +358,8 @@ fn cache_scheme(raw: &pb::CacheScheme, abi: AbiReader, path: &FieldPath) -> Resu
         if !names.insert(name.clone()) {
             return Err(invalid(&p.field("name"), InvalidReason::DuplicateName(name)));
         }
-        page_regions.push(PageRegion { name, bytes_per_page: positive_u64(r.bytes_per_page, &p.field("bytes_per_page"))? });
+        page_regions
+            .push(PageRegion { name, bytes_per_page: positive_u64(r.bytes_per_page, &p.field("bytes_per_page"))? });
     }
     let mut row_layout = Vec::with_capacity(raw.row_layout.len());
     for (i, r) in raw.row_layout.iter().enumerate() {
@@ -352,17 +371,25 @@ fn cache_scheme(raw: &pb::CacheScheme, abi: AbiReader, path: &FieldPath) -> Resu
             pb::RowRegionKind::HiddenVector => RowRegionKind::HiddenVector,
             pb::RowRegionKind::PositionMetadata => RowRegionKind::PositionMetadata,
             pb::RowRegionKind::TokenHistory => RowRegionKind::TokenHistory,
-            pb::RowRegionKind::Unspecified => return Err(CoreError::UnknownEnum { field: p.field("kind"), value: r.kind }),
+            pb::RowRegionKind::Unspecified => {
+                return Err(CoreError::UnknownEnum { field: p.field("kind"), value: r.kind });
+            }
         };
         positive_u64(r.byte_size, &p.field("byte_size"))?;
         in_range(&p.field("byte_size"), RangeOwner::RowLayout, r.offset, r.byte_size, raw.continuation_row_bytes)?;
-        row_layout.push((i, RowRegion { name: non_empty(&r.name, &p.field("name"))?, kind, offset: r.offset, byte_size: r.byte_size }));
+        row_layout.push((
+            i,
+            RowRegion { name: non_empty(&r.name, &p.field("name"))?, kind, offset: r.offset, byte_size: r.byte_size },
+        ));
     }
     row_layout.sort_by_key(|(_, r)| r.offset);
     for pair in row_layout.windows(2) {
         let ((i, a), (j, b)) = (&pair[0], &pair[1]);
         if a.offset + a.byte_size > b.offset {
-            return Err(invalid(&path.field("row_layout").index(*j).field("offset"), InvalidReason::Overlap { other: *i }));
+            return Err(invalid(
+                &path.field("row_layout").index(*j).field("offset"),
+                InvalidReason::Overlap { other: *i },
+            ));
         }
     }
     if raw.null_row != 0 {
@@ -397,7 +424,11 @@ fn capacities(raw: &pb::Capacities, path: &FieldPath) -> Result<Capacities> {
     Ok(Capacities {
         context_limit: positive_u32(raw.context_limit, &path.field("context_limit"))?,
         decode_request_buckets: decode,
-        prefill_chunk_capacities: ascending(&raw.prefill_chunk_capacities, &path.field("prefill_chunk_capacities"), false)?,
+        prefill_chunk_capacities: ascending(
+            &raw.prefill_chunk_capacities,
+            &path.field("prefill_chunk_capacities"),
+            false,
+        )?,
         image_patch_buckets: ascending(&raw.image_patch_buckets, &path.field("image_patch_buckets"), true)?,
         request_slots,
         snapshot_rows: raw.snapshot_rows,
@@ -419,10 +450,16 @@ fn check_cache_storage(buffers: &[Buffer], scheme: &CacheScheme, caps: &Capaciti
             (None, _) => return Err(CoreError::MissingField { field: path.field(role.name()) }),
             (Some(b), None) => {
                 if b.byte_size != expected {
-                    return Err(CoreError::ViewSize { field: path.field(&b.name).field("byte_size"), expected, actual: b.byte_size });
+                    return Err(CoreError::ViewSize {
+                        field: path.field(&b.name).field("byte_size"),
+                        expected,
+                        actual: b.byte_size,
+                    });
                 }
             }
-            (Some(_), Some(second)) => return Err(CoreError::DuplicateId { field: path.field(role.name()), id: second.id.0 }),
+            (Some(_), Some(second)) => {
+                return Err(CoreError::DuplicateId { field: path.field(role.name()), id: second.id.0 });
+            }
         }
     }
     Ok(())
@@ -481,7 +518,8 @@ fn graphs(raw: &[pb::Graph], ctx: &GraphContext<'_>, path: &FieldPath) -> Result
         }
     }
     let kinds: BTreeMap<u32, i32> = raw.iter().map(|g| (g.id, g.kind)).collect();
-    let mut out = raw.iter().enumerate().map(|(i, g)| graph(g, ctx, &kinds, &path.index(i))).collect::<Result<Vec<_>>>()?;
+    let mut out =
+        raw.iter().enumerate().map(|(i, g)| graph(g, ctx, &kinds, &path.index(i))).collect::<Result<Vec<_>>>()?;
     out.sort_by_key(|g| g.id);
     Ok(out)
 }
@@ -489,14 +527,18 @@ fn graphs(raw: &[pb::Graph], ctx: &GraphContext<'_>, path: &FieldPath) -> Result
 fn graph(raw: &pb::Graph, ctx: &GraphContext<'_>, kinds: &BTreeMap<u32, i32>, path: &FieldPath) -> Result<Graph> {
     let kind = graph_kind(raw.kind, &path.field("kind"))?;
     let maintenance_op = match (kind, raw.maintenance_op) {
-        (GraphKind::StateMaintenance, op) => Some(match enum_value::<pb::MaintenanceOp>(op, &path.field("maintenance_op"))? {
-            pb::MaintenanceOp::Initialize => MaintenanceOp::Initialize,
-            pb::MaintenanceOp::Restore => MaintenanceOp::Restore,
-            pb::MaintenanceOp::Snapshot => MaintenanceOp::Snapshot,
-            pb::MaintenanceOp::Reset => MaintenanceOp::Reset,
-            pb::MaintenanceOp::AdmitHistogram => MaintenanceOp::AdmitHistogram,
-            pb::MaintenanceOp::Unspecified => return Err(CoreError::UnknownEnum { field: path.field("maintenance_op"), value: op }),
-        }),
+        (GraphKind::StateMaintenance, op) => {
+            Some(match enum_value::<pb::MaintenanceOp>(op, &path.field("maintenance_op"))? {
+                pb::MaintenanceOp::Initialize => MaintenanceOp::Initialize,
+                pb::MaintenanceOp::Restore => MaintenanceOp::Restore,
+                pb::MaintenanceOp::Snapshot => MaintenanceOp::Snapshot,
+                pb::MaintenanceOp::Reset => MaintenanceOp::Reset,
+                pb::MaintenanceOp::AdmitHistogram => MaintenanceOp::AdmitHistogram,
+                pb::MaintenanceOp::Unspecified => {
+                    return Err(CoreError::UnknownEnum { field: path.field("maintenance_op"), value: op });
+                }
+            })
+        }
         (_, 0) => None,
         (_, _) => return Err(invalid(&path.field("maintenance_op"), InvalidReason::MaintenanceOpMismatch)),
     };
@@ -548,7 +590,11 @@ fn graph(raw: &pb::Graph, ctx: &GraphContext<'_>, kinds: &BTreeMap<u32, i32>, pa
     for (i, e) in raw.edges.iter().enumerate() {
         let p = path.field("edges").index(i);
         let lookup = |id: u32, name: &str| {
-            node_index.get(&id).copied().ok_or_else(|| CoreError::DanglingReference { field: p.field(name), kind: ReferenceKind::Node, id })
+            node_index.get(&id).copied().ok_or_else(|| CoreError::DanglingReference {
+                field: p.field(name),
+                kind: ReferenceKind::Node,
+                id,
+            })
         };
         let (from, to) = (lookup(e.from, "from")?, lookup(e.to, "to")?);
         if from == to {
@@ -595,9 +641,17 @@ fn graph(raw: &pb::Graph, ctx: &GraphContext<'_>, kinds: &BTreeMap<u32, i32>, pa
     if raw.requires_producer != 0 {
         let p = path.field("requires_producer");
         match kinds.get(&raw.requires_producer) {
-            Some(&k) if k == pb::GraphKind::TuningProducer as i32 => graph.requires_producer = Some(GraphId(raw.requires_producer)),
+            Some(&k) if k == pb::GraphKind::TuningProducer as i32 => {
+                graph.requires_producer = Some(GraphId(raw.requires_producer))
+            }
             Some(_) => return Err(invalid(&p, InvalidReason::WrongRole { role: "non-producer graph" })),
-            None => return Err(CoreError::DanglingReference { field: p, kind: ReferenceKind::Graph, id: raw.requires_producer }),
+            None => {
+                return Err(CoreError::DanglingReference {
+                    field: p,
+                    kind: ReferenceKind::Graph,
+                    id: raw.requires_producer,
+                });
+            }
         }
     }
     graph.bindings = bindings(&raw.bindings, &graph, ctx, &path.field("bindings"))?;
@@ -647,8 +701,12 @@ fn node(raw: &pb::Node, event_count: u32, ctx: &GraphContext<'_>, path: &FieldPa
             }
         }
         pb::node::Op::Empty(_) => NodeOp::Empty,
-        pb::node::Op::EventRecord(e) => NodeOp::EventRecord { event: event(e.event, event_count, &path.field("event_record"))? },
-        pb::node::Op::EventWait(e) => NodeOp::EventWait { event: event(e.event, event_count, &path.field("event_wait"))? },
+        pb::node::Op::EventRecord(e) => {
+            NodeOp::EventRecord { event: event(e.event, event_count, &path.field("event_record"))? }
+        }
+        pb::node::Op::EventWait(e) => {
+            NodeOp::EventWait { event: event(e.event, event_count, &path.field("event_wait"))? }
+        }
     };
     Ok(Node { id: raw.id, op })
 }
@@ -667,7 +725,13 @@ fn kernel_node(raw: &pb::KernelNode, ctx: &GraphContext<'_>, path: &FieldPath) -
     let block = dim3(&raw.block, &path.field("block"))?;
     let threads = u64::from(block.x) * u64::from(block.y) * u64::from(block.z);
     if threads > MAX_THREADS_PER_BLOCK {
-        return Err(CoreError::OutOfRange { field: path.field("block"), what: RangeOwner::Limit("threads per block"), start: 0, end: threads, limit: MAX_THREADS_PER_BLOCK });
+        return Err(CoreError::OutOfRange {
+            field: path.field("block"),
+            what: RangeOwner::Limit("threads per block"),
+            start: 0,
+            end: threads,
+            limit: MAX_THREADS_PER_BLOCK,
+        });
     }
     let smem_limit = kernel.max_dynamic_shared_memory.max(DEFAULT_DYNAMIC_SHARED_MEMORY);
     if raw.dynamic_shared_memory > smem_limit {
@@ -695,7 +759,13 @@ fn kernel_node(raw: &pb::KernelNode, ctx: &GraphContext<'_>, path: &FieldPath) -
             kind: ReferenceKind::Param,
             id: r.param_index,
         })?;
-        in_range(&p.field("byte_offset"), RangeOwner::Param(r.param_index), u64::from(r.byte_offset), 8, u64::from(slot.size))?;
+        in_range(
+            &p.field("byte_offset"),
+            RangeOwner::Param(r.param_index),
+            u64::from(r.byte_offset),
+            8,
+            u64::from(slot.size),
+        )?;
         let buffer = ctx.buffer(r.buffer_id, &p.field("buffer_id"))?;
         in_range(&p.field("buffer_offset"), RangeOwner::Buffer(r.buffer_id), r.buffer_offset, 1, buffer.byte_size)?;
         let at = (slot.offset + r.byte_offset) as usize;
@@ -711,10 +781,18 @@ fn kernel_node(raw: &pb::KernelNode, ctx: &GraphContext<'_>, path: &FieldPath) -
         if word != expected {
             return Err(invalid(&p.field("buffer_offset"), InvalidReason::BadRelocationWord { word, expected }));
         }
-        relocations.push(Relocation { param_index: r.param_index, byte_offset: r.byte_offset, buffer: buffer.id, buffer_offset: r.buffer_offset });
+        relocations.push(Relocation {
+            param_index: r.param_index,
+            byte_offset: r.byte_offset,
+            buffer: buffer.id,
+            buffer_offset: r.buffer_offset,
+        });
     }
     if !ctx.abi.has_launch_attributes() && !raw.launch_attributes.is_empty() {
-        return Err(invalid(&path.field("launch_attributes"), InvalidReason::MustBeZero(raw.launch_attributes.len() as u64)));
+        return Err(invalid(
+            &path.field("launch_attributes"),
+            InvalidReason::MustBeZero(raw.launch_attributes.len() as u64),
+        ));
     }
     let launch_attributes = raw
         .launch_attributes
@@ -723,7 +801,9 @@ fn kernel_node(raw: &pb::KernelNode, ctx: &GraphContext<'_>, path: &FieldPath) -
         .map(|(i, a)| {
             let p = path.field("launch_attributes").index(i);
             Ok(match required(&a.value, &p.field("value"))? {
-                pb::launch_attribute::Value::ClusterDim(d) => LaunchAttribute::ClusterDim(dim3(&Some(*d), &p.field("cluster_dim"))?),
+                pb::launch_attribute::Value::ClusterDim(d) => {
+                    LaunchAttribute::ClusterDim(dim3(&Some(*d), &p.field("cluster_dim"))?)
+                }
                 pb::launch_attribute::Value::Priority(v) => LaunchAttribute::Priority(*v),
                 pb::launch_attribute::Value::Cooperative(v) => LaunchAttribute::Cooperative(*v),
                 pb::launch_attribute::Value::ClusterSchedulingPolicy(v) => LaunchAttribute::ClusterSchedulingPolicy(*v),
@@ -796,7 +876,12 @@ fn value_kind(raw: i32, field: &FieldPath) -> Result<ValueKind> {
     })
 }
 
-fn bindings(raw: &[pb::ValueBinding], graph: &Graph, ctx: &GraphContext<'_>, path: &FieldPath) -> Result<Vec<ValueBinding>> {
+fn bindings(
+    raw: &[pb::ValueBinding],
+    graph: &Graph,
+    ctx: &GraphContext<'_>,
+    path: &FieldPath,
+) -> Result<Vec<ValueBinding>> {
     let mut out: Vec<ValueBinding> = Vec::with_capacity(raw.len());
     for (i, b) in raw.iter().enumerate() {
         let p = path.index(i);
@@ -807,7 +892,9 @@ fn bindings(raw: &[pb::ValueBinding], graph: &Graph, ctx: &GraphContext<'_>, pat
         let direction = match enum_value::<pb::Direction>(b.direction, &p.field("direction"))? {
             pb::Direction::Input => Direction::Input,
             pb::Direction::Output => Direction::Output,
-            pb::Direction::Unspecified => return Err(CoreError::UnknownEnum { field: p.field("direction"), value: b.direction }),
+            pb::Direction::Unspecified => {
+                return Err(CoreError::UnknownEnum { field: p.field("direction"), value: b.direction });
+            }
         };
         let dtype = dtype(b.dtype, &p.field("dtype"))?;
         let expected = expected_view(value, graph, ctx.scheme, ctx.caps);
@@ -815,7 +902,10 @@ fn bindings(raw: &[pb::ValueBinding], graph: &Graph, ctx: &GraphContext<'_>, pat
             return Err(invalid(&p.field("direction"), InvalidReason::WrongDirection));
         }
         if !expected.dtypes.contains(&dtype) {
-            return Err(invalid(&p.field("dtype"), InvalidReason::WrongDType { expected: expected.dtypes, found: dtype }));
+            return Err(invalid(
+                &p.field("dtype"),
+                InvalidReason::WrongDType { expected: expected.dtypes, found: dtype },
+            ));
         }
         let actual_len = shape_bytes(&b.shape, dtype).unwrap_or(u64::MAX);
         if !expected.shape_matches(&b.shape) {
@@ -825,7 +915,10 @@ fn bindings(raw: &[pb::ValueBinding], graph: &Graph, ctx: &GraphContext<'_>, pat
                 }
                 _ => Err(invalid(
                     &p.field("shape"),
-                    InvalidReason::WrongShape { expected: expected.shape.iter().map(|d| d.unwrap_or(0)).collect(), found: b.shape.clone() },
+                    InvalidReason::WrongShape {
+                        expected: expected.shape.iter().map(|d| d.unwrap_or(0)).collect(),
+                        found: b.shape.clone(),
+                    },
                 )),
             };
         }
@@ -850,20 +943,34 @@ fn bindings(raw: &[pb::ValueBinding], graph: &Graph, ctx: &GraphContext<'_>, pat
 
 /// Every declared capacity has its captured graph; a missing variant rejects the core.
 fn check_graph_catalog(graphs: &[Graph], caps: &Capacities, path: &FieldPath) -> Result<()> {
-    let has = |kind: GraphKind, pred: &dyn Fn(&GraphCapacity) -> bool| graphs.iter().any(|g| g.kind == kind && pred(&g.capacity));
+    let has = |kind: GraphKind, pred: &dyn Fn(&GraphCapacity) -> bool| {
+        graphs.iter().any(|g| g.kind == kind && pred(&g.capacity))
+    };
     for (i, &b) in caps.decode_request_buckets.iter().enumerate() {
         if !has(GraphKind::Decode, &|c| c.request_count == b) {
-            return Err(CoreError::DanglingReference { field: path.field("decode_request_buckets").index(i), kind: ReferenceKind::Graph, id: b });
+            return Err(CoreError::DanglingReference {
+                field: path.field("decode_request_buckets").index(i),
+                kind: ReferenceKind::Graph,
+                id: b,
+            });
         }
     }
     for (i, &t) in caps.prefill_chunk_capacities.iter().enumerate() {
         if !has(GraphKind::Prefill, &|c| c.token_capacity == t) {
-            return Err(CoreError::DanglingReference { field: path.field("prefill_chunk_capacities").index(i), kind: ReferenceKind::Graph, id: t });
+            return Err(CoreError::DanglingReference {
+                field: path.field("prefill_chunk_capacities").index(i),
+                kind: ReferenceKind::Graph,
+                id: t,
+            });
         }
     }
     for (i, &p) in caps.image_patch_buckets.iter().enumerate() {
         if !has(GraphKind::Vision, &|c| c.patch_capacity == p) {
-            return Err(CoreError::DanglingReference { field: path.field("image_patch_buckets").index(i), kind: ReferenceKind::Graph, id: p });
+            return Err(CoreError::DanglingReference {
+                field: path.field("image_patch_buckets").index(i),
+                kind: ReferenceKind::Graph,
+                id: p,
+            });
         }
     }
     Ok(())
@@ -884,7 +991,12 @@ fn sampling_parameter(raw: &Option<pb::SamplingParameter>, path: &FieldPath) -> 
                 return Err(invalid(&path.field("range"), InvalidReason::EmptyRange));
             }
             if p.default < r.min || p.default > r.max {
-                return Err(CoreError::DefaultOutOfRange { field: path.field("default"), value: p.default, min: r.min, max: r.max });
+                return Err(CoreError::DefaultOutOfRange {
+                    field: path.field("default"),
+                    value: p.default,
+                    min: r.min,
+                    max: r.max,
+                });
             }
             Some((r.min, r.max))
         }
@@ -895,13 +1007,22 @@ fn sampling_parameter(raw: &Option<pb::SamplingParameter>, path: &FieldPath) -> 
 fn frontend(raw: &pb::Frontend, caps: &Capacities, path: &FieldPath) -> Result<Frontend> {
     let asset = |a: &Option<pb::AssetFile>, p: &FieldPath| -> Result<AssetFile> {
         let a = required(a, p)?;
-        Ok(AssetFile { path: safe_path(&a.path, &p.field("path"))?, sha256: sha256_hex(&a.sha256, &p.field("sha256"))? })
+        Ok(AssetFile {
+            path: safe_path(&a.path, &p.field("path"))?,
+            sha256: sha256_hex(&a.sha256, &p.field("sha256"))?,
+        })
     };
     if raw.eos_token_ids.is_empty() {
         return Err(invalid(&path.field("eos_token_ids"), InvalidReason::EmptyList));
     }
     for (i, &id) in raw.eos_token_ids.iter().enumerate() {
-        in_range(&path.field("eos_token_ids").index(i), RangeOwner::Limit("the vocabulary"), u64::from(id), 1, u64::from(caps.vocab_size))?;
+        in_range(
+            &path.field("eos_token_ids").index(i),
+            RangeOwner::Limit("the vocabulary"),
+            u64::from(id),
+            1,
+            u64::from(caps.vocab_size),
+        )?;
     }
     let sp = path.field("sampling");
     let s = required(&raw.sampling, &sp)?;
@@ -920,16 +1041,24 @@ fn frontend(raw: &pb::Frontend, caps: &Capacities, path: &FieldPath) -> Result<F
     if t.default <= 0.0 || t.range.is_some_and(|(lo, _)| lo <= 0.0) {
         return Err(invalid(&sp.field("temperature"), InvalidReason::MustBePositive));
     }
-    let reasoning_parser = match enum_value::<pb::ReasoningParser>(raw.reasoning_parser, &path.field("reasoning_parser"))? {
-        pb::ReasoningParser::None => ReasoningParser::None,
-        pb::ReasoningParser::ThinkTags => ReasoningParser::ThinkTags,
-        pb::ReasoningParser::Unspecified => return Err(CoreError::UnknownEnum { field: path.field("reasoning_parser"), value: raw.reasoning_parser }),
-    };
+    let reasoning_parser =
+        match enum_value::<pb::ReasoningParser>(raw.reasoning_parser, &path.field("reasoning_parser"))? {
+            pb::ReasoningParser::None => ReasoningParser::None,
+            pb::ReasoningParser::ThinkTags => ReasoningParser::ThinkTags,
+            pb::ReasoningParser::Unspecified => {
+                return Err(CoreError::UnknownEnum {
+                    field: path.field("reasoning_parser"),
+                    value: raw.reasoning_parser,
+                });
+            }
+        };
     let tool_parser = match enum_value::<pb::ToolParser>(raw.tool_parser, &path.field("tool_parser"))? {
         pb::ToolParser::None => ToolParser::None,
         pb::ToolParser::HermesJson => ToolParser::HermesJson,
         pb::ToolParser::Qwen3CoderXml => ToolParser::Qwen3CoderXml,
-        pb::ToolParser::Unspecified => return Err(CoreError::UnknownEnum { field: path.field("tool_parser"), value: raw.tool_parser }),
+        pb::ToolParser::Unspecified => {
+            return Err(CoreError::UnknownEnum { field: path.field("tool_parser"), value: raw.tool_parser });
+        }
     };
     Ok(Frontend {
         tokenizer: asset(&raw.tokenizer, &path.field("tokenizer"))?,

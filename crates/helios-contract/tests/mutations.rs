@@ -3,7 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use helios_contract::fixtures::{Fixture, FixtureSpec};
-use helios_contract::{pb, validate, CoreError, RuntimeCore, MANIFEST_FILE};
+use helios_contract::{CoreError, MANIFEST_FILE, RuntimeCore, pb, validate};
 use proptest::prelude::*;
 use prost::Message;
 
@@ -132,13 +132,10 @@ proptest! {
         if truncate {
             bytes.truncate(cut.index(bytes.len()));
         }
-        match pb::RuntimeCore::decode(bytes.as_slice()) {
-            Ok(raw) => {
-                if let Err(err) = validate(&raw) {
-                    assert_named(&err);
-                }
-            }
-            Err(_) => {}
+        if let Ok(raw) = pb::RuntimeCore::decode(bytes.as_slice())
+            && let Err(err) = validate(&raw)
+        {
+            assert_named(&err);
         }
     }
 }

@@ -2,7 +2,10 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use helios_contract::fixtures::{Fixture, FixtureSpec};
-use helios_contract::{pb, validate, BoundContract, CapacityError, CoreError, GraphKind, InvalidReason, MaintenanceOp, RuntimeCore, ValueKind};
+use helios_contract::{
+    BoundContract, CapacityError, CoreError, GraphKind, InvalidReason, MaintenanceOp, RuntimeCore, ValueKind, pb,
+    validate,
+};
 
 fn fixture() -> Fixture {
     Fixture::build(&FixtureSpec::default())
@@ -68,7 +71,9 @@ fn abi1_defaults_resolve() {
 fn abi1_rejects_abi2_only_fields() {
     let mut f = Fixture::build(&FixtureSpec::abi1());
     let g = graph_index(&f.manifest, pb::GraphKind::Decode);
-    kernel_node(&mut f.manifest, g).launch_attributes.push(pb::LaunchAttribute { value: Some(pb::launch_attribute::Value::Priority(1)) });
+    kernel_node(&mut f.manifest, g)
+        .launch_attributes
+        .push(pb::LaunchAttribute { value: Some(pb::launch_attribute::Value::Priority(1)) });
     let (_, field) = field_of(validate(&f.manifest));
     assert!(field.ends_with("kernel.launch_attributes"), "{field}");
 }
@@ -188,7 +193,10 @@ fn required_bindings() {
     let g = graph_index(&f.manifest, pb::GraphKind::Prefill);
     f.manifest.graphs[g].bindings.retain(|b| b.value != pb::ValueKind::SlotMapping as i32);
     let (err, field) = field_of(validate(&f.manifest));
-    assert!(matches!(err, CoreError::InvalidValue { reason: InvalidReason::MissingBinding("slot_mapping"), .. }), "{err}");
+    assert!(
+        matches!(err, CoreError::InvalidValue { reason: InvalidReason::MissingBinding("slot_mapping"), .. }),
+        "{err}"
+    );
     assert_eq!(field, format!("core.graphs[{g}].bindings"));
 }
 
@@ -249,7 +257,10 @@ fn file_checks() {
     assert_eq!(err.field().unwrap().as_str(), "core.frontend.chat_template.sha256");
 
     let mut f = fixture();
-    f.manifest.buffers[0].payload = Some(pb::buffer::Payload::Safetensors(pb::SafetensorsPayload { file_index: 0, tensor: "model.norm.weight".into() }));
+    f.manifest.buffers[0].payload = Some(pb::buffer::Payload::Safetensors(pb::SafetensorsPayload {
+        file_index: 0,
+        tensor: "model.norm.weight".into(),
+    }));
     let err = open(&f).unwrap_err();
     assert!(matches!(err, CoreError::TensorMismatch { .. }), "{err}");
     assert_eq!(err.field().unwrap().as_str(), "core.buffers[id=1].safetensors.tensor");
@@ -261,7 +272,10 @@ fn bound_contract_lookup_and_packing() {
     let bound = BoundContract::bind(core.manifest());
     assert_eq!(bound.decode(3).unwrap().capacity.request_count, 4);
     assert_eq!(bound.decode(1).unwrap().capacity.request_count, 1);
-    assert_eq!(bound.decode(5).unwrap_err(), CapacityError::Exceeded { kind: GraphKind::Decode, requested: 5, largest: 4 });
+    assert_eq!(
+        bound.decode(5).unwrap_err(),
+        CapacityError::Exceeded { kind: GraphKind::Decode, requested: 5, largest: 4 }
+    );
     assert_eq!(bound.prefill(65).unwrap().capacity.token_capacity, 128);
     assert!(bound.prefill(129).is_err());
     assert!(bound.maintenance(MaintenanceOp::Snapshot, 1).is_ok());

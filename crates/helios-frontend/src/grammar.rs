@@ -231,7 +231,7 @@ mod tests {
     use serde_json::json;
 
     fn env() -> GrammarEnv {
-        let t = Arc::new(smol());
+        let t = smol();
         let eos = t.token_id("<|im_end|>").expect("eos");
         GrammarEnv::new(t, &[eos]).expect("env")
     }

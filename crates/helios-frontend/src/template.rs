@@ -396,7 +396,7 @@ mod tests {
             ..Default::default()
         };
         let r = t.render(&input).expect("renders");
-        assert!(r.text.ends_with("<|im_start|>assistant\nSure,"));
+        assert!(r.text.ends_with("<|im_start|>assistant\nSure, "));
         assert_eq!(r.message_ends.len(), 1);
     }
 

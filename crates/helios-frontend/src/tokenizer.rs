@@ -191,8 +191,16 @@ pub(crate) mod tests {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/frontend").join(name)
     }
 
-    pub(crate) fn smol() -> Tokenizer {
-        Tokenizer::from_file(fixture("smollm2/tokenizer.json")).expect("fixture loads")
+    static SMOL: std::sync::OnceLock<std::sync::Arc<Tokenizer>> = std::sync::OnceLock::new();
+
+    /// Shared SmolLM2 fixture tokenizer (loaded once per test binary).
+    pub(crate) fn smol_arc() -> std::sync::Arc<Tokenizer> {
+        SMOL.get_or_init(|| std::sync::Arc::new(Tokenizer::from_file(fixture("smollm2/tokenizer.json")).expect("fixture loads")))
+            .clone()
+    }
+
+    pub(crate) fn smol() -> std::sync::Arc<Tokenizer> {
+        smol_arc()
     }
 
     #[test]

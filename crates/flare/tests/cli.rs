@@ -1,0 +1,60 @@
+//! The `flare` binary as a user meets it.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn flare() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_flare"))
+}
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/cores").join(name)
+}
+
+#[test]
+fn check_prints_summary() {
+    for (name, abi) in [("abi2", "2"), ("abi1", "1")] {
+        let out = flare().arg("check").arg(fixture(name)).output().unwrap();
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        assert!(out.status.success(), "{stdout}");
+        assert!(stdout.contains(&format!("execution ABI      {abi}")), "{stdout}");
+        assert!(stdout.contains("decode buckets     [1, 2, 4]"), "{stdout}");
+        assert!(stdout.contains("kv pages"), "{stdout}");
+        assert!(stdout.contains("prefill            T=64"), "{stdout}");
+    }
+}
+
+#[test]
+fn check_names_the_broken_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixture("abi2");
+    for entry in ["manifest.pb", "frontend", "kernels", "payloads"] {
+        copy(&src.join(entry), &dir.path().join(entry));
+    }
+    std::fs::write(dir.path().join("kernels/k1.cubin"), b"tampered").unwrap();
+    let out = flare().arg("check").arg(dir.path()).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(stderr.contains("core.kernels[id=1].sha256"), "{stderr}");
+}
+
+#[test]
+fn run_without_core_explains_and_binds_nothing() {
+    let out = flare().arg("run").output().unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(stderr.contains("ignition prepare"), "{stderr}");
+}
+
+fn copy(from: &std::path::Path, to: &std::path::Path) {
+    if from.is_dir() {
+        std::fs::create_dir_all(to).unwrap();
+        for e in std::fs::read_dir(from).unwrap() {
+            let e = e.unwrap();
+            copy(&e.path(), &to.join(e.file_name()));
+        }
+    } else {
+        std::fs::copy(from, to).unwrap();
+    }
+}
