@@ -199,6 +199,7 @@ pub enum InvalidReason {
     NonFinite,
     EmptyRange,
     BadRelocationWord { word: u64, expected: u64 },
+    UnrelocatedPointer { param_index: u32, byte_offset: u32, word: u64 },
 }
 
 impl fmt::Display for InvalidReason {
@@ -241,6 +242,10 @@ impl fmt::Display for InvalidReason {
             InvalidReason::SelfEdge => f.write_str("edge from a node to itself"),
             InvalidReason::NonFinite => f.write_str("must be finite"),
             InvalidReason::EmptyRange => f.write_str("range min exceeds max"),
+            InvalidReason::UnrelocatedPointer { param_index, byte_offset, word } => write!(
+                f,
+                "parameter {param_index} holds arena address {word:#x} at byte {byte_offset} with no relocation"
+            ),
             InvalidReason::BadRelocationWord { word, expected } => {
                 write!(f, "pointer word {word:#x} does not equal the recorded address {expected:#x}")
             }

@@ -80,8 +80,8 @@ impl fmt::Display for Summary<'_> {
             writeln!(f, "  {:<18} {}", kind.name(), labels.join(", "))?;
         }
 
-        let image_bytes: u64 = m.kernels.iter().map(|k| k.params.len() as u64).sum();
-        writeln!(f, "kernel images  {} ({} parameter slots)", m.kernels.len(), image_bytes)?;
+        let param_slots: usize = m.kernels.iter().map(|k| k.params.len()).sum();
+        writeln!(f, "kernel images  {} ({param_slots} parameter slots)", m.kernels.len())?;
         for k in m.kernels.iter().take(8) {
             writeln!(f, "  {:>4}  {:?}  {}  {}", k.id.0, k.format, &k.sha256[..12], k.function_name)?;
         }

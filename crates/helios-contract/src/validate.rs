@@ -788,6 +788,30 @@ fn kernel_node(raw: &pb::KernelNode, ctx: &GraphContext<'_>, path: &FieldPath) -
             buffer_offset: r.buffer_offset,
         });
     }
+    // Every other aligned word that points into the arena is a pointer the exporter failed to
+    // record: after relocation it would still address the preparing process's memory.
+    let arena_end = ctx.arena.base_address + ctx.arena.byte_size;
+    for (i, slot) in kernel.params.iter().enumerate() {
+        let mut at = slot.offset as usize;
+        while at + 8 <= (slot.offset + slot.size) as usize {
+            if !words.contains(&at) {
+                let mut word = [0u8; 8];
+                word.copy_from_slice(&raw.param_bytes[at..at + 8]);
+                let word = u64::from_le_bytes(word);
+                if (ctx.arena.base_address..arena_end).contains(&word) {
+                    return Err(invalid(
+                        &path.field("param_bytes"),
+                        InvalidReason::UnrelocatedPointer {
+                            param_index: i as u32,
+                            byte_offset: at as u32 - slot.offset,
+                            word,
+                        },
+                    ));
+                }
+            }
+            at += 8;
+        }
+    }
     if !ctx.abi.has_launch_attributes() && !raw.launch_attributes.is_empty() {
         return Err(invalid(
             &path.field("launch_attributes"),

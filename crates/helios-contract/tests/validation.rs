@@ -299,3 +299,23 @@ fn bound_contract_lookup_and_packing() {
     assert_eq!(slots.read::<i32>(&mirror).unwrap(), vec![3, 1, -1, -1]);
     assert_eq!(decode.inputs().count() + 1, decode.views().count());
 }
+
+#[test]
+fn unrecorded_arena_pointer_is_rejected() {
+    let mut f = fixture();
+    let node = kernel_node(&mut f.manifest, 0);
+    // Drop the record of parameter 3's pointer: the word still addresses the arena.
+    node.relocations.retain(|r| r.param_index != 3);
+    let (err, field) = field_of(validate(&f.manifest));
+    assert!(
+        matches!(
+            err,
+            CoreError::InvalidValue {
+                reason: InvalidReason::UnrelocatedPointer { param_index: 3, byte_offset: 0, .. },
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(field, "core.graphs[0].nodes[0].kernel.param_bytes");
+}

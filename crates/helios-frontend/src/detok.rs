@@ -36,7 +36,11 @@ impl IncrementalDecoder {
         self.ids.push(id);
         let prev = tok.decode(&self.ids[self.prefix..self.read], self.skip_special_tokens)?;
         let full = tok.decode(&self.ids[self.prefix..], self.skip_special_tokens)?;
-        if full.len() > prev.len() && !full.ends_with('\u{FFFD}') && full.is_char_boundary(prev.len()) && full.starts_with(&prev) {
+        if full.len() > prev.len()
+            && !full.ends_with('\u{FFFD}')
+            && full.is_char_boundary(prev.len())
+            && full.starts_with(&prev)
+        {
             let out = full[prev.len()..].to_string();
             self.prefix = self.read;
             self.read = self.ids.len();

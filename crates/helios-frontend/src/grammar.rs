@@ -251,7 +251,12 @@ mod tests {
     fn json_schema_with_reasoning_and_tools() {
         let e = env();
         let schema = json!({"type":"object","properties":{"n":{"type":"integer"}},"required":["n"],"additionalProperties":false});
-        let proto = OutputProtocol { reasoning: ReasoningParser::ThinkTags, tools: ToolParser::HermesJson, tools_offered: true, starts_in_reasoning: false };
+        let proto = OutputProtocol {
+            reasoning: ReasoningParser::ThinkTags,
+            tools: ToolParser::HermesJson,
+            tools_offered: true,
+            starts_in_reasoning: false,
+        };
         let mut m = e.matcher(&AnswerFormat::JsonSchema(schema.clone()), &proto).expect("compiles");
         drive(&e, &mut m, "<think>weigh {options}</think>\n{\"n\": 42}").expect("accepted");
         assert!(m.is_accepting());
@@ -265,7 +270,12 @@ mod tests {
     #[test]
     fn regex_json_object_and_rollback() {
         let e = env();
-        let proto = OutputProtocol { reasoning: ReasoningParser::None, tools: ToolParser::None, tools_offered: false, starts_in_reasoning: false };
+        let proto = OutputProtocol {
+            reasoning: ReasoningParser::None,
+            tools: ToolParser::None,
+            tools_offered: false,
+            starts_in_reasoning: false,
+        };
         let mut m = e.matcher(&AnswerFormat::Regex("[0-9]{3}-a/b".into()), &proto).expect("compiles");
         drive(&e, &mut m, "123-a/b").expect("accepted");
         assert!(m.is_accepting());

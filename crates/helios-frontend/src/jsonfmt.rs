@@ -15,10 +15,8 @@ pub(crate) struct PyJsonOptions {
 /// Formats `v` exactly like `json.dumps(v, ...)` with the given options.
 pub(crate) fn dumps(v: &Value, opts: &PyJsonOptions) -> String {
     let mut out = String::new();
-    let item_sep = opts
-        .item_sep
-        .clone()
-        .unwrap_or_else(|| if opts.indent.is_some() { ",".into() } else { ", ".into() });
+    let item_sep =
+        opts.item_sep.clone().unwrap_or_else(|| if opts.indent.is_some() { ",".into() } else { ", ".into() });
     let key_sep = opts.key_sep.clone().unwrap_or_else(|| ": ".into());
     write_value(&mut out, v, opts, &item_sep, &key_sep, 0);
     out
@@ -155,12 +153,23 @@ mod tests {
             r#"{"b": [1, 2.5, "é\n"], "a": {"x": null, "y": true}, "c": {}}"#
         );
         let o = PyJsonOptions { indent: Some("  ".into()), sort_keys: true, ensure_ascii: true, ..Default::default() };
-        assert_eq!(dumps(&json!({"b": ["😀"], "a": 1}), &o), "{\n  \"a\": 1,\n  \"b\": [\n    \"\\ud83d\\ude00\"\n  ]\n}");
+        assert_eq!(
+            dumps(&json!({"b": ["😀"], "a": 1}), &o),
+            "{\n  \"a\": 1,\n  \"b\": [\n    \"\\ud83d\\ude00\"\n  ]\n}"
+        );
     }
 
     #[test]
     fn floats_like_repr() {
-        for (f, s) in [(1.0, "1.0"), (0.1, "0.1"), (1e16, "1e+16"), (1e-5, "1e-05"), (0.0001, "0.0001"), (-2.5e20, "-2.5e+20"), (123456.789, "123456.789")] {
+        for (f, s) in [
+            (1.0, "1.0"),
+            (0.1, "0.1"),
+            (1e16, "1e+16"),
+            (1e-5, "1e-05"),
+            (0.0001, "0.0001"),
+            (-2.5e20, "-2.5e+20"),
+            (123456.789, "123456.789"),
+        ] {
             assert_eq!(py_float(f), s);
         }
     }

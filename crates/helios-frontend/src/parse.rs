@@ -23,11 +23,19 @@ pub enum OutputDelta {
     Content(String),
     Reasoning(String),
     /// A tool call's name is known.
-    ToolCallStart { index: usize, name: String },
+    ToolCallStart {
+        index: usize,
+        name: String,
+    },
     /// More of a tool call's JSON arguments text.
-    ToolCallArguments { index: usize, delta: String },
+    ToolCallArguments {
+        index: usize,
+        delta: String,
+    },
     /// The call is complete and valid.
-    ToolCallEnd { index: usize },
+    ToolCallEnd {
+        index: usize,
+    },
 }
 
 /// A completed tool call; `arguments` is JSON text.
@@ -52,6 +60,24 @@ pub enum ToolChoice {
     None,
     Required,
     Named(String),
+}
+
+impl ToolChoice {
+    /// Tools the prompt offers: a named choice filters the declared definitions to that
+    /// tool (no extra instruction or constraint); `None` offers none.
+    pub fn offered_tools(&self, declared: &[Json]) -> Vec<Json> {
+        let name_of = |t: &Json| t.get("function").unwrap_or(t).get("name").and_then(Json::as_str).map(str::to_string);
+        match self {
+            ToolChoice::None => Vec::new(),
+            ToolChoice::Named(n) => declared.iter().filter(|t| name_of(t).as_deref() == Some(n)).cloned().collect(),
+            ToolChoice::Auto | ToolChoice::Required => declared.to_vec(),
+        }
+    }
+
+    /// The system-prompt instruction `tool_choice=required` adds; `None` otherwise.
+    pub fn instruction(&self) -> Option<&'static str> {
+        matches!(self, ToolChoice::Required).then_some("You must call at least one of the provided tools.")
+    }
 }
 
 impl ParsedOutput {
@@ -111,14 +137,19 @@ struct CallState {
 
 impl CallState {
     fn new() -> Self {
-        CallState { buf: String::new(), cursor: 0, name_sent: false, args: String::new(), xml: XmlState::ExpectFunction }
+        CallState {
+            buf: String::new(),
+            cursor: 0,
+            name_sent: false,
+            args: String::new(),
+            xml: XmlState::ExpectFunction,
+        }
     }
 }
 
 /// Streaming output parser.
 #[derive(Debug)]
 pub struct OutputParser {
-    reasoning: ReasoningParser,
     tool: ToolParser,
     tools: Vec<Json>,
     rstate: ReasonState,
@@ -138,11 +169,18 @@ impl OutputParser {
             ReasoningParser::ThinkTags if starts_in_reasoning => ReasonState::Reasoning,
             ReasoningParser::ThinkTags => ReasonState::Start,
         };
-        let out = ParsedOutput {
-            reasoning: (rstate == ReasonState::Reasoning).then(String::new),
-            ..Default::default()
-        };
-        OutputParser { reasoning, tool, tools: tools.to_vec(), rstate, rbuf: String::new(), tbuf: String::new(), call: None, out, failed: None }
+        let out =
+            ParsedOutput { reasoning: (rstate == ReasonState::Reasoning).then(String::new), ..Default::default() };
+        OutputParser {
+            tool,
+            tools: tools.to_vec(),
+            rstate,
+            rbuf: String::new(),
+            tbuf: String::new(),
+            call: None,
+            out,
+            failed: None,
+        }
     }
 
     /// Like [`new`](Self::new), deciding `starts_in_reasoning` from the rendered prompt:
@@ -157,7 +195,13 @@ impl OutputParser {
     }
 
     /// Parses a complete output.
-    pub fn parse(reasoning: ReasoningParser, tool: ToolParser, tools: &[Json], starts_in_reasoning: bool, text: &str) -> Result<ParsedOutput, OutputError> {
+    pub fn parse(
+        reasoning: ReasoningParser,
+        tool: ToolParser,
+        tools: &[Json],
+        starts_in_reasoning: bool,
+        text: &str,
+    ) -> Result<ParsedOutput, OutputError> {
         let mut p = Self::new(reasoning, tool, tools, starts_in_reasoning);
         p.push(text)?;
         p.finish()?;
@@ -189,7 +233,11 @@ impl OutputParser {
         self.record(r, deltas)
     }
 
-    fn record(&mut self, r: Result<(), OutputError>, deltas: Vec<OutputDelta>) -> Result<Vec<OutputDelta>, OutputError> {
+    fn record(
+        &mut self,
+        r: Result<(), OutputError>,
+        deltas: Vec<OutputDelta>,
+    ) -> Result<Vec<OutputDelta>, OutputError> {
         match r {
             Ok(()) => Ok(deltas),
             Err(e) => {
@@ -262,15 +310,11 @@ impl OutputParser {
                 // Output ended inside reasoning: report what was reasoned, no answer.
                 let s = std::mem::take(&mut self.rbuf);
                 self.emit_reasoning(&s, d);
-                if self.reasoning == ReasoningParser::ThinkTags && self.tool != ToolParser::None {
-                    // Nothing else to flush.
-                }
                 return Ok(());
             }
             ReasonState::Content => {}
         }
-        if let Some(c) = &self.call {
-            let _ = c;
+        if self.call.is_some() {
             return Err(OutputError::UnterminatedToolCall { index: self.out.tool_calls.len() });
         }
         let s = std::mem::take(&mut self.tbuf);
@@ -330,7 +374,12 @@ impl OutputParser {
         }
     }
 
-    fn json_close(&self, index: usize, call: &mut CallState, d: &mut Vec<OutputDelta>) -> Result<ToolCall, OutputError> {
+    fn json_close(
+        &self,
+        index: usize,
+        call: &mut CallState,
+        d: &mut Vec<OutputDelta>,
+    ) -> Result<ToolCall, OutputError> {
         #[derive(serde::Deserialize)]
         struct Call<'a> {
             name: Option<Json>,
@@ -369,7 +418,13 @@ impl OutputParser {
     }
 
     /// Advances the XML state machine over `call.buf[call.cursor..]`.
-    fn xml_step(&self, index: usize, call: &mut CallState, closing: bool, d: &mut Vec<OutputDelta>) -> Result<ToolCall, OutputError> {
+    fn xml_step(
+        &self,
+        index: usize,
+        call: &mut CallState,
+        closing: bool,
+        d: &mut Vec<OutputDelta>,
+    ) -> Result<ToolCall, OutputError> {
         let malformed = |detail: &str| OutputError::MalformedToolCall { index, detail: detail.to_string() };
         loop {
             let rest = &call.buf[call.cursor..];
@@ -379,7 +434,9 @@ impl OutputParser {
                 XmlState::ExpectFunction => {
                     if let Some(after) = trimmed.strip_prefix(FN_OPEN) {
                         let Some(gt) = after.find('>') else {
-                            if closing { return Err(malformed("unterminated <function=")); }
+                            if closing {
+                                return Err(malformed("unterminated <function="));
+                            }
                             break;
                         };
                         let name = after[..gt].trim().to_string();
@@ -401,7 +458,9 @@ impl OutputParser {
                 XmlState::InFunction { first } => {
                     if let Some(after) = trimmed.strip_prefix(PARAM_OPEN) {
                         let Some(gt) = after.find('>') else {
-                            if closing { return Err(malformed("unterminated <parameter=")); }
+                            if closing {
+                                return Err(malformed("unterminated <parameter="));
+                            }
                             break;
                         };
                         let name = after[..gt].trim().to_string();
@@ -424,9 +483,10 @@ impl OutputParser {
                     }
                 }
                 XmlState::InParam { name, first } => {
-                    let end = rest.find(PARAM_CLOSE).map(|p| (p, PARAM_CLOSE.len())).or_else(|| {
-                        rest.find(FN_CLOSE).map(|p| (p, 0)).or(closing.then_some((rest.len(), 0)))
-                    });
+                    let end = rest
+                        .find(PARAM_CLOSE)
+                        .map(|p| (p, PARAM_CLOSE.len()))
+                        .or_else(|| rest.find(FN_CLOSE).map(|p| (p, 0)).or(closing.then_some((rest.len(), 0))));
                     let Some((p, skip)) = end else { break };
                     let raw = &rest[..p];
                     let raw = raw.strip_prefix('\n').unwrap_or(raw);
@@ -434,7 +494,9 @@ impl OutputParser {
                     let func = call.args.split('\u{0}').next().unwrap_or_default().to_string();
                     let value = match self.param_type(&func, &name).as_deref() {
                         None | Some("string") => Json::String(raw.to_string()),
-                        Some(_) => serde_json::from_str::<Json>(raw.trim()).unwrap_or_else(|_| Json::String(raw.to_string())),
+                        Some(_) => {
+                            serde_json::from_str::<Json>(raw.trim()).unwrap_or_else(|_| Json::String(raw.to_string()))
+                        }
                     };
                     let key = serde_json::to_string(&name).unwrap_or_default();
                     let val = serde_json::to_string(&value).unwrap_or_default();
@@ -556,7 +618,13 @@ mod tests {
         out
     }
 
-    fn stream(r: ReasoningParser, t: ToolParser, tools: &[Json], text: &str, step: usize) -> Result<ParsedOutput, OutputError> {
+    fn stream(
+        r: ReasoningParser,
+        t: ToolParser,
+        tools: &[Json],
+        text: &str,
+        step: usize,
+    ) -> Result<ParsedOutput, OutputError> {
         let mut p = OutputParser::new(r, t, tools, false);
         let mut deltas = Vec::new();
         let chars: Vec<char> = text.chars().collect();
@@ -576,44 +644,80 @@ mod tests {
 
     #[test]
     fn hermes_streaming_matches_whole() {
-        let whole = OutputParser::parse(ReasoningParser::ThinkTags, ToolParser::HermesJson, &[], false, HERMES).expect("parses");
+        let whole = OutputParser::parse(ReasoningParser::ThinkTags, ToolParser::HermesJson, &[], false, HERMES)
+            .expect("parses");
         assert_eq!(whole.reasoning.as_deref(), Some("Let me check 🌦."));
         assert_eq!(whole.content, "\n\nSure.\n");
         assert_eq!(whole.tool_calls.len(), 2);
         assert_eq!(whole.tool_calls[0].arguments, "{\"city\": \"Zürich\", \"days\": [1, 2]}");
         assert_eq!(whole.tool_calls[1], ToolCall { name: "time".into(), arguments: "{}".into() });
         for step in 1..8 {
-            assert_eq!(stream(ReasoningParser::ThinkTags, ToolParser::HermesJson, &[], HERMES, step).expect("parses"), whole);
+            assert_eq!(
+                stream(ReasoningParser::ThinkTags, ToolParser::HermesJson, &[], HERMES, step).expect("parses"),
+                whole
+            );
         }
     }
 
     #[test]
     fn qwen3_coder_xml() {
-        let tools = vec![json!({"type":"function","function":{"name":"f","parameters":{"type":"object","properties":{"n":{"type":"integer"},"s":{"type":"string"}}}}})];
+        let tools = vec![
+            json!({"type":"function","function":{"name":"f","parameters":{"type":"object","properties":{"n":{"type":"integer"},"s":{"type":"string"}}}}}),
+        ];
         let text = "ok<tool_call>\n<function=f>\n<parameter=n>\n42\n</parameter>\n<parameter=s>\nline1\nline2\n</parameter>\n</function>\n</tool_call>";
-        let whole = OutputParser::parse(ReasoningParser::None, ToolParser::Qwen3CoderXml, &tools, false, text).expect("parses");
+        let whole =
+            OutputParser::parse(ReasoningParser::None, ToolParser::Qwen3CoderXml, &tools, false, text).expect("parses");
         assert_eq!(whole.content, "ok");
-        assert_eq!(whole.tool_calls, vec![ToolCall { name: "f".into(), arguments: "{\"n\":42,\"s\":\"line1\\nline2\"}".into() }]);
+        assert_eq!(
+            whole.tool_calls,
+            vec![ToolCall { name: "f".into(), arguments: "{\"n\":42,\"s\":\"line1\\nline2\"}".into() }]
+        );
         for step in 1..6 {
-            assert_eq!(stream(ReasoningParser::None, ToolParser::Qwen3CoderXml, &tools, text, step).expect("parses"), whole);
+            assert_eq!(
+                stream(ReasoningParser::None, ToolParser::Qwen3CoderXml, &tools, text, step).expect("parses"),
+                whole
+            );
         }
     }
 
     #[test]
     fn malformed_is_typed() {
-        let r = OutputParser::parse(ReasoningParser::None, ToolParser::HermesJson, &[], false, "<tool_call>{\"name\": 1}</tool_call>");
+        let r = OutputParser::parse(
+            ReasoningParser::None,
+            ToolParser::HermesJson,
+            &[],
+            false,
+            "<tool_call>{\"name\": 1}</tool_call>",
+        );
         assert_eq!(r, Err(OutputError::MissingToolName { index: 0 }));
-        let r = OutputParser::parse(ReasoningParser::None, ToolParser::HermesJson, &[], false, "<tool_call>{oops</tool_call>");
+        let r = OutputParser::parse(
+            ReasoningParser::None,
+            ToolParser::HermesJson,
+            &[],
+            false,
+            "<tool_call>{oops</tool_call>",
+        );
         assert!(matches!(r, Err(OutputError::InvalidToolJson { index: 0, .. })));
         let r = OutputParser::parse(ReasoningParser::None, ToolParser::HermesJson, &[], false, "<tool_call>{\"name\":");
         assert_eq!(r, Err(OutputError::UnterminatedToolCall { index: 0 }));
-        let r = OutputParser::parse(ReasoningParser::None, ToolParser::Qwen3CoderXml, &[], false, "<tool_call>junk</tool_call>");
+        let r = OutputParser::parse(
+            ReasoningParser::None,
+            ToolParser::Qwen3CoderXml,
+            &[],
+            false,
+            "<tool_call>junk</tool_call>",
+        );
         assert!(matches!(r, Err(OutputError::MalformedToolCall { .. })));
     }
 
     #[test]
     fn reasoning_open_from_prompt_and_tool_choice() {
-        let p = OutputParser::for_prompt(ReasoningParser::ThinkTags, ToolParser::None, &[], "<|im_start|>assistant\n<think>\n");
+        let p = OutputParser::for_prompt(
+            ReasoningParser::ThinkTags,
+            ToolParser::None,
+            &[],
+            "<|im_start|>assistant\n<think>\n",
+        );
         let mut p = p;
         let mut d = p.push("hmm</think>answer").expect("ok");
         d.extend(p.finish().expect("ok"));

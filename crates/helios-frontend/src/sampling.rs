@@ -45,10 +45,10 @@ fn pick(name: &'static str, p: &SamplingParameter, v: Option<f64>) -> Result<f64
 /// Clamps the request into the core's ranges. A non-positive temperature, requested or
 /// resolved, is rejected: greedy decoding is not offered.
 pub fn resolve_sampling(d: &SamplingDefaults, r: &SamplingRequest) -> Result<ResolvedSampling, SamplingError> {
-    if let Some(t) = finite("temperature", r.temperature)? {
-        if t <= 0.0 {
-            return Err(SamplingError::NonPositiveTemperature(t));
-        }
+    if let Some(t) = finite("temperature", r.temperature)?
+        && t <= 0.0
+    {
+        return Err(SamplingError::NonPositiveTemperature(t));
     }
     let temperature = pick("temperature", &d.temperature, r.temperature)?;
     if temperature <= 0.0 {
@@ -101,7 +101,13 @@ mod tests {
         let d = defaults();
         let r = resolve_sampling(&d, &SamplingRequest::default()).expect("valid");
         assert_eq!((r.temperature, r.top_k, r.top_p, r.max_output_tokens), (0.7, 20, 0.8, 4096));
-        let req = SamplingRequest { temperature: Some(5.0), top_k: Some(1000.0), min_p: Some(0.5), max_output_tokens: Some(99_999), ..Default::default() };
+        let req = SamplingRequest {
+            temperature: Some(5.0),
+            top_k: Some(1000.0),
+            min_p: Some(0.5),
+            max_output_tokens: Some(99_999),
+            ..Default::default()
+        };
         let r = resolve_sampling(&d, &req).expect("valid");
         assert_eq!((r.temperature, r.top_k, r.min_p, r.max_output_tokens), (2.0, 100, 0.0, 4096));
     }

@@ -21,7 +21,11 @@ pub struct StopMatcher {
 impl StopMatcher {
     /// Empty stop strings are ignored.
     pub fn new(stops: &[String]) -> Self {
-        StopMatcher { stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(), pending: String::new(), done: false }
+        StopMatcher {
+            stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
+            pending: String::new(),
+            done: false,
+        }
     }
 
     /// Feeds decoded text. After `Stopped`, further input yields empty `Continue`.
@@ -30,12 +34,8 @@ impl StopMatcher {
             return StopOutcome::Continue(String::new());
         }
         self.pending.push_str(text);
-        let hit = self
-            .stops
-            .iter()
-            .enumerate()
-            .filter_map(|(i, s)| self.pending.find(s.as_str()).map(|p| (p, i)))
-            .min();
+        let hit =
+            self.stops.iter().enumerate().filter_map(|(i, s)| self.pending.find(s.as_str()).map(|p| (p, i))).min();
         if let Some((pos, stop_index)) = hit {
             self.done = true;
             let text = self.pending[..pos].to_string();

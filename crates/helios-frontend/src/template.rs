@@ -105,8 +105,8 @@ fn py_formatter(out: &mut minijinja::Output<'_>, state: &State<'_, '_>, value: &
 }
 
 fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
-    let json: Json = serde_json::to_value(&value)
-        .map_err(|e| Error::new(ErrorKind::BadSerialization, e.to_string()))?;
+    let json: Json =
+        serde_json::to_value(&value).map_err(|e| Error::new(ErrorKind::BadSerialization, e.to_string()))?;
     let mut o = PyJsonOptions {
         ensure_ascii: kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false),
         sort_keys: kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false),
@@ -119,11 +119,11 @@ fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
             o.indent = Some(s.to_string());
         }
     }
-    if let Some(seps) = kwargs.get::<Option<Vec<String>>>("separators")? {
-        if let [a, b] = seps.as_slice() {
-            o.item_sep = Some(a.clone());
-            o.key_sep = Some(b.clone());
-        }
+    if let Some(seps) = kwargs.get::<Option<Vec<String>>>("separators")?
+        && let [a, b] = seps.as_slice()
+    {
+        o.item_sep = Some(a.clone());
+        o.key_sep = Some(b.clone());
     }
     kwargs.assert_all_used()?;
     Ok(Value::from_safe_string(dumps(&json, &o)))
@@ -134,17 +134,15 @@ fn raise_exception(msg: String) -> Result<Value, Error> {
 }
 
 fn map_error(e: &Error) -> TemplateError {
-    if let Some(d) = e.detail() {
-        if let Some(m) = d.strip_prefix(RAISED_PREFIX) {
-            return TemplateError::Raised(m.to_string());
-        }
+    if let Some(m) = e.detail().and_then(|d| d.strip_prefix(RAISED_PREFIX)) {
+        return TemplateError::Raised(m.to_string());
     }
     let mut chain: &dyn std::error::Error = e;
     while let Some(src) = chain.source() {
-        if let Some(inner) = src.downcast_ref::<Error>() {
-            if let Some(m) = inner.detail().and_then(|d| d.strip_prefix(RAISED_PREFIX)) {
-                return TemplateError::Raised(m.to_string());
-            }
+        if let Some(m) =
+            src.downcast_ref::<Error>().and_then(|inner| inner.detail()).and_then(|d| d.strip_prefix(RAISED_PREFIX))
+        {
+            return TemplateError::Raised(m.to_string());
         }
         chain = src;
     }
@@ -181,7 +179,17 @@ fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
 /// `datetime.strftime` for the common directives (UTC).
 pub(crate) fn strftime(fmt: &str, unix: i64) -> String {
     const MONTHS: [&str; 12] = [
-        "January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November",
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
         "December",
     ];
     const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
@@ -264,12 +272,9 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", |state: &State<'_, '_>, fmt: String| -> Result<Value, Error> {
-            let now = state
-                .lookup("__now_unix")
-                .and_then(|v| v.as_i64())
-                .unwrap_or_else(|| {
-                    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
-                });
+            let now = state.lookup("__now_unix").and_then(|v| v.as_i64()).unwrap_or_else(|| {
+                SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
+            });
             Ok(Value::from(strftime(&fmt, now)))
         });
         env.add_template_owned(TEMPLATE_NAME, config.chat_template.clone()).map_err(|e| map_error(&e))?;
@@ -277,7 +282,12 @@ impl ChatTemplate {
         Ok(ChatTemplate { env, special_tokens: config.special_tokens.clone(), reads_content })
     }
 
-    fn render_raw(&self, messages: &[Json], input: &RenderInput, add_generation_prompt: bool) -> Result<String, TemplateError> {
+    fn render_raw(
+        &self,
+        messages: &[Json],
+        input: &RenderInput,
+        add_generation_prompt: bool,
+    ) -> Result<String, TemplateError> {
         let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(|e| map_error(&e))?;
         let mut ctx = Map::new();
         for (k, v) in &self.special_tokens {
@@ -381,7 +391,10 @@ mod tests {
             ..Default::default()
         };
         let r = t.render(&input).expect("renders");
-        assert_eq!(r.text, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n<|im_start|>assistant\n");
+        assert_eq!(
+            r.text,
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n<|im_start|>assistant\n"
+        );
         let first = "<|im_start|>user\nhi<|im_end|>\n".len();
         let second = first + "<|im_start|>assistant\nyo<|im_end|>\n".len();
         assert_eq!(r.message_ends, vec![first, second]);
@@ -415,10 +428,41 @@ mod tests {
 
     #[test]
     fn python_compat_helpers() {
-        let t = tmpl("{{ x | tojson }}|{{ x | tojson(indent=2) }}|{{ ' a '.strip() }}|{{ none }}|{{ true }}|{% for i in [1,2,3] %}{% if i == 2 %}{% continue %}{% endif %}{{ i }}{% endfor %}|{{ strftime_now('%Y-%m-%d %b %j') }}");
+        let t = tmpl(
+            "{{ x | tojson }}|{{ x | tojson(indent=2) }}|{{ ' a '.strip() }}|{{ none }}|{{ true }}|{% for i in [1,2,3] %}{% if i == 2 %}{% continue %}{% endif %}{{ i }}{% endfor %}|{{ strftime_now('%Y-%m-%d %b %j') }}",
+        );
         let mut extra = Map::new();
         extra.insert("x".into(), json!({"k": "<&>", "n": [1.5]}));
-        let out = t.render_text(&RenderInput { extra, now_unix: Some(1_700_000_000), ..Default::default() }).expect("renders");
-        assert_eq!(out, "{\"k\": \"<&>\", \"n\": [1.5]}|{\n  \"k\": \"<&>\",\n  \"n\": [\n    1.5\n  ]\n}|a|None|True|13|2023-11-14 Nov 318");
+        let out = t
+            .render_text(&RenderInput { extra, now_unix: Some(1_700_000_000), ..Default::default() })
+            .expect("renders");
+        assert_eq!(
+            out,
+            "{\"k\": \"<&>\", \"n\": [1.5]}|{\n  \"k\": \"<&>\",\n  \"n\": [\n    1.5\n  ]\n}|a|None|True|13|2023-11-14 Nov 318"
+        );
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+        /// Fuzz of renderer inputs: arbitrary roles, contents, tool calls and flags.
+        #[test]
+        fn renderer_inputs_never_panic(
+            msgs in proptest::collection::vec(("(user|assistant|system|tool|other)", "\\PC{0,12}", proptest::bool::ANY), 0..6),
+            gen_prompt in proptest::bool::ANY,
+            cont in proptest::bool::ANY,
+        ) {
+            let src = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/frontend/qwen_style/chat_template.jinja")).expect("template");
+            let t = tmpl(&src);
+            let messages = msgs.into_iter().map(|(role, content, call)| {
+                let mut m = json!({"role": role, "content": content});
+                if call { m["tool_calls"] = json!([{"function": {"name": "f", "arguments": {"x": content}}}]); }
+                m
+            }).collect();
+            let input = RenderInput { messages, tools: Some(vec![json!({"name": "f"})]), add_generation_prompt: gen_prompt, continue_final_message: cont, ..Default::default() };
+            if let Ok(r) = t.render(&input) {
+                proptest::prop_assert!(r.message_ends.windows(2).all(|w| w[0] < w[1]));
+                proptest::prop_assert!(r.message_ends.iter().all(|&e| e > 0 && e < r.text.len() && r.text.is_char_boundary(e)));
+            }
+        }
     }
 }

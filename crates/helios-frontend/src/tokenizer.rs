@@ -12,6 +12,19 @@ pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     token_bytes: Vec<Vec<u8>>,
     special: Vec<bool>,
+    splitter: Option<Splitter>,
+}
+
+/// Segment cache bound; the cache is cleared when it fills.
+const CACHE_ENTRIES: usize = 1 << 16;
+
+/// Splits text at non-normalized added tokens exactly as the HF added vocabulary does
+/// (leftmost-longest), so segments can be encoded independently and cached. Only built
+/// when no added token uses `lstrip`, `rstrip` or `single_word`.
+struct Splitter {
+    matcher: aho_corasick::AhoCorasick,
+    ids: Vec<u32>,
+    cache: std::sync::Mutex<std::collections::HashMap<Box<str>, std::sync::Arc<[u32]>>>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -44,10 +57,7 @@ fn byte_level_decoder() -> std::collections::HashMap<char, u8> {
             n += 1;
         }
     }
-    bs.iter()
-        .zip(cs.iter())
-        .filter_map(|(&b, &c)| Some((char::from_u32(c)?, u8::try_from(b).ok()?)))
-        .collect()
+    bs.iter().zip(cs.iter()).filter_map(|(&b, &c)| Some((char::from_u32(c)?, u8::try_from(b).ok()?))).collect()
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -76,10 +86,12 @@ fn piece_bytes(piece: &str, style: PieceStyle, map: &std::collections::HashMap<c
             mapped.unwrap_or_else(|| piece.as_bytes().to_vec())
         }
         PieceStyle::Metaspace => {
-            if piece.len() == 6 && piece.starts_with("<0x") && piece.ends_with('>') {
-                if let Ok(b) = u8::from_str_radix(&piece[3..5], 16) {
-                    return vec![b];
-                }
+            if piece.len() == 6
+                && piece.starts_with("<0x")
+                && piece.ends_with('>')
+                && let Ok(b) = u8::from_str_radix(&piece[3..5], 16)
+            {
+                return vec![b];
             }
             piece.replace('\u{2581}', " ").into_bytes()
         }
@@ -112,7 +124,74 @@ impl Tokenizer {
                 token_bytes[slot] = piece_bytes(&piece, style, &map);
             }
         }
-        Ok(Tokenizer { inner, token_bytes, special })
+        let added_list: Vec<tokenizers::AddedToken> = added.values().cloned().collect();
+        let splitter = Self::splitter(&inner, &added_list);
+        Ok(Tokenizer { inner, token_bytes, special, splitter })
+    }
+
+    fn splitter(inner: &tokenizers::Tokenizer, added: &[tokenizers::AddedToken]) -> Option<Splitter> {
+        if added.iter().any(|t| t.lstrip || t.rstrip || t.single_word) {
+            return None;
+        }
+        let (contents, ids): (Vec<String>, Vec<u32>) = added
+            .iter()
+            .filter(|t| !t.normalized)
+            .filter_map(|t| Some((t.content.clone(), inner.token_to_id(&t.content)?)))
+            .unzip();
+        if contents.is_empty() {
+            return None;
+        }
+        let matcher = aho_corasick::AhoCorasick::builder()
+            .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+            .build(&contents)
+            .ok()?;
+        Some(Splitter { matcher, ids, cache: std::sync::Mutex::new(std::collections::HashMap::new()) })
+    }
+
+    /// Token ids of `text` without special-token addition; segments between added tokens
+    /// go through the cache when a splitter exists. Identical to `encode_fast(text, false)`.
+    fn ids_of(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let enc = |s: &str| {
+            self.inner
+                .encode_fast(s, false)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| TokenizerError::Encode(e.to_string()))
+        };
+        let Some(sp) = &self.splitter else { return enc(text) };
+        let mut out = Vec::with_capacity(text.len() / 3);
+        let mut pos = 0;
+        let segment = |seg: &str, out: &mut Vec<u32>| -> Result<(), TokenizerError> {
+            if seg.is_empty() {
+                return Ok(());
+            }
+            if let Some(hit) = sp.cache.lock().ok().and_then(|c| c.get(seg).cloned()) {
+                out.extend_from_slice(&hit);
+                return Ok(());
+            }
+            let ids: std::sync::Arc<[u32]> = enc(seg)?.into();
+            out.extend_from_slice(&ids);
+            if let Ok(mut c) = sp.cache.lock() {
+                if c.len() >= CACHE_ENTRIES {
+                    c.clear();
+                }
+                c.insert(seg.into(), ids);
+            }
+            Ok(())
+        };
+        for m in sp.matcher.find_iter(text) {
+            segment(&text[pos..m.start()], &mut out)?;
+            out.push(sp.ids[m.pattern().as_usize()]);
+            pos = m.end();
+        }
+        segment(&text[pos..], &mut out)?;
+        Ok(out)
+    }
+
+    /// Drops cached segment encodings (results never depend on the cache).
+    pub fn clear_encode_cache(&self) {
+        if let Some(c) = self.splitter.as_ref().and_then(|s| s.cache.lock().ok()).as_mut() {
+            c.clear();
+        }
     }
 
     /// Number of token ids, including added tokens.
@@ -144,11 +223,11 @@ impl Tokenizer {
     /// prefix sums of token bytes when those reproduce `text` exactly, else the
     /// tokenizer's own offsets.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Encoded, TokenizerError> {
-        let enc = self
-            .inner
-            .encode_fast(text, add_special_tokens)
-            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
-        let ids = enc.get_ids().to_vec();
+        let ids = if add_special_tokens {
+            self.inner.encode_fast(text, true).map_err(|e| TokenizerError::Encode(e.to_string()))?.get_ids().to_vec()
+        } else {
+            self.ids_of(text)?
+        };
         let mut offsets = Vec::with_capacity(ids.len());
         let mut pos = 0usize;
         let src = text.as_bytes();
@@ -163,10 +242,7 @@ impl Tokenizer {
             pos += b.len();
         }
         if !exact || pos != src.len() {
-            let enc = self
-                .inner
-                .encode(text, add_special_tokens)
-                .map_err(|e| TokenizerError::Encode(e.to_string()))?;
+            let enc = self.inner.encode(text, add_special_tokens).map_err(|e| TokenizerError::Encode(e.to_string()))?;
             offsets = enc.get_offsets().to_vec();
         }
         Ok(Encoded { ids, offsets })
@@ -177,9 +253,7 @@ impl Tokenizer {
         if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.vocab_size()) {
             return Err(TokenizerError::UnknownToken(bad));
         }
-        self.inner
-            .decode(ids, skip_special_tokens)
-            .map_err(|e| TokenizerError::Decode(e.to_string()))
+        self.inner.decode(ids, skip_special_tokens).map_err(|e| TokenizerError::Decode(e.to_string()))
     }
 }
 
@@ -195,8 +269,10 @@ pub(crate) mod tests {
 
     /// Shared SmolLM2 fixture tokenizer (loaded once per test binary).
     pub(crate) fn smol_arc() -> std::sync::Arc<Tokenizer> {
-        SMOL.get_or_init(|| std::sync::Arc::new(Tokenizer::from_file(fixture("smollm2/tokenizer.json")).expect("fixture loads")))
-            .clone()
+        SMOL.get_or_init(|| {
+            std::sync::Arc::new(Tokenizer::from_file(fixture("smollm2/tokenizer.json")).expect("fixture loads"))
+        })
+        .clone()
     }
 
     pub(crate) fn smol() -> std::sync::Arc<Tokenizer> {
@@ -215,6 +291,19 @@ pub(crate) mod tests {
             assert_eq!(w[0].1, w[1].0);
         }
         assert_eq!(t.decode(&e.ids, false).expect("decodes"), text);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+        /// Segmented, cached encoding equals the plain HF encoding.
+        #[test]
+        fn segmented_equals_plain(parts in proptest::collection::vec("(<\\|im_start\\|>|<\\|im_end\\|>|<\\|endoftext\\|>| |\n|\\PC{0,6})", 0..12)) {
+            let t = smol();
+            let text: String = parts.concat();
+            let plain = t.inner().encode_fast(text.as_str(), false).expect("encodes").get_ids().to_vec();
+            proptest::prop_assert_eq!(&t.encode(&text, false).expect("encodes").ids, &plain);
+            proptest::prop_assert_eq!(&t.encode(&text, false).expect("encodes").ids, &plain);
+        }
     }
 
     #[test]

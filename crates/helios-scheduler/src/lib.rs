@@ -1,1 +1,12 @@
-//! helios-scheduler (filled by its issue).
+//! helios-scheduler: admission, page growth, chunked prefill, decode batching, checkpoint
+//! capture, preemption and cancellation for one runtime core. Policy follows only from the
+//! cache scheme geometry and the capacities.
+
+mod plan;
+mod scheduler;
+
+pub use plan::{Completion, ConsumeRow, PageCopy, RequestId, SampleSpec, SampledToken, Step, StepOp};
+pub use scheduler::{
+    AdmissionError, ConfigError, FinishReason, FinishedRequest, RequestSpec, Scheduler, SchedulerConfig,
+    SchedulerStats, select_message_endpoints, snapshot_budget,
+};

@@ -1,0 +1,148 @@
+//! Reference-counted pools whose entries also wait for GPU completion.
+
+/// Identifies one submitted step; the executor completes fences in increasing order.
+/// `Fence(0)` means "never used by the GPU".
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Fence(pub u64);
+
+/// A fixed set of entries `0..len` with logical reference counts and last-use fences.
+///
+/// Invariants (checked by [`FencedPool::check_invariants`]):
+/// - every entry is in exactly one state: referenced (`refs > 0`), retiring (`refs == 0`,
+///   `last_use > completed`, listed in `retiring`) or free (`refs == 0`,
+///   `last_use <= completed`, listed in `free`);
+/// - `free` and `retiring` hold no duplicates.
+#[derive(Clone, Debug)]
+pub struct FencedPool {
+    refs: Vec<u32>,
+    last_use: Vec<Fence>,
+    free: Vec<u32>,
+    retiring: Vec<u32>,
+    completed: Fence,
+}
+
+impl FencedPool {
+    /// A pool of `len` free entries; allocation hands out the lowest index first.
+    pub fn new(len: u32) -> Self {
+        Self {
+            refs: vec![0; len as usize],
+            last_use: vec![Fence(0); len as usize],
+            free: (0..len).rev().collect(),
+            retiring: Vec::new(),
+            completed: Fence(0),
+        }
+    }
+
+    /// Number of entries.
+    pub fn len(&self) -> u32 {
+        self.refs.len() as u32
+    }
+
+    /// Whether the pool has no entries at all.
+    pub fn is_empty(&self) -> bool {
+        self.refs.is_empty()
+    }
+
+    /// Entries allocatable right now.
+    pub fn free_count(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Entries with no references still waiting for their fence.
+    pub fn retiring_count(&self) -> usize {
+        self.retiring.len()
+    }
+
+    /// Whether every entry is free.
+    pub fn all_free(&self) -> bool {
+        self.free.len() == self.refs.len()
+    }
+
+    /// Logical references held on `index`.
+    pub fn refs(&self, index: u32) -> u32 {
+        self.refs[index as usize]
+    }
+
+    /// Takes a free entry with one reference.
+    pub fn allocate(&mut self) -> Option<u32> {
+        let index = self.free.pop()?;
+        self.refs[index as usize] = 1;
+        Some(index)
+    }
+
+    /// Adds a reference to an entry that is already referenced (sharing, never resurrection).
+    pub fn retain(&mut self, index: u32) {
+        let refs = &mut self.refs[index as usize];
+        assert!(*refs > 0, "retain of unreferenced entry {index}");
+        *refs += 1;
+    }
+
+    /// Drops a reference; `fence` is the last step in which this holder used the entry.
+    pub fn release(&mut self, index: u32, fence: Fence) {
+        let i = index as usize;
+        assert!(self.refs[i] > 0, "release of unreferenced entry {index}");
+        self.refs[i] -= 1;
+        self.last_use[i] = self.last_use[i].max(fence);
+        if self.refs[i] == 0 {
+            if self.last_use[i] <= self.completed {
+                self.free.push(index);
+            } else {
+                self.retiring.push(index);
+            }
+        }
+    }
+
+    /// Records that the executor finished every step up to `fence`.
+    pub fn signal(&mut self, fence: Fence) {
+        if fence <= self.completed {
+            return;
+        }
+        self.completed = fence;
+        let last_use = &self.last_use;
+        let (done, waiting): (Vec<u32>, Vec<u32>) = self.retiring.iter().partition(|&&i| last_use[i as usize] <= fence);
+        self.retiring = waiting;
+        self.free.extend(done);
+    }
+
+    /// Asserts the invariants in the type documentation.
+    pub fn check_invariants(&self) {
+        let mut seen = vec![false; self.refs.len()];
+        for &i in &self.free {
+            assert!(!seen[i as usize], "entry {i} listed twice");
+            seen[i as usize] = true;
+            assert_eq!(self.refs[i as usize], 0, "free entry {i} is referenced");
+            assert!(self.last_use[i as usize] <= self.completed, "free entry {i} is in flight");
+        }
+        for &i in &self.retiring {
+            assert!(!seen[i as usize], "entry {i} listed twice");
+            seen[i as usize] = true;
+            assert_eq!(self.refs[i as usize], 0, "retiring entry {i} is referenced");
+        }
+        for (i, &refs) in self.refs.iter().enumerate() {
+            assert_eq!(refs > 0, !seen[i], "entry {i} lost or double-tracked");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn reuse_waits_for_both_references_and_fence() {
+        let mut pool = FencedPool::new(1);
+        let a = pool.allocate().unwrap();
+        pool.retain(a);
+        pool.release(a, Fence(3));
+        assert_eq!(pool.allocate(), None, "still referenced");
+        pool.release(a, Fence(2));
+        assert_eq!(pool.allocate(), None, "fence 3 outstanding");
+        pool.signal(Fence(2));
+        assert_eq!(pool.allocate(), None, "fence 3 outstanding");
+        pool.signal(Fence(3));
+        pool.check_invariants();
+        assert_eq!(pool.allocate(), Some(a));
+        pool.check_invariants();
+    }
+}

@@ -1,0 +1,218 @@
+//! Agent-like workloads and the solo-run oracle shared by scenario and property tests.
+
+use std::collections::HashMap;
+
+use helios_cache::PrefixIdentity;
+use helios_contract::model::{CacheScheme, Capacities};
+use helios_scheduler::{FinishReason, FinishedRequest, RequestId, RequestSpec, Scheduler, SchedulerConfig};
+
+use crate::{ExecutorError, SimulatedExecutor, turn};
+
+/// One workload event.
+#[derive(Clone, Debug)]
+pub enum Action {
+    /// A fresh conversation of `messages` messages of `message_len` tokens.
+    Start { messages: u8, message_len: u16, max_output: u16, seed: u64 },
+    /// Multi-turn or tool-result append to conversation `conversation % n` once it is idle.
+    Append { conversation: u8, len: u16, max_output: u16 },
+    /// Branch from message endpoint `cut` of conversation `conversation % n`.
+    Branch { conversation: u8, cut: u8, len: u16, max_output: u16 },
+    /// Cancel the `index % n`-th request still in flight.
+    Cancel { index: u8 },
+    /// Run some serving-loop turns.
+    Run { turns: u8 },
+}
+
+#[derive(Clone, Debug, Default)]
+struct Conversation {
+    history: Vec<u32>,
+    endpoints: Vec<u32>,
+    in_flight: Option<RequestId>,
+}
+
+/// Config for tests.
+pub fn test_config(max_concurrency: u32) -> SchedulerConfig {
+    SchedulerConfig { max_concurrency, queue_limit: 64, identity: PrefixIdentity { model: 1, token_layout: 1 } }
+}
+
+fn tokens(seed: u64, len: usize, vocab: u32) -> Vec<u32> {
+    (0..len as u64).map(|i| (crate::splitmix(seed ^ (i << 20)) % u64::from(vocab)) as u32).collect()
+}
+
+/// Output of `spec` run alone on an unlimited pool.
+pub fn run_alone(scheme: &CacheScheme, capacities: &Capacities, spec: &RequestSpec) -> Vec<u32> {
+    let mut caps = capacities.clone();
+    caps.request_slots = 1;
+    caps.snapshot_rows = 0;
+    caps.max_kv_pages = caps.pages_per_request(scheme.page_tokens) as u32 + 2;
+    let mut scheduler = Scheduler::new(scheme.clone(), caps.clone(), test_config(1)).expect("oracle config");
+    let mut executor = SimulatedExecutor::new(scheme, &caps);
+    scheduler.submit(spec.clone()).expect("oracle admits");
+    while turn(&mut scheduler, &mut executor).expect("oracle executes") {}
+    scheduler.take_finished().pop().expect("oracle finishes").output
+}
+
+/// Result of a workload run.
+#[derive(Debug, Default)]
+pub struct WorkloadReport {
+    pub finished: Vec<(RequestSpec, FinishedRequest)>,
+    pub turns: u64,
+    pub preemptions: u64,
+    pub captures: u64,
+    pub evictions: u64,
+}
+
+/// Runs `actions` against one scheduler, checking invariants after every turn, then drains.
+/// Panics on an invariant violation; returns executor errors.
+pub fn run_workload(
+    scheme: &CacheScheme,
+    capacities: &Capacities,
+    max_concurrency: u32,
+    eos_tokens: &[u32],
+    completion_lag: usize,
+    actions: &[Action],
+) -> Result<WorkloadReport, ExecutorError> {
+    let mut scheduler =
+        Scheduler::new(scheme.clone(), capacities.clone(), test_config(max_concurrency)).expect("test config");
+    let mut executor = SimulatedExecutor::with_completion_lag(scheme, capacities, completion_lag);
+    let mut conversations: Vec<Conversation> = Vec::new();
+    let mut specs: HashMap<RequestId, (usize, RequestSpec)> = HashMap::new();
+    let mut report = WorkloadReport::default();
+    let vocab = capacities.vocab_size;
+    let eos = eos_tokens.to_vec();
+    let collect = |scheduler: &mut Scheduler,
+                   conversations: &mut Vec<Conversation>,
+                   specs: &mut HashMap<RequestId, (usize, RequestSpec)>,
+                   report: &mut WorkloadReport| {
+        for done in scheduler.take_finished() {
+            if let Some((conv, spec)) = specs.remove(&done.id) {
+                let c = &mut conversations[conv];
+                c.in_flight = None;
+                if matches!(done.reason, FinishReason::Eos | FinishReason::Length) {
+                    c.endpoints.push(spec.tokens.len() as u32);
+                    c.history = spec.tokens.clone();
+                    c.history.extend(&done.output);
+                }
+                report.finished.push((spec, done));
+            }
+        }
+    };
+    let limit = capacities.context_limit as usize;
+    for (step, action) in actions.iter().enumerate() {
+        let submit = |c: &mut Conversation,
+                      prompt: Vec<u32>,
+                      endpoints: Vec<u32>,
+                      max_output: u16,
+                      scheduler: &mut Scheduler| {
+            if prompt.len() + 1 >= limit || c.in_flight.is_some() {
+                return None;
+            }
+            let spec = RequestSpec {
+                tokens: prompt,
+                images: vec![],
+                message_endpoints: endpoints,
+                max_output_tokens: u32::from(max_output.max(1)),
+                eos_tokens: eos.clone(),
+                seed: step as u64,
+            };
+            let id = scheduler.submit(spec.clone()).ok()?;
+            c.in_flight = Some(id);
+            Some((id, spec))
+        };
+        match *action {
+            Action::Start { messages, message_len, max_output, seed } => {
+                let len = usize::from(message_len.max(1));
+                let prompt = tokens(seed, len * usize::from(messages.max(1)), vocab);
+                let endpoints = (1..messages.max(1)).map(|m| (usize::from(m) * len) as u32).collect();
+                let mut c = Conversation::default();
+                if let Some((id, spec)) = submit(&mut c, prompt, endpoints, max_output, &mut scheduler) {
+                    specs.insert(id, (conversations.len(), spec));
+                    conversations.push(c);
+                }
+            }
+            Action::Append { conversation, len, max_output } if !conversations.is_empty() => {
+                let index = usize::from(conversation) % conversations.len();
+                let c = &mut conversations[index];
+                if c.history.is_empty() {
+                    continue;
+                }
+                let mut prompt = c.history.clone();
+                let mut endpoints = c.endpoints.clone();
+                endpoints.push(prompt.len() as u32);
+                prompt.extend(tokens(step as u64 + 99, usize::from(len.max(1)), vocab));
+                if let Some((id, spec)) = submit(c, prompt, endpoints, max_output, &mut scheduler) {
+                    specs.insert(id, (index, spec));
+                }
+            }
+            Action::Branch { conversation, cut, len, max_output } if !conversations.is_empty() => {
+                let index = usize::from(conversation) % conversations.len();
+                let source = &conversations[index];
+                if source.endpoints.is_empty() {
+                    continue;
+                }
+                let end = source.endpoints[usize::from(cut) % source.endpoints.len()] as usize;
+                let mut prompt = source.history[..end.min(source.history.len())].to_vec();
+                let endpoints: Vec<u32> =
+                    source.endpoints.iter().copied().filter(|&e| (e as usize) <= prompt.len()).collect();
+                prompt.extend(tokens(step as u64 + 7, usize::from(len.max(1)), vocab));
+                let mut branch = Conversation { history: Vec::new(), endpoints: endpoints.clone(), in_flight: None };
+                if let Some((id, spec)) = submit(&mut branch, prompt, endpoints, max_output, &mut scheduler) {
+                    specs.insert(id, (conversations.len(), spec));
+                    conversations.push(branch);
+                }
+            }
+            Action::Cancel { index } => {
+                let mut ids: Vec<RequestId> = specs.keys().copied().collect();
+                ids.sort();
+                if !ids.is_empty() {
+                    scheduler.cancel(ids[usize::from(index) % ids.len()]);
+                }
+            }
+            Action::Run { turns } => {
+                for _ in 0..turns {
+                    turn(&mut scheduler, &mut executor)?;
+                    report.turns += 1;
+                    scheduler.check_invariants();
+                    collect(&mut scheduler, &mut conversations, &mut specs, &mut report);
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut idle_turns = 0;
+    while !scheduler.is_idle() {
+        if turn(&mut scheduler, &mut executor)? {
+            idle_turns = 0;
+        } else {
+            idle_turns += 1;
+            assert!(idle_turns < 3, "scheduler stalled with work outstanding");
+        }
+        report.turns += 1;
+        scheduler.check_invariants();
+        collect(&mut scheduler, &mut conversations, &mut specs, &mut report);
+    }
+    report.preemptions = scheduler.stats().preemptions;
+    report.captures = scheduler.stats().captures;
+    let pressure = scheduler.pressure();
+    report.evictions = pressure.page_leaf_evictions
+        + pressure.page_ancestor_removals
+        + pressure.snapshot_thinnings
+        + pressure.snapshot_leaf_evictions;
+    scheduler.evict_cache();
+    scheduler.check_invariants();
+    assert!(scheduler.all_storage_free(), "storage leaked after draining");
+    Ok(report)
+}
+
+/// Asserts every request matches its solo run (cancelled ones: a prefix of it).
+pub fn assert_matches_oracle(scheme: &CacheScheme, capacities: &Capacities, report: &WorkloadReport) {
+    for (spec, done) in &report.finished {
+        let alone = run_alone(scheme, capacities, spec);
+        match done.reason {
+            FinishReason::Cancelled | FinishReason::PoolExhausted => {
+                assert!(alone.starts_with(&done.output), "partial output diverged for {:?}", done.id)
+            }
+            _ => assert_eq!(done.output, alone, "request {:?} ({:?}) diverged", done.id, done.reason),
+        }
+    }
+}

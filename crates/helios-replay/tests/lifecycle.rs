@@ -1,0 +1,220 @@
+//! Deterministic scenarios and property tests over random agent workloads.
+#![allow(clippy::unwrap_used)]
+
+use helios_replay::workload::{Action, assert_matches_oracle, run_alone, run_workload, test_config};
+use helios_replay::{SimulatedExecutor, reference_schemes, test_capacities, turn};
+use helios_scheduler::{AdmissionError, FinishReason, RequestSpec, Scheduler};
+use proptest::prelude::*;
+
+fn spec(tokens: Vec<u32>, max_output: u32, seed: u64) -> RequestSpec {
+    RequestSpec {
+        tokens,
+        images: vec![],
+        message_endpoints: vec![],
+        max_output_tokens: max_output,
+        eos_tokens: vec![],
+        seed,
+    }
+}
+
+fn prompt(len: usize, salt: u32) -> Vec<u32> {
+    (0..len as u32).map(|i| (i * 7 + salt) % 96 + 1).collect()
+}
+
+fn drain(scheduler: &mut Scheduler, executor: &mut SimulatedExecutor) {
+    while !scheduler.is_idle() {
+        assert!(turn(scheduler, executor).unwrap() || scheduler.is_idle(), "stalled");
+        scheduler.check_invariants();
+    }
+}
+
+#[test]
+fn page_boundary_prefixes_hit_and_match_solo_runs() {
+    for scheme in reference_schemes() {
+        let caps = test_capacities(4, 64, 16);
+        for len in [1usize, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257] {
+            let mut scheduler = Scheduler::new(scheme.clone(), caps.clone(), test_config(4)).unwrap();
+            let mut executor = SimulatedExecutor::new(&scheme, &caps);
+            let first = spec(prompt(len, 3), 4, 1);
+            scheduler.submit(first.clone()).unwrap();
+            drain(&mut scheduler, &mut executor);
+            let out = scheduler.take_finished().pop().unwrap().output;
+            assert_eq!(out, run_alone(&scheme, &caps, &first));
+            // Same prompt again: full-prompt hit through resume sampling, other seed.
+            let again = spec(prompt(len, 3), 4, 2);
+            scheduler.submit(again.clone()).unwrap();
+            drain(&mut scheduler, &mut executor);
+            assert_eq!(scheduler.take_finished().pop().unwrap().output, run_alone(&scheme, &caps, &again));
+            assert!(scheduler.stats().full_prompt_hits >= 1, "len {len}: expected a full hit");
+            // Continue the conversation: hit on the terminal endpoint.
+            let mut longer = first.tokens.clone();
+            longer.extend(&out);
+            longer.extend(prompt(5, 9));
+            let next = spec(longer, 3, 3);
+            scheduler.submit(next.clone()).unwrap();
+            drain(&mut scheduler, &mut executor);
+            assert_eq!(scheduler.take_finished().pop().unwrap().output, run_alone(&scheme, &caps, &next));
+            assert!(scheduler.stats().prefix_hit_tokens as usize >= 2 * len);
+            scheduler.evict_cache();
+            assert!(scheduler.all_storage_free());
+        }
+    }
+}
+
+#[test]
+fn branches_continue_independently() {
+    for scheme in reference_schemes() {
+        let caps = test_capacities(4, 64, 16);
+        let mut scheduler = Scheduler::new(scheme.clone(), caps.clone(), test_config(4)).unwrap();
+        let mut executor = SimulatedExecutor::new(&scheme, &caps);
+        let mut root = spec(prompt(150, 1), 6, 1);
+        root.message_endpoints = vec![40, 100];
+        scheduler.submit(root.clone()).unwrap();
+        drain(&mut scheduler, &mut executor);
+        assert_eq!(scheduler.take_finished()[0].output, run_alone(&scheme, &caps, &root));
+        let mut branches = Vec::new();
+        for (i, cut) in [40usize, 100, 150].into_iter().enumerate() {
+            let mut tokens = root.tokens[..cut].to_vec();
+            tokens.extend(prompt(10 + i, 50 + i as u32));
+            let b = spec(tokens, 8, 10 + i as u64);
+            scheduler.submit(b.clone()).unwrap();
+            branches.push(b);
+        }
+        drain(&mut scheduler, &mut executor);
+        let mut done = scheduler.take_finished();
+        done.sort_by_key(|d| d.id);
+        for (b, d) in branches.iter().zip(&done) {
+            assert_eq!(d.output, run_alone(&scheme, &caps, b));
+        }
+        assert!(scheduler.stats().prefix_hit_tokens >= 40 + 100 + 150);
+    }
+}
+
+#[test]
+fn eos_and_output_limits() {
+    let scheme = reference_schemes().remove(0);
+    let caps = test_capacities(2, 32, 4);
+    let mut scheduler = Scheduler::new(scheme.clone(), caps.clone(), test_config(2)).unwrap();
+    let mut executor = SimulatedExecutor::new(&scheme, &caps);
+    let free_run = run_alone(&scheme, &caps, &spec(prompt(20, 1), 30, 5));
+    let mut with_eos = spec(prompt(20, 1), 30, 5);
+    with_eos.eos_tokens = vec![free_run[4]];
+    scheduler.submit(with_eos).unwrap();
+    scheduler.submit(spec(prompt(20, 1), 1, 5)).unwrap();
+    drain(&mut scheduler, &mut executor);
+    let done = scheduler.take_finished();
+    let eos = done.iter().find(|d| d.reason == FinishReason::Eos).unwrap();
+    let first_eos = free_run.iter().position(|&t| t == free_run[4]).unwrap();
+    assert_eq!(eos.output, free_run[..=first_eos]);
+    let one = done.iter().find(|d| d.reason == FinishReason::Length).unwrap();
+    assert_eq!(one.output, free_run[..1]);
+}
+
+#[test]
+fn slots_are_reused_and_exhaustion_is_typed() {
+    let scheme = reference_schemes().remove(0);
+    let caps = test_capacities(2, 8, 2);
+    let mut scheduler = Scheduler::new(scheme.clone(), caps.clone(), test_config(2)).unwrap();
+    let mut executor = SimulatedExecutor::new(&scheme, &caps);
+    assert_eq!(scheduler.submit(spec(vec![], 1, 0)), Err(AdmissionError::EmptyPrompt));
+    assert!(matches!(scheduler.submit(spec(prompt(1024, 0), 1, 0)), Err(AdmissionError::ContextLimit { .. })));
+    assert!(matches!(scheduler.submit(spec(prompt(600, 0), 1, 0)), Err(AdmissionError::LargerThanPool { .. })));
+    assert!(matches!(scheduler.submit(spec(vec![500], 1, 0)), Err(AdmissionError::TokenOutOfVocabulary { .. })));
+    let mut specs = Vec::new();
+    for i in 0..6 {
+        let s = spec(prompt(30 + i, i as u32), 20, i as u64);
+        scheduler.submit(s.clone()).unwrap();
+        specs.push(s);
+    }
+    drain(&mut scheduler, &mut executor);
+    let mut done = scheduler.take_finished();
+    done.sort_by_key(|d| d.id);
+    for (s, d) in specs.iter().zip(&done) {
+        assert_eq!(d.output, run_alone(&scheme, &caps, s));
+    }
+    scheduler.evict_cache();
+    assert!(scheduler.all_storage_free());
+}
+
+#[test]
+fn preemption_under_tight_pages_matches_solo_runs() {
+    for scheme in reference_schemes() {
+        let pages = (scheme.pages_for(1024) + 1) as u32;
+        let caps = test_capacities(4, pages, 4);
+        let mut actions = Vec::new();
+        for i in 0..4u64 {
+            actions.push(Action::Start { messages: 2, message_len: 60, max_output: 400, seed: i });
+        }
+        actions.push(Action::Run { turns: 255 });
+        let report = run_workload(&scheme, &caps, 4, &[], 0, &actions).unwrap();
+        assert_matches_oracle(&scheme, &caps, &report);
+        assert_eq!(report.finished.len(), 4);
+        assert!(report.preemptions > 0, "expected preemption with {pages} pages");
+    }
+}
+
+fn action() -> impl Strategy<Value = Action> {
+    prop_oneof![
+        (1u8..4, 1u16..80, 1u16..40, any::<u64>()).prop_map(|(messages, message_len, max_output, seed)| {
+            Action::Start { messages, message_len, max_output, seed }
+        }),
+        (any::<u8>(), 1u16..60, 1u16..30).prop_map(|(conversation, len, max_output)| Action::Append {
+            conversation,
+            len,
+            max_output
+        }),
+        (any::<u8>(), any::<u8>(), 1u16..40, 1u16..30)
+            .prop_map(|(conversation, cut, len, max_output)| Action::Branch { conversation, cut, len, max_output }),
+        any::<u8>().prop_map(|index| Action::Cancel { index }),
+        (1u8..30).prop_map(|turns| Action::Run { turns }),
+    ]
+}
+
+fn check(scheme_index: usize, tight: bool, lag: usize, actions: Vec<Action>) {
+    let scheme = reference_schemes().remove(scheme_index);
+    let min_pages = scheme.pages_for(1024) as u32 + 2;
+    let caps = if tight { test_capacities(4, min_pages, 3) } else { test_capacities(4, min_pages * 3, 16) };
+    let report = run_workload(&scheme, &caps, 4, &[0], lag, &actions).unwrap();
+    assert_matches_oracle(&scheme, &caps, &report);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
+    #[test]
+    fn random_agent_workloads(scheme in 0usize..3, tight in any::<bool>(), lag in 0usize..3, actions in prop::collection::vec(action(), 1..24)) {
+        check(scheme, tight, lag, actions);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 4000, ..ProptestConfig::default() })]
+    #[test]
+    #[ignore = "soak: cargo test -p helios-replay -- --ignored"]
+    fn random_agent_workloads_soak(scheme in 0usize..3, tight in any::<bool>(), lag in 0usize..3, actions in prop::collection::vec(action(), 1..48)) {
+        check(scheme, tight, lag, actions);
+    }
+}
+
+#[test]
+fn image_requests_reserve_their_whole_output() {
+    let scheme = reference_schemes().remove(0);
+    let caps = test_capacities(2, 8, 2);
+    let mut scheduler = Scheduler::new(scheme.clone(), caps.clone(), test_config(2)).unwrap();
+    let mut text = spec(prompt(100, 1), 900, 1);
+    assert!(scheduler.submit(text.clone()).is_ok(), "text reserves prompt + one page");
+    text.images = vec![helios_cache::ImageSpan { position: 10, identity: 42 }];
+    assert!(matches!(scheduler.submit(text), Err(AdmissionError::LargerThanPool { .. })));
+}
+
+#[test]
+fn executor_rejects_stale_rows() {
+    use helios_cache::Fence;
+    use helios_replay::{Executor, ExecutorError};
+    use helios_scheduler::{ConsumeRow, Step, StepOp};
+    let scheme = reference_schemes().remove(0);
+    let caps = test_capacities(1, 4, 1);
+    let mut executor = SimulatedExecutor::new(&scheme, &caps);
+    let row = ConsumeRow { live_row: 1, start: 5, tokens: vec![1], page_table: vec![0], sample: None };
+    let step = Step { fence: Fence(1), ops: vec![StepOp::Prefill { capacity: 16, row }] };
+    assert!(matches!(executor.submit(&step), Err(ExecutorError::StaleRow { .. })));
+}

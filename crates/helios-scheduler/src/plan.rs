@@ -1,0 +1,71 @@
+//! The planned step handed to an executor, and what the executor hands back.
+
+use helios_cache::{Fence, PageId};
+
+/// Identifies a request for the lifetime of the scheduler.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+/// Copy one whole page (tail pages of checkpoints).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageCopy {
+    pub source: PageId,
+    pub destination: PageId,
+}
+
+/// Sample one token after the op: seeded per request, counter = tokens generated so far.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SampleSpec {
+    pub request: RequestId,
+    pub seed: u64,
+    pub counter: u32,
+}
+
+/// Tokens to consume for one request at consecutive positions starting at `start`.
+/// The live row must hold exactly `start` consumed tokens beforehand.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConsumeRow {
+    pub live_row: u32,
+    pub start: u32,
+    pub tokens: Vec<u32>,
+    pub page_table: Vec<PageId>,
+    pub sample: Option<SampleSpec>,
+}
+
+/// One operation; ops in a step run in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StepOp {
+    /// Reset the slot's live rows from the null row.
+    Initialize { live_row: u32, rows: u32 },
+    /// Copy a snapshot into a live row, and the checkpoint's tail page into a private page.
+    Restore { snapshot_row: u32, live_row: u32, tail: Option<PageCopy> },
+    /// Copy a live row into a snapshot, and the live tail page into the checkpoint's page.
+    Snapshot { live_row: u32, snapshot_row: u32, tail: Option<PageCopy> },
+    /// A decode batch at a captured request bucket (`rows.len() <= bucket`).
+    Decode { bucket: u32, rows: Vec<ConsumeRow> },
+    /// One prefill chunk at a captured token capacity.
+    Prefill { capacity: u32, row: ConsumeRow },
+    /// Sample from a restored state without consuming (full-prompt hit).
+    ResumeSampling { live_row: u32, consumed: u32, page_table: Vec<PageId>, sample: SampleSpec },
+}
+
+/// Everything submitted between two scheduling decisions; completes as one fence.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Step {
+    pub fence: Fence,
+    pub ops: Vec<StepOp>,
+}
+
+/// A sampled token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SampledToken {
+    pub request: RequestId,
+    pub token: u32,
+}
+
+/// The executor's report that `fence` finished.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Completion {
+    pub fence: Fence,
+    pub sampled: Vec<SampledToken>,
+}

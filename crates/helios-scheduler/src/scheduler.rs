@@ -1,0 +1,824 @@
+//! The scheduler. One `schedule()` call plans one step:
+//! 1. cancellations and finished requests (terminal capture, then release);
+//! 2. captures at selected endpoints the previous step reached;
+//! 3. one decode batch (growing page tables a page ahead, preempting when short);
+//! 4. FIFO admission (skipping requests that do not fit, unless a decoder is short);
+//! 5. at most one prefill chunk, clipped at the next selected endpoint.
+//!
+//! Invariants (asserted by [`Scheduler::check_invariants`]):
+//! - every page's logical references equal its holders: running page tables, checkpoint
+//!   segments and tails, and captures awaiting publication;
+//! - every snapshot row is held by exactly one checkpoint or pending capture;
+//! - running requests hold distinct slots, at most `max_concurrency` of them;
+//! - a running request's page table covers its consumed tokens, and starts with its
+//!   anchor checkpoint's complete-page chain; the anchor is pinned once per holder.
+
+use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
+
+use helios_cache::{
+    CheckpointId, Fence, FencedPool, ImageSpan, PageId, PrefixCache, PrefixIdentity, PressureStats, PromptDigests,
+    Publication, PublishOutcome, RowPool,
+};
+use helios_contract::model::{CacheScheme, Capacities};
+
+use crate::plan::{Completion, ConsumeRow, PageCopy, RequestId, SampleSpec, Step, StepOp};
+
+/// Deployment choices that are not part of the core.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Requests running at once; at most `request_slots`.
+    pub max_concurrency: u32,
+    /// Waiting requests accepted before `QueueFull`.
+    pub queue_limit: usize,
+    pub identity: PrefixIdentity,
+}
+
+/// Invalid scheduler configuration for these capacities.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("the core has no decode request buckets")]
+    NoDecodeBuckets,
+    #[error("the core has no prefill chunk capacities")]
+    NoPrefillCapacities,
+    #[error("max concurrency {requested} outside 1..={slots} request slots")]
+    Concurrency { requested: u32, slots: u32 },
+}
+
+/// Why a request was refused at submission.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AdmissionError {
+    #[error("empty prompt")]
+    EmptyPrompt,
+    #[error("output limit must be at least one token")]
+    NoOutput,
+    #[error("prompt of {tokens} tokens leaves no room under context limit {limit}")]
+    ContextLimit { tokens: usize, limit: u32 },
+    #[error("token {token} outside vocabulary of {vocab}")]
+    TokenOutOfVocabulary { token: u32, vocab: u32 },
+    #[error("reservation of {pages} pages exceeds the pool of {pool}")]
+    LargerThanPool { pages: u64, pool: u32 },
+    #[error("admission queue full ({limit})")]
+    QueueFull { limit: usize },
+}
+
+/// A request as submitted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RequestSpec {
+    pub tokens: Vec<u32>,
+    /// Sorted by position. Image-bearing requests reserve their whole output.
+    pub images: Vec<ImageSpan>,
+    /// Message endpoints (token counts) eligible for checkpoints.
+    pub message_endpoints: Vec<u32>,
+    pub max_output_tokens: u32,
+    pub eos_tokens: Vec<u32>,
+    pub seed: u64,
+}
+
+/// How a request ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    Eos,
+    Length,
+    Cancelled,
+    /// Its history outgrew the whole page pool.
+    PoolExhausted,
+}
+
+/// A request that left the scheduler.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FinishedRequest {
+    pub id: RequestId,
+    pub output: Vec<u32>,
+    pub reason: FinishReason,
+    pub preemptions: u32,
+}
+
+/// Counters for reports and tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SchedulerStats {
+    pub steps: u64,
+    pub prefix_hit_tokens: u64,
+    pub full_prompt_hits: u64,
+    pub preemptions: u64,
+    pub admission_page_waits: u64,
+    pub snapshot_skips: u64,
+    pub captures: u64,
+}
+
+/// Snapshot captures per request: loaded capacity ÷ max concurrency, capped at 8, at least
+/// one for a nonempty pool.
+pub fn snapshot_budget(snapshot_rows: u32, max_concurrency: u32) -> u32 {
+    if snapshot_rows == 0 {
+        return 0;
+    }
+    (snapshot_rows / max_concurrency.max(1)).clamp(1, 8)
+}
+
+/// Chooses at most `count` message endpoints strictly inside `(reused, prompt)`: all when
+/// they fit, else the nearest to evenly spaced targets (ties to the earlier), deduplicated.
+pub fn select_message_endpoints(endpoints: &[u32], reused: u32, prompt: u32, count: u32) -> Vec<u32> {
+    let eligible: Vec<u32> = endpoints.iter().copied().filter(|&e| e > reused && e < prompt).collect();
+    if eligible.len() <= count as usize {
+        return eligible;
+    }
+    let span = u64::from(prompt - reused);
+    let mut chosen: Vec<u32> = (1..=u64::from(count))
+        .map(|k| u64::from(reused) + k * span / (u64::from(count) + 1))
+        .filter_map(|target| eligible.iter().copied().min_by_key(|&e| (u64::from(e).abs_diff(target), e)))
+        .collect();
+    chosen.dedup();
+    chosen
+}
+
+/// Request ids are dense counters: a multiplicative hash is enough and much cheaper than
+/// SipHash on the per-step path.
+#[derive(Clone, Copy, Debug, Default)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8 | u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+type IdMap<V> = HashMap<RequestId, V, BuildHasherDefault<IdHasher>>;
+
+#[derive(Clone, Debug)]
+struct Live {
+    slot: u32,
+    page_table: Vec<PageId>,
+    consumed: u32,
+    anchor: Option<CheckpointId>,
+    /// Selected endpoints still ahead, ascending.
+    captures: VecDeque<u32>,
+    awaiting_sample: bool,
+    last_fence: Fence,
+    admitted: u64,
+}
+
+#[derive(Clone, Debug)]
+struct Request {
+    spec: RequestSpec,
+    /// Prompt, then generated tokens; the last one is pending while decoding.
+    tokens: Vec<u32>,
+    prompt_len: u32,
+    generated: u32,
+    max_output: u32,
+    capture_terminal: bool,
+    message_budget: u32,
+    full_reservation: bool,
+    preemptions: u32,
+    finishing: Option<FinishReason>,
+    live: Option<Live>,
+}
+
+#[derive(Clone, Debug)]
+struct PendingCapture {
+    request: RequestId,
+    publication: Publication,
+}
+
+/// The CPU side of the request lifecycle for one core.
+#[derive(Debug)]
+pub struct Scheduler {
+    scheme: CacheScheme,
+    capacities: Capacities,
+    config: SchedulerConfig,
+    pages: FencedPool,
+    rows: RowPool,
+    prefix: PrefixCache,
+    requests: IdMap<Request>,
+    waiting: VecDeque<RequestId>,
+    running: Vec<RequestId>,
+    cancelled: Vec<RequestId>,
+    pending: Vec<PendingCapture>,
+    finished: Vec<FinishedRequest>,
+    next_request: u64,
+    next_fence: u64,
+    admissions: u64,
+    stats: SchedulerStats,
+}
+
+impl Scheduler {
+    /// A scheduler over empty pools sized from the scheme and capacities.
+    pub fn new(scheme: CacheScheme, capacities: Capacities, config: SchedulerConfig) -> Result<Self, ConfigError> {
+        if capacities.decode_request_buckets.is_empty() {
+            return Err(ConfigError::NoDecodeBuckets);
+        }
+        if capacities.prefill_chunk_capacities.is_empty() {
+            return Err(ConfigError::NoPrefillCapacities);
+        }
+        if config.max_concurrency == 0 || config.max_concurrency > capacities.request_slots {
+            return Err(ConfigError::Concurrency {
+                requested: config.max_concurrency,
+                slots: capacities.request_slots,
+            });
+        }
+        Ok(Self {
+            pages: FencedPool::new(capacities.max_kv_pages),
+            rows: RowPool::new(&scheme, capacities.request_slots, capacities.snapshot_rows),
+            prefix: PrefixCache::new(scheme.page_tokens),
+            scheme,
+            capacities,
+            config,
+            requests: IdMap::default(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            cancelled: Vec::new(),
+            pending: Vec::new(),
+            finished: Vec::new(),
+            next_request: 0,
+            next_fence: 1,
+            admissions: 0,
+            stats: SchedulerStats::default(),
+        })
+    }
+
+    fn pt(&self) -> u32 {
+        self.scheme.page_tokens
+    }
+
+    fn reservation_pages(&self, request: &Request) -> u64 {
+        let output = if request.full_reservation { request.max_output - request.generated } else { self.pt() };
+        let tokens = (u64::from(request.prompt_len) + u64::from(output)).min(u64::from(self.capacities.context_limit));
+        self.scheme.pages_for(tokens)
+    }
+
+    /// Queues a request; typed errors for requests the core can never serve.
+    pub fn submit(&mut self, spec: RequestSpec) -> Result<RequestId, AdmissionError> {
+        let limit = self.capacities.context_limit;
+        if spec.tokens.is_empty() {
+            return Err(AdmissionError::EmptyPrompt);
+        }
+        if spec.max_output_tokens == 0 {
+            return Err(AdmissionError::NoOutput);
+        }
+        if spec.tokens.len() >= limit as usize {
+            return Err(AdmissionError::ContextLimit { tokens: spec.tokens.len(), limit });
+        }
+        let vocab = self.capacities.vocab_size;
+        if let Some(&token) = spec.tokens.iter().find(|&&t| t >= vocab) {
+            return Err(AdmissionError::TokenOutOfVocabulary { token, vocab });
+        }
+        if self.waiting.len() >= self.config.queue_limit {
+            return Err(AdmissionError::QueueFull { limit: self.config.queue_limit });
+        }
+        let prompt_len = spec.tokens.len() as u32;
+        let max_output = spec.max_output_tokens.min(limit - prompt_len);
+        let budget = snapshot_budget(self.capacities.snapshot_rows, self.config.max_concurrency);
+        let prompt_capture = u32::from(budget >= 2 && max_output > 1);
+        let request = Request {
+            tokens: spec.tokens.clone(),
+            prompt_len,
+            generated: 0,
+            max_output,
+            capture_terminal: budget >= 1,
+            message_budget: budget.saturating_sub(1 + prompt_capture),
+            full_reservation: !spec.images.is_empty(),
+            preemptions: 0,
+            finishing: None,
+            live: None,
+            spec,
+        };
+        let pages = self.reservation_pages(&request);
+        if pages > u64::from(self.capacities.max_kv_pages) {
+            return Err(AdmissionError::LargerThanPool { pages, pool: self.capacities.max_kv_pages });
+        }
+        let id = RequestId(self.next_request);
+        self.next_request += 1;
+        self.requests.insert(id, request);
+        self.waiting.push_back(id);
+        Ok(id)
+    }
+
+    /// Cancels at the next submission boundary.
+    pub fn cancel(&mut self, id: RequestId) {
+        if self.requests.contains_key(&id) {
+            self.cancelled.push(id);
+        }
+    }
+
+    /// Requests that ended since the last call.
+    pub fn take_finished(&mut self) -> Vec<FinishedRequest> {
+        std::mem::take(&mut self.finished)
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> SchedulerStats {
+        self.stats
+    }
+
+    /// Cache eviction counters (page and snapshot pressure apart).
+    pub fn pressure(&self) -> PressureStats {
+        self.prefix.stats()
+    }
+
+    /// Live checkpoints.
+    pub fn cached_checkpoints(&self) -> usize {
+        self.prefix.len()
+    }
+
+    /// Whether no request is waiting or running and no capture awaits publication.
+    pub fn is_idle(&self) -> bool {
+        self.requests.is_empty() && self.pending.is_empty()
+    }
+
+    /// Evicts every unpinned checkpoint (draining, tests).
+    pub fn evict_cache(&mut self) {
+        self.prefix.evict_all(&mut self.pages, &mut self.rows.snapshots);
+    }
+
+    /// Whether every page, slot and snapshot row is free.
+    pub fn all_storage_free(&self) -> bool {
+        self.pages.all_free() && self.rows.all_free()
+    }
+
+    /// Applies a completion: fences, sampled tokens, publications.
+    pub fn complete(&mut self, completion: &Completion) {
+        self.pages.signal(completion.fence);
+        self.rows.slots.signal(completion.fence);
+        self.rows.snapshots.signal(completion.fence);
+        for sampled in &completion.sampled {
+            let Some(request) = self.requests.get_mut(&sampled.request) else { continue };
+            let Some(live) = request.live.as_mut() else { continue };
+            live.awaiting_sample = false;
+            request.tokens.push(sampled.token);
+            request.generated += 1;
+            if request.spec.eos_tokens.contains(&sampled.token) {
+                request.finishing = Some(FinishReason::Eos);
+            } else if request.generated >= request.max_output {
+                request.finishing = Some(FinishReason::Length);
+            }
+        }
+        let (done, waiting): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.pending).into_iter().partition(|p| p.publication.fence <= completion.fence);
+        self.pending = waiting;
+        for capture in done {
+            let parent = capture.publication.parent;
+            let outcome = self.prefix.publish(capture.publication, &mut self.pages, &mut self.rows.snapshots);
+            if let PublishOutcome::Published(id) = outcome
+                && let Some(live) = self.requests.get_mut(&capture.request).and_then(|r| r.live.as_mut())
+                && live.anchor == parent
+            {
+                self.prefix.pin(id);
+                if let Some(old) = live.anchor {
+                    self.prefix.unpin(old);
+                }
+                live.anchor = Some(id);
+            }
+            if let Some(p) = parent {
+                self.prefix.unpin(p);
+            }
+        }
+    }
+
+    fn allocate_page(&mut self, may_evict: bool) -> Option<PageId> {
+        loop {
+            if let Some(page) = self.pages.allocate() {
+                return Some(page);
+            }
+            if !may_evict || !self.prefix.evict_for_pages(&mut self.pages, &mut self.rows.snapshots) {
+                return None;
+            }
+        }
+    }
+
+    fn ensure_free_pages(&mut self, count: usize) -> bool {
+        while self.pages.free_count() < count {
+            if !self.prefix.evict_for_pages(&mut self.pages, &mut self.rows.snapshots) {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Snapshots `id`'s live state at its consumed count, unless that endpoint is cached or no
+    /// backing is available. The capture publishes when `fence` completes.
+    fn capture(&mut self, id: RequestId, fence: Fence, ops: &mut Vec<StepOp>, evict_pages: bool) {
+        let Some(request) = self.requests.get(&id) else { return };
+        let Some(live) = request.live.as_ref() else { return };
+        let end = live.consumed as usize;
+        if end == 0 {
+            return;
+        }
+        let key = PromptDigests::key_of(self.config.identity, &request.tokens, &request.spec.images, end);
+        if self.prefix.contains(&key) || self.pending.iter().any(|p| p.publication.key == key) {
+            return;
+        }
+        let snapshot = match self.rows.snapshots.allocate() {
+            Some(s) => Some(s),
+            None => {
+                self.prefix.evict_for_snapshot(&mut self.pages, &mut self.rows.snapshots);
+                self.rows.snapshots.allocate()
+            }
+        };
+        let Some(snapshot) = snapshot else {
+            self.stats.snapshot_skips += 1;
+            return;
+        };
+        let pt = self.pt() as usize;
+        let tail = if !end.is_multiple_of(pt) {
+            match self.allocate_page(evict_pages) {
+                Some(page) => Some(page),
+                None => {
+                    self.rows.snapshots.release(snapshot, Fence(0));
+                    self.stats.snapshot_skips += 1;
+                    return;
+                }
+            }
+        } else {
+            None
+        };
+        let Some(live) = self.requests.get_mut(&id).and_then(|r| r.live.as_mut()) else { return };
+        let parent = live.anchor.filter(|a| self.prefix.get(*a).is_some());
+        let parent_tokens = parent.and_then(|a| self.prefix.get(a)).map_or(0, |a| a.tokens()) as usize;
+        let segment = live.page_table[parent_tokens / pt..end / pt].to_vec();
+        for &page in &segment {
+            self.pages.retain(page);
+        }
+        if let Some(p) = parent {
+            self.prefix.pin(p);
+        }
+        live.last_fence = fence;
+        ops.push(StepOp::Snapshot {
+            live_row: self.rows.live_row(live.slot),
+            snapshot_row: self.rows.snapshot_row(snapshot),
+            tail: tail.map(|destination| PageCopy { source: live.page_table[end / pt], destination }),
+        });
+        self.stats.captures += 1;
+        self.pending.push(PendingCapture {
+            request: id,
+            publication: Publication { key, parent, segment, tail_page: tail, snapshot, fence },
+        });
+    }
+
+    /// Returns a running request's storage; its captures keep their own references.
+    fn release(&mut self, id: RequestId) {
+        let Some(live) = self.requests.get_mut(&id).and_then(|r| r.live.take()) else { return };
+        for &page in &live.page_table {
+            self.pages.release(page, live.last_fence);
+        }
+        self.rows.slots.release(live.slot, live.last_fence);
+        if let Some(anchor) = live.anchor {
+            self.prefix.unpin(anchor);
+        }
+        self.running.retain(|&r| r != id);
+    }
+
+    fn finish(&mut self, id: RequestId, reason: FinishReason) {
+        self.release(id);
+        self.waiting.retain(|&r| r != id);
+        if let Some(request) = self.requests.remove(&id) {
+            self.finished.push(FinishedRequest {
+                id,
+                output: request.tokens[request.spec.tokens.len()..].to_vec(),
+                reason,
+                preemptions: request.preemptions,
+            });
+        }
+    }
+
+    /// Preempts a decoder: terminal capture when backing allows, release, readmit first.
+    fn preempt(&mut self, id: RequestId, fence: Fence, ops: &mut Vec<StepOp>) {
+        self.capture(id, fence, ops, false);
+        self.release(id);
+        self.stats.preemptions += 1;
+        if let Some(request) = self.requests.get_mut(&id) {
+            request.preemptions += 1;
+            request.prompt_len = request.tokens.len() as u32;
+            request.message_budget = 0;
+        }
+        let too_large =
+            self.requests.get(&id).is_some_and(|r| self.reservation_pages(r) > u64::from(self.capacities.max_kv_pages));
+        if too_large {
+            self.finish(id, FinishReason::PoolExhausted);
+        } else {
+            self.waiting.push_front(id);
+        }
+    }
+
+    fn is_decoder(&self, id: RequestId) -> bool {
+        self.requests.get(&id).is_some_and(|r| {
+            r.finishing.is_none()
+                && r.live.as_ref().is_some_and(|l| {
+                    !l.awaiting_sample && l.consumed >= r.prompt_len && (r.tokens.len() as u32) > l.consumed
+                })
+        })
+    }
+
+    /// Plans the next step; `None` when there is nothing to submit.
+    pub fn schedule(&mut self) -> Option<Step> {
+        let fence = Fence(self.next_fence);
+        let mut ops = Vec::new();
+
+        for id in std::mem::take(&mut self.cancelled) {
+            let awaiting = self.requests.get(&id).and_then(|r| r.live.as_ref()).is_some_and(|l| l.awaiting_sample);
+            if awaiting {
+                self.cancelled.push(id);
+            } else if self.requests.contains_key(&id) {
+                self.finish(id, FinishReason::Cancelled);
+            }
+        }
+
+        let finishing: Vec<(RequestId, FinishReason)> =
+            self.running.iter().filter_map(|id| self.requests[id].finishing.map(|f| (*id, f))).collect();
+        for (id, reason) in finishing {
+            if self.requests[&id].capture_terminal {
+                self.capture(id, fence, &mut ops, true);
+            }
+            self.finish(id, reason);
+        }
+
+        let reached: Vec<RequestId> = self
+            .running
+            .iter()
+            .copied()
+            .filter(|id| {
+                let live = self.requests[id].live.as_ref();
+                live.is_some_and(|l| l.captures.front() == Some(&l.consumed))
+            })
+            .collect();
+        for id in reached {
+            if let Some(live) = self.requests.get_mut(&id).and_then(|r| r.live.as_mut()) {
+                live.captures.pop_front();
+            }
+            self.capture(id, fence, &mut ops, true);
+        }
+
+        let short_of_pages = self.plan_decode(fence, &mut ops);
+        if !short_of_pages {
+            self.admit(fence, &mut ops);
+        }
+        self.plan_prefill(fence, &mut ops);
+
+        if ops.is_empty() {
+            return None;
+        }
+        self.next_fence += 1;
+        self.stats.steps += 1;
+        Some(Step { fence, ops })
+    }
+
+    /// Plans the decode batch. Returns whether some decoder was short of pages.
+    fn plan_decode(&mut self, fence: Fence, ops: &mut Vec<StepOp>) -> bool {
+        let max_bucket = self.capacities.decode_request_buckets.last().copied().unwrap_or(0) as usize;
+        let pt = u64::from(self.pt());
+        let page_limit = self.capacities.pages_per_request(self.pt()) as usize;
+        let mut rows = Vec::new();
+        let mut short = false;
+        let candidates: Vec<RequestId> = self.running.clone();
+        for id in candidates {
+            if rows.len() >= max_bucket || !self.is_decoder(id) {
+                continue;
+            }
+            let consumed = self.requests[&id].live.as_ref().map_or(0, |l| l.consumed);
+            let need = self.scheme.pages_for(u64::from(consumed) + 1) as usize;
+            let want = (self.scheme.pages_for(u64::from(consumed) + 1 + pt) as usize).min(page_limit).max(need);
+            let mut have = self.requests[&id].live.as_ref().map_or(0, |l| l.page_table.len());
+            while have < want {
+                let Some(page) = self.allocate_page(have < need) else { break };
+                if let Some(live) = self.requests.get_mut(&id).and_then(|r| r.live.as_mut()) {
+                    live.page_table.push(page);
+                }
+                have += 1;
+            }
+            if have < need {
+                short = true;
+                // Newest eligible decoder not yet batched (possibly this one) yields.
+                let victim = self
+                    .running
+                    .iter()
+                    .copied()
+                    .filter(|&v| self.is_decoder(v) && !self.requests[&v].full_reservation)
+                    .filter(|&v| v == id || !rows.iter().any(|(r, _): &(RequestId, ConsumeRow)| *r == v))
+                    .max_by_key(|v| self.requests[v].live.as_ref().map_or(0, |l| l.admitted));
+                match victim {
+                    Some(v) if v != id || self.running.len() > 1 => self.preempt(v, fence, ops),
+                    _ => self.finish(id, FinishReason::PoolExhausted),
+                }
+                continue;
+            }
+            let Some(request) = self.requests.get_mut(&id) else { continue };
+            let Some(live) = request.live.as_mut() else { continue };
+            let row = ConsumeRow {
+                live_row: self.rows.live_row(live.slot),
+                start: live.consumed,
+                tokens: vec![request.tokens[live.consumed as usize]],
+                page_table: live.page_table.clone(),
+                sample: Some(SampleSpec { request: id, seed: request.spec.seed, counter: request.generated }),
+            };
+            live.consumed += 1;
+            live.awaiting_sample = true;
+            live.last_fence = fence;
+            rows.push((id, row));
+        }
+        if let Some(bucket) = self.capacities.decode_bucket_for(rows.len() as u32)
+            && !rows.is_empty()
+        {
+            ops.push(StepOp::Decode { bucket, rows: rows.into_iter().map(|(_, r)| r).collect() });
+        }
+        short
+    }
+
+    /// FIFO admission; a request that does not fit waits without blocking later ones.
+    fn admit(&mut self, fence: Fence, ops: &mut Vec<StepOp>) {
+        let queue: Vec<RequestId> = self.waiting.iter().copied().collect();
+        for id in queue {
+            if self.running.len() >= self.config.max_concurrency as usize || self.rows.slots.free_count() == 0 {
+                return;
+            }
+            if self.try_admit(id, fence, ops) {
+                self.waiting.retain(|&r| r != id);
+            }
+        }
+    }
+
+    fn try_admit(&mut self, id: RequestId, fence: Fence, ops: &mut Vec<StepOp>) -> bool {
+        let pt = self.pt();
+        let Some(request) = self.requests.get(&id) else { return false };
+        let digests = PromptDigests::new(self.config.identity, &request.tokens, &request.spec.images);
+        let prompt_len = request.prompt_len;
+        let hit = self.prefix.lookup(&digests, &request.tokens, &request.spec.images, prompt_len as usize);
+        let hit_tokens = hit.and_then(|h| self.prefix.get(h)).map_or(0, |c| c.tokens()) as u32;
+        let total = self.reservation_pages(request) as usize;
+        let shared = (hit_tokens / pt) as usize;
+        if let Some(h) = hit {
+            self.prefix.pin(h);
+        }
+        if !self.ensure_free_pages(total - shared) {
+            if let Some(h) = hit {
+                self.prefix.unpin(h);
+            }
+            self.stats.admission_page_waits += 1;
+            return false;
+        }
+        let Some(slot) = self.rows.slots.allocate() else {
+            if let Some(h) = hit {
+                self.prefix.unpin(h);
+            }
+            return false;
+        };
+        let mut page_table = hit.map(|h| self.prefix.chain_pages(h)).unwrap_or_default();
+        for &page in &page_table {
+            self.pages.retain(page);
+        }
+        let live_row = self.rows.live_row(slot);
+        match hit.and_then(|h| self.prefix.get(h)) {
+            Some(cp) => {
+                let snapshot_row = self.rows.snapshot_row(cp.snapshot);
+                let source = cp.tail_page;
+                let id_hit = cp.id;
+                let tail = source.and_then(|source| {
+                    self.pages.allocate().map(|destination| {
+                        page_table.push(destination);
+                        PageCopy { source, destination }
+                    })
+                });
+                self.prefix.touch(id_hit, fence);
+                ops.push(StepOp::Restore { snapshot_row, live_row, tail });
+            }
+            None => ops.push(StepOp::Initialize { live_row, rows: self.scheme.rows_per_slot() }),
+        }
+        while page_table.len() < total {
+            match self.pages.allocate() {
+                Some(page) => page_table.push(page),
+                None => break,
+            }
+        }
+        self.stats.prefix_hit_tokens += u64::from(hit_tokens);
+        let Some(request) = self.requests.get_mut(&id) else { return false };
+        let mut captures: VecDeque<u32> = select_message_endpoints(
+            &request.spec.message_endpoints,
+            hit_tokens,
+            request.prompt_len,
+            request.message_budget,
+        )
+        .into();
+        if snapshot_budget(self.capacities.snapshot_rows, self.config.max_concurrency) >= 2
+            && request.max_output > 1
+            && request.preemptions == 0
+            && hit_tokens < request.prompt_len
+        {
+            captures.push_back(request.prompt_len);
+        }
+        request.message_budget = 0;
+        self.admissions += 1;
+        let mut live = Live {
+            slot,
+            page_table,
+            consumed: hit_tokens,
+            anchor: hit,
+            captures,
+            awaiting_sample: false,
+            last_fence: fence,
+            admitted: self.admissions,
+        };
+        if hit_tokens == request.prompt_len {
+            self.stats.full_prompt_hits += 1;
+            live.awaiting_sample = true;
+            ops.push(StepOp::ResumeSampling {
+                live_row,
+                consumed: hit_tokens,
+                page_table: live.page_table.clone(),
+                sample: SampleSpec { request: id, seed: request.spec.seed, counter: request.generated },
+            });
+        }
+        request.live = Some(live);
+        self.running.push(id);
+        true
+    }
+
+    /// At most one prefill chunk: the oldest request still consuming its prompt.
+    fn plan_prefill(&mut self, fence: Fence, ops: &mut Vec<StepOp>) {
+        let max_chunk = self.capacities.max_prefill_chunk();
+        let next = self.running.iter().copied().find(|id| {
+            let r = &self.requests[id];
+            r.finishing.is_none() && r.live.as_ref().is_some_and(|l| !l.awaiting_sample && l.consumed < r.prompt_len)
+        });
+        let Some(id) = next else { return };
+        let Some(request) = self.requests.get_mut(&id) else { return };
+        let Some(live) = request.live.as_mut() else { return };
+        let stop = live.captures.iter().copied().find(|&e| e > live.consumed).unwrap_or(request.prompt_len);
+        let stop = stop.min(request.prompt_len).min(live.consumed + max_chunk);
+        let len = stop - live.consumed;
+        let Some(capacity) = self.capacities.prefill_capacity_for(len) else { return };
+        let ends_prompt = stop == request.prompt_len;
+        let row = ConsumeRow {
+            live_row: self.rows.live_row(live.slot),
+            start: live.consumed,
+            tokens: request.tokens[live.consumed as usize..stop as usize].to_vec(),
+            page_table: live.page_table.clone(),
+            sample: ends_prompt.then_some(SampleSpec {
+                request: id,
+                seed: request.spec.seed,
+                counter: request.generated,
+            }),
+        };
+        live.consumed = stop;
+        live.awaiting_sample = ends_prompt;
+        live.last_fence = fence;
+        ops.push(StepOp::Prefill { capacity, row });
+    }
+
+    /// Asserts the invariants in the module documentation.
+    pub fn check_invariants(&self) {
+        self.pages.check_invariants();
+        self.rows.slots.check_invariants();
+        self.rows.snapshots.check_invariants();
+        let mut page_refs = vec![0u32; self.pages.len() as usize];
+        let mut snapshot_refs = vec![0u32; self.rows.snapshots.len() as usize];
+        self.prefix.check_invariants(&mut page_refs, &mut snapshot_refs);
+        let mut pins: HashMap<CheckpointId, u32> = HashMap::new();
+        for capture in &self.pending {
+            let p = &capture.publication;
+            for &page in p.segment.iter().chain(p.tail_page.iter()) {
+                page_refs[page as usize] += 1;
+            }
+            snapshot_refs[p.snapshot as usize] += 1;
+            if let Some(parent) = p.parent {
+                *pins.entry(parent).or_default() += 1;
+            }
+        }
+        assert!(self.running.len() <= self.config.max_concurrency as usize, "too many running");
+        let mut slots = vec![false; self.rows.slots.len() as usize];
+        for id in &self.running {
+            let request = &self.requests[id];
+            let live = request.live.as_ref().expect("running request is live");
+            assert!(!slots[live.slot as usize], "slot {} shared", live.slot);
+            slots[live.slot as usize] = true;
+            assert_eq!(self.rows.slots.refs(live.slot), 1);
+            assert!(
+                live.page_table.len() as u64 >= self.scheme.pages_for(u64::from(live.consumed)),
+                "page table does not cover consumed tokens"
+            );
+            assert!(live.consumed as usize <= request.tokens.len());
+            for &page in &live.page_table {
+                page_refs[page as usize] += 1;
+            }
+            if let Some(anchor) = live.anchor {
+                *pins.entry(anchor).or_default() += 1;
+                let chain = self.prefix.chain_pages(anchor);
+                assert_eq!(&live.page_table[..chain.len()], &chain[..], "anchor chain differs from page table");
+            }
+        }
+        for page in 0..self.pages.len() {
+            assert_eq!(self.pages.refs(page), page_refs[page as usize], "page {page} reference count");
+        }
+        for row in 0..self.rows.snapshots.len() {
+            assert_eq!(self.rows.snapshots.refs(row), snapshot_refs[row as usize], "snapshot {row}");
+            assert!(snapshot_refs[row as usize] <= 1, "snapshot {row} shared");
+        }
+        for cp in self.prefix.checkpoints() {
+            assert_eq!(cp.pins, pins.get(&cp.id).copied().unwrap_or(0), "pins of checkpoint {}", cp.id);
+        }
+    }
+}
