@@ -1,9 +1,14 @@
 //! `flare`: the Flare serving executable.
 //!
 //! - `flare check CORE` validates a runtime core without a GPU and prints its summary.
-//! - `flare run [CORE]` serves a core. Until the native worker and CUDA replay land, it
-//!   validates the core and explains what serving still needs; it never binds a socket for a
-//!   server that cannot answer.
+//! - `flare run [CORE]` serves a core over HTTP. Without a core (or with `--sim`) it serves
+//!   through the simulated executor, so the whole server runs on a machine without a GPU.
+//!   Startup validates the core and starts the workers before binding the socket: a failed
+//!   startup exposes no endpoint.
+//! - `flare bench` / `flare load` drive any OpenAI-compatible endpoint.
+
+mod serve;
+mod sim;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -28,15 +33,12 @@ enum Command {
         #[arg(long)]
         no_verify_payloads: bool,
     },
-    /// Serve a runtime core over HTTP.
-    Run {
-        /// Directory of a runtime core. Without one, explains how to get one.
-        core: Option<PathBuf>,
-        #[arg(long, default_value = "127.0.0.1")]
-        host: String,
-        #[arg(long, default_value_t = 8000)]
-        port: u16,
-    },
+    /// Serve a runtime core over HTTP (OpenAI and Anthropic APIs).
+    Run(serve::RunArgs),
+    /// Benchmark an OpenAI-compatible endpoint (TTFT, ITL, throughput).
+    Bench(flare_bench::BenchArgs),
+    /// Load-test an OpenAI-compatible endpoint and check it drains cleanly.
+    Load(flare_bench::LoadArgs),
 }
 
 /// Why the command failed; each maps to an exit code.
@@ -46,6 +48,10 @@ enum CliError {
     InvalidCore(#[from] CoreError),
     #[error("{0}")]
     NotServable(&'static str),
+    #[error("startup failed: {0}")]
+    Startup(String),
+    #[error("{0}")]
+    Bench(String),
 }
 
 impl CliError {
@@ -53,16 +59,15 @@ impl CliError {
         match self {
             CliError::InvalidCore(_) => 2,
             CliError::NotServable(_) => 3,
+            CliError::Startup(_) => 4,
+            CliError::Bench(_) => 5,
         }
     }
 }
 
-const NO_CORE: &str = "flare run needs a runtime core: prepare one with \
-`python -m ignition prepare --model DIR --out CORE` on a machine with an NVIDIA GPU, then run \
-`flare run CORE`. `flare check CORE` validates a core without a GPU.";
-
-const NO_EXECUTOR: &str = "the core is valid, but this build has no executor to serve it yet: \
-native CUDA replay and the HTTP server are not part of this build. No socket was bound.";
+fn runtime() -> Result<tokio::runtime::Runtime, CliError> {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| CliError::Startup(e.to_string()))
+}
 
 fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
@@ -73,17 +78,17 @@ fn run(cli: Cli) -> Result<(), CliError> {
             println!("{}", Summary(core.manifest()));
             Ok(())
         }
-        Command::Run { core: None, .. } => Err(CliError::NotServable(NO_CORE)),
-        Command::Run { core: Some(core), host, port } => {
-            eprintln!("flare: validating {} before binding {host}:{port}", core.display());
-            let core = RuntimeCore::open(&core)?;
-            eprintln!(
-                "flare: {} (ABI {}) validated",
-                core.manifest().frontend.served_model_name,
-                core.manifest().identity.abi_version
-            );
-            Err(CliError::NotServable(NO_EXECUTOR))
-        }
+        Command::Run(args) => serve::run(args),
+        Command::Bench(args) => runtime()?.block_on(async {
+            let report = flare_bench::run_bench(&args).await.map_err(|e| CliError::Bench(e.to_string()))?;
+            println!("{report}");
+            Ok(())
+        }),
+        Command::Load(args) => runtime()?.block_on(async {
+            let report = flare_bench::run_load(&args).await.map_err(|e| CliError::Bench(e.to_string()))?;
+            println!("{report}");
+            report.check().map_err(|v| CliError::Bench(format!("load check failed:\n  {}", v.join("\n  "))))
+        }),
     }
 }
 

@@ -6,14 +6,60 @@
 //! stale row, off-by-one endpoint or lost token changes the output.
 
 use helios_contract::model::{CacheScheme, Capacities, PageRegion, RowRegion, RowRegionKind};
-use helios_scheduler::{Completion, ConsumeRow, SampleSpec, SampledToken, Scheduler, Step, StepOp};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use helios_scheduler::{Completion, ConsumeRow, RequestId, SampleSpec, SampledToken, Scheduler, Step, StepOp};
 
 pub mod workload;
 
+/// Request-level sampling controls, packed beside the step for the device sampler.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SamplingParams {
+    pub temperature: f32,
+    /// 0 disables top-k.
+    pub top_k: u32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub repetition_penalty: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+        }
+    }
+}
+
+/// Per-request sampling inputs for one sampled row.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RowSampling {
+    pub params: SamplingParams,
+    /// Allowed-token bitset, 32 ids per word (id `i` at bit `i % 32` of word `i / 32`);
+    /// `None` leaves the vocabulary unconstrained.
+    pub mask: Option<Arc<[u32]>>,
+}
+
+/// Host inputs packed beside a step: sampling controls for each request it samples.
+/// Requests absent from the map sample with defaults and no mask.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepInputs {
+    pub sampling: HashMap<RequestId, RowSampling>,
+}
+
 /// Runs planned steps. A CUDA executor implements the same contract.
 pub trait Executor {
-    /// Submits one step; ops run in order.
-    fn submit(&mut self, step: &Step) -> Result<(), ExecutorError>;
+    /// Submits one step with its packed inputs; ops run in order.
+    fn submit(&mut self, step: &Step, inputs: &StepInputs) -> Result<(), ExecutorError>;
     /// Completions of finished steps, in fence order (non-blocking).
     fn poll(&mut self) -> Vec<Completion>;
     /// Waits for every submitted step; returns their completions in fence order.
@@ -31,7 +77,31 @@ pub enum ExecutorError {
     BadPage(u32),
     #[error("position {position} beyond page table of {pages} pages")]
     PageTableShort { position: u32, pages: usize },
+    #[error("grammar mask for request {0} allows no token")]
+    EmptyMask(u64),
+    #[error("completion reports fence {got}, expected {expected}")]
+    UnexpectedFence { got: u64, expected: u64 },
+    #[error("completion samples token {token} outside the vocabulary of {vocab}")]
+    SampledOutOfVocabulary { token: u32, vocab: u32 },
 }
+
+/// How the simulated model picks its next token.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SimModel {
+    /// A hash of every consumed token, position, page slot and the row state: any wrong
+    /// page, stale row or off-by-one changes the output (lifecycle tests).
+    #[default]
+    Hash,
+    /// An induction (copy) model over the history read back from the pages: continue with
+    /// what followed the most recent earlier occurrence of the longest matching suffix,
+    /// occasionally a shorter match. Produces text-like, terminating output for the server.
+    Induction,
+}
+
+/// Longest suffix match the induction model looks for.
+const INDUCTION_MAX_MATCH: usize = 24;
+/// Earlier occurrences of the last token the induction model considers (most recent first).
+const INDUCTION_MAX_CANDIDATES: usize = 1024;
 
 const TOKEN_BYTES: usize = 8;
 const ROW_STATE_BYTES: u64 = 16;
@@ -54,6 +124,7 @@ pub struct SimulatedExecutor {
     completions: Vec<Completion>,
     /// Completions are reported only once this many later steps were submitted.
     completion_lag: usize,
+    model: SimModel,
 }
 
 impl SimulatedExecutor {
@@ -74,7 +145,14 @@ impl SimulatedExecutor {
             rows: vec![vec![0; row_bytes]; rows],
             completions: Vec::new(),
             completion_lag: 0,
+            model: SimModel::Hash,
         }
+    }
+
+    /// Selects the simulated model.
+    pub fn with_model(mut self, model: SimModel) -> Self {
+        self.model = model;
+        self
     }
 
     fn row_state(&self, row: u32) -> Result<(u64, u64), ExecutorError> {
@@ -126,18 +204,56 @@ impl SimulatedExecutor {
         Ok(h)
     }
 
-    fn sample(&mut self, row: u32, page_table: &[u32], sample: &SampleSpec) -> Result<(), ExecutorError> {
+    /// The tokens at positions `0..consumed`, read back from the pages.
+    fn history(&mut self, page_table: &[u32], consumed: u32) -> Result<Vec<u32>, ExecutorError> {
+        let mut out = Vec::with_capacity(consumed as usize);
+        for position in 0..consumed {
+            let slot = self.slot_of(page_table, position)?;
+            let word = u64::from_le_bytes(slot.try_into().unwrap_or_default());
+            out.push((word & 0xffff_ffff) as u32);
+        }
+        Ok(out)
+    }
+
+    fn sample(
+        &mut self,
+        row: u32,
+        page_table: &[u32],
+        sample: &SampleSpec,
+        inputs: &StepInputs,
+    ) -> Result<(), ExecutorError> {
         let (state, consumed) = self.row_state(row)?;
         let attention = self.attention(page_table, consumed as u32)?;
         let h = splitmix(state ^ splitmix(attention ^ splitmix(sample.seed ^ (u64::from(sample.counter) << 32))));
-        let token = (h % u64::from(self.vocab)) as u32;
+        let mask = inputs.sampling.get(&sample.request).and_then(|s| s.mask.as_deref());
+        let allowed = |t: u32| mask.is_none_or(|m| m.get(t as usize / 32).is_some_and(|w| w >> (t % 32) & 1 == 1));
+        let token = match self.model {
+            SimModel::Hash => (h % u64::from(self.vocab)) as u32,
+            SimModel::Induction => {
+                let history = self.history(page_table, consumed as u32)?;
+                let temperature = inputs.sampling.get(&sample.request).map_or(1.0, |s| s.params.temperature);
+                induction_candidates(&history, h, temperature)
+                    .into_iter()
+                    .find(|&t| allowed(t) && t < self.vocab)
+                    .unwrap_or(u32::MAX)
+            }
+        };
+        let token = if token < self.vocab && allowed(token) {
+            token
+        } else {
+            match mask {
+                // The k-th allowed id, k from the hash.
+                Some(m) => nth_allowed(m, self.vocab, h).ok_or(ExecutorError::EmptyMask(sample.request.0))?,
+                None => (h % u64::from(self.vocab)) as u32,
+            }
+        };
         if let Some(c) = self.completions.last_mut() {
             c.sampled.push(SampledToken { request: sample.request, token });
         }
         Ok(())
     }
 
-    fn consume(&mut self, row: &ConsumeRow) -> Result<(), ExecutorError> {
+    fn consume(&mut self, row: &ConsumeRow, inputs: &StepInputs) -> Result<(), ExecutorError> {
         let (mut state, consumed) = self.row_state(row.live_row)?;
         if consumed != u64::from(row.start) {
             return Err(ExecutorError::StaleRow {
@@ -154,14 +270,79 @@ impl SimulatedExecutor {
         }
         self.set_row_state(row.live_row, state, consumed + row.tokens.len() as u64)?;
         if let Some(sample) = &row.sample {
-            self.sample(row.live_row, &row.page_table, sample)?;
+            self.sample(row.live_row, &row.page_table, sample, inputs)?;
         }
         Ok(())
     }
 }
 
+/// Followers of earlier occurrences of the history's suffix, best first: longest match,
+/// then most recent. With probability `min(0.5, 0.1 · temperature²)` (drawn from `h`) the
+/// runner-up goes first, so higher temperatures wander more.
+fn induction_candidates(history: &[u32], h: u64, temperature: f32) -> Vec<u32> {
+    let n = history.len();
+    let Some(&last) = history.last() else { return Vec::new() };
+    let mut scored: Vec<(usize, usize, u32)> = Vec::new();
+    for j in (0..n - 1).rev() {
+        if history[j] != last {
+            continue;
+        }
+        let mut len = 1;
+        while len < INDUCTION_MAX_MATCH && len <= j && history[j - len] == history[n - 1 - len] {
+            len += 1;
+        }
+        scored.push((len, j, history[j + 1]));
+        if scored.len() >= INDUCTION_MAX_CANDIDATES {
+            break;
+        }
+    }
+    scored.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)));
+    let mut out: Vec<u32> = Vec::with_capacity(scored.len());
+    for (_, _, t) in scored {
+        if !out.contains(&t) {
+            out.push(t);
+        }
+    }
+    let swap = (0.1 * f64::from(temperature) * f64::from(temperature)).min(0.5);
+    if out.len() > 1 && ((h >> 40) as f64 / (1u64 << 24) as f64) < swap {
+        out.swap(0, 1);
+    }
+    out
+}
+
+/// The `(h mod allowed)`-th allowed id below `vocab`.
+fn nth_allowed(mask: &[u32], vocab: u32, h: u64) -> Option<u32> {
+    let count = |w: u32, i: usize| {
+        let base = i as u32 * 32;
+        if base >= vocab {
+            0
+        } else if vocab - base >= 32 {
+            w.count_ones()
+        } else {
+            (w & ((1u32 << (vocab - base)) - 1)).count_ones()
+        }
+    };
+    let total: u64 = mask.iter().enumerate().map(|(i, &w)| u64::from(count(w, i))).sum();
+    if total == 0 {
+        return None;
+    }
+    let mut k = (h % total) as u32;
+    for (i, &w) in mask.iter().enumerate() {
+        let c = count(w, i);
+        if k < c {
+            let mut bits = w;
+            for _ in 0..k {
+                bits &= bits - 1;
+            }
+            return Some(i as u32 * 32 + bits.trailing_zeros());
+        }
+        k -= c;
+    }
+    None
+}
+
 impl Executor for SimulatedExecutor {
-    fn submit(&mut self, step: &Step) -> Result<(), ExecutorError> {
+    fn submit(&mut self, step: &Step, inputs: &StepInputs) -> Result<(), ExecutorError> {
         self.completions.push(Completion { fence: step.fence, sampled: Vec::new() });
         for op in &step.ops {
             match op {
@@ -184,16 +365,16 @@ impl Executor for SimulatedExecutor {
                 }
                 StepOp::Decode { rows, .. } => {
                     for row in rows {
-                        self.consume(row)?;
+                        self.consume(row, inputs)?;
                     }
                 }
-                StepOp::Prefill { row, .. } => self.consume(row)?,
+                StepOp::Prefill { row, .. } => self.consume(row, inputs)?,
                 StepOp::ResumeSampling { live_row, consumed, page_table, sample } => {
                     let (_, actual) = self.row_state(*live_row)?;
                     if actual != u64::from(*consumed) {
                         return Err(ExecutorError::StaleRow { row: *live_row, actual, expected: u64::from(*consumed) });
                     }
-                    self.sample(*live_row, page_table, sample)?;
+                    self.sample(*live_row, page_table, sample, inputs)?;
                 }
             }
         }
@@ -218,7 +399,7 @@ pub fn turn<E: Executor>(scheduler: &mut Scheduler, executor: &mut E) -> Result<
     }
     match scheduler.schedule() {
         Some(step) => {
-            executor.submit(&step)?;
+            executor.submit(&step, &StepInputs::default())?;
             for completion in executor.poll() {
                 scheduler.complete(&completion);
             }
@@ -275,5 +456,56 @@ pub fn test_capacities(slots: u32, pages: u32, snapshots: u32) -> Capacities {
         max_kv_pages: pages,
         vocab_size: 97,
         completion_record_header_words: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn induction_copies_the_longest_match() {
+        // ... 7 8 9 | 1 7 8 5 | 7 8 -> longest match "7 8" twice; the most recent one is followed by 5.
+        let history = [7, 8, 9, 1, 7, 8, 5, 7, 8];
+        assert_eq!(induction_candidates(&history, u64::MAX, 1.0), vec![5, 9]);
+        // A low draw at temperature 1 (p = 0.1) prefers the runner-up.
+        assert_eq!(induction_candidates(&history, 0, 1.0), vec![9, 5]);
+        assert_eq!(induction_candidates(&history, 1 << 63, 0.01), vec![5, 9]);
+        // Unseen last token: no candidates.
+        assert!(induction_candidates(&[1, 2, 3], 0, 1.0).is_empty());
+    }
+
+    #[test]
+    fn nth_allowed_walks_set_bits_below_vocab() {
+        let mut mask = vec![0u32; 3];
+        for id in [3u32, 40, 70, 95] {
+            mask[id as usize / 32] |= 1 << (id % 32);
+        }
+        let picks: Vec<u32> = (0..4).map(|h| nth_allowed(&mask, 90, h).expect("allowed")).collect();
+        assert_eq!(picks, vec![3, 40, 70, 3]);
+        assert_eq!(nth_allowed(&[0, 0], 64, 5), None);
+    }
+
+    #[test]
+    fn masked_sampling_obeys_the_mask() {
+        let scheme = reference_schemes().remove(0);
+        let caps = test_capacities(1, 4, 1);
+        for model in [SimModel::Hash, SimModel::Induction] {
+            let mut executor = SimulatedExecutor::new(&scheme, &caps).with_model(model);
+            let request = RequestId(3);
+            let mut mask = vec![0u32; 4];
+            mask[1] |= 1 << 2; // only id 34
+            let mut inputs = StepInputs::default();
+            inputs.sampling.insert(request, RowSampling { mask: Some(mask.into()), ..Default::default() });
+            let sample = Some(SampleSpec { request, seed: 9, counter: 0 });
+            let row = ConsumeRow { live_row: 1, start: 0, tokens: vec![5, 6, 5], page_table: vec![0], sample };
+            let step = Step {
+                fence: helios_cache::Fence(1),
+                ops: vec![StepOp::Initialize { live_row: 1, rows: 1 }, StepOp::Prefill { capacity: 16, row }],
+            };
+            executor.submit(&step, &inputs).expect("submits");
+            let done = executor.synchronize();
+            assert_eq!(done[0].sampled, vec![SampledToken { request, token: 34 }]);
+        }
     }
 }

@@ -216,5 +216,8 @@ fn executor_rejects_stale_rows() {
     let mut executor = SimulatedExecutor::new(&scheme, &caps);
     let row = ConsumeRow { live_row: 1, start: 5, tokens: vec![1], page_table: vec![0], sample: None };
     let step = Step { fence: Fence(1), ops: vec![StepOp::Prefill { capacity: 16, row }] };
-    assert!(matches!(executor.submit(&step), Err(ExecutorError::StaleRow { .. })));
+    assert!(matches!(
+        executor.submit(&step, &helios_replay::StepInputs::default()),
+        Err(ExecutorError::StaleRow { .. })
+    ));
 }

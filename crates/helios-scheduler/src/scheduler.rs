@@ -92,6 +92,29 @@ pub struct FinishedRequest {
     pub output: Vec<u32>,
     pub reason: FinishReason,
     pub preemptions: u32,
+    /// Prompt tokens restored from a checkpoint at first admission instead of recomputed.
+    pub cached_tokens: u32,
+}
+
+/// Where storage is right now (for metrics and drain checks).
+///
+/// `pages_request` counts pages some running request or in-flight capture references
+/// beyond what checkpoints hold; it is zero whenever the scheduler is idle.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Occupancy {
+    pub waiting: usize,
+    pub running: usize,
+    pub pages_total: u32,
+    pub pages_free: usize,
+    pub pages_retiring: usize,
+    /// Distinct pages owned by cached checkpoints.
+    pub pages_cached: usize,
+    pub pages_request: usize,
+    pub snapshot_rows_total: u32,
+    pub snapshot_rows_used: usize,
+    /// Checkpoints pinned by a running request or an in-flight publication.
+    pub checkpoints_pinned: usize,
+    pub checkpoints: usize,
 }
 
 /// Counters for reports and tests.
@@ -177,6 +200,7 @@ struct Request {
     message_budget: u32,
     full_reservation: bool,
     preemptions: u32,
+    cached_tokens: u32,
     finishing: Option<FinishReason>,
     live: Option<Live>,
 }
@@ -202,6 +226,7 @@ pub struct Scheduler {
     cancelled: Vec<RequestId>,
     pending: Vec<PendingCapture>,
     finished: Vec<FinishedRequest>,
+    admitted: Vec<RequestId>,
     next_request: u64,
     next_fence: u64,
     admissions: u64,
@@ -236,6 +261,7 @@ impl Scheduler {
             cancelled: Vec::new(),
             pending: Vec::new(),
             finished: Vec::new(),
+            admitted: Vec::new(),
             next_request: 0,
             next_fence: 1,
             admissions: 0,
@@ -285,6 +311,7 @@ impl Scheduler {
             message_budget: budget.saturating_sub(1 + prompt_capture),
             full_reservation: !spec.images.is_empty(),
             preemptions: 0,
+            cached_tokens: 0,
             finishing: None,
             live: None,
             spec,
@@ -310,6 +337,41 @@ impl Scheduler {
     /// Requests that ended since the last call.
     pub fn take_finished(&mut self) -> Vec<FinishedRequest> {
         std::mem::take(&mut self.finished)
+    }
+
+    /// Requests that started running for the first time since the last call (readmissions
+    /// after preemption are not repeated).
+    pub fn take_admitted(&mut self) -> Vec<RequestId> {
+        std::mem::take(&mut self.admitted)
+    }
+
+    /// Current storage use.
+    pub fn occupancy(&self) -> Occupancy {
+        let mut cached = vec![0u32; self.pages.len() as usize];
+        let mut checkpoints_pinned = 0;
+        for cp in self.prefix.checkpoints() {
+            for &page in cp.segment.iter().chain(cp.tail_page.iter()) {
+                if let Some(c) = cached.get_mut(page as usize) {
+                    *c += 1;
+                }
+            }
+            checkpoints_pinned += usize::from(cp.pins > 0);
+        }
+        let pages_cached = cached.iter().filter(|&&c| c > 0).count();
+        let pages_request = cached.iter().enumerate().filter(|&(page, &c)| self.pages.refs(page as u32) > c).count();
+        Occupancy {
+            waiting: self.waiting.len(),
+            running: self.running.len(),
+            pages_total: self.pages.len(),
+            pages_free: self.pages.free_count(),
+            pages_retiring: self.pages.retiring_count(),
+            pages_cached,
+            pages_request,
+            snapshot_rows_total: self.rows.snapshots.len(),
+            snapshot_rows_used: (self.rows.snapshots.len() as usize).saturating_sub(self.rows.snapshots.free_count()),
+            checkpoints_pinned,
+            checkpoints: self.prefix.len(),
+        }
     }
 
     /// Counters.
@@ -483,6 +545,7 @@ impl Scheduler {
                 output: request.tokens[request.spec.tokens.len()..].to_vec(),
                 reason,
                 preemptions: request.preemptions,
+                cached_tokens: request.cached_tokens,
             });
         }
     }
@@ -711,6 +774,10 @@ impl Scheduler {
             captures.push_back(request.prompt_len);
         }
         request.message_budget = 0;
+        if request.preemptions == 0 {
+            request.cached_tokens = hit_tokens;
+            self.admitted.push(id);
+        }
         self.admissions += 1;
         let mut live = Live {
             slot,

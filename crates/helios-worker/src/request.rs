@@ -1,0 +1,219 @@
+//! Normalized requests (what the HTTP layer hands the worker) and their prepared form.
+
+use std::sync::Arc;
+
+use helios_frontend::{
+    AnswerFormat, GrammarMatcher, OutputParser, OutputProtocol, Prompt, RenderInput, ResolvedSampling, SamplingRequest,
+    ToolChoice,
+};
+use helios_replay::SamplingParams;
+use serde_json::{Map, Value as Json};
+
+use crate::decode::ChoiceDecoder;
+use crate::error::{InvalidRequest, RequestError};
+use crate::frontend::Frontend;
+
+/// Most choices one request may ask for.
+pub const MAX_CHOICES: u32 = 16;
+
+/// A chat conversation to render with the core's template.
+#[derive(Clone, Debug)]
+pub struct ChatPrompt {
+    /// OpenAI/Transformers-shaped message objects.
+    pub messages: Vec<Json>,
+    /// Declared tools (OpenAI `{"type": "function", "function": {...}}` objects).
+    pub tools: Vec<Json>,
+    pub tool_choice: ToolChoice,
+    /// Leave the final assistant message open instead of adding a generation prompt.
+    pub continue_final_message: bool,
+    /// Extra template variables (`chat_template_kwargs`).
+    pub template_kwargs: Map<String, Json>,
+}
+
+/// The prompt of a request.
+#[derive(Clone, Debug)]
+pub enum PromptInput {
+    Chat(ChatPrompt),
+    /// Raw text, encoded without added special tokens.
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+/// A validated, protocol-neutral generation request.
+#[derive(Clone, Debug)]
+pub struct GenerationInput {
+    /// Stable id used in responses, the `x-request-id` header and logs.
+    pub request_id: String,
+    pub prompt: PromptInput,
+    pub sampling: SamplingRequest,
+    /// `None`: a fresh seed per request.
+    pub seed: Option<u64>,
+    pub n: u32,
+    pub stop: Vec<String>,
+    pub answer: AnswerFormat,
+    /// Generate to the output limit even past EOS (benchmarks).
+    pub ignore_eos: bool,
+}
+
+/// A request after rendering, tokenization, sampling resolution and grammar compilation.
+///
+/// Invariant: `grammars` is empty or holds exactly `n` fresh matchers.
+#[derive(Debug)]
+pub struct Prepared {
+    pub request_id: String,
+    pub prompt_ids: Arc<[u32]>,
+    /// Checkpoint endpoints (token counts) at completed messages, strictly inside the prompt.
+    pub message_endpoints: Vec<u32>,
+    pub prompt_text: String,
+    pub sampling: ResolvedSampling,
+    pub seed: u64,
+    pub n: u32,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    /// Tools the prompt offered (after `tool_choice` filtering).
+    pub tools: Vec<Json>,
+    pub tool_choice: ToolChoice,
+    /// Whether output is parsed for reasoning and tool calls (chat), or is raw text.
+    pub chat: bool,
+    pub starts_in_reasoning: bool,
+    pub(crate) grammars: Vec<GrammarMatcher>,
+}
+
+impl Prepared {
+    pub fn sampling_params(&self) -> SamplingParams {
+        let s = &self.sampling;
+        SamplingParams {
+            temperature: s.temperature as f32,
+            top_k: s.top_k,
+            top_p: s.top_p as f32,
+            min_p: s.min_p as f32,
+            repetition_penalty: s.repetition_penalty as f32,
+            presence_penalty: s.presence_penalty as f32,
+            frequency_penalty: s.frequency_penalty as f32,
+        }
+    }
+
+    /// A fresh output decoder for one choice.
+    pub fn decoder(&self, frontend: &Frontend) -> ChoiceDecoder {
+        let parser = if self.chat {
+            OutputParser::new(frontend.reasoning_parser, frontend.tool_parser, &self.tools, self.starts_in_reasoning)
+        } else {
+            OutputParser::new(helios_contract::ReasoningParser::None, helios_contract::ToolParser::None, &[], false)
+        };
+        let tail_start = self.prompt_ids.len().saturating_sub(4);
+        ChoiceDecoder::new(frontend.tokenizer.clone(), &self.prompt_ids[tail_start..], &self.stop, parser)
+    }
+
+    /// The names of the tools the request offered.
+    pub fn tool_names(&self) -> Vec<String> {
+        self.tools.iter().filter_map(tool_name).collect()
+    }
+}
+
+/// The `name` of an OpenAI tool definition (or a bare function object).
+pub fn tool_name(t: &Json) -> Option<String> {
+    t.get("function").unwrap_or(t).get("name").and_then(Json::as_str).map(str::to_owned)
+}
+
+/// Renders, tokenizes and compiles one request. CPU-heavy: runs on a preparation worker.
+pub fn prepare(frontend: &Frontend, input: GenerationInput) -> Result<Prepared, RequestError> {
+    if input.n == 0 || input.n > MAX_CHOICES {
+        return Err(InvalidRequest::ChoiceCount { got: input.n, max: MAX_CHOICES }.into());
+    }
+    let sampling = helios_frontend::resolve_sampling(&frontend.sampling, &input.sampling)?;
+    let (prompt_ids, message_endpoints, prompt_text, tools, tool_choice, chat) = match input.prompt {
+        PromptInput::Chat(chat) => {
+            if let ToolChoice::Named(name) = &chat.tool_choice
+                && !chat.tools.iter().any(|t| tool_name(t).as_deref() == Some(name))
+            {
+                return Err(InvalidRequest::UnknownToolChoice(name.clone()).into());
+            }
+            let offered = chat.tool_choice.offered_tools(&chat.tools);
+            let mut messages = chat.messages;
+            if let Some(instruction) = chat.tool_choice.instruction() {
+                add_system_instruction(&mut messages, instruction);
+            }
+            let render = RenderInput {
+                messages,
+                tools: (!offered.is_empty()).then(|| offered.clone()),
+                add_generation_prompt: !chat.continue_final_message,
+                continue_final_message: chat.continue_final_message,
+                extra: chat.template_kwargs,
+                now_unix: None,
+            };
+            let prompt = Prompt::prepare(&frontend.template, &frontend.tokenizer, &render)?;
+            let endpoints = prompt.checkpoints.iter().map(|&k| k as u32).collect();
+            (prompt.ids, endpoints, prompt.text, offered, chat.tool_choice, true)
+        }
+        PromptInput::Text(text) => {
+            let ids = frontend.tokenizer.encode(&text, false)?.ids;
+            (ids, Vec::new(), text, Vec::new(), ToolChoice::None, false)
+        }
+        PromptInput::Tokens(ids) => {
+            if let Some(&token) = ids.iter().find(|&&t| t >= frontend.vocab_size) {
+                return Err(InvalidRequest::TokenOutOfVocabulary { token, vocab: frontend.vocab_size }.into());
+            }
+            let text = frontend.tokenizer.decode(&ids, false)?;
+            (ids, Vec::new(), text, Vec::new(), ToolChoice::None, false)
+        }
+    };
+    if prompt_ids.is_empty() {
+        return Err(InvalidRequest::EmptyPrompt.into());
+    }
+    let starts_in_reasoning = chat && prompt_opens_reasoning(&prompt_text);
+    let grammars = if input.answer == AnswerFormat::Text {
+        Vec::new()
+    } else {
+        let proto = OutputProtocol {
+            reasoning: if chat { frontend.reasoning_parser } else { helios_contract::ReasoningParser::None },
+            tools: if chat { frontend.tool_parser } else { helios_contract::ToolParser::None },
+            tools_offered: !tools.is_empty(),
+            starts_in_reasoning,
+        };
+        (0..input.n).map(|_| frontend.grammar.matcher(&input.answer, &proto)).collect::<Result<Vec<_>, _>>()?
+    };
+    Ok(Prepared {
+        request_id: input.request_id,
+        prompt_ids: prompt_ids.into(),
+        message_endpoints,
+        prompt_text,
+        sampling,
+        seed: input.seed.unwrap_or_else(fresh_seed),
+        n: input.n,
+        stop: input.stop,
+        ignore_eos: input.ignore_eos,
+        tools,
+        tool_choice,
+        chat,
+        starts_in_reasoning,
+        grammars,
+    })
+}
+
+fn prompt_opens_reasoning(prompt: &str) -> bool {
+    match (prompt.rfind("<think>"), prompt.rfind("</think>")) {
+        (Some(o), Some(c)) => o > c,
+        (Some(_), None) => true,
+        _ => false,
+    }
+}
+
+/// Appends to the leading system message, or inserts one.
+fn add_system_instruction(messages: &mut Vec<Json>, instruction: &str) {
+    if let Some(first) = messages.first_mut()
+        && first.get("role").and_then(Json::as_str) == Some("system")
+        && let Some(Json::String(content)) = first.get_mut("content")
+    {
+        content.push_str("\n\n");
+        content.push_str(instruction);
+        return;
+    }
+    messages.insert(0, serde_json::json!({"role": "system", "content": instruction}));
+}
+
+fn fresh_seed() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    t ^ COUNTER.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed)
+}
