@@ -58,7 +58,11 @@ pub(crate) struct RunArgs {
 }
 
 fn init_logging(format: LogFormat) {
-    let builder = tracing_subscriber::fmt().with_writer(std::io::stderr).with_target(false);
+    use std::io::IsTerminal;
+    let builder = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .with_ansi(std::io::stderr().is_terminal());
     // Timestamps are RFC 3339 in UTC (GMT).
     let _ = match format {
         LogFormat::Text => builder.try_init(),

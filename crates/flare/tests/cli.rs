@@ -40,11 +40,27 @@ fn check_names_the_broken_field() {
 }
 
 #[test]
-fn run_without_core_explains_and_binds_nothing() {
-    let out = flare().arg("run").output().unwrap();
+fn run_real_core_without_executor_binds_nothing() {
+    let port = free_port();
+    let out = flare().args(["run", "--port", &port.to_string()]).arg(fixture("abi2")).output().unwrap();
     assert_eq!(out.status.code(), Some(3));
     let stderr = String::from_utf8(out.stderr).unwrap();
-    assert!(stderr.contains("ignition prepare"), "{stderr}");
+    assert!(stderr.contains("no CUDA executor"), "{stderr}");
+    assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_err());
+}
+
+#[test]
+fn failed_startup_binds_nothing() {
+    let port = free_port();
+    let out = flare().args(["run", "--max-model-len", "999999", "--port", &port.to_string()]).output().unwrap();
+    assert_eq!(out.status.code(), Some(4));
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(stderr.contains("--max-model-len 999999 outside"), "{stderr}");
+    assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_err());
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 fn copy(from: &std::path::Path, to: &std::path::Path) {

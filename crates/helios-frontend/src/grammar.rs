@@ -164,7 +164,8 @@ impl GrammarEnv {
                 ));
             }
         }
-        g.push_str("sep: /[ \\t\\r\\n]+/\n");
+        // Bounded: free whitespace between delimiters would let a sampler pad forever.
+        g.push_str("sep: /[ \\t\\r\\n]{1,8}/\n");
         g.push_str(&answer);
         g.push('\n');
         Ok(g)
@@ -185,14 +186,25 @@ impl std::fmt::Debug for GrammarMatcher {
 }
 
 impl GrammarMatcher {
-    /// Tokens allowed next (EOS is allowed exactly when the grammar accepts).
+    /// Tokens allowed next (EOS is allowed exactly when the grammar accepts; once the
+    /// grammar has nothing left to match, only EOS).
     pub fn compute_mask(&mut self) -> Result<TokenMask, GrammarError> {
-        self.matcher.compute_mask().map(TokenMask).map_err(|e| GrammarError::Matcher(e.to_string()))
+        self.matcher.compute_mask_or_eos().map(TokenMask).map_err(|e| GrammarError::Matcher(e.to_string()))
     }
 
     /// Advances by one sampled token; a token the grammar forbids is rejected and the
     /// matcher state is unchanged.
     pub fn consume_token(&mut self, id: u32) -> Result<(), GrammarError> {
+        if self.matcher.is_stopped() && !self.matcher.is_error() {
+            // A complete grammar accepts only EOS, which ends the request.
+            let eos = self.compute_mask()?;
+            return if eos.is_allowed(id) {
+                self.consumed += 1;
+                Ok(())
+            } else {
+                Err(GrammarError::Rejected(id))
+            };
+        }
         match self.matcher.try_consume_tokens(&[id]) {
             Ok(1) => {
                 self.consumed += 1;
@@ -265,6 +277,27 @@ mod tests {
         assert!(m.is_accepting());
         let mut m = e.matcher(&AnswerFormat::JsonSchema(schema), &proto).expect("compiles");
         assert!(drive(&e, &mut m, "{\"m\": 1}").is_err());
+    }
+
+    #[test]
+    fn a_finished_grammar_allows_only_eos() {
+        let e = env();
+        let eos = e.tokenizer.token_id("<|im_end|>").expect("eos");
+        let proto = OutputProtocol {
+            reasoning: ReasoningParser::None,
+            tools: ToolParser::None,
+            tools_offered: false,
+            starts_in_reasoning: false,
+        };
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+            "additionalProperties": false, "x-guidance": {"whitespace_flexible": false}});
+        let mut m = e.matcher(&AnswerFormat::JsonSchema(schema), &proto).expect("compiles");
+        drive(&e, &mut m, "{\"a\":1}").expect("accepted");
+        let mask = m.compute_mask().expect("a stopped grammar still has a mask");
+        assert!(mask.is_allowed(eos));
+        assert_eq!(mask.num_allowed(), 1);
+        m.consume_token(eos).expect("EOS ends it");
+        assert!(matches!(m.consume_token(7), Err(GrammarError::Rejected(7))));
     }
 
     #[test]

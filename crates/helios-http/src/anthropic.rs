@@ -170,14 +170,14 @@ fn stop_reason(end: &ChoiceEnd, stops: &[String]) -> (&'static str, Option<Strin
 }
 
 fn tool_use_id(request_id: &str, i: usize) -> String {
-    format!("toolu_{}_{i}", request_id.rsplit('-').next().unwrap_or(request_id))
+    format!("toolu_{}_{i}", crate::generate::id_suffix(request_id))
 }
 
 pub(crate) async fn messages(
     State(state): State<AppState>,
     body: ApiJson<MessagesRequest, AnthropicEnvelope>,
 ) -> Response {
-    let request_id = new_id("msg");
+    let request_id = new_id("msg_");
     match messages_inner(state, body.0, request_id.clone()).await {
         Ok(r) => with_request_id(r, &request_id),
         Err(e) => e.flavor(Flavor::Anthropic).request_id(&request_id).into_response(),

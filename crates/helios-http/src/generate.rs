@@ -155,13 +155,18 @@ pub(crate) async fn start(
     Ok(Generation { request_id, prompt_tokens: prepared.prompt_ids.len() as u32, choices })
 }
 
-/// A fresh response id with the protocol's prefix.
+/// A fresh response id after the protocol's prefix (`chatcmpl-`, `msg_`, …).
 pub(crate) fn new_id(prefix: &str) -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static NEXT: AtomicU64 = AtomicU64::new(1);
     let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    format!("{prefix}-{:012x}{:06x}", t & 0xffff_ffff_ffff, n & 0xff_ffff)
+    format!("{prefix}{:012x}{:06x}", t & 0xffff_ffff_ffff, n & 0xff_ffff)
+}
+
+/// The unique part of an id made by [`new_id`].
+pub(crate) fn id_suffix(id: &str) -> &str {
+    id.rsplit(['-', '_']).next().unwrap_or(id)
 }
 
 /// Seconds since the Unix epoch.

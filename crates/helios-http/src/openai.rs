@@ -127,11 +127,11 @@ fn usage(prompt: u32, completion: u32, cached: u32) -> Json {
 }
 
 fn call_id(request_id: &str, choice: u32, index: usize) -> String {
-    format!("call_{}_{choice}_{index}", request_id.rsplit('-').next().unwrap_or(request_id))
+    format!("call_{}_{choice}_{index}", crate::generate::id_suffix(request_id))
 }
 
 pub(crate) async fn chat(State(state): State<AppState>, ApiJson(req, _): ApiJson<ChatRequest>) -> Response {
-    let request_id = new_id("chatcmpl");
+    let request_id = new_id("chatcmpl-");
     match chat_inner(state, req, request_id.clone()).await {
         Ok(r) => with_request_id(r, &request_id),
         Err(e) => e.request_id(&request_id).into_response(),
@@ -356,7 +356,7 @@ pub(crate) async fn completions(
     State(state): State<AppState>,
     ApiJson(req, _): ApiJson<CompletionRequest>,
 ) -> Response {
-    let request_id = new_id("cmpl");
+    let request_id = new_id("cmpl-");
     match completions_inner(state, req, request_id.clone()).await {
         Ok(r) => with_request_id(r, &request_id),
         Err(e) => e.request_id(&request_id).into_response(),

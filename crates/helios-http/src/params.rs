@@ -114,7 +114,7 @@ pub(crate) fn answer_format(v: Option<&Json>) -> Result<AnswerFormat, ApiError> 
     let bad = |m: &str| ApiError::invalid("invalid_response_format", Some("response_format"), m.to_owned());
     match v.get("type").and_then(Json::as_str) {
         Some("text") => Ok(AnswerFormat::Text),
-        Some("json_object") => Ok(AnswerFormat::JsonObject),
+        Some("json_object") => Ok(AnswerFormat::JsonSchema(compact(serde_json::json!({"type": "object"})))),
         Some("json_schema") => {
             let schema = v
                 .get("json_schema")
@@ -123,7 +123,7 @@ pub(crate) fn answer_format(v: Option<&Json>) -> Result<AnswerFormat, ApiError> 
             if !schema.is_object() {
                 return Err(bad("json_schema.schema must be an object"));
             }
-            Ok(AnswerFormat::JsonSchema(schema.clone()))
+            Ok(AnswerFormat::JsonSchema(compact(schema.clone())))
         }
         Some("regex") => match v.get("regex").and_then(Json::as_str) {
             Some(r) => Ok(AnswerFormat::Regex(r.to_owned())),
@@ -131,6 +131,18 @@ pub(crate) fn answer_format(v: Option<&Json>) -> Result<AnswerFormat, ApiError> 
         },
         _ => Err(bad("response_format.type must be text, json_object, json_schema or regex")),
     }
+}
+
+/// JSON answers use Python's `", "` / `": "` separators and no free whitespace (llguidance's
+/// `x-guidance`), unless the schema chooses otherwise: unbounded whitespace lets a
+/// sampler pad forever without ever closing the value.
+fn compact(mut schema: Json) -> Json {
+    if let Some(o) = schema.as_object_mut() {
+        o.entry("x-guidance").or_insert_with(
+            || serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}),
+        );
+    }
+    schema
 }
 
 /// OpenAI `tool_choice`.

@@ -165,11 +165,11 @@ fn response_object(id: &str, model: &str, created: u64, end: Option<&ChoiceEnd>)
 }
 
 fn short(id: &str) -> &str {
-    id.rsplit('-').next().unwrap_or(id)
+    crate::generate::id_suffix(id)
 }
 
 pub(crate) async fn responses(State(state): State<AppState>, ApiJson(req, _): ApiJson<ResponsesRequest>) -> Response {
-    let request_id = new_id("resp");
+    let request_id = new_id("resp_");
     match responses_inner(state, req, request_id.clone()).await {
         Ok(r) => with_request_id(r, &request_id),
         Err(e) => e.request_id(&request_id).into_response(),

@@ -102,6 +102,8 @@ pub enum SimModel {
 const INDUCTION_MAX_MATCH: usize = 24;
 /// Earlier occurrences of the last token the induction model considers (most recent first).
 const INDUCTION_MAX_CANDIDATES: usize = 1024;
+/// When no copy candidate is allowed, the induction model draws from this many lowest allowed ids.
+const INDUCTION_FALLBACK_WINDOW: u64 = 64;
 
 const TOKEN_BYTES: usize = 8;
 const ROW_STATE_BYTES: u64 = 16;
@@ -242,8 +244,12 @@ impl SimulatedExecutor {
             token
         } else {
             match mask {
-                // The k-th allowed id, k from the hash.
-                Some(m) => nth_allowed(m, self.vocab, h).ok_or(ExecutorError::EmptyMask(sample.request.0))?,
+                // Hash model: any allowed id. Induction model: one of the lowest allowed ids
+                // (single bytes and punctuation), so constrained strings and numbers close.
+                Some(m) => {
+                    let window = if self.model == SimModel::Induction { INDUCTION_FALLBACK_WINDOW } else { u64::MAX };
+                    nth_allowed(m, self.vocab, h, window).ok_or(ExecutorError::EmptyMask(sample.request.0))?
+                }
                 None => (h % u64::from(self.vocab)) as u32,
             }
         };
@@ -303,6 +309,10 @@ fn induction_candidates(history: &[u32], h: u64, temperature: f32) -> Vec<u32> {
             out.push(t);
         }
     }
+    // Break runs: after three equal tokens, a fourth is not proposed.
+    if n >= 3 && history[n - 3..].iter().all(|&t| t == last) {
+        out.retain(|&t| t != last);
+    }
     let swap = (0.1 * f64::from(temperature) * f64::from(temperature)).min(0.5);
     if out.len() > 1 && ((h >> 40) as f64 / (1u64 << 24) as f64) < swap {
         out.swap(0, 1);
@@ -310,8 +320,8 @@ fn induction_candidates(history: &[u32], h: u64, temperature: f32) -> Vec<u32> {
     out
 }
 
-/// The `(h mod allowed)`-th allowed id below `vocab`.
-fn nth_allowed(mask: &[u32], vocab: u32, h: u64) -> Option<u32> {
+/// The `(h mod min(allowed, window))`-th allowed id below `vocab`.
+fn nth_allowed(mask: &[u32], vocab: u32, h: u64, window: u64) -> Option<u32> {
     let count = |w: u32, i: usize| {
         let base = i as u32 * 32;
         if base >= vocab {
@@ -326,7 +336,7 @@ fn nth_allowed(mask: &[u32], vocab: u32, h: u64) -> Option<u32> {
     if total == 0 {
         return None;
     }
-    let mut k = (h % total) as u32;
+    let mut k = (h % total.min(window)) as u32;
     for (i, &w) in mask.iter().enumerate() {
         let c = count(w, i);
         if k < c {
@@ -473,6 +483,8 @@ mod tests {
         assert_eq!(induction_candidates(&history, 1 << 63, 0.01), vec![5, 9]);
         // Unseen last token: no candidates.
         assert!(induction_candidates(&[1, 2, 3], 0, 1.0).is_empty());
+        // Runs of three end.
+        assert_eq!(induction_candidates(&[4, 4, 4, 4], u64::MAX, 1.0), Vec::<u32>::new());
     }
 
     #[test]
@@ -481,9 +493,11 @@ mod tests {
         for id in [3u32, 40, 70, 95] {
             mask[id as usize / 32] |= 1 << (id % 32);
         }
-        let picks: Vec<u32> = (0..4).map(|h| nth_allowed(&mask, 90, h).expect("allowed")).collect();
+        let picks: Vec<u32> = (0..4).map(|h| nth_allowed(&mask, 90, h, u64::MAX).expect("allowed")).collect();
         assert_eq!(picks, vec![3, 40, 70, 3]);
-        assert_eq!(nth_allowed(&[0, 0], 64, 5), None);
+        let low: Vec<u32> = (0..3).map(|h| nth_allowed(&mask, 90, h, 2).expect("allowed")).collect();
+        assert_eq!(low, vec![3, 40, 3]);
+        assert_eq!(nth_allowed(&[0, 0], 64, 5, u64::MAX), None);
     }
 
     #[test]
