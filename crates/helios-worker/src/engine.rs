@@ -429,9 +429,12 @@ impl<E: Executor> ModelLoop<E> {
         let completions = match step {
             Some(step) => {
                 let inputs = self.pack(&step);
+                let t0 = Instant::now();
                 self.executor.submit(&step, &inputs)?;
+                let done = self.executor.poll();
+                self.metrics.executor.observe(t0.elapsed().as_secs_f64());
                 self.metrics.steps.fetch_add(1, Ordering::Relaxed);
-                self.executor.poll()
+                done
             }
             None => {
                 let done = self.executor.synchronize();

@@ -65,6 +65,8 @@ pub struct Metrics {
     occupancy: Mutex<Occupancy>,
     pub ttft: Histogram,
     pub itl: Histogram,
+    /// Time inside the executor per step (submit + poll): model time, as opposed to server time.
+    pub executor: Histogram,
 }
 
 impl Metrics {
@@ -156,6 +158,7 @@ impl Metrics {
             "Time between consecutive sampled tokens of a request.",
             &mut out,
         );
+        self.executor.render("flare_executor_step_seconds", "Executor time per step (submit and poll).", &mut out);
         out
     }
 }
