@@ -1,6 +1,10 @@
 //! Render + tokenize of a 200-message agent conversation, and grammar mask time per
 //! token over the DeepSeek (128K) vocabulary. Python counterpart:
-//! scripts/frontend/bench_reference.py (same conversation).
+//! scripts/frontend/bench_reference.py (same conversation); the one-run Rust vs Transformers
+//! comparison is `cargo run --release -p helios-frontend --example frontend_vs_transformers`.
+
+#[path = "support/conversation.rs"]
+mod support;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -11,30 +15,10 @@ use helios_contract::{ReasoningParser, ToolParser};
 use helios_frontend::{
     AnswerFormat, ChatTemplate, GrammarEnv, OutputProtocol, Prompt, RenderInput, TemplateConfig, Tokenizer,
 };
-use serde_json::{Value, json};
+use serde_json::json;
 
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/frontend")
-}
-
-const PARA: &str = "The agent inspects the repository, reads configuration files, runs the test-suite and reports findings — including Unicode like naïve café, 東京, and emoji 🚀✅. ";
-
-/// Same construction as bench_reference.py.
-fn conversation() -> (Vec<Value>, Vec<Value>) {
-    let tools = vec![json!({"type": "function", "function": {"name": "run", "description": "Run a shell command.",
-        "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}})];
-    let mut msgs = vec![json!({"role": "system", "content": "You are a coding agent."})];
-    let mut i = 0;
-    while msgs.len() < 200 {
-        msgs.push(json!({"role": "user", "content": format!("Step {i}: {}", PARA.repeat(4))}));
-        msgs.push(json!({"role": "assistant", "content": PARA.repeat(3), "tool_calls": [
-            {"type": "function", "function": {"name": "run", "arguments": {"cmd": format!("cargo test --step {i}")}}}]}));
-        msgs.push(json!({"role": "tool", "content": PARA.repeat(5)}));
-        msgs.push(json!({"role": "assistant", "content": format!("Done with step {i}. {}", PARA)}));
-        i += 1;
-    }
-    msgs.truncate(200);
-    (msgs, tools)
 }
 
 fn bench(c: &mut Criterion) {
@@ -46,7 +30,7 @@ fn bench(c: &mut Criterion) {
         special_tokens: vec![],
     })
     .expect("compiles");
-    let (messages, tools) = conversation();
+    let (messages, tools) = support::conversation();
     let input = RenderInput { messages, tools: Some(tools), add_generation_prompt: true, ..Default::default() };
     let text = tmpl.render_text(&input).expect("renders");
     let n = tok.encode(&text, false).expect("encodes").ids.len();
@@ -72,7 +56,14 @@ fn bench(c: &mut Criterion) {
             tok.encode(&text, false).expect("encodes").ids.len()
         })
     });
-    g.bench_function("prepare_with_checkpoints_200msg", |b| {
+    g.bench_function("prepare_with_checkpoints_200msg_cold", |b| {
+        b.iter(|| {
+            tok.clear_encode_cache();
+            tmpl.clear_mark_cache();
+            Prompt::prepare(&tmpl, &tok, &input).expect("prepares").checkpoints.len()
+        })
+    });
+    g.bench_function("prepare_with_checkpoints_200msg_warm", |b| {
         b.iter(|| Prompt::prepare(&tmpl, &tok, &input).expect("prepares").checkpoints.len())
     });
 

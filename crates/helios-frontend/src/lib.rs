@@ -4,6 +4,7 @@
 //! Engine-facing pieces are narrow: [`Prompt`] carries token ids plus checkpoint
 //! endpoints, [`GrammarMatcher`] exposes `compute_mask` / `consume_token` / `rollback`.
 
+mod bytelevel;
 mod detok;
 mod error;
 mod grammar;

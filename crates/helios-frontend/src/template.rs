@@ -86,6 +86,51 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     special_tokens: Vec<(String, String)>,
     reads_content: bool,
+    /// The template calls `strftime_now`: prefix renders depend on the clock.
+    reads_clock: bool,
+    memo: std::sync::Mutex<MarkMemo>,
+    /// Keys of the two SipHash-1-3 halves of the 128-bit memo hashes (random per template).
+    hash_keys: (std::collections::hash_map::RandomState, std::collections::hash_map::RandomState),
+}
+
+/// Outcome of one prefix render, remembered by [`ChatTemplate::render`] across calls.
+///
+/// Keyed by a 128-bit hash of everything a prefix render reads (tools, extra variables,
+/// clock override, and `messages[..k]` serialized); the template and its special tokens are
+/// fixed per [`ChatTemplate`]. Entries are facts about the prefix render `R(k)` alone, checked
+/// against each new prompt by 128-bit hashes of its byte prefixes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Outcome {
+    /// `R(k)` is `len` bytes whose hash is `hash`.
+    Rendered { len: usize, hash: u128 },
+    /// `R(k)` differs from any text whose first `upto` bytes hash to `hash`.
+    Diverged { upto: usize, hash: u128 },
+    /// `R(k)` fails to render or is empty: never a mark.
+    Never,
+}
+
+/// Bound on remembered prefix outcomes; the memo is cleared when it fills.
+const MEMO_ENTRIES: usize = 1 << 16;
+
+#[derive(Debug, Default)]
+struct MarkMemo {
+    map: std::collections::HashMap<u128, Outcome>,
+}
+
+/// Two keyed SipHash-1-3 streams: a 128-bit hash.
+struct Hash128(std::collections::hash_map::DefaultHasher, std::collections::hash_map::DefaultHasher);
+
+impl Hash128 {
+    fn write(&mut self, bytes: &[u8]) {
+        use std::hash::Hasher;
+        self.0.write(bytes);
+        self.1.write(bytes);
+    }
+
+    fn finish(&self) -> u128 {
+        use std::hash::Hasher;
+        (u128::from(self.0.finish()) << 64) | u128::from(self.1.finish())
+    }
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -239,7 +284,13 @@ pub(crate) fn strftime(fmt: &str, unix: i64) -> String {
     out
 }
 
-fn alias_reasoning(messages: &[Json]) -> Vec<Json> {
+/// Messages with `thinking` / `reasoning_content` aliased from whichever reasoning field is
+/// set; borrowed unchanged (no copy) when no message has one.
+fn alias_reasoning(messages: &[Json]) -> std::borrow::Cow<'_, [Json]> {
+    let has_reasoning = |m: &Json| REASONING_FIELDS.iter().any(|k| m.get(*k).is_some_and(|v| !v.is_null()));
+    if !messages.iter().any(has_reasoning) {
+        return std::borrow::Cow::Borrowed(messages);
+    }
     messages
         .iter()
         .map(|m| {
@@ -279,7 +330,51 @@ impl ChatTemplate {
         });
         env.add_template_owned(TEMPLATE_NAME, config.chat_template.clone()).map_err(|e| map_error(&e))?;
         let reads_content = config.chat_template.contains("content");
-        Ok(ChatTemplate { env, special_tokens: config.special_tokens.clone(), reads_content })
+        Ok(ChatTemplate {
+            env,
+            special_tokens: config.special_tokens.clone(),
+            reads_content,
+            reads_clock: config.chat_template.contains("strftime_now"),
+            memo: std::sync::Mutex::default(),
+            hash_keys: Default::default(),
+        })
+    }
+
+    /// Context values shared by every render of `input` (all but `messages` and
+    /// `add_generation_prompt`), in Transformers' override order.
+    fn base_context(&self, input: &RenderInput) -> Vec<(String, Value)> {
+        let mut ctx: Vec<(String, Value)> = Vec::new();
+        let mut set = |k: &str, v: Value| match ctx.iter_mut().find(|(n, _)| n == k) {
+            Some(slot) => slot.1 = v,
+            None => ctx.push((k.to_string(), v)),
+        };
+        for (k, v) in &self.special_tokens {
+            set(k, Value::from(v.as_str()));
+        }
+        for (k, v) in &input.extra {
+            set(k, Value::from_serialize(v));
+        }
+        set("messages", Value::UNDEFINED);
+        set("tools", input.tools.as_ref().map_or(Value::from(()), Value::from_serialize));
+        set("documents", Value::from(()));
+        set("add_generation_prompt", Value::from(false));
+        if let Some(t) = input.now_unix {
+            set("__now_unix", Value::from(t));
+        }
+        ctx
+    }
+
+    fn context(base: &[(String, Value)], messages: Value, add_generation_prompt: bool) -> Value {
+        base.iter()
+            .map(|(k, v)| {
+                let v = match k.as_str() {
+                    "messages" => messages.clone(),
+                    "add_generation_prompt" => Value::from(add_generation_prompt),
+                    _ => v.clone(),
+                };
+                (k.as_str(), v)
+            })
+            .collect()
     }
 
     fn render_raw(
@@ -289,21 +384,9 @@ impl ChatTemplate {
         add_generation_prompt: bool,
     ) -> Result<String, TemplateError> {
         let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(|e| map_error(&e))?;
-        let mut ctx = Map::new();
-        for (k, v) in &self.special_tokens {
-            ctx.insert(k.clone(), Json::String(v.clone()));
-        }
-        for (k, v) in &input.extra {
-            ctx.insert(k.clone(), v.clone());
-        }
-        ctx.insert("messages".into(), Json::Array(messages.to_vec()));
-        ctx.insert("tools".into(), input.tools.clone().map(Json::Array).unwrap_or(Json::Null));
-        ctx.insert("documents".into(), Json::Null);
-        ctx.insert("add_generation_prompt".into(), Json::Bool(add_generation_prompt));
-        if let Some(t) = input.now_unix {
-            ctx.insert("__now_unix".into(), Json::from(t));
-        }
-        tmpl.render(Value::from_serialize(&ctx)).map_err(|e| map_error(&e))
+        let msgs: Vec<Value> = messages.iter().map(Value::from_serialize).collect();
+        let ctx = Self::context(&self.base_context(input), Value::from(msgs), add_generation_prompt);
+        tmpl.render(ctx).map_err(|e| map_error(&e))
     }
 
     /// Renders the prompt text only (no marks).
@@ -311,10 +394,10 @@ impl ChatTemplate {
         if input.continue_final_message && input.add_generation_prompt {
             return Err(TemplateError::ContinueWithGenerationPrompt);
         }
-        let mut messages = alias_reasoning(&input.messages);
         if !input.continue_final_message {
-            return self.render_raw(&messages, input, input.add_generation_prompt);
+            return self.render_raw(&alias_reasoning(&input.messages), input, input.add_generation_prompt);
         }
+        let mut messages = alias_reasoning(&input.messages).into_owned();
         if !self.reads_content {
             return Err(TemplateError::NothingToContinue);
         }
@@ -353,13 +436,199 @@ impl ChatTemplate {
     /// Renders the prompt and records the byte end of every completed message (and of a
     /// nonempty preamble rendered for zero messages). The open generation header and an
     /// open continued message are never marked.
+    ///
+    /// Mark `k` is `len(R(k))`, `R(k)` = render of `messages[..k]` without generation prompt,
+    /// when `R(k)` is a proper byte prefix of the prompt. A template may read anything (the
+    /// message count, the last message, `loop.last`, ...), so exactness needs `R(k)` itself:
+    /// - outcomes of earlier calls are reused when the same prefix (same tools, extra
+    ///   variables, messages) was rendered before, checked against this prompt by 128-bit
+    ///   hashes of its byte prefixes, so a growing conversation renders only its new prefixes;
+    /// - every remaining prefix render reuses one precomputed context (message values are
+    ///   shared, nothing is re-serialized), streams into a comparator that aborts at the first
+    ///   byte that differs from the prompt (nothing is allocated), and the prefixes are spread
+    ///   over up to [`MARK_THREADS`] threads.
+    ///
+    /// Templates that call `strftime_now` without a fixed `now_unix` skip the memo.
     pub fn render(&self, input: &RenderInput) -> Result<Rendered, TemplateError> {
+        let text = self.render_text(input)?;
+        let aliased = alias_reasoning(&input.messages);
+        let complete = if input.continue_final_message { aliased.len().saturating_sub(1) } else { aliased.len() };
+        let memo_on = !(self.reads_clock && input.now_unix.is_none());
+        let keys = if memo_on { self.prefix_keys(input, &aliased[..complete]) } else { Vec::new() };
+        let memo_on = memo_on && keys.len() == complete + 1;
+        let cached: Vec<Option<Outcome>> = match self.memo.lock() {
+            Ok(m) if memo_on => keys.iter().map(|k| m.map.get(k).copied()).collect(),
+            _ => vec![None; complete + 1],
+        };
+        let lens = cached.iter().filter_map(|o| match o {
+            Some(Outcome::Rendered { len, .. }) => Some(*len),
+            Some(Outcome::Diverged { upto, .. }) => Some(*upto),
+            _ => None,
+        });
+        let seen = self.prefix_hashes(text.as_bytes(), lens.collect());
+        let matches = |len: usize, hash: u128| seen.get(&len) == Some(&hash);
+        let mut marks: Vec<Option<usize>> = Vec::with_capacity(complete + 1);
+        let mut todo = Vec::new();
+        for (k, o) in cached.iter().enumerate() {
+            marks.push(match *o {
+                Some(Outcome::Rendered { len, hash }) if matches(len, hash) && len < text.len() => Some(len),
+                Some(Outcome::Diverged { upto, hash }) if matches(upto, hash) => None,
+                Some(Outcome::Never) => None,
+                _ => {
+                    todo.push(k);
+                    None
+                }
+            });
+        }
+        let probes = if todo.is_empty() {
+            Vec::new()
+        } else {
+            let messages: Vec<Value> = aliased[..complete].iter().map(Value::from_serialize).collect();
+            self.probe_prefixes(input, &messages, &todo, &text)?
+        };
+        let mut fresh = Vec::with_capacity(probes.len());
+        for (k, p) in probes {
+            if let Probe::Mark(len) = p {
+                marks[k] = Some(len);
+            }
+            fresh.push((k, p));
+        }
+        if memo_on && !fresh.is_empty() {
+            let lens = fresh.iter().filter_map(|(_, p)| match *p {
+                Probe::Mark(l) | Probe::Diverged(l) => Some(l),
+                Probe::Overlong | Probe::Never => None,
+            });
+            let hashes = self.prefix_hashes(text.as_bytes(), lens.collect());
+            if let Ok(mut m) = self.memo.lock() {
+                if m.map.len() + fresh.len() > MEMO_ENTRIES {
+                    m.map.clear();
+                }
+                for (k, p) in fresh {
+                    let outcome = match p {
+                        Probe::Mark(len) => hashes.get(&len).map(|&hash| Outcome::Rendered { len, hash }),
+                        Probe::Diverged(upto) => hashes.get(&upto).map(|&hash| Outcome::Diverged { upto, hash }),
+                        Probe::Never => Some(Outcome::Never),
+                        Probe::Overlong => None,
+                    };
+                    if let (Some(o), Some(&key)) = (outcome, keys.get(k)) {
+                        m.map.insert(key, o);
+                    }
+                }
+            }
+        }
+        let mut message_ends: Vec<usize> = marks.into_iter().flatten().collect();
+        message_ends.sort_unstable();
+        message_ends.dedup();
+        Ok(Rendered { text, message_ends })
+    }
+
+    /// Forgets remembered prefix outcomes (results never depend on them).
+    pub fn clear_mark_cache(&self) {
+        if let Ok(mut m) = self.memo.lock() {
+            m.map.clear();
+        }
+    }
+
+    fn hasher(&self) -> Hash128 {
+        use std::hash::BuildHasher;
+        Hash128(self.hash_keys.0.build_hasher(), self.hash_keys.1.build_hasher())
+    }
+
+    /// Memo key of every prefix `messages[..k]`, `k = 0..=messages.len()`: one hash stream
+    /// over the shared variables, then each message as JSON followed by 0xFF (never in UTF-8).
+    fn prefix_keys(&self, input: &RenderInput, messages: &[Json]) -> Vec<u128> {
+        let mut h = self.hasher();
+        let mut buf = Vec::with_capacity(4096);
+        let shared = (&input.tools, &input.extra, input.now_unix);
+        let mut keys = Vec::with_capacity(messages.len() + 1);
+        if serde_json::to_writer(&mut buf, &shared).is_err() {
+            return keys;
+        }
+        buf.push(0xFF);
+        h.write(&buf);
+        keys.push(h.finish());
+        for m in messages {
+            buf.clear();
+            if serde_json::to_writer(&mut buf, m).is_err() {
+                return keys;
+            }
+            buf.push(0xFF);
+            h.write(&buf);
+            keys.push(h.finish());
+        }
+        keys
+    }
+
+    /// 128-bit hash of `text[..l]` for each requested `l <= text.len()`, in one pass.
+    fn prefix_hashes(&self, text: &[u8], mut lens: Vec<usize>) -> std::collections::HashMap<usize, u128> {
+        lens.retain(|&l| l <= text.len());
+        lens.sort_unstable();
+        lens.dedup();
+        let mut out = std::collections::HashMap::with_capacity(lens.len());
+        let mut h = self.hasher();
+        let mut pos = 0;
+        for l in lens {
+            h.write(&text[pos..l]);
+            pos = l;
+            out.insert(l, h.finish());
+        }
+        out
+    }
+
+    /// Renders `R(k)` for each `k` in `ks` against `text` (on several threads when many).
+    fn probe_prefixes(
+        &self,
+        input: &RenderInput,
+        messages: &[Value],
+        ks: &[usize],
+        text: &str,
+    ) -> Result<Vec<(usize, Probe)>, TemplateError> {
+        let base = self.base_context(input);
+        let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(|e| map_error(&e))?;
+        let probe = |k: usize| -> (usize, Probe) {
+            let ctx = Self::context(&base, Value::from(messages[..k].to_vec()), false);
+            let mut w = PrefixWriter { target: text.as_bytes(), pos: 0, stop: None };
+            let ok = tmpl.render_captured_to(ctx, &mut w).is_ok();
+            let p = match w.stop {
+                Some(p) => p,
+                None if ok && w.pos > 0 => Probe::Mark(w.pos),
+                None => Probe::Never,
+            };
+            (k, p)
+        };
+        let threads = if ks.len() >= 16 {
+            std::thread::available_parallelism().map_or(1, |n| n.get()).min(MARK_THREADS)
+        } else {
+            1
+        };
+        if threads <= 1 {
+            return Ok(ks.iter().map(|&k| probe(k)).collect());
+        }
+        // Prefix k costs about k; interleave so every thread gets a fair share.
+        Ok(std::thread::scope(|s| {
+            let probe = &probe;
+            let handles: Vec<_> = (1..threads)
+                .map(|t| s.spawn(move || ks.iter().skip(t).step_by(threads).map(|&k| probe(k)).collect::<Vec<_>>()))
+                .collect();
+            let mut all: Vec<(usize, Probe)> = ks.iter().step_by(threads).map(|&k| probe(k)).collect();
+            for h in handles {
+                // A panicking prefix render only loses its marks.
+                all.extend(h.join().unwrap_or_default());
+            }
+            all
+        }))
+    }
+
+    /// The original O(n^2) mark discovery: every prefix rendered to a string through
+    /// the serde context, then compared. Kept as the reference for tests.
+    #[cfg(test)]
+    pub(crate) fn render_reference(&self, input: &RenderInput) -> Result<Rendered, TemplateError> {
         let text = self.render_text(input)?;
         let messages = alias_reasoning(&input.messages);
         let complete = if input.continue_final_message { messages.len().saturating_sub(1) } else { messages.len() };
         let mut message_ends = Vec::with_capacity(complete + 1);
         for k in 0..=complete {
-            let Ok(prefix) = self.render_raw(&messages[..k], input, false) else { continue };
+            let Ok(prefix) = self.render_raw_reference(&messages[..k], input, false) else { continue };
             let end = prefix.len();
             if end > 0 && end < text.len() && text.as_bytes().starts_with(prefix.as_bytes()) {
                 message_ends.push(end);
@@ -368,6 +637,76 @@ impl ChatTemplate {
         message_ends.sort_unstable();
         message_ends.dedup();
         Ok(Rendered { text, message_ends })
+    }
+
+    /// The original context construction (one serde_json map serialized per render).
+    #[cfg(test)]
+    fn render_raw_reference(
+        &self,
+        messages: &[Json],
+        input: &RenderInput,
+        add_generation_prompt: bool,
+    ) -> Result<String, TemplateError> {
+        let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(|e| map_error(&e))?;
+        let mut ctx = Map::new();
+        for (k, v) in &self.special_tokens {
+            ctx.insert(k.clone(), Json::String(v.clone()));
+        }
+        for (k, v) in &input.extra {
+            ctx.insert(k.clone(), v.clone());
+        }
+        ctx.insert("messages".into(), Json::Array(messages.to_vec()));
+        ctx.insert("tools".into(), input.tools.clone().map(Json::Array).unwrap_or(Json::Null));
+        ctx.insert("documents".into(), Json::Null);
+        ctx.insert("add_generation_prompt".into(), Json::Bool(add_generation_prompt));
+        if let Some(t) = input.now_unix {
+            ctx.insert("__now_unix".into(), Json::from(t));
+        }
+        tmpl.render(Value::from_serialize(&ctx)).map_err(|e| map_error(&e))
+    }
+}
+
+/// Most threads one [`ChatTemplate::render`] uses for prefix renders.
+pub(crate) const MARK_THREADS: usize = 4;
+
+/// How a prefix render relates to the prompt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Probe {
+    /// A proper, nonempty prefix of this length.
+    Mark(usize),
+    /// First differs from the prompt at byte `upto - 1`.
+    Diverged(usize),
+    /// Matches the whole prompt and may go on: not a mark here.
+    Overlong,
+    /// Fails to render, or renders nothing.
+    Never,
+}
+
+/// An `io::Write` that accepts output only while it stays a proper prefix of `target`;
+/// the first differing (or overlong) write fails, which aborts the render.
+struct PrefixWriter<'a> {
+    target: &'a [u8],
+    pos: usize,
+    stop: Option<Probe>,
+}
+
+impl std::io::Write for PrefixWriter<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let end = self.pos + buf.len();
+        if end < self.target.len() && &self.target[self.pos..end] == buf {
+            self.pos = end;
+            return Ok(buf.len());
+        }
+        let rest = &self.target[self.pos..];
+        self.stop = Some(match buf.iter().zip(rest).position(|(a, b)| a != b) {
+            Some(d) => Probe::Diverged(self.pos + d + 1),
+            None => Probe::Overlong,
+        });
+        Err(std::io::Error::other("prefix render left the prompt"))
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -442,6 +781,156 @@ mod tests {
         );
     }
 
+    fn fixture_dir() -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/frontend")
+    }
+
+    fn fixture_template(name: &str) -> ChatTemplate {
+        let cfg = if name == "smollm2" {
+            TemplateConfig::from_tokenizer_config(
+                &std::fs::read_to_string(fixture_dir().join("smollm2/tokenizer_config.json")).expect("config"),
+            )
+            .expect("parses")
+        } else {
+            TemplateConfig {
+                chat_template: std::fs::read_to_string(fixture_dir().join(name).join("chat_template.jinja"))
+                    .expect("template"),
+                special_tokens: vec![],
+            }
+        };
+        ChatTemplate::new(&cfg).expect("compiles")
+    }
+
+    /// Before/after timing on the bench conversation (release build):
+    /// `cargo test --release -p helios-frontend --lib marks_speed -- --ignored --nocapture`.
+    #[test]
+    #[ignore = "timing; run in release"]
+    fn marks_speed_vs_reference() {
+        const PARA: &str = "The agent inspects the repository, reads configuration files, runs the test-suite and reports findings — including Unicode like naïve café, 東京, and emoji 🚀✅. ";
+        let t = fixture_template("qwen_style");
+        let mut messages = vec![json!({"role": "system", "content": "You are a coding agent."})];
+        let mut i = 0;
+        while messages.len() < 200 {
+            messages.push(json!({"role": "user", "content": format!("Step {i}: {}", PARA.repeat(4))}));
+            messages.push(json!({"role": "assistant", "content": PARA.repeat(3), "tool_calls": [
+                {"type": "function", "function": {"name": "run", "arguments": {"cmd": format!("cargo test --step {i}")}}}]}));
+            messages.push(json!({"role": "tool", "content": PARA.repeat(5)}));
+            messages.push(json!({"role": "assistant", "content": format!("Done with step {i}. {PARA}")}));
+            i += 1;
+        }
+        messages.truncate(200);
+        let tools =
+            Some(vec![json!({"type": "function", "function": {"name": "run", "description": "Run a shell command.",
+            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}})]);
+        let input = RenderInput { messages, tools, add_generation_prompt: true, ..Default::default() };
+        let time = |f: &dyn Fn() -> Rendered| {
+            let mut v: Vec<_> = (0..7)
+                .map(|_| {
+                    let t0 = std::time::Instant::now();
+                    f();
+                    t0.elapsed()
+                })
+                .collect();
+            v.sort_unstable();
+            v[v.len() / 2]
+        };
+        let reference = t.render_reference(&input).expect("renders");
+        assert_eq!(t.render(&input).expect("renders"), reference);
+        let old = time(&|| t.render_reference(&input).expect("renders"));
+        let cold = time(&|| {
+            t.clear_mark_cache();
+            t.render(&input).expect("renders")
+        });
+        let warm = time(&|| t.render(&input).expect("renders"));
+        println!(
+            "marks, 200 messages ({} marks): reference O(n^2) {old:?}, new cold {cold:?}, new warm (memo) {warm:?}",
+            reference.message_ends.len()
+        );
+    }
+
+    /// Streaming prefix hashes do not depend on where the stream was cut.
+    #[test]
+    fn prefix_hashes_are_chunking_invariant() {
+        let t = tmpl(CHATML);
+        let text = "héllo wörld 🚀 0123456789 abcdefghijklmnopqrstuvwxyz".repeat(5);
+        let b = text.as_bytes();
+        let all = t.prefix_hashes(b, (0..=b.len()).collect());
+        for l in [0, 1, 7, 8, 9, 63, 64, 65, b.len()] {
+            assert_eq!(t.prefix_hashes(b, vec![l]).get(&l), all.get(&l), "{l}");
+        }
+        assert_ne!(all.get(&10), all.get(&11));
+    }
+
+    /// New marks equal the O(n^2) reference marks on every differential fixture.
+    #[test]
+    fn marks_equal_reference_on_differential_fixtures() {
+        let data: Json =
+            serde_json::from_str(&std::fs::read_to_string(fixture_dir().join("differential.json")).expect("fixture"))
+                .expect("json");
+        let mut templates = std::collections::HashMap::new();
+        let mut marks = 0;
+        for case in data["cases"].as_array().expect("cases") {
+            let name = case["template"].as_str().expect("template");
+            let t = templates.entry(name.to_string()).or_insert_with(|| fixture_template(name));
+            let inp = &case["input"];
+            let input = RenderInput {
+                messages: inp["messages"].as_array().expect("messages").clone(),
+                tools: inp["tools"].as_array().cloned(),
+                add_generation_prompt: inp["add_generation_prompt"].as_bool().unwrap_or(false),
+                continue_final_message: inp["continue_final_message"].as_bool().unwrap_or(false),
+                extra: inp["extra"].as_object().cloned().unwrap_or_default(),
+                now_unix: None,
+            };
+            let fast = t.render(&input).expect("renders");
+            assert_eq!(fast, t.render_reference(&input).expect("renders"), "{}", case["name"]);
+            // A second render must agree too (the mark memo is hit this time).
+            assert_eq!(fast, t.render(&input).expect("renders"), "{} (memo)", case["name"]);
+            marks += fast.message_ends.len();
+        }
+        assert!(marks > 100);
+    }
+
+    /// A long agent conversation (tool runs, reasoning, both generation-prompt settings),
+    /// grown and shrunk so memoized prefix outcomes are reused and invalidated.
+    #[test]
+    fn marks_equal_reference_on_agent_conversation() {
+        let t = fixture_template("qwen_style");
+        let mut messages = vec![json!({"role": "system", "content": "You are an agent. 🚀"})];
+        for i in 0..12 {
+            messages.push(json!({"role": "user", "content": format!("step {i}: naïve 東京")}));
+            messages.push(json!({"role": "assistant", "content": "", "reasoning_content": format!("think {i}"),
+                "tool_calls": [{"function": {"name": "run", "arguments": {"cmd": format!("ls {i}")}}}]}));
+            messages.push(json!({"role": "tool", "content": format!("out {i}")}));
+            if i % 2 == 0 {
+                messages.push(json!({"role": "tool", "content": "second result"}));
+            }
+            messages.push(json!({"role": "assistant", "content": format!("<think>\nhm\n</think>\n\ndone {i}")}));
+        }
+        let tools = Some(vec![json!({"type": "function", "function": {"name": "run"}})]);
+        // Growing, then shrinking again: remembered outcomes of longer prompts are checked
+        // against shorter ones (and vice versa) without clearing the memo.
+        let grow = (1..=messages.len()).step_by(3).chain([messages.len()]);
+        let shrink = (1..messages.len()).rev().step_by(2);
+        for n in grow.chain(shrink).chain([2, 3, 2]) {
+            for add_generation_prompt in [false, true] {
+                let input = RenderInput {
+                    messages: messages[..n].to_vec(),
+                    tools: tools.clone(),
+                    add_generation_prompt,
+                    ..Default::default()
+                };
+                assert_eq!(
+                    format!("{:?}", t.render(&input)),
+                    format!("{:?}", t.render_reference(&input)),
+                    "n={n} agp={add_generation_prompt}"
+                );
+            }
+        }
+        t.clear_mark_cache();
+        let input = RenderInput { messages, tools, add_generation_prompt: true, ..Default::default() };
+        assert_eq!(format!("{:?}", t.render(&input)), format!("{:?}", t.render_reference(&input)));
+    }
+
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
         /// Fuzz of renderer inputs: arbitrary roles, contents, tool calls and flags.
@@ -459,7 +948,9 @@ mod tests {
                 m
             }).collect();
             let input = RenderInput { messages, tools: Some(vec![json!({"name": "f"})]), add_generation_prompt: gen_prompt, continue_final_message: cont, ..Default::default() };
-            if let Ok(r) = t.render(&input) {
+            let r = t.render(&input);
+            proptest::prop_assert_eq!(format!("{r:?}"), format!("{:?}", t.render_reference(&input)));
+            if let Ok(r) = r {
                 proptest::prop_assert!(r.message_ends.windows(2).all(|w| w[0] < w[1]));
                 proptest::prop_assert!(r.message_ends.iter().all(|&e| e > 0 && e < r.text.len() && r.text.is_char_boundary(e)));
             }

@@ -13,10 +13,33 @@ pub struct Tokenizer {
     token_bytes: Vec<Vec<u8>>,
     special: Vec<bool>,
     splitter: Option<Splitter>,
+    /// Exact fast pre-tokenizer for recognized byte-level BPE pipelines (needs `splitter`).
+    fast: Option<crate::bytelevel::ByteLevelFast>,
+    /// Most threads one long encode uses (default: available cores, at most `MAX_THREADS`).
+    threads: usize,
 }
 
 /// Segment cache bound; the cache is cleared when it fills.
 const CACHE_ENTRIES: usize = 1 << 16;
+/// Texts at least this long encode their segments on several threads.
+const PARALLEL_BYTES: usize = 48 * 1024;
+const MAX_THREADS: usize = 4;
+
+/// A piece of text between added tokens, or an added token.
+#[derive(Clone, Copy)]
+enum Item<'t> {
+    Segment(&'t str),
+    Added(u32),
+}
+
+impl Item<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Item::Segment(s) => s.len(),
+            Item::Added(_) => 0,
+        }
+    }
+}
 
 /// Splits text at non-normalized added tokens exactly as the HF added vocabulary does
 /// (leftmost-longest), so segments can be encoded independently and cached. Only built
@@ -126,7 +149,13 @@ impl Tokenizer {
         }
         let added_list: Vec<tokenizers::AddedToken> = added.values().cloned().collect();
         let splitter = Self::splitter(&inner, &added_list);
-        Ok(Tokenizer { inner, token_bytes, special, splitter })
+        let fast = if splitter.is_some() && added_list.iter().all(|t| !t.normalized) {
+            crate::bytelevel::ByteLevelFast::new(&inner)
+        } else {
+            None
+        };
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_THREADS);
+        Ok(Tokenizer { inner, token_bytes, special, splitter, fast, threads })
     }
 
     fn splitter(inner: &tokenizers::Tokenizer, added: &[tokenizers::AddedToken]) -> Option<Splitter> {
@@ -149,26 +178,84 @@ impl Tokenizer {
     }
 
     /// Token ids of `text` without special-token addition; segments between added tokens
-    /// go through the cache when a splitter exists. Identical to `encode_fast(text, false)`.
+    /// go through the cache when a splitter exists, and through the exact byte-level fast
+    /// path when one was built. Identical to `encode_fast(text, false)`.
     fn ids_of(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
-        let enc = |s: &str| {
-            self.inner
-                .encode_fast(s, false)
-                .map(|e| e.get_ids().to_vec())
-                .map_err(|e| TokenizerError::Encode(e.to_string()))
-        };
-        let Some(sp) = &self.splitter else { return enc(text) };
-        let mut out = Vec::with_capacity(text.len() / 3);
+        let Some(sp) = &self.splitter else { return self.hf_ids(text) };
+        let mut items = Vec::new();
         let mut pos = 0;
-        let segment = |seg: &str, out: &mut Vec<u32>| -> Result<(), TokenizerError> {
-            if seg.is_empty() {
-                return Ok(());
+        for m in sp.matcher.find_iter(text) {
+            items.push(Item::Segment(&text[pos..m.start()]));
+            items.push(Item::Added(sp.ids[m.pattern().as_usize()]));
+            pos = m.end();
+        }
+        items.push(Item::Segment(&text[pos..]));
+        let threads = if text.len() >= PARALLEL_BYTES { self.threads } else { 1 };
+        if threads <= 1 || items.len() < 2 * threads {
+            return self.encode_items(sp, &items, text.len() / 3);
+        }
+        // Split the items into `threads` runs of about equal bytes; each run is encoded
+        // independently (segments never interact), then concatenated in order.
+        let per = text.len().div_ceil(threads);
+        let mut runs: Vec<&[Item<'_>]> = Vec::with_capacity(threads);
+        let (mut start, mut acc) = (0, 0);
+        for (i, it) in items.iter().enumerate() {
+            acc += it.len();
+            if acc >= per && runs.len() + 1 < threads {
+                runs.push(&items[start..=i]);
+                start = i + 1;
+                acc = 0;
             }
+        }
+        runs.push(&items[start..]);
+        let parts: Vec<Result<Vec<u32>, TokenizerError>> = std::thread::scope(|s| {
+            let handles: Vec<_> =
+                runs.iter().skip(1).map(|r| s.spawn(move || self.encode_items(sp, r, per / 3))).collect();
+            let mut parts = vec![runs.first().map_or(Ok(Vec::new()), |r| self.encode_items(sp, r, per / 3))];
+            for h in handles {
+                parts.push(h.join().unwrap_or_else(|_| Err(TokenizerError::Encode("encode thread panicked".into()))));
+            }
+            parts
+        });
+        let mut out = Vec::with_capacity(text.len() / 3);
+        for p in parts {
+            out.extend_from_slice(&p?);
+        }
+        Ok(out)
+    }
+
+    fn hf_ids(&self, s: &str) -> Result<Vec<u32>, TokenizerError> {
+        self.inner
+            .encode_fast(s, false)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| TokenizerError::Encode(e.to_string()))
+    }
+
+    fn encode_items(&self, sp: &Splitter, items: &[Item<'_>], cap: usize) -> Result<Vec<u32>, TokenizerError> {
+        let mut out = Vec::with_capacity(cap);
+        let mut words = crate::bytelevel::WordCache::default();
+        for it in items {
+            let seg = match *it {
+                Item::Added(id) => {
+                    out.push(id);
+                    continue;
+                }
+                Item::Segment("") => continue,
+                Item::Segment(seg) => seg,
+            };
             if let Some(hit) = sp.cache.lock().ok().and_then(|c| c.get(seg).cloned()) {
                 out.extend_from_slice(&hit);
-                return Ok(());
+                continue;
             }
-            let ids: std::sync::Arc<[u32]> = enc(seg)?.into();
+            let ids: std::sync::Arc<[u32]> = match &self.fast {
+                Some(fast) => {
+                    let mut ids = Vec::with_capacity(seg.len() / 3);
+                    fast.encode_segment(self.inner.get_model(), seg, &mut words, &mut ids)
+                        .map_err(|e| TokenizerError::Encode(e.to_string()))?;
+                    ids.into()
+                }
+                None => self.hf_ids(seg)?.into(),
+            };
             out.extend_from_slice(&ids);
             if let Ok(mut c) = sp.cache.lock() {
                 if c.len() >= CACHE_ENTRIES {
@@ -176,21 +263,35 @@ impl Tokenizer {
                 }
                 c.insert(seg.into(), ids);
             }
-            Ok(())
-        };
-        for m in sp.matcher.find_iter(text) {
-            segment(&text[pos..m.start()], &mut out)?;
-            out.push(sp.ids[m.pattern().as_usize()]);
-            pos = m.end();
         }
-        segment(&text[pos..], &mut out)?;
         Ok(out)
     }
 
-    /// Drops cached segment encodings (results never depend on the cache).
+    /// Caps the threads one long encode may use (1: always on the calling thread).
+    /// Results never depend on it.
+    pub fn set_encode_threads(&mut self, threads: usize) {
+        self.threads = threads.clamp(1, MAX_THREADS);
+    }
+
+    /// Whether the exact byte-level fast path is in use (else HF `encode_fast` per segment).
+    pub fn has_fast_path(&self) -> bool {
+        self.fast.is_some()
+    }
+
+    /// Token ids through HF `tokenizers` only (no cache, no fast path): the reference the
+    /// fast path is tested against.
+    pub fn encode_ids_reference(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        self.hf_ids(text)
+    }
+
+    /// Drops every cache an encode can hit: our segment cache and the HF model's word
+    /// cache (results never depend on either). Use for cold, first-request measurements.
     pub fn clear_encode_cache(&self) {
         if let Some(c) = self.splitter.as_ref().and_then(|s| s.cache.lock().ok()).as_mut() {
             c.clear();
+        }
+        if let tokenizers::ModelWrapper::BPE(bpe) = self.inner.get_model() {
+            bpe.clear_cache();
         }
     }
 
@@ -304,6 +405,87 @@ pub(crate) mod tests {
             proptest::prop_assert_eq!(&t.encode(&text, false).expect("encodes").ids, &plain);
             proptest::prop_assert_eq!(&t.encode(&text, false).expect("encodes").ids, &plain);
         }
+    }
+
+    static DEEPSEEK: std::sync::OnceLock<std::sync::Arc<Tokenizer>> = std::sync::OnceLock::new();
+
+    fn deepseek() -> std::sync::Arc<Tokenizer> {
+        DEEPSEEK
+            .get_or_init(|| {
+                std::sync::Arc::new(Tokenizer::from_file(fixture("deepseek/tokenizer.json")).expect("fixture loads"))
+            })
+            .clone()
+    }
+
+    /// Pieces that stress every branch of the GPT-2 regex and the Digits split: contractions
+    /// (and near misses), space runs before letters / numbers / punctuation / end, other
+    /// Unicode white space, non-ASCII numbers, combining marks, astral letters and emoji.
+    const PIECES: &str = "(<\\|im_start\\|>|<\\|im_end\\|>|'s|'t|'re|'ve|'m|'ll|'d|'S|'x| |  |   |\t|\n|\r\n| \n |\u{a0}|\u{3000}|\u{85}|\u{2028}|\u{200b}|x|Ab|\u{e9}|e\u{301}|\u{6771}\u{4eac}|12|\u{663}|\u{bd}|\u{216b}|\u{1d49c}|\u{1f680}|\u{2705}|\u{1f469}\u{200d}\u{1f467}|!|\\.|,|-|\\(|\\$|\\{\\\"k\\\": 1\\}|\\PC{0,4})";
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+        /// The byte-level fast path (plus segment cache) equals HF `encode_fast` exactly.
+        #[test]
+        fn fast_path_equals_hf(parts in proptest::collection::vec(PIECES, 0..24)) {
+            let t = smol();
+            proptest::prop_assert!(t.has_fast_path());
+            let text: String = parts.concat();
+            let reference = t.encode_ids_reference(&text).expect("encodes");
+            t.clear_encode_cache();
+            proptest::prop_assert_eq!(&t.encode(&text, false).expect("encodes").ids, &reference);
+            proptest::prop_assert_eq!(&t.encode(&text, false).expect("encodes").ids, &reference);
+        }
+    }
+
+    #[test]
+    fn fast_path_only_for_recognized_pipelines() {
+        assert!(smol().has_fast_path());
+        // DeepSeek: custom Split regexes and normalized added tokens -> HF per segment.
+        assert!(!deepseek().has_fast_path());
+        let text = "Hello 123 東京 🚀 <｜end▁of▁sentence｜> it's";
+        assert_eq!(
+            deepseek().encode(text, false).expect("encodes").ids,
+            deepseek().encode_ids_reference(text).expect("ok")
+        );
+    }
+
+    /// Long texts take the multi-threaded path; ids stay identical.
+    #[test]
+    fn long_text_parallel_equals_hf() {
+        let mut t = Tokenizer::from_file(fixture("smollm2/tokenizer.json")).expect("fixture loads");
+        t.set_encode_threads(3); // Threads are exercised even on a one-core machine.
+        let mut text = String::new();
+        let mut i = 0u32;
+        while text.len() < 3 * PARALLEL_BYTES {
+            text.push_str(&format!(
+                "<|im_start|>user\nStep {i}: it's   naïve café 東京 🚀✅ x{i}y  \n\n\t(ok) 'll\u{a0}end<|im_end|>\n"
+            ));
+            i += 1;
+        }
+        let reference = t.encode_ids_reference(&text).expect("encodes");
+        t.clear_encode_cache();
+        assert_eq!(t.encode(&text, false).expect("encodes").ids, reference);
+        assert_eq!(t.encode(&text, false).expect("encodes").ids, reference);
+    }
+
+    /// Every differential fixture text (both tokenizers) through the fast path and caches.
+    #[test]
+    fn differential_texts_equal_hf() {
+        let data: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(fixture("differential.json")).expect("fixture"))
+                .expect("json");
+        let mut n = 0;
+        for case in data["cases"].as_array().expect("cases") {
+            let text = case["text"].as_str().expect("text");
+            let t = if case["tokenizer"] == "deepseek" { deepseek() } else { smol() };
+            let want: Vec<u32> =
+                case["ids"].as_array().expect("ids").iter().map(|v| v.as_u64().expect("id") as u32).collect();
+            t.clear_encode_cache();
+            assert_eq!(t.encode(text, false).expect("encodes").ids, want);
+            assert_eq!(t.encode_ids_reference(text).expect("encodes"), want);
+            n += 1;
+        }
+        assert!(n >= 50);
     }
 
     #[test]

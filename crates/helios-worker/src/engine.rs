@@ -97,7 +97,7 @@ pub(crate) enum Command {
     Submit {
         spec: RequestSpec,
         sampling: SamplingParams,
-        grammar: Option<GrammarMatcher>,
+        grammar: Option<Box<GrammarMatcher>>,
         cell: Arc<OutputCell>,
         reply: oneshot::Sender<Result<RequestId, RequestError>>,
     },
@@ -271,7 +271,7 @@ impl Engine {
             eos_tokens: if prepared.ignore_eos { Vec::new() } else { self.frontend.eos_token_ids.clone() },
             seed: prepared.seed.wrapping_add(u64::from(index)),
         };
-        let grammar = if prepared.grammars.is_empty() { None } else { Some(prepared.grammars.remove(0)) };
+        let grammar = if prepared.grammars.is_empty() { None } else { Some(Box::new(prepared.grammars.remove(0))) };
         let cell = Arc::new(OutputCell::default());
         let (reply, answer) = oneshot::channel();
         let commands = self.sender()?;
@@ -318,7 +318,7 @@ impl Engine {
 
 struct Active {
     cell: Arc<OutputCell>,
-    grammar: Option<GrammarMatcher>,
+    grammar: Option<Box<GrammarMatcher>>,
     sampling: SamplingParams,
     prompt_tokens: u32,
     stop_requested: bool,

@@ -71,10 +71,10 @@ pub(crate) struct OutputCell {
 
 impl OutputCell {
     fn update(&self, f: impl FnOnce(&mut CellState)) {
-        if let Ok(mut s) = self.state.lock() {
-            if s.terminal.is_none() {
-                f(&mut s);
-            }
+        if let Ok(mut s) = self.state.lock()
+            && s.terminal.is_none()
+        {
+            f(&mut s);
         }
         self.notify.notify_one();
     }

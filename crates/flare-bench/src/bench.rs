@@ -1,0 +1,726 @@
+//! `flare bench`: the design's latency/throughput workloads against any OpenAI-compatible server.
+
+use crate::error::BenchError;
+use crate::http::{ConnOptions, ReadPolicy, StreamEnd, StreamOutcome, Target, first_model, stream_chat};
+use crate::stats::Summary;
+use serde::Serialize;
+use serde_json::{Value, json};
+use std::fmt;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Which workloads `flare bench` runs.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkloadKind {
+    /// Every workload below, in order.
+    All,
+    /// A long never-seen prompt: time to first token with nothing cached.
+    Cold,
+    /// Fixed-length decode (`ignore_eos`) at each `--concurrency` level.
+    Decode,
+    /// A multi-turn agent conversation growing by a tool call and a tool result per turn.
+    Agent,
+    /// `--branches` requests sharing a long prefix with different suffixes.
+    Branches,
+}
+
+/// Arguments of `flare bench`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Server root URL (plain http).
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    pub url: String,
+    /// Model id; default: the first id listed by GET /v1/models.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Which workload to run.
+    #[arg(long, value_enum, default_value_t = WorkloadKind::All)]
+    pub workload: WorkloadKind,
+    /// Tokens generated per request in the decode workload.
+    #[arg(long, default_value_t = 256)]
+    pub output_tokens: u32,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Concurrency levels of the decode workload.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    pub concurrency: Vec<usize>,
+    /// Rounds per decode concurrency level (each round starts `concurrency` requests at once).
+    #[arg(long, default_value_t = 2)]
+    pub decode_rounds: usize,
+    /// Words in the cold prompt.
+    #[arg(long, default_value_t = 2000)]
+    pub cold_prompt_words: usize,
+    /// Cold requests (each with a fresh prompt).
+    #[arg(long, default_value_t = 3)]
+    pub cold_requests: usize,
+    /// Turns of the agent conversation.
+    #[arg(long, default_value_t = 8)]
+    pub agent_turns: usize,
+    /// Requests in the shared-prefix workload.
+    #[arg(long, default_value_t = 4)]
+    pub branches: usize,
+    /// Words in the shared prefix.
+    #[arg(long, default_value_t = 1500)]
+    pub prefix_words: usize,
+    /// Per-request time limit, seconds.
+    #[arg(long, default_value_t = 300)]
+    pub timeout_secs: u64,
+}
+
+/// One request as measured by the client.
+#[derive(Debug, Clone, Serialize)]
+pub struct RequestRecord {
+    /// Whether the stream ended with `[DONE]` and no error.
+    pub ok: bool,
+    /// Why it failed, when it did.
+    pub error: Option<String>,
+    /// Server's `x-request-id`.
+    pub request_id: Option<String>,
+    /// Request sent → first content chunk, ms.
+    pub ttft_ms: Option<f64>,
+    /// Request sent → end of stream, ms.
+    pub total_ms: f64,
+    /// `usage.completion_tokens`, else content chunks.
+    pub output_tokens: u64,
+    /// Content chunks received.
+    pub chunks: usize,
+    /// `usage.prompt_tokens`.
+    pub prompt_tokens: Option<u64>,
+    /// `usage.prompt_tokens_details.cached_tokens`.
+    pub cached_tokens: Option<u64>,
+}
+
+/// The summary of one workload (or one concurrency level of the decode workload).
+#[derive(Debug, Clone, Serialize)]
+pub struct Workload {
+    /// Display name, e.g. `decode c=4`.
+    pub name: String,
+    /// The workload family.
+    pub kind: WorkloadKind,
+    /// Requests in flight at once.
+    pub concurrency: usize,
+    /// Requests sent.
+    pub requests: usize,
+    /// Requests that did not end with `[DONE]`.
+    pub failed: usize,
+    /// Time to first token.
+    pub ttft: Summary,
+    /// Inter-token latency: gaps between consecutive content chunks, over all requests.
+    pub itl: Summary,
+    /// Total output tokens.
+    pub output_tokens: u64,
+    /// Wall time of the workload, seconds.
+    pub wall_secs: f64,
+    /// `output_tokens / wall_secs`: aggregate streamed tokens per second.
+    pub output_tokens_per_sec: f64,
+    /// Median per-stream decode rate: (tokens − 1) / (end − first token), tokens/s.
+    pub stream_tokens_per_sec: f64,
+    /// Sum of `usage.prompt_tokens`.
+    pub prompt_tokens: u64,
+    /// Sum of `usage.prompt_tokens_details.cached_tokens`.
+    pub cached_tokens: u64,
+    /// Every request.
+    pub records: Vec<RequestRecord>,
+}
+
+/// One turn of the agent workload.
+#[derive(Debug, Clone, Serialize)]
+pub struct AgentTurn {
+    /// 1-based turn number.
+    pub turn: usize,
+    /// Messages in the request.
+    pub messages: usize,
+    /// `usage.prompt_tokens`.
+    pub prompt_tokens: Option<u64>,
+    /// `usage.prompt_tokens_details.cached_tokens`.
+    pub cached_tokens: Option<u64>,
+    /// Time to first token, ms.
+    pub ttft_ms: Option<f64>,
+}
+
+/// What `flare bench` measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    /// Server URL.
+    pub url: String,
+    /// Model id used.
+    pub model: String,
+    /// Per-workload summaries, in run order.
+    pub workloads: Vec<Workload>,
+    /// Per-turn detail of the agent workload (empty when it did not run).
+    pub agent_turns: Vec<AgentTurn>,
+}
+
+impl BenchReport {
+    /// Requests that failed across all workloads.
+    pub fn failed_requests(&self) -> usize {
+        self.workloads.iter().map(|w| w.failed).sum()
+    }
+
+    /// The report as pretty JSON.
+    pub fn to_json(&self) -> Result<String, BenchError> {
+        Ok(serde_json::to_string_pretty(self)?)
+    }
+}
+
+/// Runs the selected workloads against `args.url`.
+pub async fn run_bench(args: &BenchArgs) -> Result<BenchReport, BenchError> {
+    let target = Target::parse(&args.url)?;
+    let model = match &args.model {
+        Some(m) => m.clone(),
+        None => first_model(&target).await?,
+    };
+    let b = Bench { target, model, timeout: Duration::from_secs(args.timeout_secs.max(1)), words: Words::new(nonce()) };
+    let mut report =
+        BenchReport { url: args.url.clone(), model: b.model.clone(), workloads: Vec::new(), agent_turns: Vec::new() };
+    let all = args.workload == WorkloadKind::All;
+    if all || args.workload == WorkloadKind::Cold {
+        report.workloads.push(b.cold(args).await);
+    }
+    if all || args.workload == WorkloadKind::Decode {
+        for &c in &args.concurrency {
+            report.workloads.push(b.decode(args, c.max(1)).await);
+        }
+    }
+    if all || args.workload == WorkloadKind::Agent {
+        let (w, turns) = b.agent(args).await;
+        report.workloads.push(w);
+        report.agent_turns = turns;
+    }
+    if all || args.workload == WorkloadKind::Branches {
+        report.workloads.push(b.branches(args).await);
+    }
+    Ok(report)
+}
+
+struct Bench {
+    target: Target,
+    model: String,
+    timeout: Duration,
+    words: Words,
+}
+
+impl Bench {
+    fn body(&self, messages: Value, max_tokens: u32, extra: Value) -> Value {
+        let mut body = json!({
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        });
+        if let (Some(obj), Value::Object(extra)) = (body.as_object_mut(), extra) {
+            obj.extend(extra);
+        }
+        body
+    }
+
+    async fn one(&self, body: Value) -> StreamOutcome {
+        stream_chat(&self.target, &body, ReadPolicy::Normal, ConnOptions::default(), self.timeout).await
+    }
+
+    /// Runs `bodies` all at once; returns outcomes in order and the wall time.
+    async fn concurrent(&self, bodies: Vec<Value>) -> (Vec<StreamOutcome>, Duration) {
+        let t0 = Instant::now();
+        let handles: Vec<_> = bodies
+            .into_iter()
+            .map(|body| {
+                let target = self.target.clone();
+                let timeout = self.timeout;
+                tokio::spawn(async move {
+                    stream_chat(&target, &body, ReadPolicy::Normal, ConnOptions::default(), timeout).await
+                })
+            })
+            .collect();
+        let mut outs = Vec::with_capacity(handles.len());
+        for h in handles {
+            match h.await {
+                Ok(o) => outs.push(o),
+                Err(e) => {
+                    let mut o = failed_outcome();
+                    o.end = StreamEnd::Transport(format!("client task failed: {e}"));
+                    outs.push(o);
+                }
+            }
+        }
+        (outs, t0.elapsed())
+    }
+
+    async fn cold(&self, args: &BenchArgs) -> Workload {
+        let mut outs = Vec::new();
+        let mut wall = Duration::ZERO;
+        for i in 0..args.cold_requests.max(1) {
+            let prompt = format!(
+                "Document {} (id {}):\n{}\n\nSummarise the document above in one sentence.",
+                i,
+                nonce(),
+                self.words.text(args.cold_prompt_words, i as u64 + 1)
+            );
+            let body = self.body(json!([{"role": "user", "content": prompt}]), 16, json!({}));
+            let t0 = Instant::now();
+            outs.push(self.one(body).await);
+            wall += t0.elapsed();
+        }
+        summarise("cold", WorkloadKind::Cold, 1, outs, wall)
+    }
+
+    async fn decode(&self, args: &BenchArgs, concurrency: usize) -> Workload {
+        let mut outs = Vec::new();
+        let mut wall = Duration::ZERO;
+        for round in 0..args.decode_rounds.max(1) {
+            let bodies = (0..concurrency)
+                .map(|i| {
+                    let prompt = format!(
+                        "Stream {i} of round {round}: write a long story about {}.",
+                        self.words.text(8, 1000 + (round * concurrency + i) as u64)
+                    );
+                    self.body(
+                        json!([{"role": "user", "content": prompt}]),
+                        args.output_tokens.max(1),
+                        json!({"temperature": 1.0, "ignore_eos": true}),
+                    )
+                })
+                .collect();
+            let (o, w) = self.concurrent(bodies).await;
+            outs.extend(o);
+            wall += w;
+        }
+        summarise(&format!("decode c={concurrency}"), WorkloadKind::Decode, concurrency, outs, wall)
+    }
+
+    async fn agent(&self, args: &BenchArgs) -> (Workload, Vec<AgentTurn>) {
+        let cities = ["Paris", "Lima", "Oslo", "Kyoto", "Accra", "Quito", "Perth", "Riga"];
+        let tools = json!([{
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Current weather for a city.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}},
+                    "required": ["city"],
+                },
+            },
+        }]);
+        let mut messages = vec![
+            json!({"role": "system", "content": format!(
+                "You are a travel agent (session {}). Use the tools to answer. Background notes:\n{}",
+                nonce(),
+                self.words.text(300, 2000)
+            )}),
+            json!({"role": "user", "content": "Compare the weather in all the cities on my itinerary, one at a time."}),
+        ];
+        let mut outs = Vec::new();
+        let mut turns = Vec::new();
+        let mut wall = Duration::ZERO;
+        for turn in 0..args.agent_turns.max(1) {
+            let body = self.body(Value::Array(messages.clone()), 96, json!({"tools": tools, "tool_choice": "auto"}));
+            let t0 = Instant::now();
+            let out = self.one(body).await;
+            wall += t0.elapsed();
+            turns.push(AgentTurn {
+                turn: turn + 1,
+                messages: messages.len(),
+                prompt_tokens: out.usage_u64(&["prompt_tokens"]),
+                cached_tokens: out.cached_tokens(),
+                ttft_ms: out.ttft.map(ms),
+            });
+            outs.push(out);
+            let city = cities[turn % cities.len()];
+            let call_id = format!("call_{turn}");
+            messages.push(json!({
+                "role": "assistant",
+                "content": null,
+                "tool_calls": [{
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": json!({"city": city}).to_string()},
+                }],
+            }));
+            messages.push(json!({
+                "role": "tool",
+                "tool_call_id": call_id,
+                "content": json!({"city": city, "temp_c": 12 + turn, "sky": "clear"}).to_string(),
+            }));
+        }
+        (summarise("agent", WorkloadKind::Agent, 1, outs, wall), turns)
+    }
+
+    async fn branches(&self, args: &BenchArgs) -> Workload {
+        let k = args.branches.max(1);
+        let system = format!(
+            "Shared context {}. Read the following notes carefully.\n{}",
+            nonce(),
+            self.words.text(args.prefix_words, 3000)
+        );
+        let body = |i: usize| {
+            self.body(
+                json!([
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": format!("Question {i}: what do the notes say about {}?", self.words.text(3, 4000 + i as u64))},
+                ]),
+                32,
+                json!({}),
+            )
+        };
+        // The first branch fills the cache; the others then share its prefix concurrently.
+        let t0 = Instant::now();
+        let mut outs = vec![self.one(body(0)).await];
+        let mut wall = t0.elapsed();
+        if k > 1 {
+            let (rest, w) = self.concurrent((1..k).map(body).collect()).await;
+            outs.extend(rest);
+            wall += w;
+        }
+        summarise(&format!("branches k={k}"), WorkloadKind::Branches, k.saturating_sub(1).max(1), outs, wall)
+    }
+}
+
+fn failed_outcome() -> StreamOutcome {
+    StreamOutcome {
+        end: StreamEnd::Eof,
+        request_id: None,
+        ttft: None,
+        itl: Vec::new(),
+        total: Duration::ZERO,
+        content_chunks: 0,
+        text: String::new(),
+        usage: None,
+        finish_reasons: Vec::new(),
+        done_markers: 0,
+        chunk_ids: Default::default(),
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn end_error(end: &StreamEnd) -> Option<String> {
+    match end {
+        StreamEnd::Done => None,
+        StreamEnd::Disconnected => Some("disconnected".into()),
+        StreamEnd::HttpStatus { status, body, .. } => Some(format!("HTTP {status}: {body}")),
+        StreamEnd::StreamError(e) => Some(format!("stream error: {e}")),
+        StreamEnd::Transport(e) => Some(format!("transport: {e}")),
+        StreamEnd::Protocol(e) => Some(format!("protocol: {e}")),
+        StreamEnd::Eof => Some("stream ended without [DONE]".into()),
+        StreamEnd::Timeout => Some("timed out".into()),
+    }
+}
+
+fn summarise(name: &str, kind: WorkloadKind, concurrency: usize, outs: Vec<StreamOutcome>, wall: Duration) -> Workload {
+    let ttfts: Vec<Duration> = outs.iter().filter_map(|o| o.ttft).collect();
+    let itls: Vec<Duration> = outs.iter().flat_map(|o| o.itl.iter().copied()).collect();
+    let output_tokens: u64 = outs.iter().map(StreamOutcome::output_tokens).sum();
+    let mut rates: Vec<f64> = outs
+        .iter()
+        .filter_map(|o| {
+            let decode = o.total.checked_sub(o.ttft?)?.as_secs_f64();
+            let toks = o.output_tokens();
+            (toks > 1 && decode > 0.0).then(|| (toks - 1) as f64 / decode)
+        })
+        .collect();
+    rates.sort_by(f64::total_cmp);
+    let records: Vec<RequestRecord> = outs
+        .iter()
+        .map(|o| RequestRecord {
+            ok: o.end == StreamEnd::Done,
+            error: end_error(&o.end),
+            request_id: o.request_id.clone(),
+            ttft_ms: o.ttft.map(ms),
+            total_ms: ms(o.total),
+            output_tokens: o.output_tokens(),
+            chunks: o.content_chunks,
+            prompt_tokens: o.usage_u64(&["prompt_tokens"]),
+            cached_tokens: o.cached_tokens(),
+        })
+        .collect();
+    let wall_secs = wall.as_secs_f64();
+    Workload {
+        name: name.to_string(),
+        kind,
+        concurrency,
+        requests: outs.len(),
+        failed: records.iter().filter(|r| !r.ok).count(),
+        ttft: Summary::of(&ttfts),
+        itl: Summary::of(&itls),
+        output_tokens,
+        wall_secs,
+        output_tokens_per_sec: if wall_secs > 0.0 { output_tokens as f64 / wall_secs } else { 0.0 },
+        stream_tokens_per_sec: if rates.is_empty() { 0.0 } else { crate::stats::percentile_sorted(&rates, 50.0) },
+        prompt_tokens: records.iter().filter_map(|r| r.prompt_tokens).sum(),
+        cached_tokens: records.iter().filter_map(|r| r.cached_tokens).sum(),
+        records,
+    }
+}
+
+impl fmt::Display for BenchReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "flare bench: {} (model {})", self.url, self.model)?;
+        writeln!(
+            f,
+            "{:<14} {:>4} {:>5} {:>4}  {:>19}  {:>17}  {:>9} {:>11}  {:>15}",
+            "workload",
+            "conc",
+            "reqs",
+            "fail",
+            "TTFT med/p99 ms",
+            "ITL med/p99 ms",
+            "out tok/s",
+            "stream tok/s",
+            "cached/prompt"
+        )?;
+        for w in &self.workloads {
+            writeln!(
+                f,
+                "{:<14} {:>4} {:>5} {:>4}  {:>9.2}/{:<9.2}  {:>8.3}/{:<8.3}  {:>9.1} {:>11.1}  {:>15}",
+                w.name,
+                w.concurrency,
+                w.requests,
+                w.failed,
+                w.ttft.median_ms,
+                w.ttft.p99_ms,
+                w.itl.median_ms,
+                w.itl.p99_ms,
+                w.output_tokens_per_sec,
+                w.stream_tokens_per_sec,
+                format!("{}/{}", w.cached_tokens, w.prompt_tokens),
+            )?;
+        }
+        if !self.agent_turns.is_empty() {
+            writeln!(f, "agent turns (TTFT ms, cached/prompt tokens):")?;
+            for t in &self.agent_turns {
+                let opt = |v: Option<u64>| v.map_or("-".to_string(), |v| v.to_string());
+                writeln!(
+                    f,
+                    "  turn {:>2}: {:>3} msgs  TTFT {:>9}  cached {}/{}",
+                    t.turn,
+                    t.messages,
+                    t.ttft_ms.map_or("-".to_string(), |v| format!("{v:.2}")),
+                    opt(t.cached_tokens),
+                    opt(t.prompt_tokens)
+                )?;
+            }
+        }
+        if let Some(w) = self.workloads.iter().find(|w| w.kind == WorkloadKind::Decode && w.concurrency == 1) {
+            writeln!(
+                f,
+                "server overhead (meaningful with a zero-time executor such as `flare run --sim`): \
+                 {:.1} tokens/s per stream, {:.3} ms median added ITL per token",
+                w.stream_tokens_per_sec, w.itl.median_ms
+            )?;
+        }
+        let failures: Vec<_> = self
+            .workloads
+            .iter()
+            .flat_map(|w| w.records.iter().filter_map(|r| r.error.as_ref().map(|e| (&w.name, e))))
+            .collect();
+        for (name, err) in failures.iter().take(10) {
+            writeln!(f, "failed ({name}): {err}")?;
+        }
+        if failures.len() > 10 {
+            writeln!(f, "... and {} more failures", failures.len() - 10)?;
+        }
+        Ok(())
+    }
+}
+
+/// A deterministic word generator, so prompts are reproducible within a run but unique across
+/// runs through the nonce.
+#[derive(Debug, Clone)]
+struct Words {
+    seed: u64,
+}
+
+const VOCAB: &[&str] = &[
+    "river", "stone", "quiet", "lantern", "market", "copper", "winter", "garden", "signal", "harbor", "meadow",
+    "engine", "violet", "thunder", "ladder", "orbit", "pepper", "canyon", "marble", "whisper", "saddle", "glacier",
+    "ember", "pocket", "falcon", "velvet", "tunnel", "biscuit", "compass", "ribbon", "summit", "anchor", "blossom",
+    "cobalt", "drift", "feather", "gravel", "horizon", "island", "jasmine", "kettle", "lemon", "mirror", "nectar",
+    "opal", "prairie", "quartz", "rocket", "spindle", "timber", "umbrella", "valley", "walnut", "yonder", "zephyr",
+    "almond", "bridge", "candle", "dune", "echo", "fjord", "granite", "hollow", "ivory",
+];
+
+impl Words {
+    fn new(seed: u64) -> Self {
+        Self { seed }
+    }
+
+    /// `n` words from stream `stream`.
+    fn text(&self, n: usize, stream: u64) -> String {
+        let mut rng = Rng::new(self.seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let mut s = String::with_capacity(n * 8);
+        for i in 0..n {
+            if i > 0 {
+                s.push(if i % 16 == 0 { '\n' } else { ' ' });
+            }
+            s.push_str(VOCAB[(rng.next() % VOCAB.len() as u64) as usize]);
+        }
+        s
+    }
+}
+
+/// xorshift64* — small, fast, good enough for choosing words and client behaviours.
+#[derive(Debug, Clone)]
+pub(crate) struct Rng(u64);
+
+impl Rng {
+    pub(crate) fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1)
+    }
+
+    pub(crate) fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// Uniform in `[lo, hi]`.
+    pub(crate) fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        if hi <= lo { lo } else { lo + self.next() % (hi - lo + 1) }
+    }
+}
+
+fn nonce() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let t = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    t ^ COUNTER.fetch_add(1, Ordering::Relaxed).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(clap::Parser, Debug)]
+    struct Cli {
+        #[command(flatten)]
+        args: BenchArgs,
+    }
+
+    #[test]
+    fn cli_defaults_and_overrides() {
+        use clap::Parser;
+        let a = Cli::try_parse_from(["bench"]).expect("defaults parse").args;
+        assert_eq!(a.url, "http://127.0.0.1:8000");
+        assert_eq!((a.model, a.workload, a.output_tokens, a.json), (None, WorkloadKind::All, 256, false));
+        assert_eq!(a.concurrency, [1, 2, 4]);
+        let a = Cli::try_parse_from([
+            "bench",
+            "--url",
+            "http://h:1",
+            "--model",
+            "m",
+            "--workload",
+            "branches",
+            "--output-tokens",
+            "8",
+            "--json",
+            "--concurrency",
+            "8,16",
+        ])
+        .expect("overrides parse")
+        .args;
+        assert_eq!((a.url.as_str(), a.model.as_deref(), a.workload), ("http://h:1", Some("m"), WorkloadKind::Branches));
+        assert_eq!((a.output_tokens, a.json, a.concurrency), (8, true, vec![8, 16]));
+        assert!(Cli::try_parse_from(["bench", "--workload", "nope"]).is_err());
+    }
+
+    #[test]
+    fn words_are_deterministic_per_stream_and_distinct_across_streams() {
+        let w = Words::new(7);
+        assert_eq!(w.text(50, 1), w.text(50, 1));
+        assert_ne!(w.text(50, 1), w.text(50, 2));
+        assert_eq!(w.text(50, 1).split_whitespace().count(), 50);
+        assert_ne!(Words::new(8).text(50, 1), w.text(50, 1));
+        assert_ne!(nonce(), nonce());
+    }
+
+    #[test]
+    fn rng_range_is_inclusive_and_bounded() {
+        let mut r = Rng::new(1);
+        let mut seen = [false; 4];
+        for _ in 0..1000 {
+            let v = r.range(2, 5);
+            assert!((2..=5).contains(&v));
+            seen[(v - 2) as usize] = true;
+        }
+        assert!(seen.iter().all(|&s| s));
+        assert_eq!(r.range(3, 3), 3);
+    }
+
+    #[test]
+    fn summarise_counts_tokens_failures_and_cache() {
+        let mut a = failed_outcome();
+        a.end = StreamEnd::Done;
+        a.ttft = Some(Duration::from_millis(10));
+        a.itl = vec![Duration::from_millis(1), Duration::from_millis(3)];
+        a.total = Duration::from_millis(1010);
+        a.content_chunks = 3;
+        a.usage = Some(
+            json!({"prompt_tokens": 100, "completion_tokens": 11, "prompt_tokens_details": {"cached_tokens": 64}}),
+        );
+        let mut b = failed_outcome();
+        b.end = StreamEnd::HttpStatus { status: 503, typed: true, body: "busy".into() };
+        let w = summarise("x", WorkloadKind::Cold, 1, vec![a, b], Duration::from_secs(2));
+        assert_eq!(w.requests, 2);
+        assert_eq!(w.failed, 1);
+        assert_eq!(w.output_tokens, 11);
+        assert!((w.output_tokens_per_sec - 5.5).abs() < 1e-9);
+        assert!((w.stream_tokens_per_sec - 10.0).abs() < 1e-9, "10 tokens over 1 s of decode");
+        assert_eq!((w.prompt_tokens, w.cached_tokens), (100, 64));
+        assert_eq!(w.ttft.count, 1);
+        assert_eq!(w.itl.count, 2);
+        assert!(w.records[1].error.as_deref().is_some_and(|e| e.contains("503")));
+        let report = BenchReport { url: "u".into(), model: "m".into(), workloads: vec![w], agent_turns: vec![] };
+        assert_eq!(report.failed_requests(), 1);
+        let shown = report.to_string();
+        assert!(shown.contains("cold") || shown.contains('x'));
+        assert!(shown.contains("HTTP 503"));
+        assert!(report.to_json().is_ok_and(|j| j.contains("\"output_tokens\": 11")));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn run_bench_against_a_fake_server() {
+        let (addr, _state) = crate::fake::start().await;
+        let args = BenchArgs {
+            url: format!("http://{addr}/v1"),
+            model: None,
+            workload: WorkloadKind::All,
+            output_tokens: 8,
+            json: false,
+            concurrency: vec![1, 2],
+            decode_rounds: 1,
+            cold_prompt_words: 50,
+            cold_requests: 2,
+            agent_turns: 3,
+            branches: 3,
+            prefix_words: 50,
+            timeout_secs: 10,
+        };
+        let r = run_bench(&args).await.expect("bench runs");
+        assert_eq!(r.model, "fake");
+        assert_eq!(r.failed_requests(), 0, "{r}");
+        let names: Vec<&str> = r.workloads.iter().map(|w| w.name.as_str()).collect();
+        assert_eq!(names, ["cold", "decode c=1", "decode c=2", "agent", "branches k=3"]);
+        let d2 = &r.workloads[2];
+        assert_eq!((d2.requests, d2.output_tokens), (2, 16));
+        assert_eq!(d2.itl.count, 2 * 7, "8 content chunks per stream give 7 gaps");
+        assert!(d2.output_tokens_per_sec > 0.0 && d2.stream_tokens_per_sec > 0.0);
+        assert_eq!(r.agent_turns.len(), 3);
+        assert_eq!(r.agent_turns.iter().map(|t| t.messages).collect::<Vec<_>>(), [2, 4, 6]);
+        let prompts: Vec<u64> = r.agent_turns.iter().filter_map(|t| t.prompt_tokens).collect();
+        assert!(prompts.windows(2).all(|w| w[0] < w[1]), "the agent conversation grows: {prompts:?}");
+        assert!(r.workloads[4].cached_tokens > 0);
+        let shown = r.to_string();
+        assert!(shown.contains("server overhead") && shown.contains("turn  3"), "{shown}");
+
+        let only = BenchArgs { workload: WorkloadKind::Cold, ..args };
+        assert_eq!(run_bench(&only).await.expect("bench runs").workloads.len(), 1);
+    }
+}
