@@ -11,6 +11,8 @@ use std::sync::Arc;
 
 use helios_scheduler::{Completion, ConsumeRow, RequestId, SampleSpec, SampledToken, Scheduler, Step, StepOp};
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod workload;
 
 /// Request-level sampling controls, packed beside the step for the device sampler.

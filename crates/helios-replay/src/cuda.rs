@@ -1,0 +1,632 @@
+//! CUDA replay of a runtime core through the driver API (cudarc, loaded at run time, so
+//! nothing here needs CUDA to build).
+//!
+//! [`DeviceCore::load`] reserves the core's arena at its recorded base address (falling
+//! back to another address and patching every recorded relocation), maps physical memory,
+//! uploads payloads, loads each kernel from its exact recorded image, rebuilds every graph
+//! node by node (kernel, memcpy, memset, empty, event record/wait) with its launch
+//! attributes, instantiates and uploads them. After `load` returns, replay allocates
+//! nothing.
+//!
+//! Invariants: graphs, modules, events and the arena live together and are destroyed only
+//! after the stream drained (see `Drop`); every pointer word a kernel receives is one of the
+//! core's relocations, rewritten for the actual base.
+
+#![allow(unsafe_code)]
+
+use std::collections::HashMap;
+use std::ffi::{CStr, CString, c_void};
+use std::time::Instant;
+
+use cudarc::driver::sys as cu;
+use helios_contract::RuntimeCore;
+use helios_contract::model::{
+    BufferId, Graph, GraphId, ImageFormat, KernelId, LaunchAttribute, Manifest, NodeOp, Payload,
+};
+
+/// Oldest driver API accepted (CUDA 12.0).
+pub const MIN_DRIVER_VERSION: i32 = 12000;
+
+/// CUDA failures, with the driver's own code, name and description.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CudaError {
+    #[error("no CUDA driver library (libcuda.so) could be loaded")]
+    NoDriver,
+    #[error("CUDA driver API {found} is older than the required {required}")]
+    DriverTooOld { found: i32, required: i32 },
+    #[error("{op} failed: {name} ({code}): {description}")]
+    Call { op: &'static str, code: u32, name: String, description: String },
+    #[error("graph {graph} node {node}: {reason}")]
+    Node { graph: u32, node: u32, reason: &'static str },
+    #[error("kernel {kernel}: {reason}")]
+    Kernel { kernel: u32, reason: &'static str },
+    #[error("buffer {0} is not in the core")]
+    UnknownBuffer(u32),
+    #[error("graph {0} is not in the core")]
+    UnknownGraph(u32),
+    #[error("buffer {buffer}: range {offset}+{len} outside its {size} bytes")]
+    OutOfRange { buffer: u32, offset: u64, len: u64, size: u64 },
+}
+
+fn error_text(r: cu::CUresult) -> (String, String) {
+    let mut name: *const std::ffi::c_char = std::ptr::null();
+    let mut desc: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: the driver returns pointers to static strings or leaves them null.
+    unsafe {
+        cu::cuGetErrorName(r, &mut name);
+        cu::cuGetErrorString(r, &mut desc);
+    }
+    let text = |p: *const std::ffi::c_char| {
+        if p.is_null() {
+            String::from("unknown")
+        } else {
+            // SAFETY: non-null driver strings are NUL-terminated and static.
+            unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+        }
+    };
+    (text(name), text(desc))
+}
+
+fn check(op: &'static str, r: cu::CUresult) -> Result<(), CudaError> {
+    if r == cu::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let (name, description) = error_text(r);
+    Err(CudaError::Call { op, code: r as u32, name, description })
+}
+
+/// Loads the driver library and initializes it; typed errors when absent or too old.
+pub fn init_driver() -> Result<i32, CudaError> {
+    // SAFETY: probing for the library has no preconditions.
+    if !unsafe { cu::is_culib_present() } {
+        return Err(CudaError::NoDriver);
+    }
+    // SAFETY: the library is present; cuInit may be called repeatedly.
+    check("cuInit", unsafe { cu::cuInit(0) })?;
+    let mut version = 0;
+    // SAFETY: out-pointer to a live local.
+    check("cuDriverGetVersion", unsafe { cu::cuDriverGetVersion(&mut version) })?;
+    if version < MIN_DRIVER_VERSION {
+        return Err(CudaError::DriverTooOld { found: version, required: MIN_DRIVER_VERSION });
+    }
+    Ok(version)
+}
+
+/// How to load.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LoadOptions {
+    pub device_ordinal: i32,
+    /// Reserve the arena anywhere but the recorded base (exercises relocation).
+    pub force_relocation: bool,
+}
+
+/// What loading did and cost.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LoadReport {
+    pub driver_version: i32,
+    pub recorded_base: u64,
+    pub base: u64,
+    pub arena_bytes: u64,
+    /// Pointer words rewritten (all of them, at any base; at the recorded base they are verified equal).
+    pub relocated_words: usize,
+    pub uploaded_bytes: u64,
+    pub kernels: usize,
+    pub graphs: usize,
+    pub nodes: usize,
+    pub upload_seconds: f64,
+    pub build_seconds: f64,
+}
+
+struct DeviceGraph {
+    graph: cu::CUgraph,
+    exec: cu::CUgraphExec,
+    events: Vec<cu::CUevent>,
+}
+
+/// A core resident on one device, ready to replay.
+pub struct DeviceCore {
+    manifest: Manifest,
+    device: cu::CUdevice,
+    context: cu::CUcontext,
+    stream: cu::CUstream,
+    base: u64,
+    reserved: usize,
+    handle: Option<cu::CUmemGenericAllocationHandle>,
+    modules: Vec<cu::CUmodule>,
+    graphs: HashMap<GraphId, DeviceGraph>,
+    report: LoadReport,
+}
+
+impl std::fmt::Debug for DeviceCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceCore").field("report", &self.report).finish_non_exhaustive()
+    }
+}
+
+fn granularity(device: cu::CUdevice) -> Result<(cu::CUmemAllocationProp, usize), CudaError> {
+    // SAFETY: a zeroed property struct is a valid starting value; fields set below.
+    let mut prop: cu::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = cu::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type_ = cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = device;
+    let mut g = 0usize;
+    // SAFETY: out-pointer to a live local; prop is initialized.
+    check("cuMemGetAllocationGranularity", unsafe {
+        cu::cuMemGetAllocationGranularity(
+            &mut g,
+            &prop,
+            cu::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+        )
+    })?;
+    Ok((prop, g.max(1)))
+}
+
+impl DeviceCore {
+    /// Loads `core` onto the device; see the module documentation.
+    pub fn load(core: &RuntimeCore, options: &LoadOptions) -> Result<DeviceCore, CudaError> {
+        let driver_version = init_driver()?;
+        let manifest = core.manifest().clone();
+        let mut device = 0;
+        let mut context = std::ptr::null_mut();
+        // SAFETY: out-pointers to live locals; the driver is initialized.
+        unsafe {
+            check("cuDeviceGet", cu::cuDeviceGet(&mut device, options.device_ordinal))?;
+            check("cuDevicePrimaryCtxRetain", cu::cuDevicePrimaryCtxRetain(&mut context, device))?;
+            check("cuCtxSetCurrent", cu::cuCtxSetCurrent(context))?;
+        }
+        let mut me = DeviceCore {
+            manifest,
+            device,
+            context,
+            stream: std::ptr::null_mut(),
+            base: 0,
+            reserved: 0,
+            handle: None,
+            modules: Vec::new(),
+            graphs: HashMap::new(),
+            report: LoadReport { driver_version, ..LoadReport::default() },
+        };
+        // From here on, Drop releases whatever was created.
+        // SAFETY: out-pointer to a field; the context is current.
+        check("cuStreamCreate", unsafe { cu::cuStreamCreate(&mut me.stream, 1) })?;
+        me.map_arena(options)?;
+        let t0 = Instant::now();
+        me.upload(core)?;
+        me.report.upload_seconds = t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        let functions = me.load_kernels(core)?;
+        let graphs = me.manifest.graphs.clone();
+        for g in &graphs {
+            me.build_graph(g, &functions)?;
+        }
+        // SAFETY: the stream is live.
+        check("cuStreamSynchronize", unsafe { cu::cuStreamSynchronize(me.stream) })?;
+        me.report.build_seconds = t1.elapsed().as_secs_f64();
+        Ok(me)
+    }
+
+    fn map_arena(&mut self, options: &LoadOptions) -> Result<(), CudaError> {
+        let (prop, g) = granularity(self.device)?;
+        let size = (self.manifest.arena.byte_size as usize).div_ceil(g) * g;
+        let recorded = self.manifest.arena.base_address;
+        let hint = if options.force_relocation { 0 } else { recorded };
+        let mut ptr: cu::CUdeviceptr = 0;
+        // SAFETY: out-pointer to a live local; the hint is only a request.
+        check("cuMemAddressReserve", unsafe { cu::cuMemAddressReserve(&mut ptr, size, g, hint, 0) })?;
+        if options.force_relocation && ptr == recorded {
+            // The driver honoured a hint we did not give; ask again at a different place.
+            let mut other: cu::CUdeviceptr = 0;
+            // SAFETY: as above.
+            check("cuMemAddressReserve", unsafe { cu::cuMemAddressReserve(&mut other, size, g, 0, 0) })?;
+            // SAFETY: ptr was reserved above with this size.
+            check("cuMemAddressFree", unsafe { cu::cuMemAddressFree(ptr, size) })?;
+            ptr = other;
+        }
+        self.base = ptr;
+        self.reserved = size;
+        let mut handle: cu::CUmemGenericAllocationHandle = 0;
+        // SAFETY: prop is initialized; handle is an out-pointer.
+        check("cuMemCreate", unsafe { cu::cuMemCreate(&mut handle, size, &prop, 0) })?;
+        self.handle = Some(handle);
+        // SAFETY: the range [ptr, ptr+size) is reserved and the handle has `size` bytes.
+        check("cuMemMap", unsafe { cu::cuMemMap(ptr, size, 0, handle, 0) })?;
+        let access = cu::CUmemAccessDesc {
+            location: prop.location,
+            flags: cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: the range is mapped; one descriptor.
+        check("cuMemSetAccess", unsafe { cu::cuMemSetAccess(ptr, size, &access, 1) })?;
+        self.report.recorded_base = recorded;
+        self.report.base = ptr;
+        self.report.arena_bytes = size as u64;
+        Ok(())
+    }
+
+    fn upload(&mut self, core: &RuntimeCore) -> Result<(), CudaError> {
+        let buffers = self.manifest.buffers.clone();
+        for b in &buffers {
+            let addr = self.base + b.offset;
+            match &b.payload {
+                Payload::Safetensors { .. } => {
+                    let bytes = core.payload(b.id).ok_or(CudaError::UnknownBuffer(b.id.0))?;
+                    // SAFETY: addr..addr+len lies inside the mapped arena (validated buffer
+                    // extents); the source is a live mmap slice.
+                    check("cuMemcpyHtoD", unsafe { cu::cuMemcpyHtoD_v2(addr, bytes.as_ptr().cast(), bytes.len()) })?;
+                    self.report.uploaded_bytes += bytes.len() as u64;
+                }
+                // SAFETY: the range lies inside the mapped arena.
+                Payload::ZeroFill => check("cuMemsetD8", unsafe { cu::cuMemsetD8_v2(addr, 0, b.byte_size as usize) })?,
+                Payload::Uninitialized => {}
+            }
+        }
+        Ok(())
+    }
+
+    fn load_kernels(&mut self, core: &RuntimeCore) -> Result<HashMap<KernelId, cu::CUfunction>, CudaError> {
+        let mut functions = HashMap::new();
+        let kernels = self.manifest.kernels.clone();
+        for k in &kernels {
+            let image = core.kernel_image(k.id).ok_or(CudaError::Kernel { kernel: k.id.0, reason: "no image" })?;
+            // PTX is text and must be NUL-terminated; cubin/fatbin are passed as recorded.
+            let mut owned;
+            let bytes: &[u8] = if k.format == ImageFormat::Ptx && image.last() != Some(&0) {
+                owned = image.to_vec();
+                owned.push(0);
+                &owned
+            } else {
+                image
+            };
+            let mut module = std::ptr::null_mut();
+            // SAFETY: the image bytes outlive the call; the context is current.
+            check("cuModuleLoadData", unsafe { cu::cuModuleLoadData(&mut module, bytes.as_ptr().cast()) })?;
+            self.modules.push(module);
+            let name = CString::new(k.function_name.clone())
+                .map_err(|_| CudaError::Kernel { kernel: k.id.0, reason: "function name contains NUL" })?;
+            let mut f = std::ptr::null_mut();
+            // SAFETY: module is loaded; name is NUL-terminated.
+            check("cuModuleGetFunction", unsafe { cu::cuModuleGetFunction(&mut f, module, name.as_ptr()) })?;
+            if k.max_dynamic_shared_memory > 0 {
+                // SAFETY: f is a live function handle.
+                check("cuFuncSetAttribute", unsafe {
+                    cu::cuFuncSetAttribute(
+                        f,
+                        cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        k.max_dynamic_shared_memory as i32,
+                    )
+                })?;
+            }
+            functions.insert(k.id, f);
+        }
+        self.report.kernels = kernels.len();
+        Ok(functions)
+    }
+
+    fn address(&self, buffer: BufferId, offset: u64) -> Result<u64, CudaError> {
+        let b = self.manifest.buffer(buffer).ok_or(CudaError::UnknownBuffer(buffer.0))?;
+        Ok(self.base + b.offset + offset)
+    }
+
+    fn build_graph(&mut self, g: &Graph, functions: &HashMap<KernelId, cu::CUfunction>) -> Result<(), CudaError> {
+        let mut graph = std::ptr::null_mut();
+        // SAFETY: out-pointer; flags must be 0.
+        check("cuGraphCreate", unsafe { cu::cuGraphCreate(&mut graph, 0) })?;
+        let mut dg = DeviceGraph { graph, exec: std::ptr::null_mut(), events: Vec::new() };
+        let built = self.populate(g, &mut dg, functions);
+        if let Err(e) = built {
+            destroy_graph(&dg);
+            return Err(e);
+        }
+        // SAFETY: graph is complete; exec is an out-pointer.
+        let r = unsafe { cu::cuGraphInstantiateWithFlags(&mut dg.exec, dg.graph, 0) };
+        if let Err(e) = check("cuGraphInstantiateWithFlags", r) {
+            destroy_graph(&dg);
+            return Err(e);
+        }
+        // SAFETY: exec and stream are live.
+        let r = unsafe { cu::cuGraphUpload(dg.exec, self.stream) };
+        self.graphs.insert(g.id, dg);
+        check("cuGraphUpload", r)?;
+        self.report.graphs += 1;
+        self.report.nodes += g.nodes.len();
+        Ok(())
+    }
+
+    fn populate(
+        &mut self,
+        g: &Graph,
+        dg: &mut DeviceGraph,
+        functions: &HashMap<KernelId, cu::CUfunction>,
+    ) -> Result<(), CudaError> {
+        for _ in 0..g.event_count {
+            let mut e = std::ptr::null_mut();
+            // SAFETY: out-pointer; flags: disable timing (graph events synchronize only).
+            check("cuEventCreate", unsafe { cu::cuEventCreate(&mut e, 2) })?;
+            dg.events.push(e);
+        }
+        let order = topological(g).ok_or(CudaError::Node { graph: g.id.0, node: 0, reason: "cycle" })?;
+        let mut handles: Vec<cu::CUgraphNode> = vec![std::ptr::null_mut(); g.nodes.len()];
+        for i in order {
+            let node = &g.nodes[i];
+            let deps: Vec<cu::CUgraphNode> =
+                g.edges.iter().filter(|&&(_, to)| to == i).map(|&(from, _)| handles[from]).collect();
+            let mut h = std::ptr::null_mut();
+            let bad = |reason| CudaError::Node { graph: g.id.0, node: node.id, reason };
+            match &node.op {
+                NodeOp::Kernel(k) => {
+                    let image = self.manifest.kernels.iter().find(|x| x.id == k.kernel).ok_or(bad("unknown kernel"))?;
+                    let f = *functions.get(&k.kernel).ok_or(bad("unknown kernel"))?;
+                    let mut params = k.param_bytes.clone();
+                    for r in &k.relocations {
+                        let slot = image.params.get(r.param_index as usize).ok_or(bad("relocation slot"))?;
+                        let at = (slot.offset + r.byte_offset) as usize;
+                        let word = params.get_mut(at..at + 8).ok_or(bad("relocation outside parameters"))?;
+                        word.copy_from_slice(&self.address(r.buffer, r.buffer_offset)?.to_le_bytes());
+                        self.report.relocated_words += 1;
+                    }
+                    let mut size = params.len();
+                    let mut extra: [*mut c_void; 5] = [
+                        cu::CU_LAUNCH_PARAM_BUFFER_POINTER_AS_INT as usize as *mut c_void,
+                        params.as_mut_ptr().cast(),
+                        cu::CU_LAUNCH_PARAM_BUFFER_SIZE_AS_INT as usize as *mut c_void,
+                        (&mut size as *mut usize).cast(),
+                        cu::CU_LAUNCH_PARAM_END_AS_INT as usize as *mut c_void,
+                    ];
+                    // SAFETY: zeroed is valid for this POD struct (null kern/ctx: use func).
+                    let mut p: cu::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+                    p.func = f;
+                    (p.gridDimX, p.gridDimY, p.gridDimZ) = (k.grid.x, k.grid.y, k.grid.z);
+                    (p.blockDimX, p.blockDimY, p.blockDimZ) = (k.block.x, k.block.y, k.block.z);
+                    p.sharedMemBytes = k.dynamic_shared_memory;
+                    p.extra = extra.as_mut_ptr();
+                    // SAFETY: params, size and extra outlive the call (the driver copies them).
+                    check("cuGraphAddKernelNode", unsafe {
+                        cu::cuGraphAddKernelNode_v2(&mut h, dg.graph, deps.as_ptr(), deps.len(), &p)
+                    })?;
+                    for a in &k.launch_attributes {
+                        set_launch_attribute(h, a).map_err(|_| bad("launch attribute rejected"))?;
+                    }
+                }
+                NodeOp::Memcpy { src, dst, byte_count } => {
+                    // SAFETY: zeroed is valid; device-to-device 1-D copy set below.
+                    let mut p: cu::CUDA_MEMCPY3D = unsafe { std::mem::zeroed() };
+                    p.srcMemoryType = cu::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+                    p.srcDevice = self.address(src.buffer, src.offset)?;
+                    p.dstMemoryType = cu::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+                    p.dstDevice = self.address(dst.buffer, dst.offset)?;
+                    p.WidthInBytes = *byte_count as usize;
+                    p.Height = 1;
+                    p.Depth = 1;
+                    // SAFETY: both ranges lie in the mapped arena (validated extents).
+                    check("cuGraphAddMemcpyNode", unsafe {
+                        cu::cuGraphAddMemcpyNode(&mut h, dg.graph, deps.as_ptr(), deps.len(), &p, self.context)
+                    })?;
+                }
+                NodeOp::Memset { dst, value, element_size, width, height, pitch } => {
+                    let p = cu::CUDA_MEMSET_NODE_PARAMS {
+                        dst: self.address(dst.buffer, dst.offset)?,
+                        pitch: *pitch as usize,
+                        value: *value,
+                        elementSize: *element_size,
+                        width: *width as usize,
+                        height: *height as usize,
+                    };
+                    // SAFETY: the range lies in the mapped arena (validated extents).
+                    check("cuGraphAddMemsetNode", unsafe {
+                        cu::cuGraphAddMemsetNode(&mut h, dg.graph, deps.as_ptr(), deps.len(), &p, self.context)
+                    })?;
+                }
+                NodeOp::Empty => {
+                    // SAFETY: dependencies are live nodes of this graph.
+                    check("cuGraphAddEmptyNode", unsafe {
+                        cu::cuGraphAddEmptyNode(&mut h, dg.graph, deps.as_ptr(), deps.len())
+                    })?;
+                }
+                NodeOp::EventRecord { event } | NodeOp::EventWait { event } => {
+                    let e = *dg.events.get(*event as usize).ok_or(bad("event index"))?;
+                    let r = if matches!(node.op, NodeOp::EventRecord { .. }) {
+                        // SAFETY: e is a live event; dependencies are nodes of this graph.
+                        unsafe { cu::cuGraphAddEventRecordNode(&mut h, dg.graph, deps.as_ptr(), deps.len(), e) }
+                    } else {
+                        // SAFETY: as above.
+                        unsafe { cu::cuGraphAddEventWaitNode(&mut h, dg.graph, deps.as_ptr(), deps.len(), e) }
+                    };
+                    check("cuGraphAddEventNode", r)?;
+                }
+            }
+            handles[i] = h;
+        }
+        Ok(())
+    }
+
+    /// The load report.
+    pub fn report(&self) -> &LoadReport {
+        &self.report
+    }
+
+    /// The arena's actual base address.
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    fn range(&self, buffer: BufferId, offset: u64, len: u64) -> Result<u64, CudaError> {
+        let b = self.manifest.buffer(buffer).ok_or(CudaError::UnknownBuffer(buffer.0))?;
+        if offset.checked_add(len).is_none_or(|end| end > b.byte_size) {
+            return Err(CudaError::OutOfRange { buffer: buffer.0, offset, len, size: b.byte_size });
+        }
+        Ok(self.base + b.offset + offset)
+    }
+
+    /// Synchronous host-to-device write into a buffer (no allocation).
+    pub fn write(&self, buffer: BufferId, offset: u64, bytes: &[u8]) -> Result<(), CudaError> {
+        let addr = self.range(buffer, offset, bytes.len() as u64)?;
+        self.synchronize()?;
+        // SAFETY: the range is inside the buffer, hence the mapped arena.
+        check("cuMemcpyHtoD", unsafe { cu::cuMemcpyHtoD_v2(addr, bytes.as_ptr().cast(), bytes.len()) })
+    }
+
+    /// Synchronous device-to-host read of a buffer range.
+    pub fn read(&self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, CudaError> {
+        let addr = self.range(buffer, offset, len)?;
+        self.synchronize()?;
+        let mut out = vec![0u8; len as usize];
+        // SAFETY: the destination holds `len` bytes; the source range is mapped.
+        check("cuMemcpyDtoH", unsafe { cu::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), addr, out.len()) })?;
+        Ok(out)
+    }
+
+    /// Writes the whole arena (tests and qualification).
+    pub fn write_arena(&self, bytes: &[u8]) -> Result<(), CudaError> {
+        let len = bytes.len().min(self.manifest.arena.byte_size as usize);
+        self.synchronize()?;
+        // SAFETY: len is within the mapped arena.
+        check("cuMemcpyHtoD", unsafe { cu::cuMemcpyHtoD_v2(self.base, bytes.as_ptr().cast(), len) })
+    }
+
+    /// Reads the whole arena.
+    pub fn read_arena(&self) -> Result<Vec<u8>, CudaError> {
+        self.synchronize()?;
+        let mut out = vec![0u8; self.manifest.arena.byte_size as usize];
+        // SAFETY: the arena is mapped for at least byte_size bytes.
+        check("cuMemcpyDtoH", unsafe { cu::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), self.base, out.len()) })?;
+        Ok(out)
+    }
+
+    /// Enqueues one replay of `graph` on the model stream.
+    pub fn replay(&self, graph: GraphId) -> Result<(), CudaError> {
+        let g = self.graphs.get(&graph).ok_or(CudaError::UnknownGraph(graph.0))?;
+        // SAFETY: exec and stream are live.
+        check("cuGraphLaunch", unsafe { cu::cuGraphLaunch(g.exec, self.stream) })
+    }
+
+    /// Waits for everything enqueued.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        // SAFETY: the stream is live.
+        check("cuStreamSynchronize", unsafe { cu::cuStreamSynchronize(self.stream) })
+    }
+}
+
+fn set_launch_attribute(node: cu::CUgraphNode, a: &LaunchAttribute) -> Result<(), CudaError> {
+    // SAFETY: a zeroed union is valid; one field is set below.
+    let mut v: cu::CUkernelNodeAttrValue = unsafe { std::mem::zeroed() };
+    let id = match a {
+        LaunchAttribute::Priority(p) => {
+            v.priority = *p;
+            cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PRIORITY
+        }
+        LaunchAttribute::ClusterDim(d) => {
+            v.clusterDim.x = d.x;
+            v.clusterDim.y = d.y;
+            v.clusterDim.z = d.z;
+            cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        }
+        LaunchAttribute::Cooperative(c) => {
+            v.cooperative = i32::from(*c);
+            cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+        }
+        _ => return Err(CudaError::Kernel { kernel: 0, reason: "unsupported launch attribute" }),
+    };
+    // SAFETY: node is a live kernel node; v matches id.
+    check("cuGraphKernelNodeSetAttribute", unsafe { cu::cuGraphKernelNodeSetAttribute(node, id, &v) })
+}
+
+fn destroy_graph(g: &DeviceGraph) {
+    // SAFETY: handles are live or null; destroy functions accept each once.
+    unsafe {
+        if !g.exec.is_null() {
+            cu::cuGraphExecDestroy(g.exec);
+        }
+        if !g.graph.is_null() {
+            cu::cuGraphDestroy(g.graph);
+        }
+        for &e in &g.events {
+            cu::cuEventDestroy_v2(e);
+        }
+    }
+}
+
+/// Node indices in dependency order; `None` for a cycle.
+fn topological(g: &Graph) -> Option<Vec<usize>> {
+    let n = g.nodes.len();
+    let mut indegree = vec![0usize; n];
+    for &(_, to) in &g.edges {
+        *indegree.get_mut(to)? += 1;
+    }
+    let mut ready: Vec<usize> = (0..n).filter(|&i| indegree[i] == 0).collect();
+    let mut out = Vec::with_capacity(n);
+    while let Some(i) = ready.pop() {
+        out.push(i);
+        for &(from, to) in &g.edges {
+            if from == i {
+                indegree[to] -= 1;
+                if indegree[to] == 0 {
+                    ready.push(to);
+                }
+            }
+        }
+    }
+    (out.len() == n).then_some(out)
+}
+
+impl Drop for DeviceCore {
+    fn drop(&mut self) {
+        // Drain first: nothing may be destroyed while a replay can still touch it.
+        // SAFETY: every handle below was created by this object and is destroyed once.
+        unsafe {
+            if !self.stream.is_null() {
+                cu::cuStreamSynchronize(self.stream);
+            }
+            for g in self.graphs.values() {
+                destroy_graph(g);
+            }
+            for &m in &self.modules {
+                cu::cuModuleUnload(m);
+            }
+            if self.reserved > 0 {
+                if let Some(h) = self.handle {
+                    cu::cuMemUnmap(self.base, self.reserved);
+                    cu::cuMemRelease(h);
+                }
+                cu::cuMemAddressFree(self.base, self.reserved);
+            }
+            if !self.stream.is_null() {
+                cu::cuStreamDestroy_v2(self.stream);
+            }
+            if !self.context.is_null() {
+                cu::cuDevicePrimaryCtxRelease_v2(self.device);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn driver_absence_is_a_typed_error() {
+        // On machines without libcuda this must be NoDriver, never a panic.
+        match init_driver() {
+            Ok(v) => assert!(v >= MIN_DRIVER_VERSION),
+            Err(e) => {
+                assert!(matches!(e, CudaError::NoDriver | CudaError::Call { .. } | CudaError::DriverTooOld { .. }))
+            }
+        }
+    }
+
+    #[test]
+    fn topological_order_respects_edges() {
+        let fixture = helios_contract::fixtures::Fixture::build(&helios_contract::fixtures::FixtureSpec::default());
+        let m = helios_contract::validate(&fixture.manifest).expect("valid");
+        for g in &m.graphs {
+            let order = topological(g).expect("acyclic");
+            let pos: HashMap<usize, usize> = order.iter().enumerate().map(|(p, &i)| (i, p)).collect();
+            for &(a, b) in &g.edges {
+                assert!(pos[&a] < pos[&b]);
+            }
+        }
+    }
+}
