@@ -387,15 +387,35 @@ impl DeviceCore {
                     }
                 }
                 NodeOp::Memcpy { src, dst, byte_count } => {
-                    // SAFETY: zeroed is valid; device-to-device 1-D copy set below.
-                    let mut p: cu::CUDA_MEMCPY3D = unsafe { std::mem::zeroed() };
-                    p.srcMemoryType = cu::CUmemorytype::CU_MEMORYTYPE_DEVICE;
-                    p.srcDevice = self.address(src.buffer, src.offset)?;
-                    p.dstMemoryType = cu::CUmemorytype::CU_MEMORYTYPE_DEVICE;
-                    p.dstDevice = self.address(dst.buffer, dst.offset)?;
-                    p.WidthInBytes = *byte_count as usize;
-                    p.Height = 1;
-                    p.Depth = 1;
+                    let null: *mut c_void = std::ptr::null_mut();
+                    // Device-to-device, one row: every field spelled out (enum fields have no zero value).
+                    let p = cu::CUDA_MEMCPY3D {
+                        srcXInBytes: 0,
+                        srcY: 0,
+                        srcZ: 0,
+                        srcLOD: 0,
+                        srcMemoryType: cu::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                        srcHost: std::ptr::null(),
+                        srcDevice: self.address(src.buffer, src.offset)?,
+                        srcArray: null.cast(),
+                        reserved0: null,
+                        srcPitch: 0,
+                        srcHeight: 0,
+                        dstXInBytes: 0,
+                        dstY: 0,
+                        dstZ: 0,
+                        dstLOD: 0,
+                        dstMemoryType: cu::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                        dstHost: null,
+                        dstDevice: self.address(dst.buffer, dst.offset)?,
+                        dstArray: null.cast(),
+                        reserved1: null,
+                        dstPitch: 0,
+                        dstHeight: 0,
+                        WidthInBytes: *byte_count as usize,
+                        Height: 1,
+                        Depth: 1,
+                    };
                     // SAFETY: both ranges lie in the mapped arena (validated extents).
                     check("cuGraphAddMemcpyNode", unsafe {
                         cu::cuGraphAddMemcpyNode(&mut h, dg.graph, deps.as_ptr(), deps.len(), &p, self.context)
