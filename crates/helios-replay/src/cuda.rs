@@ -24,6 +24,9 @@ use helios_contract::model::{
     BufferId, Graph, GraphId, ImageFormat, KernelId, LaunchAttribute, Manifest, NodeOp, Payload,
 };
 
+/// Virtual reservations are made in whole units of this size.
+const RESERVE_UNIT: usize = 1 << 30;
+
 /// Oldest driver API accepted (CUDA 12.0).
 pub const MIN_DRIVER_VERSION: i32 = 12000;
 
@@ -131,6 +134,7 @@ pub struct DeviceCore {
     stream: cu::CUstream,
     base: u64,
     reserved: usize,
+    mapped: usize,
     handle: Option<cu::CUmemGenericAllocationHandle>,
     modules: Vec<cu::CUmodule>,
     graphs: HashMap<GraphId, DeviceGraph>,
@@ -181,6 +185,7 @@ impl DeviceCore {
             stream: std::ptr::null_mut(),
             base: 0,
             reserved: 0,
+            mapped: 0,
             handle: None,
             modules: Vec::new(),
             graphs: HashMap::new(),
@@ -208,22 +213,26 @@ impl DeviceCore {
     fn map_arena(&mut self, options: &LoadOptions) -> Result<(), CudaError> {
         let (prop, g) = granularity(self.device)?;
         let size = (self.manifest.arena.byte_size as usize).div_ceil(g) * g;
+        // The driver serves small reservations from its own pool and ignores their hint;
+        // whole-GiB reservations honour it (measured). Only `size` bytes are backed.
+        let reserve = size.div_ceil(RESERVE_UNIT) * RESERVE_UNIT;
         let recorded = self.manifest.arena.base_address;
         let hint = if options.force_relocation { 0 } else { recorded };
         let mut ptr: cu::CUdeviceptr = 0;
         // SAFETY: out-pointer to a live local; the hint is only a request.
-        check("cuMemAddressReserve", unsafe { cu::cuMemAddressReserve(&mut ptr, size, g, hint, 0) })?;
+        check("cuMemAddressReserve", unsafe { cu::cuMemAddressReserve(&mut ptr, reserve, 0, hint, 0) })?;
         if options.force_relocation && ptr == recorded {
             // The driver honoured a hint we did not give; ask again at a different place.
             let mut other: cu::CUdeviceptr = 0;
             // SAFETY: as above.
-            check("cuMemAddressReserve", unsafe { cu::cuMemAddressReserve(&mut other, size, g, 0, 0) })?;
+            check("cuMemAddressReserve", unsafe { cu::cuMemAddressReserve(&mut other, reserve, 0, 0, 0) })?;
             // SAFETY: ptr was reserved above with this size.
-            check("cuMemAddressFree", unsafe { cu::cuMemAddressFree(ptr, size) })?;
+            check("cuMemAddressFree", unsafe { cu::cuMemAddressFree(ptr, reserve) })?;
             ptr = other;
         }
         self.base = ptr;
-        self.reserved = size;
+        self.reserved = reserve;
+        self.mapped = size;
         let mut handle: cu::CUmemGenericAllocationHandle = 0;
         // SAFETY: prop is initialized; handle is an out-pointer.
         check("cuMemCreate", unsafe { cu::cuMemCreate(&mut handle, size, &prop, 0) })?;
@@ -607,7 +616,7 @@ impl Drop for DeviceCore {
             }
             if self.reserved > 0 {
                 if let Some(h) = self.handle {
-                    cu::cuMemUnmap(self.base, self.reserved);
+                    cu::cuMemUnmap(self.base, self.mapped);
                     cu::cuMemRelease(h);
                 }
                 cu::cuMemAddressFree(self.base, self.reserved);
