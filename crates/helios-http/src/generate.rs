@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use helios_frontend::{OutputDelta, ParsedOutput, ToolChoice};
+use helios_frontend::{OutputDelta, OutputError, ParsedOutput, ToolChoice};
 use helios_worker::{
     ChoiceDecoder, ChoiceEvent, ChoiceStream, Engine, FinishCause, FinishInfo, GenerationInput, Prepared, RequestError,
     Unavailable,
@@ -82,22 +82,28 @@ impl ChoiceRun {
             ChoiceEvent::Finished(info) if info.cause == FinishCause::Cancelled => {
                 Some(self.fail(&RequestError::Unavailable(Unavailable::Draining)))
             }
-            ChoiceEvent::Finished(info) => match self.decoder.finish() {
-                Ok((deltas, parsed)) => {
-                    if let Err(e) = parsed.check_tool_choice(&self.tool_choice, &self.tool_names) {
-                        return Some(self.fail(&RequestError::Output(e)));
+            ChoiceEvent::Finished(info) => {
+                // An output limit may cut a tool call or the required call short: that is a
+                // `length` finish with what was parsed, not a malformed output.
+                let truncated = matches!(info.cause, FinishCause::Length | FinishCause::PoolExhausted);
+                let (deltas, mut parsed) = match self.decoder.finish() {
+                    Ok(done) => done,
+                    Err(RequestError::Output(OutputError::UnterminatedToolCall { .. })) if truncated => {
+                        (Vec::new(), self.decoder.output())
                     }
-                    self.finished = true;
-                    let mut parsed = parsed;
-                    if named {
-                        parsed.content.clear();
-                    }
-                    let mut out: Vec<Piece> = deltas.into_iter().filter(keep).map(Piece::Delta).collect();
-                    out.push(Piece::Done(ChoiceEnd { info, parsed }));
-                    Some(out)
+                    Err(e) => return Some(self.fail(&e)),
+                };
+                if !truncated && let Err(e) = parsed.check_tool_choice(&self.tool_choice, &self.tool_names) {
+                    return Some(self.fail(&RequestError::Output(e)));
                 }
-                Err(e) => Some(self.fail(&e)),
-            },
+                self.finished = true;
+                if named {
+                    parsed.content.clear();
+                }
+                let mut out: Vec<Piece> = deltas.into_iter().filter(keep).map(Piece::Delta).collect();
+                out.push(Piece::Done(ChoiceEnd { info, parsed }));
+                Some(out)
+            }
             ChoiceEvent::Failed(e) => Some(self.fail(&e)),
         }
     }

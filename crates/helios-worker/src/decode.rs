@@ -81,6 +81,11 @@ impl ChoiceDecoder {
         Ok(())
     }
 
+    /// Everything parsed so far (also after a parse failure).
+    pub fn output(&self) -> ParsedOutput {
+        self.parser.output().clone()
+    }
+
     /// Flushes held text and ends parsing; returns the last deltas and the whole output.
     pub fn finish(&mut self) -> Result<(Vec<OutputDelta>, ParsedOutput), RequestError> {
         let mut out = Decoded::default();
