@@ -15,6 +15,7 @@ pub mod core;
 pub mod error;
 pub mod model;
 pub mod prepared;
+pub mod record;
 pub mod summary;
 pub mod validate;
 
