@@ -538,6 +538,28 @@ impl DeviceCore {
     }
 }
 
+impl crate::graph::GraphBackend for DeviceCore {
+    fn write(&mut self, buffer: BufferId, offset: u64, bytes: &[u8]) -> Result<(), crate::ExecutorError> {
+        Ok(DeviceCore::write(self, buffer, offset, bytes)?)
+    }
+
+    fn read(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, crate::ExecutorError> {
+        Ok(DeviceCore::read(self, buffer, offset, len)?)
+    }
+
+    fn copy(&mut self, src: (BufferId, u64), dst: (BufferId, u64), len: u64) -> Result<(), crate::ExecutorError> {
+        let from = self.range(src.0, src.1, len)?;
+        let to = self.range(dst.0, dst.1, len)?;
+        // SAFETY: both ranges lie in the mapped arena; ordered on the model stream.
+        check("cuMemcpyDtoDAsync", unsafe { cu::cuMemcpyDtoDAsync_v2(to, from, len as usize, self.stream) })?;
+        Ok(())
+    }
+
+    fn replay(&mut self, graph: GraphId) -> Result<(), crate::ExecutorError> {
+        Ok(DeviceCore::replay(self, graph)?)
+    }
+}
+
 fn set_launch_attribute(node: cu::CUgraphNode, a: &LaunchAttribute) -> Result<(), CudaError> {
     // SAFETY: a zeroed union is valid; one field is set below.
     let mut v: cu::CUkernelNodeAttrValue = unsafe { std::mem::zeroed() };

@@ -13,6 +13,7 @@ use helios_scheduler::{Completion, ConsumeRow, RequestId, SampleSpec, SampledTok
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod graph;
 pub mod workload;
 
 /// Request-level sampling controls, packed beside the step for the device sampler.
@@ -85,6 +86,18 @@ pub enum ExecutorError {
     UnexpectedFence { got: u64, expected: u64 },
     #[error("completion samples token {token} outside the vocabulary of {vocab}")]
     SampledOutOfVocabulary { token: u32, vocab: u32 },
+    #[error("step needs a graph the core lacks: {0}")]
+    Capacity(#[from] helios_contract::CapacityError),
+    #[error("packing step inputs: {0}")]
+    Pack(#[from] helios_contract::PackError),
+    #[error("completion record of row {row}: {error}")]
+    Record { row: usize, error: helios_contract::record::RecordError },
+    #[error("completion record of row {0} holds no sampled token")]
+    NotSampled(usize),
+    /// A CUDA failure: operation, driver code, name and description.
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Cuda(#[from] cuda::CudaError),
 }
 
 /// How the simulated model picks its next token.

@@ -1,0 +1,308 @@
+//! The executor over a core's prepared graphs, independent of where the graphs run.
+//!
+//! [`GraphExecutor`] turns each planned [`StepOp`] into one graph replay: it packs the
+//! request metadata into the host mirror of the staging buffer through the
+//! [`BoundContract`] views, uploads it, replays the captured graph, and reads the completion
+//! records back ([`helios_contract::record`]). A [`GraphBackend`] supplies storage and replay:
+//! the CUDA [`crate::cuda::DeviceCore`], or a CPU emulation in tests.
+//!
+//! Conventions this executor fixes (the contract leaves them to the executor):
+//! - a KV page `p` is the byte range `p * bytes_per_page ..` of the core's `KvPages` buffer,
+//!   regions in declaration order inside it; checkpoint tail copies copy whole pages;
+//! - rows the scheduler did not fill are padded with `padding_slot` (slots, slot mappings)
+//!   or `-1` (page tables, rows), zero for counts, and records are cleared before each replay,
+//!   so a record the graph did not write is rejected rather than read stale.
+
+use helios_contract::model::{BufferId, BufferRole, GraphId, MaintenanceOp, Manifest, ValueKind};
+use helios_contract::record::{CompletionRecord, FLAG_SAMPLED, RecordError};
+use helios_contract::{BoundContract, BoundGraph, ByteView, Element};
+use helios_scheduler::{Completion, ConsumeRow, SampleSpec, SampledToken, Step, StepOp};
+
+use crate::{Executor, ExecutorError, RowSampling, StepInputs};
+
+/// Storage and graph replay for a [`GraphExecutor`].
+pub trait GraphBackend {
+    /// Writes `bytes` into `buffer` at `offset`.
+    fn write(&mut self, buffer: BufferId, offset: u64, bytes: &[u8]) -> Result<(), ExecutorError>;
+    /// Reads `len` bytes of `buffer` at `offset`, after everything enqueued finished.
+    fn read(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, ExecutorError>;
+    /// Copies between two buffer ranges, ordered after earlier replays.
+    fn copy(&mut self, src: (BufferId, u64), dst: (BufferId, u64), len: u64) -> Result<(), ExecutorError>;
+    /// Enqueues one replay.
+    fn replay(&mut self, graph: GraphId) -> Result<(), ExecutorError>;
+}
+
+/// Replays steps through a backend. Each step completes when `submit` returns.
+#[derive(Debug)]
+pub struct GraphExecutor<B> {
+    backend: B,
+    manifest: Manifest,
+    bound: BoundContract,
+    staging: BufferId,
+    staging_mirror: Vec<u8>,
+    kv: Option<BufferId>,
+    completions: Vec<Completion>,
+}
+
+/// A manifest the executor cannot drive.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum GraphExecutorError {
+    #[error("the core has no staging-inputs buffer")]
+    NoStaging,
+    #[error("staging views live in {0} buffers; one staging buffer is supported")]
+    SplitStaging(usize),
+}
+
+impl<B: GraphBackend> GraphExecutor<B> {
+    pub fn new(manifest: &Manifest, backend: B) -> Result<Self, GraphExecutorError> {
+        let bound = BoundContract::bind(manifest);
+        let mut staging: Vec<BufferId> =
+            bound.graphs().iter().flat_map(|g| g.inputs().map(|(_, v)| v.buffer).collect::<Vec<_>>()).collect();
+        staging.sort_unstable_by_key(|b| b.0);
+        staging.dedup();
+        let id = match staging.as_slice() {
+            [one] => *one,
+            [] => {
+                manifest
+                    .buffers
+                    .iter()
+                    .find(|b| b.role == BufferRole::StagingInputs)
+                    .ok_or(GraphExecutorError::NoStaging)?
+                    .id
+            }
+            many => return Err(GraphExecutorError::SplitStaging(many.len())),
+        };
+        let size = manifest.buffer(id).map_or(0, |b| b.byte_size) as usize;
+        let kv = manifest.buffers.iter().find(|b| b.role == BufferRole::KvPages).map(|b| b.id);
+        Ok(GraphExecutor {
+            backend,
+            manifest: manifest.clone(),
+            bound,
+            staging: id,
+            staging_mirror: vec![0; size],
+            kv,
+            completions: Vec::new(),
+        })
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    fn pack<T: Element>(
+        &mut self,
+        g: &BoundGraph,
+        value: ValueKind,
+        values: &[T],
+        pad: T,
+    ) -> Result<(), ExecutorError> {
+        match g.view(value) {
+            Some(view) => Ok(view.pack(&mut self.staging_mirror, values, pad)?),
+            None => Ok(()),
+        }
+    }
+
+    fn upload(&mut self) -> Result<(), ExecutorError> {
+        let mirror = std::mem::take(&mut self.staging_mirror);
+        let r = self.backend.write(self.staging, 0, &mirror);
+        self.staging_mirror = mirror;
+        r
+    }
+
+    fn clear_records(&mut self, view: &ByteView) -> Result<(), ExecutorError> {
+        self.backend.write(view.buffer, view.buffer_offset, &vec![0u8; view.byte_len as usize])
+    }
+
+    fn copy_page(&mut self, source: u32, destination: u32) -> Result<(), ExecutorError> {
+        let kv = self.kv.ok_or(ExecutorError::BadPage(source))?;
+        let bytes = self.manifest.cache_scheme.bytes_per_page();
+        self.backend.copy((kv, u64::from(source) * bytes), (kv, u64::from(destination) * bytes), bytes)
+    }
+
+    fn maintenance(&mut self, op: MaintenanceOp, source: Option<u32>, destination: u32) -> Result<(), ExecutorError> {
+        let g = self.bound.maintenance(op, 1)?.clone();
+        self.pack(&g, ValueKind::DestinationRows, &[destination as i32], -1)?;
+        self.pack(&g, ValueKind::SourceRows, &source.map(|s| vec![s as i32]).unwrap_or_default(), -1)?;
+        // The step does not carry the checkpoint's consumed count: -1 leaves the check to the scheduler.
+        self.pack(&g, ValueKind::ExpectedConsumed, &[-1i32], -1)?;
+        self.upload()?;
+        self.backend.replay(g.id)
+    }
+
+    /// Packs and replays one batch of rows (decode, prefill or resume), then reads its records.
+    fn rows(
+        &mut self,
+        g: &BoundGraph,
+        rows: &[(&ConsumeRow, Option<SampleSpec>)],
+        inputs: &StepInputs,
+        sampled: &mut Vec<SampledToken>,
+    ) -> Result<(), ExecutorError> {
+        let scheme = &self.manifest.cache_scheme;
+        let (pt, pad_slot) = (i64::from(scheme.page_tokens), scheme.padding_slot);
+        let pages = self.manifest.capacities.pages_per_request(scheme.page_tokens) as usize;
+        let mut tokens = Vec::new();
+        let mut positions = Vec::new();
+        let mut slot_mapping = Vec::new();
+        let mut page_table = Vec::new();
+        let mut slots = Vec::new();
+        let mut query = Vec::new();
+        let mut context = Vec::new();
+        let mut sampling: Vec<RowSampling> = Vec::new();
+        let mut seeds = Vec::new();
+        let mut counters = Vec::new();
+        let mut flags = Vec::new();
+        for (row, sample) in rows {
+            for (i, &t) in row.tokens.iter().enumerate() {
+                let position = i64::from(row.start) + i as i64;
+                let page = row
+                    .page_table
+                    .get((position / pt) as usize)
+                    .ok_or(ExecutorError::PageTableShort { position: position as u32, pages: row.page_table.len() })?;
+                tokens.push(t as i32);
+                positions.push(position as i32);
+                slot_mapping.push(i64::from(*page) * pt + position % pt);
+            }
+            let mut table: Vec<i32> = row.page_table.iter().map(|&p| p as i32).collect();
+            table.resize(pages, -1);
+            page_table.extend(table);
+            slots.push(row.live_row as i32);
+            query.push(row.tokens.len() as i32);
+            context.push((row.start as usize + row.tokens.len()) as i32);
+            let s = sample.and_then(|s| inputs.sampling.get(&s.request)).cloned().unwrap_or_default();
+            sampling.push(s);
+            seeds.push(sample.map_or(0, |s| s.seed));
+            counters.push(sample.map_or(0, |s| u64::from(s.counter)));
+            flags.push(u32::from(sample.is_some()));
+        }
+        use ValueKind as V;
+        self.pack(g, V::TokenIds, &tokens, 0)?;
+        self.pack(g, V::Positions, &positions, 0)?;
+        self.pack(g, V::SlotMapping, &slot_mapping, pad_slot)?;
+        self.pack(g, V::PageTable, &page_table, -1)?;
+        self.pack(g, V::RequestSlots, &slots, pad_slot as i32)?;
+        self.pack(g, V::StateRowIndices, &slots, -1)?;
+        self.pack(g, V::QueryLengths, &query, 0)?;
+        self.pack(g, V::ContextLengths, &context, 0)?;
+        let f = |get: fn(&RowSampling) -> f32| sampling.iter().map(get).collect::<Vec<f32>>();
+        self.pack(g, V::Temperature, &f(|s| s.params.temperature), 1.0)?;
+        self.pack(g, V::TopP, &f(|s| s.params.top_p), 1.0)?;
+        self.pack(g, V::MinP, &f(|s| s.params.min_p), 0.0)?;
+        self.pack(g, V::RepetitionPenalty, &f(|s| s.params.repetition_penalty), 1.0)?;
+        self.pack(g, V::PresencePenalty, &f(|s| s.params.presence_penalty), 0.0)?;
+        self.pack(g, V::FrequencyPenalty, &f(|s| s.params.frequency_penalty), 0.0)?;
+        let top_k: Vec<i32> = sampling.iter().map(|s| s.params.top_k as i32).collect();
+        self.pack(g, V::TopK, &top_k, 0)?;
+        self.pack(g, V::RngSeed, &seeds, 0u64)?;
+        self.pack(g, V::RngCounter, &counters, 0u64)?;
+        self.pack(g, V::SampleFlags, &flags, 0)?;
+        if let Some(view) = g.view(V::GrammarMask) {
+            let words = view.shape.get(1).copied().unwrap_or(0) as usize;
+            let mut mask = Vec::with_capacity(words * rows.len());
+            for s in &sampling {
+                match &s.mask {
+                    Some(m) => mask.extend((0..words).map(|i| m.get(i).copied().unwrap_or(0))),
+                    None => mask.extend(std::iter::repeat_n(u32::MAX, words)),
+                }
+            }
+            self.pack(g, V::GrammarMask, &mask, u32::MAX)?;
+        }
+        let records = g.view(V::CompletionRecords).cloned();
+        if let Some(view) = &records {
+            self.clear_records(view)?;
+        }
+        self.upload()?;
+        self.backend.replay(g.id)?;
+        let Some(view) = records else { return Ok(()) };
+        let bytes = self.backend.read(view.buffer, view.buffer_offset, view.byte_len)?;
+        let header = self.manifest.capacities.completion_record_header_words;
+        let width = (header + g.completion_token_capacity) as usize;
+        let vocab = self.manifest.capacities.vocab_size;
+        for (i, (_, sample)) in rows.iter().enumerate() {
+            let Some(sample) = sample else { continue };
+            let words: Vec<u32> = bytes
+                .get(i * width * 4..(i + 1) * width * 4)
+                .ok_or(ExecutorError::Record { row: i, error: RecordError::WrongLength { got: 0, expected: width } })?
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            let record = CompletionRecord::parse(&words, header, g.completion_token_capacity, vocab)
+                .map_err(|error| ExecutorError::Record { row: i, error })?;
+            let token = match record.tokens.first() {
+                Some(&t) if record.flags & FLAG_SAMPLED != 0 => t,
+                _ => return Err(ExecutorError::NotSampled(i)),
+            };
+            sampled.push(SampledToken { request: sample.request, token });
+        }
+        Ok(())
+    }
+}
+
+impl<B: GraphBackend> Executor for GraphExecutor<B> {
+    fn submit(&mut self, step: &Step, inputs: &StepInputs) -> Result<(), ExecutorError> {
+        let mut sampled = Vec::new();
+        for op in &step.ops {
+            match op {
+                StepOp::Initialize { live_row, rows } => {
+                    for r in *live_row..live_row + rows {
+                        self.maintenance(MaintenanceOp::Initialize, None, r)?;
+                    }
+                }
+                StepOp::Restore { snapshot_row, live_row, tail } => {
+                    self.maintenance(MaintenanceOp::Restore, Some(*snapshot_row), *live_row)?;
+                    if let Some(c) = tail {
+                        self.copy_page(c.source, c.destination)?;
+                    }
+                }
+                StepOp::Snapshot { live_row, snapshot_row, tail } => {
+                    self.maintenance(MaintenanceOp::Snapshot, Some(*live_row), *snapshot_row)?;
+                    if let Some(c) = tail {
+                        self.copy_page(c.source, c.destination)?;
+                    }
+                }
+                StepOp::Decode { bucket, rows } => {
+                    let g = self.bound.decode(*bucket)?.clone();
+                    let batch: Vec<(&ConsumeRow, Option<SampleSpec>)> = rows.iter().map(|r| (r, r.sample)).collect();
+                    self.rows(&g, &batch, inputs, &mut sampled)?;
+                }
+                StepOp::Prefill { capacity, row } => {
+                    let g = self.bound.prefill(*capacity)?.clone();
+                    self.rows(&g, &[(row, row.sample)], inputs, &mut sampled)?;
+                }
+                StepOp::ResumeSampling { live_row, consumed, page_table, sample } => {
+                    let g = self.bound.resume_sampling(1)?.clone();
+                    let row = ConsumeRow {
+                        live_row: *live_row,
+                        start: *consumed,
+                        tokens: Vec::new(),
+                        page_table: page_table.clone(),
+                        sample: Some(*sample),
+                    };
+                    self.rows(&g, &[(&row, Some(*sample))], inputs, &mut sampled)?;
+                }
+            }
+        }
+        self.completions.push(Completion { fence: step.fence, sampled });
+        Ok(())
+    }
+
+    fn poll(&mut self) -> Vec<Completion> {
+        std::mem::take(&mut self.completions)
+    }
+
+    fn synchronize(&mut self) -> Vec<Completion> {
+        std::mem::take(&mut self.completions)
+    }
+}
+
+/// Which graph a step op replays (reports, tests).
+pub fn graph_for(bound: &BoundContract, op: &StepOp) -> Option<GraphId> {
+    let g = match op {
+        StepOp::Decode { bucket, .. } => bound.decode(*bucket).ok(),
+        StepOp::Prefill { capacity, .. } => bound.prefill(*capacity).ok(),
+        StepOp::ResumeSampling { .. } => bound.resume_sampling(1).ok(),
+        StepOp::Initialize { .. } => bound.maintenance(MaintenanceOp::Initialize, 1).ok(),
+        StepOp::Restore { .. } => bound.maintenance(MaintenanceOp::Restore, 1).ok(),
+        StepOp::Snapshot { .. } => bound.maintenance(MaintenanceOp::Snapshot, 1).ok(),
+    };
+    g.map(|g| g.id)
+}

@@ -1,0 +1,288 @@
+//! The fixture core made executable: PTX kernels implementing its two recorded parameter
+//! layouts, and a CPU emulation of the same graphs over a host arena. Shared by the CPU
+//! executor test and the device qualification example.
+#![allow(dead_code, unreachable_pub, clippy::unwrap_used, clippy::expect_used)]
+
+use helios_contract::fixtures::{Fixture, FixtureSpec};
+use helios_contract::model::{BufferId, GraphId, Manifest, NodeOp, Payload};
+use helios_contract::record::{FLAG_SAMPLED, RECORD_MAGIC};
+use helios_contract::{RuntimeCore, core::sha256_hex, pb};
+use helios_replay::ExecutorError;
+use helios_replay::graph::GraphBackend;
+
+/// `out[(t*128 + j) % 1024] += in[t]*31 + emb[j] + norm[0]` for block t < n, thread j (atomic).
+pub const EMBED_PTX: &str = r#"
+.version 7.8
+.target sm_80
+.address_size 64
+.visible .entry triton_embed_rmsnorm_0(
+    .param .u64 p_in, .param .u64 p_emb, .param .u64 p_norm, .param .u64 p_out,
+    .param .u32 p_n, .param .u64 p_s0, .param .u64 p_s1)
+.reqntid 128, 1, 1
+{
+    .reg .pred %p<2>;
+    .reg .b32 %r<12>;
+    .reg .b64 %rd<12>;
+    ld.param.u64 %rd1, [p_in];
+    ld.param.u64 %rd2, [p_emb];
+    ld.param.u64 %rd3, [p_norm];
+    ld.param.u64 %rd4, [p_out];
+    ld.param.u32 %r1, [p_n];
+    mov.u32 %r2, %ctaid.x;
+    mov.u32 %r3, %tid.x;
+    setp.ge.u32 %p1, %r2, %r1;
+    @%p1 bra DONE;
+    mul.wide.u32 %rd5, %r2, 4;
+    add.s64 %rd6, %rd1, %rd5;
+    ld.global.u32 %r4, [%rd6];
+    mul.wide.u32 %rd7, %r3, 4;
+    add.s64 %rd8, %rd2, %rd7;
+    ld.global.u32 %r5, [%rd8];
+    ld.global.u32 %r6, [%rd3];
+    mul.lo.u32 %r7, %r4, 31;
+    add.u32 %r7, %r7, %r5;
+    add.u32 %r7, %r7, %r6;
+    shl.b32 %r8, %r2, 7;
+    add.u32 %r8, %r8, %r3;
+    and.b32 %r8, %r8, 1023;
+    mul.wide.u32 %rd9, %r8, 4;
+    add.s64 %rd10, %rd4, %rd9;
+    red.global.add.u32 [%rd10], %r7;
+DONE:
+    ret;
+}
+"#;
+
+/// Block r, thread 0: `sum = Σ scratch[r*64 .. r*64+64]`; writes a completion record
+/// (helios_contract::record) with one token `sum % vocab`, the magic word last.
+pub fn sample_ptx(record_words: u64, header_words: u64) -> String {
+    let token_offset = header_words * 4;
+    format!(
+        r#"
+.version 7.8
+.target sm_80
+.address_size 64
+.visible .entry triton_sample_tokens_0(.param .u64 p_s, .param .u64 p_rec, .param .u32 p_v)
+{{
+    .reg .pred %p<3>;
+    .reg .b32 %r<16>;
+    .reg .b64 %rd<8>;
+    ld.param.u64 %rd1, [p_s];
+    ld.param.u64 %rd2, [p_rec];
+    ld.param.u32 %r1, [p_v];
+    mov.u32 %r2, %tid.x;
+    setp.ne.u32 %p1, %r2, 0;
+    @%p1 bra DONE;
+    mov.u32 %r3, %ctaid.x;
+    shl.b32 %r4, %r3, 6;
+    mov.u32 %r5, 0;
+    mov.u32 %r6, 0;
+LOOP:
+    add.u32 %r7, %r4, %r6;
+    mul.wide.u32 %rd3, %r7, 4;
+    add.s64 %rd4, %rd1, %rd3;
+    ld.global.u32 %r8, [%rd4];
+    add.u32 %r5, %r5, %r8;
+    add.u32 %r6, %r6, 1;
+    setp.lt.u32 %p2, %r6, 64;
+    @%p2 bra LOOP;
+    rem.u32 %r9, %r5, %r1;
+    mul.lo.u32 %r10, %r3, {record_words};
+    mul.wide.u32 %rd5, %r10, 4;
+    add.s64 %rd6, %rd2, %rd5;
+    mov.u32 %r11, {flags};
+    mov.u32 %r12, 1;
+    mov.u32 %r13, {magic};
+    st.global.u32 [%rd6+4], %r3;
+    st.global.u32 [%rd6+8], %r11;
+    st.global.u32 [%rd6+12], %r12;
+    st.global.u32 [%rd6+{token_offset}], %r9;
+    membar.gl;
+    st.global.u32 [%rd6], %r13;
+DONE:
+    ret;
+}}
+"#,
+        flags = FLAG_SAMPLED,
+        magic = RECORD_MAGIC,
+    )
+}
+
+pub fn record_words(m: &Manifest) -> u64 {
+    m.graphs
+        .iter()
+        .flat_map(|g| &g.bindings)
+        .find(|b| b.value == helios_contract::model::ValueKind::CompletionRecords)
+        .expect("records")
+        .shape[1]
+}
+
+/// The fixture core (`spec`) with PTX kernels, written to `dir` and opened.
+pub fn device_fixture(dir: &std::path::Path, spec: &FixtureSpec) -> RuntimeCore {
+    let mut f = Fixture::build(spec);
+    let (rw, header) = {
+        let m = helios_contract::validate(&f.manifest).expect("valid fixture");
+        (record_words(&m), u64::from(m.capacities.completion_record_header_words))
+    };
+    let images = [EMBED_PTX.as_bytes().to_vec(), sample_ptx(rw, header).into_bytes()];
+    for (k, image) in f.manifest.kernels.iter_mut().zip(images.iter()) {
+        let old = k.file.clone();
+        k.file = old.replace(".cubin", ".ptx");
+        k.sha256 = sha256_hex(image);
+        k.format = pb::ImageFormat::Ptx as i32;
+        if let Some(entry) = f.files.iter_mut().find(|(p, _)| *p == old) {
+            *entry = (k.file.clone(), image.clone());
+        }
+    }
+    f.write_to(dir).expect("writes");
+    RuntimeCore::open(dir).expect("the device fixture is a valid core")
+}
+
+fn word(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
+}
+fn u32_at(a: &[u8], at: u64) -> u32 {
+    let at = at as usize;
+    u32::from_le_bytes(a[at..at + 4].try_into().unwrap())
+}
+fn put_u32(a: &mut [u8], at: u64, v: u32) {
+    let at = at as usize;
+    a[at..at + 4].copy_from_slice(&v.to_le_bytes());
+}
+
+/// CPU emulation of one graph over an arena image whose device base is `base`.
+pub fn emulate(m: &Manifest, graph: GraphId, arena: &mut [u8], base: u64) {
+    let g = m.graphs.iter().find(|g| g.id == graph).expect("graph");
+    let vocab = m.capacities.vocab_size;
+    let header = u64::from(m.capacities.completion_record_header_words);
+    let rw = record_words(m);
+    let addr = |buffer: BufferId, off: u64| m.buffer(buffer).unwrap().offset + off;
+    let mut done = vec![false; g.nodes.len()];
+    while done.iter().any(|d| !d) {
+        for i in 0..g.nodes.len() {
+            if done[i] || g.edges.iter().any(|&(from, to)| to == i && !done[from]) {
+                continue;
+            }
+            match &g.nodes[i].op {
+                NodeOp::Kernel(k) => {
+                    let image = m.kernels.iter().find(|x| x.id == k.kernel).unwrap();
+                    let mut p = k.param_bytes.clone();
+                    for r in &k.relocations {
+                        let at = (image.params[r.param_index as usize].offset + r.byte_offset) as usize;
+                        p[at..at + 8].copy_from_slice(&(base + addr(r.buffer, r.buffer_offset)).to_le_bytes());
+                    }
+                    if image.function_name == "triton_embed_rmsnorm_0" {
+                        let (inp, emb, norm, out) =
+                            (word(&p, 0) - base, word(&p, 8) - base, word(&p, 16) - base, word(&p, 24) - base);
+                        let n = u32::from_le_bytes(p[32..36].try_into().unwrap());
+                        let norm0 = u32_at(arena, norm);
+                        for t in 0..k.grid.x.min(n) {
+                            let x = u32_at(arena, inp + 4 * u64::from(t));
+                            for j in 0..k.block.x {
+                                let v = x
+                                    .wrapping_mul(31)
+                                    .wrapping_add(u32_at(arena, emb + 4 * u64::from(j)))
+                                    .wrapping_add(norm0);
+                                let idx = u64::from((t * 128 + j) & 1023);
+                                let cur = u32_at(arena, out + 4 * idx);
+                                put_u32(arena, out + 4 * idx, cur.wrapping_add(v));
+                            }
+                        }
+                    } else {
+                        let (s, rec) = (word(&p, 0) - base, word(&p, 8) - base);
+                        let v = u32::from_le_bytes(p[16..20].try_into().unwrap());
+                        assert_eq!(v, vocab);
+                        for r in 0..u64::from(k.grid.x) {
+                            let sum =
+                                (0..64).fold(0u32, |acc, q| acc.wrapping_add(u32_at(arena, s + 4 * (r * 64 + q))));
+                            let at = rec + 4 * r * rw;
+                            put_u32(arena, at + 4, r as u32);
+                            put_u32(arena, at + 8, FLAG_SAMPLED);
+                            put_u32(arena, at + 12, 1);
+                            put_u32(arena, at + 4 * header, sum % v);
+                            put_u32(arena, at, RECORD_MAGIC);
+                        }
+                    }
+                }
+                NodeOp::Memset { dst, value, element_size, width, height, pitch } => {
+                    let start = addr(dst.buffer, dst.offset);
+                    for row in 0..*height {
+                        for e in 0..*width {
+                            let at = (start + row * pitch + e * u64::from(*element_size)) as usize;
+                            let bytes = value.to_le_bytes();
+                            arena[at..at + *element_size as usize].copy_from_slice(&bytes[..*element_size as usize]);
+                        }
+                    }
+                }
+                NodeOp::Memcpy { src, dst, byte_count } => {
+                    let (s, d, n) = (
+                        addr(src.buffer, src.offset) as usize,
+                        addr(dst.buffer, dst.offset) as usize,
+                        *byte_count as usize,
+                    );
+                    let tmp = arena[s..s + n].to_vec();
+                    arena[d..d + n].copy_from_slice(&tmp);
+                }
+                NodeOp::Empty | NodeOp::EventRecord { .. } | NodeOp::EventWait { .. } => {}
+            }
+            done[i] = true;
+        }
+    }
+}
+
+/// A host-memory [`GraphBackend`] that runs graphs through [`emulate`].
+#[derive(Debug)]
+pub struct Emulator {
+    pub manifest: Manifest,
+    pub arena: Vec<u8>,
+    pub replays: usize,
+}
+
+impl Emulator {
+    /// The arena as the loader leaves it: payloads uploaded, zero-fill zeroed, the rest zero too.
+    pub fn new(core: &RuntimeCore) -> Self {
+        let m = core.manifest().clone();
+        let mut arena = vec![0u8; m.arena.byte_size as usize];
+        for b in &m.buffers {
+            if let (Payload::Safetensors { .. }, Some(bytes)) = (&b.payload, core.payload(b.id)) {
+                arena[b.offset as usize..b.offset as usize + bytes.len()].copy_from_slice(bytes);
+            }
+        }
+        Emulator { manifest: m, arena, replays: 0 }
+    }
+
+    fn at(&self, buffer: BufferId, offset: u64, len: u64) -> Result<std::ops::Range<usize>, ExecutorError> {
+        let b = self.manifest.buffer(buffer).ok_or(ExecutorError::BadPage(buffer.0))?;
+        if offset + len > b.byte_size {
+            return Err(ExecutorError::BadPage(buffer.0));
+        }
+        let start = (b.offset + offset) as usize;
+        Ok(start..start + len as usize)
+    }
+}
+
+impl GraphBackend for Emulator {
+    fn write(&mut self, buffer: BufferId, offset: u64, bytes: &[u8]) -> Result<(), ExecutorError> {
+        let r = self.at(buffer, offset, bytes.len() as u64)?;
+        self.arena[r].copy_from_slice(bytes);
+        Ok(())
+    }
+    fn read(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, ExecutorError> {
+        let r = self.at(buffer, offset, len)?;
+        Ok(self.arena[r].to_vec())
+    }
+    fn copy(&mut self, src: (BufferId, u64), dst: (BufferId, u64), len: u64) -> Result<(), ExecutorError> {
+        let s = self.at(src.0, src.1, len)?;
+        let d = self.at(dst.0, dst.1, len)?;
+        let tmp = self.arena[s].to_vec();
+        self.arena[d].copy_from_slice(&tmp);
+        Ok(())
+    }
+    fn replay(&mut self, graph: GraphId) -> Result<(), ExecutorError> {
+        let base = self.manifest.arena.base_address;
+        let m = self.manifest.clone();
+        emulate(&m, graph, &mut self.arena, base);
+        self.replays += 1;
+        Ok(())
+    }
+}
