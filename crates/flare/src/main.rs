@@ -74,8 +74,11 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Check { core, no_verify_payloads } => {
             let options = OpenOptions { verify_payload_digests: !no_verify_payloads };
             let core = RuntimeCore::open_with(&core, options)?;
-            println!("{} is a valid runtime core", core.root().display());
-            println!("{}", Summary(core.manifest()));
+            // A closed pipe (`flare check CORE | head`) is not an error worth a panic.
+            use std::io::Write;
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(out, "{} is a valid runtime core", core.root().display());
+            let _ = writeln!(out, "{}", Summary(core.manifest()));
             Ok(())
         }
         Command::Run(args) => serve::run(args),

@@ -1,0 +1,1 @@
+"""The runtime-core format on the Python side: schema, typed manifest, writer."""

@@ -1,0 +1,90 @@
+"""The PreparedContract's view shapes, mirrored from crates/helios-contract/src/prepared.rs.
+
+For each value kind: the dtypes, row-major shape and direction its byte view must have in a
+graph of a given capacity, and which values each graph kind must bind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ignition.core.manifest import Capacities, CacheScheme, Direction, Dtype, GraphCapacity, GraphKind
+from ignition.core.manifest import MaintenanceOp, ValueKind
+
+V = ValueKind
+
+
+@dataclass(frozen=True)
+class ExpectedView:
+    dtypes: tuple[Dtype, ...]
+    # None: a dimension the contract leaves to the recipe.
+    shape: tuple[int | None, ...]
+    direction: Direction
+
+    def matches(self, shape: tuple[int, ...]) -> bool:
+        return len(shape) == len(self.shape) and all(w is None or w == g for w, g in zip(self.shape, shape, strict=True))
+
+
+_PER_REQUEST_I32 = {
+    V.REQUEST_SLOTS, V.QUERY_LENGTHS, V.CONTEXT_LENGTHS, V.STATE_ROW_INDICES,
+    V.SOURCE_ROWS, V.DESTINATION_ROWS, V.EXPECTED_CONSUMED, V.TOP_K,
+}  # fmt: skip
+_PER_REQUEST_F32 = {
+    V.TEMPERATURE, V.TOP_P, V.MIN_P, V.REPETITION_PENALTY, V.PRESENCE_PENALTY, V.FREQUENCY_PENALTY,
+}  # fmt: skip
+
+
+def expected_view(
+    value: ValueKind,
+    capacity: GraphCapacity,
+    completion_token_capacity: int,
+    scheme: CacheScheme,
+    caps: Capacities,
+) -> ExpectedView:
+    b, t = capacity.request_count, capacity.token_capacity
+    inp = Direction.INPUT
+    if value is V.TOKEN_IDS:
+        return ExpectedView((Dtype.I32,), (t,), inp)
+    if value is V.POSITIONS:
+        return ExpectedView((Dtype.I32, Dtype.I64), (t,), inp)
+    if value is V.SLOT_MAPPING:
+        return ExpectedView((Dtype.I64,), (t,), inp)
+    if value is V.PAGE_TABLE:
+        return ExpectedView((Dtype.I32,), (b, caps.pages_per_request(scheme.page_tokens)), inp)
+    if value in _PER_REQUEST_I32:
+        return ExpectedView((Dtype.I32,), (b,), inp)
+    if value in _PER_REQUEST_F32:
+        return ExpectedView((Dtype.F32,), (b,), inp)
+    if value in (V.RNG_SEED, V.RNG_COUNTER):
+        return ExpectedView((Dtype.U64, Dtype.I64), (b,), inp)
+    if value is V.SAMPLE_FLAGS:
+        return ExpectedView((Dtype.U32,), (b,), inp)
+    if value is V.GRAMMAR_MASK:
+        return ExpectedView((Dtype.U32,), (b, -(-caps.vocab_size // 32)), inp)
+    if value is V.COMPLETION_RECORDS:
+        words = caps.completion_record_header_words + completion_token_capacity
+        return ExpectedView((Dtype.U32,), (b, words), Direction.OUTPUT)
+    if value is V.PATCH_PIXELS:
+        return ExpectedView((Dtype.BF16, Dtype.F16, Dtype.F32), (capacity.patch_capacity, None), inp)
+    return ExpectedView((Dtype.I32,), (None,), inp)  # IMAGE_FEATURE_OFFSETS
+
+
+def required_values(kind: GraphKind, op: MaintenanceOp | None) -> tuple[ValueKind, ...]:
+    if kind is GraphKind.PREFILL:
+        return (V.TOKEN_IDS, V.POSITIONS, V.SLOT_MAPPING, V.PAGE_TABLE, V.REQUEST_SLOTS, V.QUERY_LENGTHS,
+                V.COMPLETION_RECORDS)  # fmt: skip
+    if kind is GraphKind.DECODE:
+        return (V.REQUEST_SLOTS, V.PAGE_TABLE, V.COMPLETION_RECORDS)
+    if kind is GraphKind.RESUME_SAMPLING:
+        return (V.REQUEST_SLOTS, V.STATE_ROW_INDICES, V.COMPLETION_RECORDS)
+    if kind is GraphKind.STATE_MAINTENANCE:
+        if op in (MaintenanceOp.RESTORE, MaintenanceOp.SNAPSHOT):
+            return (V.SOURCE_ROWS, V.DESTINATION_ROWS, V.EXPECTED_CONSUMED)
+        if op in (MaintenanceOp.INITIALIZE, MaintenanceOp.RESET):
+            return (V.DESTINATION_ROWS,)
+        if op is MaintenanceOp.ADMIT_HISTOGRAM:
+            return (V.REQUEST_SLOTS, V.TOKEN_IDS)
+        return ()
+    if kind is GraphKind.VISION:
+        return (V.PATCH_PIXELS,)
+    return ()

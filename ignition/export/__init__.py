@@ -1,0 +1,1 @@
+"""Export: recorded graphs (addresses as captured) → a runtime core (buffers + relocations)."""

@@ -1,0 +1,1 @@
+"""Model recipes: canonical Transformers modules, weight mappings, execution layouts."""

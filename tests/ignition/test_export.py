@@ -1,0 +1,177 @@
+"""The CPU dry-run exporter over the recorded graph fixture, checked by the Rust loader."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import FIXTURES, flare_check
+from ignition.core.checks import ManifestError
+from ignition.core.manifest import KernelNode, MemcpyNode, MemsetNode
+from ignition.export.errors import (
+    ForeignPointerError, LibraryKernelError, MissingKernelImageError, UnresolvedAddressError, UnresolvedPointerError,
+)  # fmt: skip
+from ignition.export.exporter import RecordingExporter, export_recording
+
+RECORDING = FIXTURES / "recorded_graph.json"
+
+
+def load() -> dict[str, Any]:
+    return json.loads(RECORDING.read_text())
+
+
+def export(rec: dict[str, Any], out: Path):  # type: ignore[no-untyped-def]
+    return RecordingExporter(rec, FIXTURES).export(out)
+
+
+def node(rec: dict[str, Any], graph: str, nid: int) -> dict[str, Any]:
+    g = next(g for g in rec["graphs"] if g["name"] == graph)
+    return next(n for n in g["nodes"] if n["id"] == nid)
+
+
+def set_word(n: dict[str, Any], at: int, value: int) -> None:
+    raw = bytearray(bytes.fromhex(n["kernel"]["param_bytes"]))
+    raw[at : at + 8] = struct.pack("<Q", value)
+    n["kernel"]["param_bytes"] = raw.hex()
+
+
+def test_fixture_is_current() -> None:
+    script = FIXTURES / "make_recording.py"
+    proc = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_exported_core_loads_in_rust(tmp_path: Path, flare_bin: Path) -> None:
+    out = tmp_path / "core"
+    core = export_recording(RECORDING, out)
+    proc = flare_check(flare_bin, out)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "is a valid runtime core" in proc.stdout
+    assert "decode buckets     [1, 2]" in proc.stdout
+    # Every kind of node made it, and every pointer word in the arena became a relocation.
+    kinds = {type(n.op) for g in core.graphs for n in g.nodes}
+    assert {KernelNode, MemcpyNode, MemsetNode} <= kinds
+    decode = next(g for g in core.graphs if g.name == "decode_b1")
+    relocs = [r for n in decode.nodes if isinstance(n.op, KernelNode) for r in n.op.relocations]
+    embed = next(b for b in core.buffers if b.name == "model.embed_tokens.weight")
+    # The sampling kernel's interior pointer (embed + 128) and the by-value struct's second word.
+    assert any(r.buffer_id == embed.id and r.buffer_offset == 128 for r in relocs)
+    assert any(r.param_index == 2 and r.byte_offset == 8 for r in relocs)
+    # Triton's trailing NULL scratch pointers are not relocated.
+    assert not any(r.param_index in (5, 6) for r in relocs)
+
+
+def test_export_is_deterministic(tmp_path: Path) -> None:
+    a, b = export(load(), tmp_path / "a"), export(load(), tmp_path / "b")
+    assert (tmp_path / "a" / "manifest.pb").read_bytes() == (tmp_path / "b" / "manifest.pb").read_bytes()
+    assert a.encode() == b.encode()
+
+
+def test_rust_rejects_a_tampered_kernel_image(tmp_path: Path, flare_bin: Path) -> None:
+    out = tmp_path / "core"
+    core = export_recording(RECORDING, out)
+    (out / core.kernels[0].file).write_bytes(b"not the recorded image")
+    proc = flare_check(flare_bin, out)
+    assert proc.returncode != 0
+    assert "sha256" in proc.stderr + proc.stdout
+
+
+def test_pointer_into_an_arena_gap_names_kernel_and_offset(tmp_path: Path) -> None:
+    rec = load()
+    base = int(rec["arena"]["base_address"], 16)
+    gap = base + rec["arena"]["byte_size"] - 64  # past the last allocation, inside the arena
+    set_word(node(rec, "decode_b2", 3), 24, gap)  # param 2 (by-value struct), byte offset 8
+    with pytest.raises(UnresolvedPointerError) as e:
+        export(rec, tmp_path / "core")
+    err = e.value
+    assert (err.graph, err.node, err.kernel) == ("decode_b2", 3, "triton_paged_attention_64")
+    assert (err.param_index, err.byte_offset, err.word) == (2, 8, gap)
+    assert "triton_paged_attention_64" in str(err) and "byte offset 8" in str(err)
+    assert not (tmp_path / "core" / "manifest.pb").exists()
+
+
+def test_pointer_one_past_a_buffer_is_unresolved(tmp_path: Path) -> None:
+    rec = load()
+    base = int(rec["arena"]["base_address"], 16)
+    pool = next(a for a in rec["allocations"] if a["name"] == "graph_pool")
+    set_word(node(rec, "prefill_t128", 2), 24, base + pool["offset"] + pool["byte_size"])
+    with pytest.raises(UnresolvedPointerError) as e:
+        export(rec, tmp_path / "core")
+    assert (e.value.param_index, e.value.byte_offset) == (3, 0)
+
+
+def test_pointer_into_a_foreign_allocator_is_rejected(tmp_path: Path) -> None:
+    rec = load()
+    set_word(node(rec, "decode_b1", 5), 0, 0x7F00_0000_1000)
+    with pytest.raises(ForeignPointerError) as e:
+        export(rec, tmp_path / "core")
+    assert e.value.kernel == "triton_sample_tokens_0"
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"origin": "library"}, "origin 'library'"),
+        ({"function_name": "cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8"}, "'cutlass'"),
+        ({"function_name": "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64"}, "'sm90_'"),
+        ({"function_name": "_ZN2at6native18elementwise_kernelILi128ELi4EEEviT1_"}, "'_ZN'"),
+    ],
+)
+def test_library_kernels_are_rejected_by_name(tmp_path: Path, change: dict[str, str], needle: str) -> None:
+    rec = load()
+    k = next(k for k in rec["kernels"] if k["key"] == "paged_attention")
+    k.update(change)
+    with pytest.raises(LibraryKernelError) as e:
+        export(rec, tmp_path / "core")
+    assert e.value.kernel == k["function_name"]
+    assert needle in e.value.reason
+    assert k["function_name"] in str(e.value)
+
+
+def test_missing_kernel_image_is_an_error(tmp_path: Path) -> None:
+    rec = load()
+    rec["kernels"][0]["image"] = "kernels/absent.cubin"
+    with pytest.raises(MissingKernelImageError):
+        export(rec, tmp_path / "core")
+
+
+def test_memcpy_crossing_a_buffer_end_is_unresolved(tmp_path: Path) -> None:
+    rec = load()
+    node(rec, "decode_b1", 4)["memcpy"]["byte_count"] = 1 << 20
+    with pytest.raises(UnresolvedAddressError) as e:
+        export(rec, tmp_path / "core")
+    assert "memcpy" in e.value.where
+
+
+def test_python_checks_catch_an_out_of_range_default(tmp_path: Path) -> None:
+    rec = load()
+    rec["frontend"]["sampling"]["top_p"] = {"default": 1.5, "range": [0.01, 1.0]}
+    with pytest.raises(ManifestError) as e:
+        export(rec, tmp_path / "core")
+    assert e.value.field == "frontend.sampling.top_p.default"
+
+
+def test_python_checks_catch_a_missing_decode_bucket(tmp_path: Path) -> None:
+    rec = copy.deepcopy(load())
+    rec["capacities"]["decode_request_buckets"] = [1, 2, 4]
+    with pytest.raises(ManifestError) as e:
+        export(rec, tmp_path / "core")
+    assert "bucket 4" in e.value.reason
+
+
+def test_cli_export_recording(tmp_path: Path, flare_bin: Path) -> None:
+    out = tmp_path / "core"
+    proc = subprocess.run([sys.executable, "-m", "ignition", "export-recording", "--recording", str(RECORDING),
+                           "--out", str(out)], capture_output=True, text=True, cwd=FIXTURES.parents[2])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "pointer words relocated" in proc.stderr
+    assert flare_check(flare_bin, out).returncode == 0
+    shutil.rmtree(out)
