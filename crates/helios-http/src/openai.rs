@@ -24,6 +24,33 @@ pub(crate) struct StreamOptions {
     pub include_usage: bool,
 }
 
+/// Sampling fields shared by Chat Completions and Completions.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct SamplingFields {
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<f64>,
+    pub min_p: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+}
+
+impl SamplingFields {
+    fn raw(&self, max_tokens: Option<i64>) -> RawSampling {
+        RawSampling {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            max_tokens,
+        }
+    }
+}
+
 /// `POST /v1/chat/completions` body (unknown fields are ignored, as OpenAI clients add them freely).
 #[derive(Debug, Deserialize)]
 pub(crate) struct ChatRequest {
@@ -36,13 +63,8 @@ pub(crate) struct ChatRequest {
     pub stop: Option<StopSpec>,
     pub max_tokens: Option<i64>,
     pub max_completion_tokens: Option<i64>,
-    pub temperature: Option<f64>,
-    pub top_p: Option<f64>,
-    pub top_k: Option<f64>,
-    pub min_p: Option<f64>,
-    pub repetition_penalty: Option<f64>,
-    pub presence_penalty: Option<f64>,
-    pub frequency_penalty: Option<f64>,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
     pub seed: Option<i64>,
     pub tools: Option<Vec<Json>>,
     pub tool_choice: Option<Json>,
@@ -80,17 +102,7 @@ impl ChatRequest {
             (Some(n), _) => (Some(n), "max_completion_tokens"),
             (None, n) => (n, "max_tokens"),
         };
-        let sampling = RawSampling {
-            temperature: self.temperature,
-            top_p: self.top_p,
-            top_k: self.top_k,
-            min_p: self.min_p,
-            repetition_penalty: self.repetition_penalty,
-            presence_penalty: self.presence_penalty,
-            frequency_penalty: self.frequency_penalty,
-            max_tokens,
-        }
-        .validate(param)?;
+        let sampling = self.sampling.raw(max_tokens).validate(param)?;
         let tools = params::tools(self.tools)?;
         let tool_choice = params::tool_choice(self.tool_choice.as_ref(), !tools.is_empty())?;
         let include_usage = self.stream_options.is_some_and(|o| o.include_usage);
@@ -315,13 +327,8 @@ pub(crate) struct CompletionRequest {
     pub n: Option<i64>,
     pub stop: Option<StopSpec>,
     pub max_tokens: Option<i64>,
-    pub temperature: Option<f64>,
-    pub top_p: Option<f64>,
-    pub top_k: Option<f64>,
-    pub min_p: Option<f64>,
-    pub repetition_penalty: Option<f64>,
-    pub presence_penalty: Option<f64>,
-    pub frequency_penalty: Option<f64>,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
     pub seed: Option<i64>,
     pub response_format: Option<Json>,
     #[serde(default)]
@@ -368,17 +375,7 @@ async fn completions_inner(state: AppState, req: CompletionRequest, request_id: 
     if req.echo || req.suffix.is_some() || req.logprobs.as_ref().is_some_and(|l| !l.is_null()) {
         return Err(ApiError::invalid("unsupported_parameter", None, "echo, suffix and logprobs are not supported"));
     }
-    let sampling = RawSampling {
-        temperature: req.temperature,
-        top_p: req.top_p,
-        top_k: req.top_k,
-        min_p: req.min_p,
-        repetition_penalty: req.repetition_penalty,
-        presence_penalty: req.presence_penalty,
-        frequency_penalty: req.frequency_penalty,
-        max_tokens: req.max_tokens,
-    }
-    .validate("max_tokens")?;
+    let sampling = req.sampling.raw(req.max_tokens).validate("max_tokens")?;
     let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
     let input = GenerationInput {
         request_id,
