@@ -206,6 +206,10 @@ impl DeviceCore {
         }
         // SAFETY: the stream is live.
         check("cuStreamSynchronize", unsafe { cu::cuStreamSynchronize(me.stream) })?;
+        // Payload copies and zero fills ran on the legacy stream, which the non-blocking model
+        // stream does not wait for: finish them before the core is ready.
+        // SAFETY: the context is current.
+        check("cuCtxSynchronize", unsafe { cu::cuCtxSynchronize() })?;
         me.report.build_seconds = t1.elapsed().as_secs_f64();
         Ok(me)
     }
@@ -490,11 +494,19 @@ impl DeviceCore {
     }
 
     /// Synchronous host-to-device write into a buffer (no allocation).
+    ///
+    /// From pageable memory `cuMemcpyHtoD` returns once the bytes are staged, not once they have
+    /// landed, and the model stream is non-blocking (it does not order after the legacy stream
+    /// the copy ran on): without the context synchronization a replay enqueued next can read the
+    /// old contents (measured on the H200: a 1 MiB KV write raced the decode graph, 24,921 of
+    /// 524,288 KV elements read as zero).
     pub fn write(&self, buffer: BufferId, offset: u64, bytes: &[u8]) -> Result<(), CudaError> {
         let addr = self.range(buffer, offset, bytes.len() as u64)?;
         self.synchronize()?;
         // SAFETY: the range is inside the buffer, hence the mapped arena.
-        check("cuMemcpyHtoD", unsafe { cu::cuMemcpyHtoD_v2(addr, bytes.as_ptr().cast(), bytes.len()) })
+        check("cuMemcpyHtoD", unsafe { cu::cuMemcpyHtoD_v2(addr, bytes.as_ptr().cast(), bytes.len()) })?;
+        // SAFETY: the context is current.
+        check("cuCtxSynchronize", unsafe { cu::cuCtxSynchronize() })
     }
 
     /// Synchronous device-to-host read of a buffer range.
@@ -512,7 +524,9 @@ impl DeviceCore {
         let len = bytes.len().min(self.manifest.arena.byte_size as usize);
         self.synchronize()?;
         // SAFETY: len is within the mapped arena.
-        check("cuMemcpyHtoD", unsafe { cu::cuMemcpyHtoD_v2(self.base, bytes.as_ptr().cast(), len) })
+        check("cuMemcpyHtoD", unsafe { cu::cuMemcpyHtoD_v2(self.base, bytes.as_ptr().cast(), len) })?;
+        // SAFETY: the context is current. See `write`.
+        check("cuCtxSynchronize", unsafe { cu::cuCtxSynchronize() })
     }
 
     /// Reads the whole arena.
