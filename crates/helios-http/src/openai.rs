@@ -162,21 +162,33 @@ async fn chat_inner(state: AppState, req: ChatRequest, request_id: String) -> Re
     }
 }
 
-async fn chat_whole(g: Generation, model: &str) -> Result<Response, ApiError> {
+/// Runs every choice to its end; returns them in index order with the request's usage.
+async fn collect_choices(g: Generation) -> Result<(Vec<(u32, ChoiceEnd)>, Json), ApiError> {
     let ends =
         futures_util::future::join_all(g.choices.into_iter().map(|c| async move { (c.index, c.collect().await) }))
             .await;
-    let mut choices = Vec::new();
-    let (mut completion, mut cached) = (0, 0);
+    let (mut out, mut completion, mut cached) = (Vec::with_capacity(ends.len()), 0, 0);
     for (index, end) in ends {
         let end = end?;
         completion += end.info.generated;
         cached = cached.max(end.info.cached_tokens);
-        choices.push(json!({"index": index, "message": chat_message(&g.request_id, index, &end),
-            "finish_reason": end.finish_reason(), "logprobs": null}));
+        out.push((index, end));
     }
-    let body = json!({"id": g.request_id, "object": "chat.completion", "created": unix_now(), "model": model,
-        "choices": choices, "usage": usage(g.prompt_tokens, completion, cached)});
+    Ok((out, usage(g.prompt_tokens, completion, cached)))
+}
+
+async fn chat_whole(g: Generation, model: &str) -> Result<Response, ApiError> {
+    let id = g.request_id.clone();
+    let (ends, usage) = collect_choices(g).await?;
+    let choices: Vec<Json> = ends
+        .iter()
+        .map(|(index, end)| {
+            json!({"index": index, "message": chat_message(&id, *index, end),
+                "finish_reason": end.finish_reason(), "logprobs": null})
+        })
+        .collect();
+    let body = json!({"id": id, "object": "chat.completion", "created": unix_now(), "model": model,
+        "choices": choices, "usage": usage});
     Ok(axum::Json(body).into_response())
 }
 
@@ -390,19 +402,16 @@ async fn completions_inner(state: AppState, req: CompletionRequest, request_id: 
     let g = start(&state.engine, input, Flavor::OpenAi).await?;
     let model = req.model;
     if !req.stream {
-        let ends =
-            futures_util::future::join_all(g.choices.into_iter().map(|c| async move { (c.index, c.collect().await) }))
-                .await;
-        let mut choices = Vec::new();
-        let (mut completion, mut cached) = (0, 0);
-        for (index, end) in ends {
-            let end = end?;
-            completion += end.info.generated;
-            cached = cached.max(end.info.cached_tokens);
-            choices.push(json!({"index": index, "text": end.parsed.content, "finish_reason": end.finish_reason(), "logprobs": null}));
-        }
-        let body = json!({"id": g.request_id, "object": "text_completion", "created": unix_now(), "model": model,
-            "choices": choices, "usage": usage(g.prompt_tokens, completion, cached)});
+        let id = g.request_id.clone();
+        let (ends, usage) = collect_choices(g).await?;
+        let choices: Vec<Json> = ends
+            .iter()
+            .map(|(index, end)| {
+                json!({"index": index, "text": end.parsed.content, "finish_reason": end.finish_reason(), "logprobs": null})
+            })
+            .collect();
+        let body = json!({"id": id, "object": "text_completion", "created": unix_now(), "model": model,
+            "choices": choices, "usage": usage});
         return Ok(axum::Json(body).into_response());
     }
     let (id, created, prompt) = (g.request_id.clone(), unix_now(), g.prompt_tokens);
