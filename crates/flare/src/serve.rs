@@ -103,10 +103,10 @@ pub(crate) fn run(args: RunArgs) -> Result<(), CliError> {
     let simulate = args.sim || args.core.is_none();
     progress(started, &format!("validating core {} (hashing payloads and assets)", core_dir.display()));
     let core = RuntimeCore::open(&core_dir)?;
-    if !simulate {
+    if !simulate && !cfg!(feature = "cuda") {
         return Err(CliError::NotServable(
-            "the core is valid, but this build has no CUDA executor yet; `flare run --sim CORE` serves its frontend \
-             through the simulated executor. No socket was bound.",
+            "the core is valid, but this build has no CUDA executor (build with `--features cuda`); \
+             `flare run --sim CORE` serves its frontend through the simulated executor. No socket was bound.",
         ));
     }
     let mut manifest = core.manifest().clone();
@@ -133,11 +133,16 @@ pub(crate) fn run(args: RunArgs) -> Result<(), CliError> {
         prep_threads: args.prep_threads,
         prep_queue: args.queue_limit.max(1),
     };
-    progress(started, "starting the model thread (simulated executor)");
-    let (scheme, caps) = (manifest.cache_scheme.clone(), manifest.capacities.clone());
-    let engine = Engine::start(&manifest, frontend, options, move || {
-        Ok(SimulatedExecutor::new(&scheme, &caps).with_model(SimModel::Induction))
-    })
+    let engine = if simulate {
+        progress(started, "starting the model thread (simulated executor)");
+        let (scheme, caps) = (manifest.cache_scheme.clone(), manifest.capacities.clone());
+        Engine::start(&manifest, frontend, options, move || {
+            Ok(SimulatedExecutor::new(&scheme, &caps).with_model(SimModel::Induction))
+        })
+    } else {
+        progress(started, "starting the model thread: loading the core onto the GPU");
+        start_cuda(&manifest, core, frontend, options, started)
+    }
     .map_err(|e| CliError::Startup(e.to_string()))?;
     let rt = crate::runtime()?;
     rt.block_on(async move {
@@ -168,6 +173,49 @@ pub(crate) fn run(args: RunArgs) -> Result<(), CliError> {
         tracing::info!("shutdown: complete");
         Ok(())
     })
+}
+
+/// The CUDA executor: the core is loaded on the model thread, which owns the context.
+#[cfg(feature = "cuda")]
+fn start_cuda(
+    manifest: &helios_contract::model::Manifest,
+    core: RuntimeCore,
+    frontend: Frontend,
+    options: EngineOptions,
+    started: Instant,
+) -> Result<std::sync::Arc<helios_worker::Engine>, helios_worker::StartError> {
+    use helios_replay::graph::GraphExecutor;
+    use helios_replay::cuda::{DeviceCore, LoadOptions};
+    let served = manifest.clone();
+    Engine::start(manifest, frontend, options, move || {
+        let device = DeviceCore::load(&core, &LoadOptions { device_ordinal: 0, force_relocation: false })?;
+        let r = device.report();
+        tracing::info!(
+            base = format_args!("{:#x}", r.base),
+            recorded_base = format_args!("{:#x}", r.recorded_base),
+            arena_gib = r.arena_bytes as f64 / (1u64 << 30) as f64,
+            uploaded_mib = r.uploaded_bytes / (1 << 20),
+            kernels = r.kernels,
+            graphs = r.graphs,
+            nodes = r.nodes,
+            upload_s = r.upload_seconds,
+            build_s = r.build_seconds,
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "core resident on the GPU"
+        );
+        Ok(GraphExecutor::new(&served, device)?)
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn start_cuda(
+    _: &helios_contract::model::Manifest,
+    _: RuntimeCore,
+    _: Frontend,
+    _: EngineOptions,
+    _: Instant,
+) -> Result<std::sync::Arc<helios_worker::Engine>, helios_worker::StartError> {
+    unreachable!("checked before: a build without CUDA never starts the CUDA executor")
 }
 
 async fn wait_for_signal() {

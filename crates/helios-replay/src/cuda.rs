@@ -21,7 +21,7 @@ use std::time::Instant;
 use cudarc::driver::sys as cu;
 use helios_contract::RuntimeCore;
 use helios_contract::model::{
-    BufferId, Graph, GraphId, ImageFormat, KernelId, LaunchAttribute, Manifest, NodeOp, Payload,
+    BufferId, BufferRole, Graph, GraphId, ImageFormat, KernelId, LaunchAttribute, Manifest, NodeOp, Payload,
 };
 
 /// Virtual reservations are made in whole units of this size.
@@ -118,6 +118,10 @@ pub struct LoadReport {
     pub nodes: usize,
     pub upload_seconds: f64,
     pub build_seconds: f64,
+    /// Page-locked staging allocated at load for step metadata and records.
+    pub pinned_staging_bytes: u64,
+    /// Device memory in use (all processes) once loading finished.
+    pub device_used_bytes: u64,
 }
 
 struct DeviceGraph {
@@ -139,6 +143,13 @@ pub struct DeviceCore {
     modules: Vec<cu::CUmodule>,
     graphs: HashMap<GraphId, DeviceGraph>,
     report: LoadReport,
+    /// Reusable page-locked staging for the executor's copies: bump-allocated, reset once the
+    /// stream has drained, so a region is never rewritten while a copy may still read it.
+    pinned: *mut u8,
+    pinned_len: usize,
+    pinned_at: usize,
+    /// Device memory in use when loading finished (for the after-readiness growth check).
+    used_at_ready: u64,
 }
 
 impl std::fmt::Debug for DeviceCore {
@@ -190,10 +201,15 @@ impl DeviceCore {
             modules: Vec::new(),
             graphs: HashMap::new(),
             report: LoadReport { driver_version, ..LoadReport::default() },
+            pinned: std::ptr::null_mut(),
+            pinned_len: 0,
+            pinned_at: 0,
+            used_at_ready: 0,
         };
         // From here on, Drop releases whatever was created.
         // SAFETY: out-pointer to a field; the context is current.
         check("cuStreamCreate", unsafe { cu::cuStreamCreate(&mut me.stream, 1) })?;
+        me.alloc_pinned()?;
         me.map_arena(options)?;
         let t0 = Instant::now();
         me.upload(core)?;
@@ -211,6 +227,8 @@ impl DeviceCore {
         // SAFETY: the context is current.
         check("cuCtxSynchronize", unsafe { cu::cuCtxSynchronize() })?;
         me.report.build_seconds = t1.elapsed().as_secs_f64();
+        me.used_at_ready = me.device_used_bytes()?;
+        me.report.device_used_bytes = me.used_at_ready;
         Ok(me)
     }
 
@@ -493,6 +511,76 @@ impl DeviceCore {
         Ok(self.base + b.offset + offset)
     }
 
+    fn alloc_pinned(&mut self) -> Result<(), CudaError> {
+        let m = &self.manifest;
+        let per_step: u64 = m
+            .buffers
+            .iter()
+            .filter(|b| matches!(b.role, BufferRole::StagingInputs | BufferRole::CompletionRecords))
+            .map(|b| b.byte_size)
+            .sum();
+        let len = (per_step as usize * 4).max(4 << 20);
+        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: out-pointer to a live local; the context is current.
+        check("cuMemAllocHost", unsafe { cu::cuMemAllocHost_v2(&mut p, len) })?;
+        self.pinned = p.cast();
+        self.pinned_len = len;
+        self.report.pinned_staging_bytes = len as u64;
+        Ok(())
+    }
+
+    /// Device memory in use now (all processes), from `cuMemGetInfo`.
+    pub fn device_used_bytes(&self) -> Result<u64, CudaError> {
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: out-pointers to live locals; the context is current.
+        check("cuMemGetInfo", unsafe { cu::cuMemGetInfo_v2(&mut free, &mut total) })?;
+        Ok((total - free) as u64)
+    }
+
+    /// Growth of device memory in use since loading finished: 0 when nothing allocated after
+    /// readiness (other processes on the device also count).
+    pub fn device_growth_since_ready(&self) -> Result<i64, CudaError> {
+        Ok(self.device_used_bytes()? as i64 - self.used_at_ready as i64)
+    }
+
+    /// A region of the pinned ring for `len` bytes, draining the stream first when the ring is full.
+    fn pinned_region(&mut self, len: usize) -> Result<Option<*mut u8>, CudaError> {
+        if len > self.pinned_len {
+            return Ok(None);
+        }
+        if self.pinned_at + len > self.pinned_len {
+            self.synchronize()?;
+            self.pinned_at = 0;
+        }
+        // SAFETY: pinned_at + len <= pinned_len, inside the allocation.
+        let p = unsafe { self.pinned.add(self.pinned_at) };
+        self.pinned_at += len.div_ceil(64) * 64;
+        Ok(Some(p))
+    }
+
+    /// Stream-ordered write through the pinned ring: ordered before every later replay on the
+    /// model stream without a synchronization.
+    pub fn write_async(&mut self, buffer: BufferId, offset: u64, bytes: &[u8]) -> Result<(), CudaError> {
+        let addr = self.range(buffer, offset, bytes.len() as u64)?;
+        let Some(p) = self.pinned_region(bytes.len())? else { return self.write(buffer, offset, bytes) };
+        // SAFETY: p holds bytes.len() bytes that no pending copy reads (see pinned_region).
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), p, bytes.len()) };
+        // SAFETY: source is page-locked and stays valid until the stream drains; dest is mapped.
+        check("cuMemcpyHtoDAsync", unsafe { cu::cuMemcpyHtoDAsync_v2(addr, p.cast(), bytes.len(), self.stream) })
+    }
+
+    /// Stream-ordered read after everything enqueued, through the pinned ring.
+    pub fn read_ordered(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, CudaError> {
+        let addr = self.range(buffer, offset, len)?;
+        let Some(p) = self.pinned_region(len as usize)? else { return self.read(buffer, offset, len) };
+        // SAFETY: p holds len bytes; the source range is mapped.
+        check("cuMemcpyDtoHAsync", unsafe { cu::cuMemcpyDtoHAsync_v2(p.cast(), addr, len as usize, self.stream) })?;
+        self.synchronize()?;
+        self.pinned_at = 0;
+        // SAFETY: the copy into p completed with the synchronization.
+        Ok(unsafe { std::slice::from_raw_parts(p, len as usize) }.to_vec())
+    }
+
     /// Synchronous host-to-device write into a buffer (no allocation).
     ///
     /// From pageable memory `cuMemcpyHtoD` returns once the bytes are staged, not once they have
@@ -554,11 +642,11 @@ impl DeviceCore {
 
 impl crate::graph::GraphBackend for DeviceCore {
     fn write(&mut self, buffer: BufferId, offset: u64, bytes: &[u8]) -> Result<(), crate::ExecutorError> {
-        Ok(DeviceCore::write(self, buffer, offset, bytes)?)
+        Ok(self.write_async(buffer, offset, bytes)?)
     }
 
     fn read(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, crate::ExecutorError> {
-        Ok(DeviceCore::read(self, buffer, offset, len)?)
+        Ok(self.read_ordered(buffer, offset, len)?)
     }
 
     fn copy(&mut self, src: (BufferId, u64), dst: (BufferId, u64), len: u64) -> Result<(), crate::ExecutorError> {
@@ -659,6 +747,9 @@ impl Drop for DeviceCore {
             }
             if !self.stream.is_null() {
                 cu::cuStreamDestroy_v2(self.stream);
+            }
+            if !self.pinned.is_null() {
+                cu::cuMemFreeHost(self.pinned.cast());
             }
             if !self.context.is_null() {
                 cu::cuDevicePrimaryCtxRelease_v2(self.device);

@@ -94,6 +94,8 @@ pub enum ExecutorError {
     Record { row: usize, error: helios_contract::record::RecordError },
     #[error("completion record of row {0} holds no sampled token")]
     NotSampled(usize),
+    #[error("the core cannot be driven: {0}")]
+    Contract(#[from] graph::GraphExecutorError),
     /// A CUDA failure: operation, driver code, name and description.
     #[cfg(feature = "cuda")]
     #[error(transparent)]

@@ -1,0 +1,103 @@
+"""Attention over 64-token KV pages: a hand-written Triton kernel (the prepared operation) and the
+gather reference it is checked against (and that CPU runs use).
+
+KV storage is page-major: `kv[page, layer, k|v, token, kv_head, head_dim]`, so a page is one
+contiguous byte range (the executor's page-copy convention). Each query token attends to the
+positions `0..=position` of its request, read through that request's page table; work and reads
+follow the actual length, not the context limit. Padding rows read page 0 and their output is
+never used.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def attend_gather(q: torch.Tensor, kv: torch.Tensor, layer: int, pages: torch.Tensor, req: torch.Tensor,
+                  pos: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+    """q [N, H, D] bf16; pages [R, P] (>= 0); req [N] row of each token; pos [N]. -> [N, H*D]."""
+    n, h, d = q.shape
+    kvh, t = kv.shape[4], kv.shape[3]
+    g = h // kvh
+    tbl = pages.long()[req.long()]  # [N, P]
+    ctx = tbl.shape[1] * t
+    keys = kv[tbl, layer, 0].reshape(n, ctx, kvh, 1, d).float()
+    vals = kv[tbl, layer, 1].reshape(n, ctx, kvh, 1, d).float()
+    scores = (q.float().reshape(n, 1, kvh, g, d) * keys).sum(-1) * scale  # [N, C, KVH, G]
+    mask = torch.arange(ctx, device=q.device)[None, :] <= pos.long()[:, None]
+    scores = scores.masked_fill(~mask[:, :, None, None], float("-inf"))
+    p = scores.softmax(1)
+    return (p[..., None] * vals).sum(1).to(q.dtype).reshape(n, h * d)
+
+
+@functools.cache
+def _kernel():  # type: ignore[no-untyped-def]
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def paged_attention_kernel(Q, KV, PT, REQ, POS, O, layer, s_page, s_layer, s_sel, s_tok, s_head, pt_stride,
+                               scale, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                               T: tl.constexpr):  # fmt: skip
+        n = tl.program_id(0)
+        kh = tl.program_id(1)
+        pos = tl.load(POS + n).to(tl.int64)
+        r = tl.load(REQ + n).to(tl.int64)
+        gi = tl.arange(0, GP)
+        di = tl.arange(0, D)
+        ti = tl.arange(0, T)
+        qmask = gi < G
+        head = kh * G + gi
+        q = tl.load(Q + n * H * D + head[:, None] * D + di[None, :], mask=qmask[:, None], other=0.0)
+        m = tl.full([GP], float("-inf"), tl.float32)
+        lsum = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        base = KV + layer * s_layer + kh * s_head
+        for j in range(0, pos // T + 1):
+            page = tl.maximum(tl.load(PT + r * pt_stride + j).to(tl.int64), 0)
+            kp = base + page * s_page + ti[:, None] * s_tok + di[None, :]
+            k = tl.load(kp)
+            v = tl.load(kp + s_sel)
+            s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.where((j * T + ti)[None, :] <= pos, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            lsum = lsum * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        out = acc / lsum[:, None]
+        tl.store(O + n * H * D + head[:, None] * D + di[None, :], out.to(O.dtype.element_ty), mask=qmask[:, None])
+
+    return paged_attention_kernel
+
+
+@functools.cache
+def paged_attention_op():  # type: ignore[no-untyped-def]
+    """`flare::paged_attention` as a triton_op, so torch.compile keeps the kernel in the graph."""
+    from torch.library import triton_op, wrap_triton
+
+    @triton_op("flare::paged_attention", mutates_args=())
+    def paged_attention(q: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor, req: torch.Tensor,
+                        pos: torch.Tensor, layer: int, scale: float) -> torch.Tensor:  # fmt: skip
+        n, h, d = q.shape
+        kvh, t = kv.shape[4], kv.shape[3]
+        g = h // kvh
+        out = torch.empty((n, h, d), dtype=q.dtype, device=q.device)
+        st = kv.stride()
+        wrap_triton(_kernel())[(n, kvh)](
+            q, kv, pages, req, pos, out, layer, st[0], st[1], st[2], st[3], st[4], pages.stride(0), scale,
+            H=h, G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, T=t)  # fmt: skip
+        return out
+
+    return paged_attention
+
+
+def attend(q: torch.Tensor, kv: torch.Tensor, layer: int, pages: torch.Tensor, req: torch.Tensor,
+           pos: torch.Tensor, scale: float, kernel: bool) -> torch.Tensor:  # fmt: skip
+    if not kernel:
+        return attend_gather(q, kv, layer, pages, req, pos, scale)
+    n, h, d = q.shape
+    return paged_attention_op()(q.contiguous(), kv, pages, req, pos, layer, scale).reshape(n, h * d)

@@ -1,0 +1,282 @@
+"""The prepared Llama-family step programs: decode, prefill, resume sampling and state maintenance,
+over 64-token KV pages, continuation rows and per-slot penalty histograms.
+
+The arithmetic follows Transformers' LlamaForCausalLM / Qwen3ForCausalLM (bf16 RMSNorm cast
+before the weight, rotate-half RoPE from the checkpoint's rope parameters, GQA, SiLU MLP), so
+teacher-forced logits can be compared with the canonical forward.
+
+State and its invariants (row indices follow the cache scheme: row 0 is the null row, live rows
+1..=request_slots, snapshot rows after them):
+- `kv` holds `max_kv_pages` pages plus one trash page at the end. Writes of padded rows
+  (negative slot) go to the trash page, so they never race a real write.
+- `rows[r]` is the final (normed) hidden vector of the last token consumed by row r: what resume
+  sampling projects and samples from, what snapshot and restore copy.
+- `hist[r]` counts the tokens sampled for live row r since it was initialized or restored
+  (request state, outside every checkpoint). Penalties read it.
+- A row that does not sample (padding, a prefill chunk short of the prompt end, an exhausted
+  grammar) changes no histogram and writes a record without the sampled flag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ignition.capture.attention import attend
+from ignition.capture.sampling import M32, sample
+
+RECORD_MAGIC = 0x464C_5243
+HEADER_WORDS = 8
+FLAG_SAMPLED, FLAG_EOS, FLAG_GRAMMAR_EXHAUSTED = 1, 2, 4
+
+
+@dataclass(frozen=True)
+class Geometry:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    eps: float
+    tie_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+    page_tokens: int = 64
+    context_limit: int = 2048
+    request_slots: int = 8
+    snapshot_rows: int = 64
+    max_kv_pages: int = 512
+
+    @property
+    def pages_per_request(self) -> int:
+        return self.context_limit // self.page_tokens
+
+    @property
+    def total_rows(self) -> int:
+        return 1 + self.request_slots + self.snapshot_rows
+
+    @property
+    def region_bytes(self) -> int:
+        """One layer's K (or V) of one page, bf16."""
+        return self.page_tokens * self.kv_heads * self.head_dim * 2
+
+    @property
+    def bytes_per_page(self) -> int:
+        return 2 * self.layers * self.region_bytes
+
+    @property
+    def mask_words(self) -> int:
+        return -(-self.vocab // 32)
+
+    def kv_shape(self) -> tuple[int, ...]:
+        """With the trash page."""
+        return (self.max_kv_pages + 1, self.layers, 2, self.page_tokens, self.kv_heads, self.head_dim)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_recipe(cls, config, eos: tuple[int, ...], **capacity: int) -> Geometry:  # type: ignore[no-untyped-def]
+        raw = config.raw
+        return cls(layers=config.num_hidden_layers, hidden=config.hidden_size, heads=config.num_attention_heads,
+                   kv_heads=config.num_key_value_heads, head_dim=config.head_dim, ffn=config.intermediate_size,
+                   vocab=config.vocab_size, eps=float(raw.get("rms_norm_eps", 1e-6)),
+                   tie_embeddings=config.tie_word_embeddings, attention_bias=config.attention_bias,
+                   mlp_bias=config.mlp_bias, qk_norm=config.qk_norm, eos_token_ids=eos, **capacity)  # fmt: skip
+
+
+def rope_parameters(raw_config: dict, device: torch.device | str = "cpu") -> tuple[torch.Tensor, float]:
+    """(inv_freq [D/2] float32, attention scaling) exactly as Transformers computes them."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = transformers.AutoConfig.for_model(raw_config.get("model_type", "llama"), **{
+        k: v for k, v in raw_config.items() if k not in ("model_type", "transformers_version")})  # fmt: skip
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    kind = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
+    if kind == "default":
+        base = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)) if isinstance(params, dict) else 10000.0
+        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
+        return inv.float(), 1.0
+    inv, scaling = ROPE_INIT_FUNCTIONS[kind](cfg, device)
+    return inv.float(), float(scaling)
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+class PagedLlama:
+    """Holds execution-layout weights (names from `ignition.recipes.llama`) and the step programs.
+
+    Every step method mutates only the state tensors passed to it and returns the normed final
+    hidden vectors of the tokens it consumed (decode: [B, H]; prefill: [T, H]; resume: [1, H]).
+    """
+
+    def __init__(self, geo: Geometry, weights: dict[str, torch.Tensor], inv_freq: torch.Tensor, rope_scaling: float,
+                 attention_kernel: bool) -> None:  # fmt: skip
+        self.geo = geo
+        self.w = weights
+        self.inv_freq = inv_freq
+        self.rope_scaling = rope_scaling
+        self.kernel = attention_kernel
+        self.trash_page = geo.max_kv_pages
+
+    def head(self) -> torch.Tensor:
+        return self.w["embed_tokens"] if self.geo.tie_embeddings else self.w["lm_head"]
+
+    def _bias(self, name: str) -> torch.Tensor | None:
+        return self.w.get(name)
+
+    # -- the forward -----------------------------------------------------------------------
+    def hidden(self, tok: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,
+               req: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """tok/pos [N]; slots [N] int64 KV slot (negative: no write); page_table [R, P] int32;
+        req [N] page-table row of each token."""
+        g, w = self.geo, self.w
+        n = tok.shape[0]
+        x = w["embed_tokens"][tok.long()]
+        ang = pos.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([ang, ang], -1)
+        cos = (emb.cos() * self.rope_scaling).to(x.dtype)
+        sin = (emb.sin() * self.rope_scaling).to(x.dtype)
+        valid = slots >= 0
+        page = torch.where(valid, slots // g.page_tokens, self.trash_page)
+        off = torch.where(valid, slots % g.page_tokens, 0)
+        tables = page_table if self.kernel else page_table.long().clamp(min=0)
+        hq, hk = g.heads * g.head_dim, g.kv_heads * g.head_dim
+        scale = g.head_dim**-0.5
+        for i in range(g.layers):
+            p = f"layers.{i}."
+            h = rms(x, w[p + "input_norm"], g.eps)
+            qkv = F.linear(h, w[p + "qkv"], self._bias(p + "qkv_bias"))
+            q = qkv[:, :hq].reshape(n, g.heads, g.head_dim)
+            k = qkv[:, hq : hq + hk].reshape(n, g.kv_heads, g.head_dim)
+            v = qkv[:, hq + hk :].reshape(n, g.kv_heads, g.head_dim)
+            if g.qk_norm:
+                q = rms(q, w[p + "q_norm"], g.eps)
+                k = rms(k, w[p + "k_norm"], g.eps)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            kv[page, i, 0, off] = k
+            kv[page, i, 1, off] = v
+            o = attend(q, kv, i, tables, req, pos, scale, self.kernel)
+            x = x + F.linear(o, w[p + "o_proj"], self._bias(p + "o_proj_bias"))
+            h = rms(x, w[p + "post_attention_norm"], g.eps)
+            gu = F.linear(h, w[p + "gate_up"], self._bias(p + "gate_up_bias"))
+            x = x + F.linear(F.silu(gu[:, : g.ffn]) * gu[:, g.ffn :], w[p + "down"], self._bias(p + "down_bias"))
+        return rms(x, w["final_norm"], g.eps)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.head())
+
+    # -- sampling and records ----------------------------------------------------------------
+    def _sample_and_record(self, h: torch.Tensor, slots: torch.Tensor, wants: torch.Tensor, consumed: torch.Tensor,
+                           s: dict[str, torch.Tensor], hist: torch.Tensor, records: torch.Tensor) -> None:  # fmt: skip
+        """h [B, H]; slots [B] live rows (negative: padding); wants [B] bool (the row samples)."""
+        g = self.geo
+        b = h.shape[0]
+        live = (slots >= 0) & (slots <= g.request_slots)
+        hrow = torch.where(live, slots, 0).long()
+        tok, allowed = sample(self.logits(h), hist[hrow], s["temperature"], s["top_k"], s["top_p"], s["min_p"],
+                              s["repetition_penalty"], s["presence_penalty"], s["frequency_penalty"],
+                              s["rng_seed"], s["rng_counter"], s.get("grammar_mask"))  # fmt: skip
+        sampled = wants & live & allowed
+        eos = torch.zeros_like(sampled)
+        for e in g.eos_token_ids:
+            eos = eos | (tok == e)
+        flags = (sampled.int() * FLAG_SAMPLED + (sampled & eos).int() * FLAG_EOS
+                 + (wants & live & ~allowed).int() * FLAG_GRAMMAR_EXHAUSTED)  # fmt: skip
+        z = torch.zeros(b, dtype=torch.int32, device=h.device)
+        counter_low = (s["rng_counter"].long() & M32).to(torch.int32)
+        cols = [z + RECORD_MAGIC, slots.int(), flags.int(), sampled.int(), consumed.int(), counter_low, z, z]
+        cols.append(torch.where(sampled, tok, 0).int())
+        cols += [z] * (records.shape[1] - HEADER_WORDS - 1)
+        records.copy_(torch.stack(cols, -1))
+        hist.index_put_((torch.where(sampled, hrow, 0), tok), sampled.int(), accumulate=True)
+
+    def _store_rows(self, rows: torch.Tensor, slots: torch.Tensor, h: torch.Tensor) -> None:
+        live = (slots >= 0) & (slots < rows.shape[0])
+        rows[torch.where(live, slots, 0).long()] = h.to(rows.dtype)
+
+    # -- step programs -----------------------------------------------------------------------
+    def decode(self, v: dict[str, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, hist: torch.Tensor,
+               records: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """One token per request row; its KV slot follows from its position and page table."""
+        g = self.geo
+        slots = v["request_slots"].long()
+        pos = v["positions"].long()
+        b = pos.shape[0]
+        rowsel = torch.arange(b, device=pos.device)
+        table = v["page_table"]
+        pidx = (pos // g.page_tokens).clamp(0, g.pages_per_request - 1)
+        slot = table.long()[rowsel, pidx] * g.page_tokens + pos % g.page_tokens
+        valid = (slots >= 0) & (slot >= 0)
+        slot = torch.where(valid, slot, -1)
+        h = self.hidden(v["token_ids"], v["positions"], slot, table, rowsel, kv)
+        self._store_rows(rows, torch.where(valid, slots, -1), h)
+        wants = (v["sample_flags"] & 1) != 0
+        self._sample_and_record(h, torch.where(valid, slots, -1), wants, pos + 1, v, hist, records)
+        return h
+
+    def prefill(self, v: dict[str, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, hist: torch.Tensor,
+                records: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """One request's chunk; the row keeps the hidden vector of its last real token."""
+        t = v["token_ids"].shape[0]
+        req = torch.zeros(t, dtype=torch.int32, device=v["token_ids"].device)
+        h = self.hidden(v["token_ids"], v["positions"], v["slot_mapping"], v["page_table"], req, kv)
+        q = v["query_lengths"].long()
+        last = (q - 1).clamp(0, t - 1)
+        h_last = h[last]
+        slots = torch.where(q > 0, v["request_slots"].long(), -1)
+        self._store_rows(rows, slots, h_last)
+        wants = (v["sample_flags"] & 1) != 0
+        self._sample_and_record(h_last, slots, wants, v["positions"].long()[last] + 1, v, hist, records)
+        return h
+
+    def resume(self, v: dict[str, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, hist: torch.Tensor,
+               records: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Samples from a restored row's saved hidden vector; nothing is consumed."""
+        src = v["state_row_indices"].long()
+        h = rows[src.clamp(0, rows.shape[0] - 1)]
+        slots = torch.where(src >= 0, v["request_slots"].long(), -1)
+        wants = (v["sample_flags"] & 1) != 0
+        self._sample_and_record(h, slots, wants, v["context_lengths"].long(), v, hist, records)
+        return h
+
+    def initialize(self, v: dict[str, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, hist: torch.Tensor,
+                   records: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        dst = v["destination_rows"].long().clamp(0, rows.shape[0] - 1)
+        rows[dst] = torch.zeros_like(rows[dst])
+        hd = torch.where(dst <= self.geo.request_slots, dst, 0)
+        hist[hd] = torch.zeros_like(hist[hd])
+        return rows[dst]
+
+    def restore(self, v: dict[str, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, hist: torch.Tensor,
+                records: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        src = v["source_rows"].long().clamp(0, rows.shape[0] - 1)
+        dst = v["destination_rows"].long().clamp(0, rows.shape[0] - 1)
+        rows[dst] = rows[src].clone()
+        hd = torch.where(dst <= self.geo.request_slots, dst, 0)
+        hist[hd] = torch.zeros_like(hist[hd])
+        return rows[dst]
+
+    def snapshot(self, v: dict[str, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, hist: torch.Tensor,
+                 records: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        src = v["source_rows"].long().clamp(0, rows.shape[0] - 1)
+        dst = v["destination_rows"].long().clamp(0, rows.shape[0] - 1)
+        rows[dst] = rows[src].clone()
+        return rows[dst]

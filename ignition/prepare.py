@@ -1,0 +1,321 @@
+"""`ignition prepare`: a Llama-family checkpoint -> a runtime core, with its qualification report.
+
+Stages (each printed with its duration): validate the checkpoint, the capacities and the device;
+stream the weights into their execution layouts on the fixed-address arena; compile and capture
+every graph (decode per request bucket, prefill per chunk capacity, resume sampling, initialize/
+restore/snapshot); record and export; then, unless --no-check, teacher-forced logits against
+Transformers, torch replay determinism, and (with --core-replay) bitwise replay in a fresh
+process. Capacities that do not fit fail with a typed error; nothing is silently shrunk.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ignition.progress import note, phase
+from ignition.recipes.llama import Checkpoint, LlamaFamilyConfig, plan_weight_mapping, stream_execution_layout
+
+
+@dataclass(eq=False)
+class CapacityError(Exception):
+    option: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.option}: {self.reason}"
+
+
+@dataclass(eq=False)
+class DeviceError(Exception):
+    reason: str
+
+    def __str__(self) -> str:
+        return f"device: {self.reason}"
+
+
+@dataclass(frozen=True)
+class Capacities:
+    decode_buckets: list[int]
+    prefill_chunks: list[int]
+    context_limit: int
+    request_slots: int
+    snapshot_rows: int
+    max_kv_pages: int
+
+
+def plan_capacities(config: LlamaFamilyConfig, decode_buckets: str, prefill_chunk: int | None,
+                    context_limit: int | None, kv_pages: int | None, page_tokens: int = 64) -> Capacities:  # fmt: skip
+    try:
+        buckets = [int(x) for x in decode_buckets.split(",") if x.strip()]
+    except ValueError as e:
+        raise CapacityError("--decode-buckets", f"not a comma-separated list of integers: {e}") from None
+    if not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1:
+        raise CapacityError("--decode-buckets", f"{buckets} must be positive and strictly ascending")
+    if buckets[-1] > 64:
+        raise CapacityError("--decode-buckets", f"{buckets[-1]} rows exceed the 64 request slots a core may hold")
+    max_pos = int(config.raw.get("max_position_embeddings") or 0)
+    limit = context_limit or min(max_pos or 8192, 8192)
+    if limit % page_tokens or limit <= 0:
+        raise CapacityError("--context-limit", f"{limit} is not a positive multiple of the {page_tokens}-token page")
+    if max_pos and limit > max_pos:
+        raise CapacityError("--context-limit", f"{limit} exceeds the checkpoint's max_position_embeddings {max_pos}")
+    chunk = prefill_chunk or min(512, limit)
+    if chunk < 128 or chunk & (chunk - 1) or chunk > limit:
+        raise CapacityError("--prefill-chunk-size", f"{chunk} must be a power of two in 128..={limit}")
+    chunks = [1 << i for i in range(7, chunk.bit_length())]
+    pages_per_request = limit // page_tokens
+    slots = buckets[-1]
+    pages = kv_pages or slots * pages_per_request * 2
+    if pages < pages_per_request:
+        raise CapacityError("--kv-pages", f"{pages} pages cannot hold one {limit}-token request ({pages_per_request})")
+    return Capacities(buckets, chunks, limit, slots, 8 * slots, pages)
+
+
+def _eos_ids(model: Path, config: LlamaFamilyConfig) -> list[int]:
+    ids: set[int] = set()
+    raw = config.raw.get("eos_token_id")
+    for v in raw if isinstance(raw, list) else [raw]:
+        if isinstance(v, int):
+            ids.add(v)
+    special = model / "special_tokens.json"
+    if special.is_file():
+        v = json.loads(special.read_text()).get("eos_token_id")
+        if isinstance(v, int):
+            ids.add(v)
+    if not ids:
+        raise CapacityError("--model", "the checkpoint declares no eos_token_id (config.json or special_tokens.json)")
+    return sorted(ids)
+
+
+def _chat_template(model: Path) -> str:
+    p = model / "chat_template.jinja"
+    if p.is_file():
+        return p.read_text()
+    cfg = model / "tokenizer_config.json"
+    if cfg.is_file():
+        t = json.loads(cfg.read_text()).get("chat_template")
+        if isinstance(t, str):
+            return t
+    raise CapacityError("--model", "no chat template (chat_template.jinja or tokenizer_config.json)")
+
+
+def _sampling(card: str, vocab: int) -> dict[str, Any]:
+    from ignition.recipes import cards
+
+    d = cards.SMOLLM2_135M_INSTRUCT if card == "smollm2-135m-instruct" else cards.NEUTRAL
+    out: dict[str, Any] = {}
+    for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty"):  # fmt: skip
+        p = getattr(d, name)
+        entry: dict[str, Any] = {"default": p.default}
+        if p.range is not None:
+            hi = min(p.range.max, float(vocab)) if name == "top_k" else p.range.max
+            entry["range"] = [p.range.min, hi]
+        out[name] = entry
+    out["max_output_tokens"] = d.max_output_tokens
+    return out
+
+
+def check_device() -> dict[str, Any]:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise DeviceError("CUDA is not available to torch")
+    p = torch.cuda.get_device_properties(0)
+    if (p.major, p.minor) < (8, 0):
+        raise DeviceError(f"{p.name} (sm_{p.major}{p.minor}) lacks bf16 tensor cores; sm_80 or newer is needed")
+    free, total = torch.cuda.mem_get_info()
+    return {"name": p.name, "compute_capability": f"{p.major}.{p.minor}", "free_bytes": free, "total_bytes": total}
+
+
+def prepare(model: Path, out: Path, decode_buckets: str = "1,2,4,8", prefill_chunk: int | None = None,
+            context_limit: int | None = None, kv_pages: int | None = None, compile_graphs: bool = True,
+            check: bool = True, core_replay: Path | None = None, card: str = "auto", attention_kernel: bool = True,
+            served_name: str | None = None, reference_prompts: Path | None = None) -> dict[str, Any]:  # fmt: skip
+    if not compile_graphs:
+        raise CapacityError("--no-compile", "graphs without torch.compile would launch library kernels "
+                                            "(cuBLAS), which a core cannot carry; refusing")
+    t_all = time.time()
+    report: dict[str, Any] = {"command": " ".join(sys.argv), "model": str(model)}
+    work = out.parent / (out.name + ".work")
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    os.environ.setdefault("TRITON_CACHE_DIR", str(Path(os.environ.get("IGNITION_CACHE", work)) / "triton"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(os.environ.get("IGNITION_CACHE", work)) / "inductor"))
+    with phase(f"validate {model}"):
+        if not (model / "config.json").is_file():
+            raise CapacityError("--model", f"{model} holds no config.json (a Transformers checkpoint directory)")
+        config = LlamaFamilyConfig.from_file(model / "config.json")
+        ckpt = Checkpoint.open(model)
+        mapping = plan_weight_mapping(config, ckpt.tensors, ckpt.files)
+        caps = plan_capacities(config, decode_buckets, prefill_chunk, context_limit, kv_pages)
+        eos = _eos_ids(model, config)
+        template = _chat_template(model)
+        tokenizer = (model / "tokenizer.json").read_bytes()
+        if card == "auto":
+            card = "smollm2-135m-instruct" if "SmolLM2" in json.dumps(config.raw) or (
+                config.hidden_size, config.num_hidden_layers, config.vocab_size) == (576, 30, 49152) else "neutral"
+        note(f"{config.architecture}: {len(ckpt.tensors)} tensors, {mapping.summary()}; capacities {caps}")
+        device = check_device()
+        note(f"device {device['name']} ({device['free_bytes'] / 2**30:.1f} GiB free)")
+    import torch
+
+    from ignition.capture.paged import Geometry, PagedLlama, rope_parameters
+    from ignition.capture.program import Program, catalog
+    from ignition.capture.recorder import CoreDescription, Recorder
+    from ignition.export.exporter import export_recording
+
+    # One code object (decode, prefill) is compiled once per captured shape.
+    for key, value in (("cache_size_limit", 256), ("recompile_limit", 256), ("accumulated_recompile_limit", 4096)):
+        try:
+            setattr(torch._dynamo.config, key, value)
+        except AttributeError:
+            pass
+    geo = Geometry.from_recipe(config, tuple(eos), context_limit=caps.context_limit, request_slots=caps.request_slots,
+                               snapshot_rows=caps.snapshot_rows, max_kv_pages=caps.max_kv_pages)  # fmt: skip
+    weight_bytes = sum(math.prod(d.shape) * 2 for d in mapping.destinations.values())
+    state_bytes = (caps.max_kv_pages + 1) * geo.bytes_per_page + geo.total_rows * geo.hidden * 2 + (
+        1 + geo.request_slots) * geo.vocab * 4
+    pool_bytes = (256 << 20) + caps.prefill_chunks[-1] * (geo.ffn * 2 + geo.vocab) * 4 * 4
+    arena_bytes = weight_bytes + state_bytes + pool_bytes * (len(caps.decode_buckets) + len(caps.prefill_chunks) + 4)
+    if arena_bytes > device["free_bytes"] - (2 << 30):
+        raise CapacityError("--kv-pages", f"the arena needs {arena_bytes / 2**30:.1f} GiB; "
+                                          f"{device['free_bytes'] / 2**30:.1f} GiB are free")  # fmt: skip
+    report["capacities"] = vars(caps)
+    report["memory_plan"] = {"weights": weight_bytes, "state": state_bytes, "arena_mapped": arena_bytes}
+
+    def build(dev: Any) -> Program:
+        weights = {}
+        for name, tb in stream_execution_layout(mapping, ckpt):
+            t = torch.frombuffer(bytearray(tb.data), dtype=_torch_dtype(tb.dtype.name)).view(tb.shape)
+            weights[name] = t.to(device=dev, dtype=torch.bfloat16)
+        inv, scaling = rope_parameters(config.raw, dev)
+        model_ = PagedLlama(geo, weights, inv.to(dev), scaling, attention_kernel)
+        return Program(model_, catalog(geo, caps.decode_buckets, caps.prefill_chunks))
+
+    describe = CoreDescription(
+        model_config={k: v for k, v in config.raw.items() if isinstance(v, (int, float, str, bool, list))},
+        served_model_name=served_name or model.name, tokenizer_json=tokenizer, chat_template=template,
+        eos_token_ids=eos, sampling=_sampling(card, config.vocab_size), decode_buckets=caps.decode_buckets,
+        prefill_chunks=caps.prefill_chunks)  # fmt: skip
+    rec = Recorder(work, build, describe, arena_bytes)
+    stage = "prepare"
+    try:
+        with phase("stream weights onto the fixed-address arena"):
+            rec.prepare()
+            note(f"arena at {rec.report['arena']['base']} ({rec.arena.mapped / 2**30:.2f} GiB mapped)")
+        stage = "compile_and_capture"
+        with phase(f"compile and capture {len(rec.graphs)} graphs"):
+            rec.compile_and_capture(progress=note)
+        stage = "record"
+        with phase("walk the graphs and record kernels, parameters and memory"):
+            recording = rec.record()
+        stage = "export"
+        with phase(f"export the core to {out}"):
+            if out.exists():
+                shutil.rmtree(out)
+            t0 = time.time()
+            core = export_recording(recording, out, note)
+            rec.timings["export_s"] = round(time.time() - t0, 3)
+            report["export"] = {"graphs": len(core.graphs), "kernels": len(core.kernels), "buffers": len(core.buffers)}
+        report["peak_memory"] = {
+            "torch_max_allocated_bytes": torch.cuda.max_memory_allocated(),
+            "torch_max_reserved_bytes": torch.cuda.max_memory_reserved(),
+            "arena_used_bytes": rec.arena.used,
+            "device_used_bytes": (lambda f: f[1] - f[0])(torch.cuda.mem_get_info()),
+        }
+        rec.timings["prepare_total_s"] = round(time.time() - t_all, 3)
+        if check:
+            stage = "check"
+            _check(rec, model, out, work, core_replay, report, reference_prompts)
+    except Exception as e:
+        report["failed_stage"] = stage
+        report["error"] = f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        report["recorder"] = rec.report
+        report["timings"] = rec.timings
+        (work / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        if out.is_dir():
+            (out.parent / (out.name + ".report.json")).write_text(json.dumps(report, indent=1, default=str) + "\n")
+    return report
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    return {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[name]
+
+
+def _check(rec: Any, model: Path, core: Path, work: Path, core_replay: Path | None, report: dict[str, Any],
+           reference_prompts: Path | None) -> None:  # fmt: skip
+    import torch
+
+    from ignition.capture.numerics import teacher_forced, transformers_reference
+    from ignition.capture.runner import GraphRunner, Sampling
+
+    runner = GraphRunner(rec.program)
+    with phase("teacher-forced logits against Transformers"):
+        hf, ref = transformers_reference(str(model))
+        report["numerics"] = teacher_forced(runner, ref)
+        note(f"worst rel L2 {report['numerics']['worst_rel_l2']:.4f}, "
+             f"min top-10 overlap {report['numerics']['min_top10_overlap']:.2f}")  # fmt: skip
+        del hf
+        torch.cuda.empty_cache()
+    if reference_prompts is not None:
+        with phase("reference generations through the torch replay"):
+            gens = []
+            for p in json.loads(reference_prompts.read_text()):
+                s = Sampling(**p.get("params", {}))
+                t0 = time.time()
+                toks = runner.generate(p["prompt_ids"], p["seed"], s, p["max_tokens"])
+                gens.append({**p, "tokens": toks, "wall_s": round(time.time() - t0, 4)})
+            report["reference_generations"] = gens
+            (work / "reference_generations.json").write_text(json.dumps(gens) + "\n")
+    with phase("torch replay: determinism, poisoned pool, graph vs eager, replay time"):
+        # The I/O of these graphs is dumped for the fresh-process replay (every state buffer, twice).
+        dump = [g.name for g in rec.graphs if g.kind != "prefill"] + [runner.prefill[0].name] if core_replay else []
+        rec.reference(work / "io", timed=50, graphs=dump)
+        report["torch_replay"] = rec.report.pop("torch_replay")
+    if core_replay is not None:
+        with phase("bitwise replay of each dumped graph in a fresh process (Rust core_replay)"):
+            from ignition.capture.__main__ import replay_in_rust
+
+            report["rust_replay"] = {}
+            for name in dump:
+                for relocate in (False, True):
+                    key = name + (" relocated" if relocate else "")
+                    r = replay_in_rust(core_replay, core, work / "io", work, name, 20, relocate)
+                    report["rust_replay"][key] = r
+                    note(f"{key}: bitwise_equal={r.get('bitwise_equal')}")
+            report["bitwise_equal_all"] = all(r.get("bitwise_equal", False) for r in report["rust_replay"].values())
+
+
+def make_random_checkpoint(config: dict[str, Any], out: Path, seed: int, tokenizer_from: Path) -> Path:
+    """A seeded random-weight checkpoint of `config` (Transformers' own initialization), with the
+    tokenizer and template of `tokenizer_from`; for numerics and timing at sizes we cannot ship."""
+    import torch
+    import transformers
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = transformers.AutoConfig.for_model(config.get("model_type", "llama"),
+                                            **{k: v for k, v in config.items() if k != "model_type"})  # fmt: skip
+    torch.manual_seed(seed)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(dev):
+        m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    m.save_pretrained(str(out))
+    for f in ("tokenizer.json", "chat_template.jinja", "special_tokens.json", "tokenizer_config.json"):
+        if (tokenizer_from / f).is_file():
+            shutil.copy(tokenizer_from / f, out / f)
+    del m
+    return out

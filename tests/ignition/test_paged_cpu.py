@@ -1,0 +1,346 @@
+"""CPU checks of the prepared step programs (ignition/capture/paged.py, sampling.py, program.py):
+the eager forward over shuffled KV pages against Transformers' canonical forward on the same
+seeded weights, the sampler's exactness and stream invariance, records, histograms, padding and
+state maintenance. The captured graphs of the same programs are qualified on the GPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.ignition.conftest import require_torch
+
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "vocab_size": 300, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+        "rope_theta": 10000.0, "eos_token_id": 2}  # fmt: skip
+QWEN3 = {**TINY, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "tie_word_embeddings": False,
+         "rope_theta": 1000000.0}  # fmt: skip
+LLAMA3_ROPE = {**TINY, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 128}}  # fmt: skip
+
+
+def _checkpoint(tmp: Path, cfg: dict, seed: int = 0):  # type: ignore[no-untyped-def]
+    torch = require_torch()
+    import transformers
+
+    torch.manual_seed(seed)
+    hf_cfg = transformers.AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16).eval()
+    with torch.no_grad():  # norms away from 1 so a misplaced weight shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+    model.save_pretrained(str(tmp))
+    return model
+
+
+def _paged(tmp: Path, cfg: dict, **caps: int):  # type: ignore[no-untyped-def]
+    torch = require_torch()
+    from ignition.capture.paged import Geometry, PagedLlama, rope_parameters
+    from ignition.recipes.llama import Checkpoint, LlamaFamilyConfig, plan_weight_mapping, stream_execution_layout
+
+    config = LlamaFamilyConfig.from_file(tmp / "config.json")
+    ckpt = Checkpoint.open(tmp)
+    mapping = plan_weight_mapping(config, ckpt.tensors, ckpt.files)
+    weights = {}
+    for name, tb in stream_execution_layout(mapping, ckpt):
+        dt = {"BF16": torch.bfloat16, "F32": torch.float32}[tb.dtype.name]
+        weights[name] = torch.frombuffer(bytearray(tb.data), dtype=dt).view(tb.shape).to(torch.bfloat16)
+    geo = Geometry.from_recipe(config, (2,), **{"context_limit": 256, "request_slots": 4, "snapshot_rows": 4,
+                                                "max_kv_pages": 24, **caps})  # fmt: skip
+    inv, scaling = rope_parameters(config.raw)
+    return PagedLlama(geo, weights, inv, scaling, attention_kernel=False)
+
+
+def _program(model, buckets=(1, 4), chunks=(128,)):  # type: ignore[no-untyped-def]
+    from ignition.capture.program import Program, catalog
+
+    return Program(model, catalog(model.geo, list(buckets), list(chunks)))
+
+
+def _stats(ours, ref):  # type: ignore[no-untyped-def]
+    from ignition.capture.numerics import compare_logits
+
+    return compare_logits(ours, ref)
+
+
+def _fill(prog, spec, rows):  # type: ignore[no-untyped-def]
+    """Pack rows the way the executor does, into the graph's staging views."""
+    from ignition.capture.runner import fill, pack_rows
+
+    fill(spec, pack_rows(prog.geo, spec, rows))
+
+
+def _run(prog, name, rows):  # type: ignore[no-untyped-def]
+    spec = next(g for g in prog.graphs if g.name == name)
+    _fill(prog, spec, rows)
+    spec.records.zero_()
+    h = prog.call(spec, prog.method(spec))
+    return h, spec.records.clone()
+
+
+@pytest.mark.parametrize("cfg", [TINY, QWEN3, LLAMA3_ROPE], ids=["llama", "qwen3", "llama3-rope"])
+def test_prefill_and_decode_match_transformers(tmp_path: Path, cfg: dict) -> None:
+    torch = require_torch()
+    from ignition.capture.runner import Row
+
+    hf = _checkpoint(tmp_path, cfg)
+    model = _paged(tmp_path, cfg)
+    prog = _program(model)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg["vocab_size"], (150,), generator=g).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    pages = torch.randperm(24, generator=g)[:4].tolist()  # shuffled, non-contiguous pages
+    # Prefill 140 tokens in two chunks (the second padded), then decode 10 teacher-forced steps.
+    h1, _ = _run(prog, "prefill_t128", [Row(2, pages, 0, ids[:128])])
+    h2, _ = _run(prog, "prefill_t128", [Row(2, pages, 128, ids[128:140])])
+    ours = model.logits(torch.cat([h1, h2[:12]])).float()
+    s = _stats(ours, ref[:140])
+    assert s["rel_l2_max"] < 0.02 and s["top10_overlap_min"] >= 0.8, s
+    dec = []
+    for p in range(140, 150):
+        h, _ = _run(prog, "decode_b1", [Row(2, pages, p, [ids[p]])])
+        dec.append(model.logits(h).float())
+    s = _stats(torch.cat(dec), ref[140:150])
+    assert s["rel_l2_max"] < 0.02 and s["top10_overlap_min"] >= 0.8, s
+
+
+def test_batched_decode_rows_and_padding_are_independent(tmp_path: Path) -> None:
+    torch = require_torch()
+    from ignition.capture.runner import Row
+
+    _checkpoint(tmp_path, TINY)
+    model = _paged(tmp_path, TINY)
+    prog = _program(model)
+    ids = list(range(3, 80))
+    a, b = [0, 5], [7, 9]
+    for row, pages in ((1, a), (3, b)):
+        _run(prog, "prefill_t128", [Row(row, pages, 0, ids[:70])])
+    kv_before = prog.kv.clone()
+    rows_before = prog.rows.clone()
+    # Bucket 4 with two real rows (order swapped between runs) and two padded lanes.
+    h, rec = _run(prog, "decode_b4", [Row(1, a, 70, [ids[70]], (11, 0)), Row(3, b, 70, [ids[70]], (12, 0))])
+    kv_1 = prog.kv.clone()
+    prog.kv.copy_(kv_before)
+    prog.rows.copy_(rows_before)
+    prog.hist.zero_()
+    h_swapped, rec_swapped = _run(prog, "decode_b4", [Row(3, b, 70, [ids[70]], (12, 0)), Row(1, a, 70, [ids[70]], (11, 0))])
+    assert torch.equal(h[0], h_swapped[1]) and torch.equal(h[1], h_swapped[0])
+    assert rec[0, 8] == rec_swapped[1, 8] and rec[1, 8] == rec_swapped[0, 8]
+    # Padded lanes write no page and no row, and their records are not sampled.
+    assert torch.equal(prog.kv, kv_1)
+    changed = [int(p) for p in range(24) if not torch.equal(kv_1[p], kv_before[p])]
+    assert changed == [a[1], b[1]], changed
+    assert rec[2, 2] == 0 and rec[3, 2] == 0
+    # Padded lanes store into the null row (row 0) only; other rows keep their contents.
+    assert torch.equal(prog.rows[[2, 4]], rows_before[[2, 4]])
+
+
+def test_records_histograms_and_maintenance(tmp_path: Path) -> None:
+    torch = require_torch()
+    from ignition.capture.paged import FLAG_SAMPLED, RECORD_MAGIC
+    from ignition.capture.runner import Row
+
+    _checkpoint(tmp_path, TINY)
+    model = _paged(tmp_path, TINY)
+    prog = _program(model)
+    pages = [4, 2]
+    _, rec = _run(prog, "initialize", [])  # no sampling graph: records untouched
+    spec = next(g for g in prog.graphs if g.name == "initialize")
+    spec.inputs["destination_rows"].fill_(2)
+    prog.rows[2] = 5
+    prog.hist[2] = 7
+    prog.call(spec, prog.method(spec))
+    assert prog.rows[2].abs().sum() == 0 and prog.hist[2].sum() == 0
+    _, rec = _run(prog, "prefill_t128", [Row(2, pages, 0, list(range(10, 60)), (5, 0))])
+    r = rec[0].tolist()
+    assert r[0] == RECORD_MAGIC and r[1] == 2 and r[2] & FLAG_SAMPLED and r[3] == 1 and r[4] == 50 and r[5] == 0
+    tok = r[8]
+    assert prog.hist[2].sum() == 1 and prog.hist[2, tok] == 1
+    saved = prog.rows[2].clone()
+    assert saved.abs().sum() > 0
+    # A chunk short of the prompt end does not sample and counts nothing.
+    _, rec = _run(prog, "prefill_t128", [Row(2, pages, 50, list(range(60, 70)))])
+    assert rec[0, 2] == 0 and prog.hist[2].sum() == 1
+    snap = prog.geo.request_slots + 2
+    spec = next(g for g in prog.graphs if g.name == "snapshot")
+    spec.inputs["source_rows"].fill_(2)
+    spec.inputs["destination_rows"].fill_(snap)
+    prog.call(spec, prog.method(spec))
+    assert torch.equal(prog.rows[snap], prog.rows[2])
+    spec = next(g for g in prog.graphs if g.name == "restore")
+    spec.inputs["source_rows"].fill_(snap)
+    spec.inputs["destination_rows"].fill_(4)
+    prog.call(spec, prog.method(spec))
+    assert torch.equal(prog.rows[4], prog.rows[snap]) and prog.hist[4].sum() == 0
+    # Resume sampling from the restored row equals sampling after the prefill that wrote it.
+    spec = next(g for g in prog.graphs if g.name == "resume_b1")
+    _fill(prog, spec, [Row(4, pages, 60, [], (9, 3))])
+    spec.records.zero_()
+    h = prog.call(spec, prog.method(spec))
+    assert torch.equal(h[0], prog.rows[snap]) and spec.records[0, 4] == 60 and spec.records[0, 5] == 3
+
+
+def _sampler_inputs(torch, b, v, **over):  # type: ignore[no-untyped-def]
+    base = {"temperature": torch.full((b,), 1.0), "top_k": torch.zeros(b, dtype=torch.int32),
+            "top_p": torch.ones(b), "min_p": torch.zeros(b), "repetition": torch.ones(b),
+            "presence": torch.zeros(b), "frequency": torch.zeros(b),
+            "seed": torch.arange(b, dtype=torch.int64) + 7, "counter": torch.zeros(b, dtype=torch.int64),
+            "grammar": None}  # fmt: skip
+    base.update(over)
+    return base
+
+
+def _sample(torch, logits, hist=None, **kw):  # type: ignore[no-untyped-def]
+    from ignition.capture.sampling import sample
+
+    b, v = logits.shape
+    a = _sampler_inputs(torch, b, v, **kw)
+    hist = hist if hist is not None else torch.zeros(b, v, dtype=torch.int32)
+    return sample(logits, hist, a["temperature"], a["top_k"], a["top_p"], a["min_p"], a["repetition"],
+                  a["presence"], a["frequency"], a["seed"], a["counter"], a["grammar"])  # fmt: skip
+
+
+def test_sampler_thresholds_are_exact_against_a_sort() -> None:
+    torch = require_torch()
+    from ignition.capture.sampling import _largest_threshold
+
+    g = torch.Generator().manual_seed(3)
+    for trial in range(20):
+        v = 257
+        p = torch.softmax(torch.randn(3, v, generator=g) * (1 + trial % 4), -1)
+        p[0, :40] = p[0, 0]  # a block of ties
+        key = p.view(torch.int32).long()
+        k = torch.tensor([1, 17, 40])
+        tk = _largest_threshold(key, None, k)
+        for r in range(3):
+            kth = torch.sort(key[r], descending=True).values[k[r] - 1]
+            assert tk[r] == kth  # the k-th largest value itself: ties at it are kept
+        top_p = torch.tensor([0.5, 0.9, 0.99])
+        tp = _largest_threshold(key, p, top_p * p.sum(-1))
+        for r in range(3):
+            s = torch.sort(key[r], descending=True).values
+            mass = torch.stack([p[r][key[r] >= t].sum() for t in s])
+            want = s[(mass >= top_p[r] * p[r].sum()).nonzero()[0, 0]]
+            assert tp[r] == want
+
+
+def test_sampler_filters_masks_penalties_and_stream_invariance() -> None:
+    torch = require_torch()
+    from ignition.capture.sampling import uniform
+
+    g = torch.Generator().manual_seed(4)
+    v = 300
+    logits = torch.randn(4, v, generator=g) * 3
+    top1 = logits.argmax(-1)
+    tok, ok = _sample(torch, logits, top_k=torch.ones(4, dtype=torch.int32))
+    assert torch.equal(tok, top1) and ok.all()
+    tok, _ = _sample(torch, logits, top_p=torch.full((4,), 1e-6))
+    assert torch.equal(tok, top1)
+    tok, _ = _sample(torch, logits, min_p=torch.full((4,), 1.0))
+    assert torch.equal(tok, top1)
+    # Grammar: only ids 33 and 290 allowed; an all-zero mask is reported, not sampled.
+    words = torch.zeros(4, (v + 31) // 32, dtype=torch.int32)
+    words[:3, 1] = 1 << 1
+    words[:3, 9] = 1 << 2
+    tok, ok = _sample(torch, logits, grammar=words)
+    assert all(t in (33, 290) for t in tok[:3].tolist()) and ok.tolist() == [True, True, True, False]
+    # A huge frequency penalty on the argmax moves the sample off it.
+    hist = torch.zeros(4, v, dtype=torch.int32)
+    hist[torch.arange(4), top1] = 3
+    tok, _ = _sample(torch, logits, hist=hist, top_k=torch.ones(4, dtype=torch.int32), frequency=torch.full((4,), 100.0))
+    assert not (tok == top1).any()
+    # Streams depend on (seed, counter) only: same row content in another batch row, same draw.
+    u = uniform(torch.tensor([5, 9, 5]), torch.tensor([2, 2, 3]), v)
+    u2 = uniform(torch.tensor([9, 5]), torch.tensor([2, 2]), v)
+    assert torch.equal(u[0], u2[1]) and torch.equal(u[1], u2[0]) and not torch.equal(u[0], u[2])
+    assert (u > 0).all() and (u < 1).all()
+
+
+def test_sampler_draws_follow_the_distribution() -> None:
+    torch = require_torch()
+    v = 5
+    p = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
+    logits = torch.log(p).clamp(min=-1e9).repeat(4000, 1)
+    n = logits.shape[0]
+    tok, _ = _sample(torch, logits, seed=torch.full((n,), 42, dtype=torch.int64),
+                     counter=torch.arange(n, dtype=torch.int64))  # fmt: skip
+    freq = torch.bincount(tok, minlength=v).float() / n
+    assert (freq - p).abs().max() < 0.03, freq
+    # top_p 0.7 keeps {0.5, 0.25} (the smallest set reaching 0.7), renormalized to 2/3, 1/3.
+    tok, _ = _sample(torch, logits, top_p=torch.full((n,), 0.7), seed=torch.full((n,), 1, dtype=torch.int64),
+                     counter=torch.arange(n, dtype=torch.int64))  # fmt: skip
+    freq = torch.bincount(tok, minlength=v).float() / n
+    assert freq[2:].sum() == 0 and abs(freq[0] - 2 / 3) < 0.03, freq
+
+
+def test_program_staging_is_one_buffer_with_a_region_per_value(tmp_path: Path) -> None:
+    require_torch()
+    _checkpoint(tmp_path, TINY)
+    prog = _program(_paged(tmp_path, TINY), buckets=(1, 2, 4), chunks=(128, 256))
+    base = prog.staging.data_ptr()
+    spans: dict[str, tuple[int, int]] = {}
+    for g in prog.graphs:
+        for value, t in g.inputs.items():
+            lo = t.data_ptr() - base
+            assert lo == prog.offsets[value] and t.untyped_storage().data_ptr() == prog.staging.untyped_storage().data_ptr()
+            spans[value] = (lo, max(spans.get(value, (lo, lo))[1], lo + t.numel() * t.element_size()))
+    ordered = sorted(spans.values())
+    assert all(a[1] <= b[0] for a, b in zip(ordered, ordered[1:], strict=False))
+    names = [g.name for g in prog.graphs]
+    assert names == ["decode_b1", "decode_b2", "decode_b4", "prefill_t128", "prefill_t256", "resume_b1",
+                     "initialize", "restore", "snapshot"]  # fmt: skip
+
+
+def test_capacity_plan_refuses_what_does_not_fit() -> None:
+    from ignition.prepare import CapacityError, plan_capacities
+    from ignition.recipes.llama import LlamaFamilyConfig
+
+    cfg = LlamaFamilyConfig.from_dict(TINY)
+    caps = plan_capacities(cfg, "1,2,4,8", 512, 512, None)
+    assert caps.prefill_chunks == [128, 256, 512] and caps.request_slots == 8 and caps.max_kv_pages == 8 * 8 * 2
+    for args, option in [(("4,2", None, None, None), "--decode-buckets"), (("1", None, 1024, None), "--context-limit"),
+                         (("1", None, 500, None), "--context-limit"), (("1", 300, 512, None), "--prefill-chunk-size"),
+                         (("1", 64, 512, None), "--prefill-chunk-size"), (("1", None, 512, 3), "--kv-pages"),
+                         (("x", None, None, None), "--decode-buckets")]:  # fmt: skip
+        with pytest.raises(CapacityError) as e:
+            plan_capacities(cfg, *args)  # type: ignore[arg-type]
+        assert e.value.option == option
+    json.dumps(vars(caps))
+
+
+def test_every_graph_runs_on_its_replay_check_inputs(tmp_path: Path) -> None:
+    """The contents `Program.set_inputs` gives each graph (the GPU replay checks) are valid
+    steps: each eager step runs, samples where it should, and writes records for real rows."""
+    torch = require_torch()
+    from ignition.capture.paged import FLAG_SAMPLED
+
+    _checkpoint(tmp_path, TINY)
+    prog = _program(_paged(tmp_path, TINY), buckets=(1, 4), chunks=(128,))
+    for i, spec in enumerate(prog.graphs):
+        prog.set_inputs(spec, i)
+        out = prog.call(spec, prog.method(spec))
+        assert torch.isfinite(out.float()).all(), spec.name
+        if spec.kind in ("decode", "prefill", "resume_sampling"):
+            rec = spec.records
+            real = [r for r in range(spec.request_count) if int(spec.inputs["request_slots"][r]) >= 0]
+            assert real and all(int(rec[r, 2]) & FLAG_SAMPLED for r in real), (spec.name, rec)
+
+
+def test_prepare_refuses_without_a_gpu_or_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    torch = require_torch()
+    from ignition.__main__ import main
+
+    assert main(["prepare", "--model", str(tmp_path / "missing"), "--out", str(tmp_path / "core")]) == 2
+    assert "--model" in capsys.readouterr().err
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the device refusal cannot be observed")
+    _checkpoint(tmp_path / "ckpt", TINY)
+    (tmp_path / "ckpt" / "tokenizer.json").write_text("{}")
+    (tmp_path / "ckpt" / "chat_template.jinja").write_text("x")
+    assert main(["prepare", "--model", str(tmp_path / "ckpt"), "--out", str(tmp_path / "core")]) == 2
+    assert "device: CUDA is not available" in capsys.readouterr().err
