@@ -39,7 +39,7 @@ def _kernel():  # type: ignore[no-untyped-def]
 
     @triton.jit
     def paged_attention_kernel(Q, KV, PT, REQ, POS, O, layer, s_page, s_layer, s_sel, s_tok, s_head, pt_stride,
-                               scale, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                               SCALE: tl.constexpr, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                                T: tl.constexpr):  # fmt: skip
         n = tl.program_id(0)
         kh = tl.program_id(1)
@@ -60,7 +60,7 @@ def _kernel():  # type: ignore[no-untyped-def]
             kp = base + page * s_page + ti[:, None] * s_tok + di[None, :]
             k = tl.load(kp)
             v = tl.load(kp + s_sel)
-            s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.dot(q, tl.trans(k)) * SCALE
             s = tl.where((j * T + ti)[None, :] <= pos, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
@@ -88,16 +88,18 @@ def paged_attention_op():  # type: ignore[no-untyped-def]
         out = torch.empty((n, h, d), dtype=q.dtype, device=q.device)
         st = kv.stride()
         wrap_triton(_kernel())[(n, kvh)](
-            q, kv, pages, req, pos, out, layer, st[0], st[1], st[2], st[3], st[4], pages.stride(0), scale,
-            H=h, G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, T=t)  # fmt: skip
+            q, kv, pages, req, pos, out, layer, st[0], st[1], st[2], st[3], st[4], pages.stride(0),
+            SCALE=scale, H=h, G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, T=t)  # fmt: skip
         return out
 
     return paged_attention
 
 
 def attend(q: torch.Tensor, kv: torch.Tensor, layer: int, pages: torch.Tensor, req: torch.Tensor,
-           pos: torch.Tensor, scale: float, kernel: bool) -> torch.Tensor:  # fmt: skip
-    if not kernel:
+           pos: torch.Tensor, scale: float, op: object | None) -> torch.Tensor:  # fmt: skip
+    """`op` is `paged_attention_op()`, created before tracing (Dynamo does not trace its creation);
+    None selects the gather reference."""
+    if op is None:
         return attend_gather(q, kv, layer, pages, req, pos, scale)
     n, h, d = q.shape
-    return paged_attention_op()(q.contiguous(), kv, pages, req, pos, layer, scale).reshape(n, h * d)
+    return op(q.contiguous(), kv, pages, req, pos, layer, scale).reshape(n, h * d)  # type: ignore[operator]

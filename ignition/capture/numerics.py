@@ -33,6 +33,7 @@ def teacher_forced(runner: GraphRunner, reference_logits: Any, prompt_len: int =
     """`reference_logits(ids) -> [len(ids), V]` (position i predicts token i + 1)."""
     geo = runner.p.geo
     rng = random.Random(seed)
+    prompt_len = min(prompt_len, geo.context_limit - decode_steps)
     total = prompt_len + decode_steps
     ids = [rng.randrange(geo.vocab) for _ in range(total)]
     ref = reference_logits(ids).float().cpu()
@@ -60,8 +61,10 @@ def teacher_forced(runner: GraphRunner, reference_logits: Any, prompt_len: int =
         b = g.request_count
         rows, starts = [], []
         lives = rng.sample(range(1, geo.request_slots + 1), b)
+        # Disjoint shuffled pages per row: rows of one batch never share a page.
+        pool = rng.sample(range(geo.max_kv_pages), pages_needed * b)
         for i, live in enumerate(lives):
-            pages = fresh_pages()
+            pages = pool[i * pages_needed : (i + 1) * pages_needed]
             start = prompt_len - 3 * i
             runner.maintenance("initialize", live)
             pf = runner.prefill[-1]

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from ignition.capture.attention import attend
+from ignition.capture.attention import attend, paged_attention_op
 from ignition.capture.sampling import M32, sample
 
 RECORD_MAGIC = 0x464C_5243
@@ -134,6 +134,7 @@ class PagedLlama:
         self.inv_freq = inv_freq
         self.rope_scaling = rope_scaling
         self.kernel = attention_kernel
+        self.attention_op = paged_attention_op() if attention_kernel else None
         self.trash_page = geo.max_kv_pages
 
     def head(self) -> torch.Tensor:
@@ -173,7 +174,7 @@ class PagedLlama:
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             kv[page, i, 0, off] = k
             kv[page, i, 1, off] = v
-            o = attend(q, kv, i, tables, req, pos, scale, self.kernel)
+            o = attend(q, kv, i, tables, req, pos, scale, self.attention_op)
             x = x + F.linear(o, w[p + "o_proj"], self._bias(p + "o_proj_bias"))
             h = rms(x, w[p + "post_attention_norm"], g.eps)
             gu = F.linear(h, w[p + "gate_up"], self._bias(p + "gate_up_bias"))

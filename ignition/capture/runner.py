@@ -47,6 +47,11 @@ class Row:
     params: Sampling = Sampling()
 
 
+def _sync(p: Program) -> None:
+    if p.kv_all.is_cuda:
+        torch.cuda.synchronize()
+
+
 def fill(g: GraphSpec, values: dict[str, list[Any]]) -> None:
     """Writes `values` into the graph's staging views, padding every lane after them."""
     for value, t in g.inputs.items():
@@ -95,7 +100,7 @@ class GraphRunner:
         assert g.records is not None
         g.records.zero_()
         g.graph.replay()
-        torch.cuda.synchronize()
+        _sync(self.p)
         assert g.output is not None
         return g.output.clone(), g.records.cpu().tolist()
 
@@ -104,7 +109,7 @@ class GraphRunner:
         fill(g, {"destination_rows": [destination], "source_rows": [] if source is None else [source],
                        "expected_consumed": [-1]})  # fmt: skip
         g.graph.replay()
-        torch.cuda.synchronize()
+        _sync(self.p)
 
     def prefill_graph(self, tokens: int) -> GraphSpec:
         for g in self.prefill:
