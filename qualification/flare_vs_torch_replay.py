@@ -34,6 +34,7 @@ def main() -> int:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--bench", action="store_true", help="also run `flare bench` against the server")
+    ap.add_argument("--bench-timeout", type=int, default=150)
     ap.add_argument("--log", type=Path, default=Path("/tmp/flare_run.log"))
     args = ap.parse_args()
     from tokenizers import Tokenizer
@@ -84,14 +85,18 @@ def main() -> int:
         report["all_prefix_hit_equal"] = all(e["prefix_hit"]["text_equal"] for e in results)
         if args.bench:
             t1 = time.time()
-            p = subprocess.run([args.flare, "bench", "--url", base, "--json", "--cold-requests", "2",
-                                "--agent-turns", "4", "--decode-rounds", "2"], capture_output=True, text=True)  # fmt: skip
-            report["bench_wall_s"] = round(time.time() - t1, 1)
             try:
-                report["bench"] = json.loads(p.stdout)
-            except ValueError:
-                report["bench_stdout"] = p.stdout[-4000:]
-                report["bench_stderr"] = p.stderr[-4000:]
+                p = subprocess.run([args.flare, "bench", "--url", base, "--json", "--cold-requests", "2",
+                                    "--agent-turns", "4", "--decode-rounds", "1"], capture_output=True, text=True,
+                                   timeout=args.bench_timeout)  # fmt: skip
+                report["bench_wall_s"] = round(time.time() - t1, 1)
+                try:
+                    report["bench"] = json.loads(p.stdout)
+                except ValueError:
+                    report["bench_stdout"] = p.stdout[-4000:]
+                    report["bench_stderr"] = p.stderr[-4000:]
+            except subprocess.TimeoutExpired:
+                report["bench"] = f"timed out after {args.bench_timeout} s"
         report["metrics"] = urllib.request.urlopen(base + "/metrics").read().decode()[-6000:]
     finally:
         os.killpg(server.pid, signal.SIGTERM)

@@ -75,6 +75,43 @@ def _kernel():  # type: ignore[no-untyped-def]
 
 
 @functools.cache
+def _write_kernel():  # type: ignore[no-untyped-def]
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kv_write_kernel(K, V, KV, SLOT, layer, s_page, s_layer, s_sel, s_tok, s_head, KVH: tl.constexpr,
+                        D: tl.constexpr, T: tl.constexpr):  # fmt: skip
+        n = tl.program_id(0)
+        h = tl.program_id(1)
+        slot = tl.load(SLOT + n).to(tl.int64)
+        if slot >= 0:
+            di = tl.arange(0, D)
+            dst = KV + (slot // T) * s_page + layer * s_layer + (slot % T) * s_tok + h * s_head + di
+            tl.store(dst, tl.load(K + (n * KVH + h) * D + di))
+            tl.store(dst + s_sel, tl.load(V + (n * KVH + h) * D + di))
+
+    return kv_write_kernel
+
+
+@functools.cache
+def kv_write_op():  # type: ignore[no-untyped-def]
+    """`flare::kv_write`: the slot-mapping write of one layer's K and V, in place (a negative slot
+    writes nothing). A custom op that mutates `kv`, so the compiled graph writes the pages where
+    they are instead of functionalizing the whole cache into a copy."""
+    from torch.library import triton_op, wrap_triton
+
+    @triton_op("flare::kv_write", mutates_args={"kv"})
+    def kv_write(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, layer: int) -> None:
+        n, kvh, d = k.shape
+        st = kv.stride()
+        wrap_triton(_write_kernel())[(n, kvh)](k, v, kv, slots, layer, st[0], st[1], st[2], st[3], st[4],
+                                              KVH=kvh, D=d, T=kv.shape[3])  # fmt: skip
+
+    return kv_write
+
+
+@functools.cache
 def paged_attention_op():  # type: ignore[no-untyped-def]
     """`flare::paged_attention` as a triton_op, so torch.compile keeps the kernel in the graph."""
     from torch.library import triton_op, wrap_triton

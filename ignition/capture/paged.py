@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from ignition.capture.attention import attend, paged_attention_op
+from ignition.capture.attention import attend, kv_write_op, paged_attention_op
 from ignition.capture.sampling import M32, sample
 
 RECORD_MAGIC = 0x464C_5243
@@ -135,6 +135,7 @@ class PagedLlama:
         self.rope_scaling = rope_scaling
         self.kernel = attention_kernel
         self.attention_op = paged_attention_op() if attention_kernel else None
+        self.kv_write = kv_write_op() if attention_kernel else None
         self.trash_page = geo.max_kv_pages
 
     def head(self) -> torch.Tensor:
@@ -172,8 +173,11 @@ class PagedLlama:
                 q = rms(q, w[p + "q_norm"], g.eps)
                 k = rms(k, w[p + "k_norm"], g.eps)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-            kv[page, i, 0, off] = k
-            kv[page, i, 1, off] = v
+            if self.kv_write is not None:
+                self.kv_write(k.contiguous(), v.contiguous(), kv, slots, i)
+            else:
+                kv[page, i, 0, off] = k
+                kv[page, i, 1, off] = v
             o = attend(q, kv, i, tables, req, pos, scale, self.attention_op)
             x = x + F.linear(o, w[p + "o_proj"], self._bias(p + "o_proj_bias"))
             h = rms(x, w[p + "post_attention_norm"], g.eps)
