@@ -35,11 +35,12 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--bench", action="store_true", help="also run `flare bench` against the server")
     ap.add_argument("--bench-timeout", type=int, default=150)
+    ap.add_argument("--tokenizer", type=Path)
     ap.add_argument("--log", type=Path, default=Path("/tmp/flare_run.log"))
     args = ap.parse_args()
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(args.core / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(args.tokenizer or args.core / "tokenizer.json"))
     gens = json.loads(args.reference.read_text())
     t0 = time.time()
     log = args.log.open("w")
