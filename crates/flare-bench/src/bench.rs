@@ -1,7 +1,7 @@
 //! `flare bench`: the design's latency/throughput workloads against any OpenAI-compatible server.
 
 use crate::error::BenchError;
-use crate::http::{ConnOptions, ReadPolicy, StreamEnd, StreamOutcome, Target, first_model, stream_chat};
+use crate::http::{ConnOptions, ReadPolicy, StreamEnd, StreamOutcome, Target, first_model_info, stream_chat};
 use crate::stats::Summary;
 use serde::Serialize;
 use serde_json::{Value, json};
@@ -146,6 +146,11 @@ pub struct BenchReport {
     pub url: String,
     /// Model id used.
     pub model: String,
+    /// The context the server stated, if it did.
+    pub max_model_len: Option<u32>,
+    /// Words in the cold prompt and the shared prefix, after capping to the context.
+    pub cold_prompt_words: usize,
+    pub prefix_words: usize,
     /// Per-workload summaries, in run order.
     pub workloads: Vec<Workload>,
     /// Per-turn detail of the agent workload (empty when it did not run).
@@ -165,15 +170,35 @@ impl BenchReport {
 }
 
 /// Runs the selected workloads against `args.url`.
+/// Caps a prompt's word count to fit the served context: at most 2 tokens per word, with 512
+/// tokens kept for the template and the output, so a small model's workloads still run.
+fn fit_words(words: usize, max_model_len: Option<u32>) -> usize {
+    match max_model_len {
+        Some(len) => words.min((len as usize).saturating_sub(512) / 2).max(1),
+        None => words,
+    }
+}
+
 pub async fn run_bench(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     let target = Target::parse(&args.url)?;
-    let model = match &args.model {
-        Some(m) => m.clone(),
-        None => first_model(&target).await?,
+    let (model, max_model_len) = match &args.model {
+        Some(m) => (m.clone(), first_model_info(&target).await.ok().and_then(|(_, len)| len)),
+        None => first_model_info(&target).await?,
     };
+    let mut args = args.clone();
+    args.cold_prompt_words = fit_words(args.cold_prompt_words, max_model_len);
+    args.prefix_words = fit_words(args.prefix_words, max_model_len);
+    let args = &args;
     let b = Bench { target, model, timeout: Duration::from_secs(args.timeout_secs.max(1)), words: Words::new(nonce()) };
-    let mut report =
-        BenchReport { url: args.url.clone(), model: b.model.clone(), workloads: Vec::new(), agent_turns: Vec::new() };
+    let mut report = BenchReport {
+        url: args.url.clone(),
+        model: b.model.clone(),
+        max_model_len,
+        cold_prompt_words: args.cold_prompt_words,
+        prefix_words: args.prefix_words,
+        workloads: Vec::new(),
+        agent_turns: Vec::new(),
+    };
     let all = args.workload == WorkloadKind::All;
     if all || args.workload == WorkloadKind::Cold {
         report.workloads.push(b.cold(args).await);
@@ -459,6 +484,13 @@ fn summarise(name: &str, kind: WorkloadKind, concurrency: usize, outs: Vec<Strea
 impl fmt::Display for BenchReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "flare bench: {} (model {})", self.url, self.model)?;
+        if let Some(len) = self.max_model_len {
+            writeln!(
+                f,
+                "context {len} tokens: cold prompt {} words, shared prefix {} words",
+                self.cold_prompt_words, self.prefix_words
+            )?;
+        }
         writeln!(
             f,
             "{:<14} {:>4} {:>5} {:>4}  {:>19}  {:>17}  {:>9} {:>11}  {:>15}",
@@ -677,7 +709,15 @@ mod tests {
         assert_eq!(w.ttft.count, 1);
         assert_eq!(w.itl.count, 2);
         assert!(w.records[1].error.as_deref().is_some_and(|e| e.contains("503")));
-        let report = BenchReport { url: "u".into(), model: "m".into(), workloads: vec![w], agent_turns: vec![] };
+        let report = BenchReport {
+            url: "u".into(),
+            model: "m".into(),
+            max_model_len: None,
+            cold_prompt_words: 50,
+            prefix_words: 50,
+            workloads: vec![w],
+            agent_turns: vec![],
+        };
         assert_eq!(report.failed_requests(), 1);
         let shown = report.to_string();
         assert!(shown.contains("cold") || shown.contains('x'));
@@ -722,5 +762,13 @@ mod tests {
 
         let only = BenchArgs { workload: WorkloadKind::Cold, ..args };
         assert_eq!(run_bench(&only).await.expect("bench runs").workloads.len(), 1);
+    }
+
+    #[test]
+    fn long_prompts_are_capped_to_the_served_context() {
+        assert_eq!(fit_words(2000, None), 2000);
+        assert_eq!(fit_words(2000, Some(2048)), 768);
+        assert_eq!(fit_words(100, Some(2048)), 100);
+        assert_eq!(fit_words(2000, Some(100)), 1);
     }
 }

@@ -212,20 +212,23 @@ pub(crate) async fn post_json(
 
 /// The first model id from `GET /v1/models`.
 pub(crate) async fn first_model(target: &Target) -> Result<String, BenchError> {
+    Ok(first_model_info(target).await?.0)
+}
+
+/// The first listed model's id and, when the server states it (vLLM and Flare do), its
+/// `max_model_len`.
+pub(crate) async fn first_model_info(target: &Target) -> Result<(String, Option<u32>), BenchError> {
     let resp = get(target, "/v1/models", Duration::from_secs(30)).await?;
     if resp.status != 200 {
         return Err(BenchError::Status { what: "GET /v1/models".into(), status: resp.status, body: resp.text() });
     }
     let v = resp.json()?;
-    v.get("data")
-        .and_then(Value::as_array)
-        .and_then(|d| d.first())
-        .and_then(|m| m.get("id"))
-        .and_then(Value::as_str)
-        .map(str::to_string)
-        .ok_or_else(|| {
-            BenchError::Protocol(format!("GET /v1/models lists no model id: {}", truncate(&v.to_string(), 300)))
-        })
+    let first = v.get("data").and_then(Value::as_array).and_then(|d| d.first());
+    let id = first.and_then(|m| m.get("id")).and_then(Value::as_str).map(str::to_string).ok_or_else(|| {
+        BenchError::Protocol(format!("GET /v1/models lists no model id: {}", truncate(&v.to_string(), 300)))
+    })?;
+    let max_len = first.and_then(|m| m.get("max_model_len")).and_then(Value::as_u64).map(|n| n as u32);
+    Ok((id, max_len))
 }
 
 /// How a streaming client consumes the body.

@@ -84,7 +84,11 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Run(args) => serve::run(args),
         Command::Bench(args) => runtime()?.block_on(async {
             let report = flare_bench::run_bench(&args).await.map_err(|e| CliError::Bench(e.to_string()))?;
-            println!("{report}");
+            if args.json {
+                println!("{}", report.to_json().map_err(|e| CliError::Bench(e.to_string()))?);
+            } else {
+                println!("{report}");
+            }
             Ok(())
         }),
         Command::Load(args) => runtime()?.block_on(async {
