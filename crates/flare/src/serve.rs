@@ -141,7 +141,8 @@ pub(crate) fn run(args: RunArgs) -> Result<(), CliError> {
         })
     } else {
         progress(started, "starting the model thread: loading the core onto the GPU");
-        start_cuda(&manifest, core, frontend, options, started)
+        let reserve_bytes = (args.gpu_reserve_gib * (1u64 << 30) as f64) as u64;
+        start_cuda(&manifest, core, frontend, options, reserve_bytes, started)
     }
     .map_err(|e| CliError::Startup(e.to_string()))?;
     let rt = crate::runtime()?;
@@ -182,14 +183,17 @@ fn start_cuda(
     core: RuntimeCore,
     frontend: Frontend,
     options: EngineOptions,
+    reserve_bytes: u64,
     started: Instant,
 ) -> Result<std::sync::Arc<helios_worker::Engine>, helios_worker::StartError> {
     use helios_replay::graph::GraphExecutor;
     use helios_replay::cuda::{DeviceCore, LoadOptions};
     let served = manifest.clone();
     Engine::start(manifest, frontend, options, move || {
-        let device = DeviceCore::load(&core, &LoadOptions { device_ordinal: 0, force_relocation: false })?;
+        let load = LoadOptions { device_ordinal: 0, reserve_bytes, force_relocation: false };
+        let device = DeviceCore::load(&core, &load)?;
         let r = device.report();
+        let caps = &served.capacities;
         tracing::info!(
             base = format_args!("{:#x}", r.base),
             recorded_base = format_args!("{:#x}", r.recorded_base),
@@ -200,6 +204,11 @@ fn start_cuda(
             nodes = r.nodes,
             upload_s = r.upload_seconds,
             build_s = r.build_seconds,
+            kv_pages = caps.max_kv_pages,
+            kv_tokens = u64::from(caps.max_kv_pages) * u64::from(served.cache_scheme.page_tokens),
+            request_slots = caps.request_slots,
+            snapshot_rows = caps.snapshot_rows,
+            pinned_staging_kib = r.pinned_staging_bytes / 1024,
             elapsed_ms = started.elapsed().as_millis() as u64,
             "core resident on the GPU"
         );
@@ -213,6 +222,7 @@ fn start_cuda(
     _: RuntimeCore,
     _: Frontend,
     _: EngineOptions,
+    _: u64,
     _: Instant,
 ) -> Result<std::sync::Arc<helios_worker::Engine>, helios_worker::StartError> {
     unreachable!("checked before: a build without CUDA never starts the CUDA executor")

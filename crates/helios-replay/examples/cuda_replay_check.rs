@@ -64,7 +64,7 @@ fn lifecycle<B: helios_replay::graph::GraphBackend>(
 
 fn run(core: &RuntimeCore, force_relocation: bool) -> serde_json::Value {
     let t0 = Instant::now();
-    let dev = match DeviceCore::load(core, &LoadOptions { device_ordinal: 0, force_relocation }) {
+    let dev = match DeviceCore::load(core, &LoadOptions { device_ordinal: 0, reserve_bytes: 0, force_relocation }) {
         Ok(d) => d,
         Err(e) => return json!({"force_relocation": force_relocation, "load_error": e.to_string()}),
     };

@@ -49,6 +49,25 @@ pub enum CudaError {
     UnknownGraph(u32),
     #[error("buffer {buffer}: range {offset}+{len} outside its {size} bytes")]
     OutOfRange { buffer: u32, offset: u64, len: u64, size: u64 },
+    #[error(
+        "the core needs {needed} bytes of device memory; {free} are free, less the {reserve}-byte reserve \
+         and the {margin}-byte driver margin"
+    )]
+    InsufficientMemory { needed: u64, free: u64, reserve: u64, margin: u64 },
+}
+
+/// Device memory the driver keeps for itself beyond what the core maps (contexts, modules, graphs).
+pub const DRIVER_MARGIN_BYTES: u64 = 64 << 20;
+
+/// The memory plan at load: the arena (weights, state, KV pages and continuation rows at the
+/// core's prepared capacities) plus the pinned staging must fit in free memory minus the
+/// configured reserve and the driver margin. Capacities are never shrunk silently.
+pub fn check_memory(needed: u64, free: u64, reserve: u64) -> Result<(), CudaError> {
+    let usable = free.saturating_sub(reserve).saturating_sub(DRIVER_MARGIN_BYTES);
+    if needed > usable {
+        return Err(CudaError::InsufficientMemory { needed, free, reserve, margin: DRIVER_MARGIN_BYTES });
+    }
+    Ok(())
 }
 
 fn error_text(r: cu::CUresult) -> (String, String) {
@@ -99,6 +118,8 @@ pub fn init_driver() -> Result<i32, CudaError> {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct LoadOptions {
     pub device_ordinal: i32,
+    /// Device memory left to other users of the GPU (`flare run --gpu-reserve-gib`).
+    pub reserve_bytes: u64,
     /// Reserve the arena anywhere but the recorded base (exercises relocation).
     pub force_relocation: bool,
 }
@@ -235,6 +256,10 @@ impl DeviceCore {
     fn map_arena(&mut self, options: &LoadOptions) -> Result<(), CudaError> {
         let (prop, g) = granularity(self.device)?;
         let size = (self.manifest.arena.byte_size as usize).div_ceil(g) * g;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: out-pointers to live locals; the context is current.
+        check("cuMemGetInfo", unsafe { cu::cuMemGetInfo_v2(&mut free, &mut total) })?;
+        check_memory(size as u64, free as u64, options.reserve_bytes)?;
         // The driver serves small reservations from its own pool and ignores their hint;
         // whole-GiB reservations honour it (measured). Only `size` bytes are backed.
         let reserve = size.div_ceil(RESERVE_UNIT) * RESERVE_UNIT;
@@ -760,6 +785,17 @@ impl Drop for DeviceCore {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_memory_plan_keeps_the_reserve_and_the_driver_margin() {
+        use super::{CudaError, DRIVER_MARGIN_BYTES, check_memory};
+        let gib = 1u64 << 30;
+        assert!(check_memory(10 * gib, 20 * gib, 4 * gib).is_ok());
+        assert!(check_memory(16 * gib - DRIVER_MARGIN_BYTES, 20 * gib, 4 * gib).is_ok());
+        let e = check_memory(16 * gib, 20 * gib, 4 * gib).unwrap_err();
+        assert!(matches!(e, CudaError::InsufficientMemory { reserve, .. } if reserve == 4 * gib), "{e}");
+        assert!(check_memory(1, 0, 0).is_err());
+    }
+
     use super::*;
 
     #[test]
