@@ -28,6 +28,11 @@ from ignition.capture.attention import attend, kv_write_op, paged_attention_op
 from ignition.capture.sampling import M32, sample
 
 RECORD_MAGIC = 0x464C_5243
+# Decode buckets and single-row projections run their GEMMs over at least this many rows (padding
+# rows are inert). A GEMM tile holds 16 rows anyway, so it costs nothing on the GPU, and every
+# bucket then shares one GEMM shape: one autotune for all of them, and a row's result does not
+# depend on the bucket it was packed into.
+MIN_GEMM_ROWS = 16
 HEADER_WORDS = 8
 FLAG_SAMPLED, FLAG_EOS, FLAG_GRAMMAR_EXHAUSTED = 1, 2, 4
 
@@ -186,6 +191,9 @@ class PagedLlama:
         return rms(x, w["final_norm"], g.eps)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
+        n = h.shape[0]
+        if n < MIN_GEMM_ROWS:
+            return F.linear(F.pad(h, (0, 0, 0, MIN_GEMM_ROWS - n)), self.head())[:n]
         return F.linear(h, self.head())
 
     # -- sampling and records ----------------------------------------------------------------
@@ -231,7 +239,13 @@ class PagedLlama:
         slot = table.long()[rowsel, pidx] * g.page_tokens + pos % g.page_tokens
         valid = (slots >= 0) & (slot >= 0)
         slot = torch.where(valid, slot, -1)
-        h = self.hidden(v["token_ids"], v["positions"], slot, table, rowsel, kv)
+        m = max(b, MIN_GEMM_ROWS)
+        if m > b:  # inert rows: no KV write, page table -1 (reads page 0), position 0
+            tok = F.pad(v["token_ids"], (0, m - b))
+            h = self.hidden(tok, F.pad(v["positions"], (0, m - b)), F.pad(slot, (0, m - b), value=-1),
+                            F.pad(table, (0, 0, 0, m - b), value=-1), torch.arange(m, device=pos.device), kv)[:b]  # fmt: skip
+        else:
+            h = self.hidden(v["token_ids"], v["positions"], slot, table, rowsel, kv)
         self._store_rows(rows, torch.where(valid, slots, -1), h)
         wants = (v["sample_flags"] & 1) != 0
         self._sample_and_record(h, torch.where(valid, slots, -1), wants, pos + 1, v, hist, records)

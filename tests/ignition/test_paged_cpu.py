@@ -387,3 +387,24 @@ def test_runner_numerics_and_generation_on_cpu(tmp_path: Path) -> None:
     hot = Sampling(temperature=1.5)
     outs = {tuple(runner.generate(list(range(3, 140)), seed, hot, 6)) for seed in range(5)}
     assert len(outs) > 1  # and on the seed it does depend
+
+
+def test_a_decode_row_is_bitwise_the_same_in_every_bucket(tmp_path: Path) -> None:
+    """Buckets share one GEMM shape (MIN_GEMM_ROWS), so a row's hidden vector and token do not
+    depend on the bucket or the neighbours it was packed with."""
+    torch = require_torch()
+    from ignition.capture.runner import Row
+
+    _checkpoint(tmp_path, TINY)
+    prog = _program(_paged(tmp_path, TINY), buckets=(1, 4), chunks=(128,))
+    ids = list(range(5, 90))
+    pages, other = [3, 8], [1, 6]
+    _run(prog, "prefill_t128", [Row(1, pages, 0, ids[:80])])
+    _run(prog, "prefill_t128", [Row(2, other, 0, ids[5:85])])
+    state = (prog.kv_all.clone(), prog.rows.clone(), prog.hist.clone())
+    h1, r1 = _run(prog, "decode_b1", [Row(1, pages, 80, [ids[80]], (4, 0))])
+    prog.kv_all.copy_(state[0])
+    prog.rows.copy_(state[1])
+    prog.hist.copy_(state[2])
+    h4, r4 = _run(prog, "decode_b4", [Row(2, other, 80, [ids[84]], (5, 0)), Row(1, pages, 80, [ids[80]], (4, 0))])
+    assert torch.equal(h1[0], h4[1]) and r1[0, 8] == r4[1, 8]
