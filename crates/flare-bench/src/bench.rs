@@ -1,7 +1,7 @@
 //! `flare bench`: the design's latency/throughput workloads against any OpenAI-compatible server.
 
 use crate::error::BenchError;
-use crate::http::{ConnOptions, ReadPolicy, StreamEnd, StreamOutcome, Target, first_model_info, stream_chat};
+use crate::http::{ConnOptions, ReadPolicy, StreamEnd, StreamOutcome, Target, first_model_info, post_json, stream_chat};
 use crate::stats::Summary;
 use serde::Serialize;
 use serde_json::{Value, json};
@@ -22,6 +22,8 @@ pub enum WorkloadKind {
     Agent,
     /// `--branches` requests sharing a long prefix with different suffixes.
     Branches,
+    /// A `--prefix-tokens` cached prefix, then requests adding a short (~11-token) tail: prefix-hit TTFT.
+    Prefix,
 }
 
 /// Arguments of `flare bench`.
@@ -48,9 +50,19 @@ pub struct BenchArgs {
     /// Rounds per decode concurrency level (each round starts `concurrency` requests at once).
     #[arg(long, default_value_t = 2)]
     pub decode_rounds: usize,
-    /// Words in the cold prompt.
+    /// Words in the cold prompt (used when `--cold-tokens` is empty).
     #[arg(long, default_value_t = 2000)]
     pub cold_prompt_words: usize,
+    /// Cold prompt sizes in prompt tokens, each sized with the server's `/tokenize` where it has
+    /// one (capped to its context); empty: one cold prompt of `--cold-prompt-words`.
+    #[arg(long, value_delimiter = ',', default_value = "512,4096")]
+    pub cold_tokens: Vec<usize>,
+    /// Cached prefix of the prefix-hit workload, in tokens.
+    #[arg(long, default_value_t = 4096)]
+    pub prefix_tokens: usize,
+    /// Prefix-hit requests after the one that fills the cache.
+    #[arg(long, default_value_t = 3)]
+    pub prefix_hits: usize,
     /// Cold requests (each with a fresh prompt).
     #[arg(long, default_value_t = 3)]
     pub cold_requests: usize,
@@ -189,7 +201,13 @@ pub async fn run_bench(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     args.cold_prompt_words = fit_words(args.cold_prompt_words, max_model_len);
     args.prefix_words = fit_words(args.prefix_words, max_model_len);
     let args = &args;
-    let b = Bench { target, model, timeout: Duration::from_secs(args.timeout_secs.max(1)), words: Words::new(nonce()) };
+    let b = Bench {
+        target,
+        model,
+        timeout: Duration::from_secs(args.timeout_secs.max(1)),
+        words: Words::new(nonce()),
+        max_model_len,
+    };
     let mut report = BenchReport {
         url: args.url.clone(),
         model: b.model.clone(),
@@ -201,7 +219,12 @@ pub async fn run_bench(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     };
     let all = args.workload == WorkloadKind::All;
     if all || args.workload == WorkloadKind::Cold {
-        report.workloads.push(b.cold(args).await);
+        if args.cold_tokens.is_empty() {
+            report.workloads.push(b.cold(args).await);
+        }
+        for &tokens in &args.cold_tokens {
+            report.workloads.push(b.cold_sized(args, tokens).await);
+        }
     }
     if all || args.workload == WorkloadKind::Decode {
         for &c in &args.concurrency {
@@ -216,6 +239,9 @@ pub async fn run_bench(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     if all || args.workload == WorkloadKind::Branches {
         report.workloads.push(b.branches(args).await);
     }
+    if all || args.workload == WorkloadKind::Prefix {
+        report.workloads.push(b.prefix(args).await);
+    }
     Ok(report)
 }
 
@@ -224,6 +250,7 @@ struct Bench {
     model: String,
     timeout: Duration,
     words: Words,
+    max_model_len: Option<u32>,
 }
 
 impl Bench {
@@ -288,6 +315,92 @@ impl Bench {
             wall += t0.elapsed();
         }
         summarise("cold", WorkloadKind::Cold, 1, outs, wall)
+    }
+
+    /// Prompt tokens of `messages` as the server renders them (`POST /tokenize`), if it says.
+    async fn count_tokens(&self, messages: &Value) -> Option<u64> {
+        let body = json!({"model": self.model, "messages": messages});
+        let r = post_json(&self.target, "/tokenize", &body, Duration::from_secs(30)).await.ok()?;
+        if r.status != 200 {
+            return None;
+        }
+        r.json().ok()?.get("count")?.as_u64()
+    }
+
+    /// Messages from `make(document)` whose rendered prompt is about `target` tokens (within 2%,
+    /// never above when the server counts; ~4/3 tokens per word when it cannot), capped to the
+    /// context less `output` tokens. Returns the messages and the counted size.
+    async fn sized_messages(
+        &self,
+        target: usize,
+        output: usize,
+        seed: u64,
+        make: impl Fn(&str) -> Value,
+    ) -> (Value, Option<u64>) {
+        let target = match self.max_model_len {
+            Some(len) => target.min((len as usize).saturating_sub(output + 16)).max(1),
+            None => target,
+        };
+        let mut words = (target * 3 / 4).max(1);
+        let mut best: Option<(Value, u64)> = None;
+        for _ in 0..5 {
+            let messages = make(&self.words.text(words, seed));
+            let Some(count) = self.count_tokens(&messages).await else { return (messages, None) };
+            if count as usize <= target && best.as_ref().is_none_or(|(_, c)| count > *c) {
+                best = Some((messages.clone(), count));
+            }
+            if (count as usize).abs_diff(target) * 50 <= target && count as usize <= target {
+                break;
+            }
+            let next = (words as f64 * target as f64 / count.max(1) as f64 * 0.99) as usize;
+            words = next.max(1);
+        }
+        match best {
+            Some((m, c)) => (m, Some(c)),
+            None => (make(&self.words.text(1, seed)), None),
+        }
+    }
+
+    /// Never-seen prompts of about `tokens` prompt tokens: cold TTFT and prefill throughput.
+    async fn cold_sized(&self, args: &BenchArgs, tokens: usize) -> Workload {
+        let mut outs = Vec::new();
+        let mut wall = Duration::ZERO;
+        for i in 0..args.cold_requests.max(1) {
+            let id = nonce();
+            let make = |doc: &str| {
+                json!([{"role": "user", "content": format!(
+                    "Document {i} (id {id}):\n{doc}\n\nSummarise the document above in one sentence.")}])
+            };
+            let (messages, _) = self.sized_messages(tokens, 16, 7000 + (tokens * 31 + i) as u64, make).await;
+            let body = self.body(messages, 16, json!({}));
+            let t0 = Instant::now();
+            outs.push(self.one(body).await);
+            wall += t0.elapsed();
+        }
+        summarise(&format!("cold {tokens} tok"), WorkloadKind::Cold, 1, outs, wall)
+    }
+
+    /// A cached prefix of about `--prefix-tokens`, then requests that add only a short user
+    /// message: the prefix-hit TTFT the design measures (4,096 cached + an ~11-token tail).
+    async fn prefix(&self, args: &BenchArgs) -> Workload {
+        let id = nonce();
+        let question = |i: usize| json!({"role": "user", "content": format!("Question {i}: what is the gist?")});
+        let make = |doc: &str| json!([{"role": "system", "content": format!("Shared notes {id}.\n{doc}")}, question(0)]);
+        let (first, _) = self.sized_messages(args.prefix_tokens, 32, 9000, make).await;
+        let system = first.get(0).cloned().unwrap_or(Value::Null);
+        let fill = self.one(self.body(first, 8, json!({}))).await;
+        let mut outs = Vec::new();
+        let mut wall = Duration::ZERO;
+        if fill.end != StreamEnd::Done {
+            outs.push(fill);
+        }
+        for i in 1..=args.prefix_hits.max(1) {
+            let body = self.body(json!([system, question(i)]), 8, json!({}));
+            let t0 = Instant::now();
+            outs.push(self.one(body).await);
+            wall += t0.elapsed();
+        }
+        summarise(&format!("prefix {}+tail", args.prefix_tokens), WorkloadKind::Prefix, 1, outs, wall)
     }
 
     async fn decode(&self, args: &BenchArgs, concurrency: usize) -> Workload {
@@ -737,6 +850,9 @@ mod tests {
             concurrency: vec![1, 2],
             decode_rounds: 1,
             cold_prompt_words: 50,
+            cold_tokens: vec![],
+            prefix_tokens: 300,
+            prefix_hits: 2,
             cold_requests: 2,
             agent_turns: 3,
             branches: 3,
@@ -747,7 +863,7 @@ mod tests {
         assert_eq!(r.model, "fake");
         assert_eq!(r.failed_requests(), 0, "{r}");
         let names: Vec<&str> = r.workloads.iter().map(|w| w.name.as_str()).collect();
-        assert_eq!(names, ["cold", "decode c=1", "decode c=2", "agent", "branches k=3"]);
+        assert_eq!(names, ["cold", "decode c=1", "decode c=2", "agent", "branches k=3", "prefix 300+tail"]);
         let d2 = &r.workloads[2];
         assert_eq!((d2.requests, d2.output_tokens), (2, 16));
         assert_eq!(d2.itl.count, 2 * 7, "8 content chunks per stream give 7 gaps");
@@ -760,8 +876,18 @@ mod tests {
         let shown = r.to_string();
         assert!(shown.contains("server overhead") && shown.contains("turn  3"), "{shown}");
 
-        let only = BenchArgs { workload: WorkloadKind::Cold, ..args };
+        let prefix = &r.workloads[5];
+        assert_eq!((prefix.requests, prefix.failed), (2, 0));
+        assert!(prefix.prompt_tokens > 0);
+
+        let only = BenchArgs { workload: WorkloadKind::Cold, ..args.clone() };
         assert_eq!(run_bench(&only).await.expect("bench runs").workloads.len(), 1);
+        // Token-sized cold prompts: the fake server counts a prompt as its JSON length / 4.
+        let sized = BenchArgs { workload: WorkloadKind::Cold, cold_tokens: vec![200, 800], ..args };
+        let r = run_bench(&sized).await.expect("bench runs");
+        let got: Vec<u64> = r.workloads.iter().map(|w| w.prompt_tokens / w.requests as u64).collect();
+        assert_eq!(r.workloads.iter().map(|w| w.name.as_str()).collect::<Vec<_>>(), ["cold 200 tok", "cold 800 tok"]);
+        assert!(got[0] <= 200 && got[0] >= 190 && got[1] <= 800 && got[1] >= 780, "{got:?}");
     }
 
     #[test]

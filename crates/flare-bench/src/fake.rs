@@ -119,6 +119,13 @@ async fn serve(mut sock: TcpStream, st: Arc<FakeState>) {
                 .await
         }
         ("GET", "/health") => respond(&mut sock, 200, "application/json", b"{}").await,
+        ("POST", "/tokenize") => {
+            let req: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+            // The same count the fake chat reports as prompt_tokens.
+            let count = req["messages"].to_string().len() as u64 / 4;
+            let out = json!({"count": count, "tokens": []}).to_string();
+            respond(&mut sock, 200, "application/json", out.as_bytes()).await
+        }
         ("GET", "/metrics") => {
             let text = format!(
                 "# TYPE flare_running_requests gauge\nflare_running_requests {}\nflare_queue_depth 0\nflare_pages_used {}\n\
