@@ -11,8 +11,9 @@ State and its invariants (row indices follow the cache scheme: row 0 is the null
   (negative slot) go to the trash page, so they never race a real write.
 - `rows[r]` is the final (normed) hidden vector of the last token consumed by row r: what resume
   sampling projects and samples from, what snapshot and restore copy.
-- `hist[r]` counts the tokens sampled for live row r since it was initialized or restored
-  (request state, outside every checkpoint). Penalties read it.
+- `hist[r]` counts live row r's prompt (added once at admission by admit_histogram, after
+  initialize or restore cleared the row) and every token sampled since (request state, outside
+  every checkpoint). Penalties read it.
 - A row that does not sample (padding, a prefill chunk short of the prompt end, an exhausted
   grammar) changes no histogram and writes a record without the sampled flag.
 """
@@ -292,6 +293,19 @@ class PagedLlama:
         hd = torch.where(dst <= self.geo.request_slots, dst, 0)
         hist[hd] = torch.zeros_like(hist[hd])
         return rows[dst]
+
+    def admit_histogram(self, v: dict[str, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, hist: torch.Tensor,
+                        records: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Adds one chunk of a request's prompt to its live row's penalty histogram (negative ids
+        are padding; the row was cleared by initialize or restore)."""
+        g = self.geo
+        row = v["request_slots"].long()[:1]
+        ids = v["token_ids"].long()
+        live = (row >= 1) & (row <= g.request_slots)
+        ok = (ids >= 0) & (ids < g.vocab) & live
+        target = torch.where(ok, row.expand_as(ids), 0)
+        hist.index_put_((target, ids.clamp(0, g.vocab - 1)), ok.int(), accumulate=True)
+        return hist[torch.where(live, row, 0)]
 
     def snapshot(self, v: dict[str, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, hist: torch.Tensor,
                  records: torch.Tensor) -> torch.Tensor:  # fmt: skip

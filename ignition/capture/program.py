@@ -70,6 +70,9 @@ def catalog(geo: Geometry, decode_buckets: list[int], prefill_chunks: list[int])
         "request_slots": (1,), "state_row_indices": (1,), "context_lengths": (1,), **sampling(1)}))
     out.append(GraphSpec("initialize", "state_maintenance", "initialize", 1, 0, {"destination_rows": (1,)},
                          maintenance_op="initialize"))
+    t = max(prefill_chunks)
+    out.append(GraphSpec("admit_histogram", "state_maintenance", "admit_histogram", 1, t,
+                         {"request_slots": (1,), "token_ids": (t,)}, maintenance_op="admit_histogram"))
     for op in ("restore", "snapshot"):
         out.append(GraphSpec(op, "state_maintenance", op, 1, 0, {
             "source_rows": (1,), "destination_rows": (1,), "expected_consumed": (1,)}, maintenance_op=op))
@@ -180,6 +183,11 @@ class Program:
             x["request_slots"].fill_(3)
             x["state_row_indices"].fill_(g.request_slots + 2)
             x["context_lengths"].fill_(77)
+        elif spec.maintenance_op == "admit_histogram":
+            t = spec.token_capacity
+            x["request_slots"].fill_(2)
+            x["token_ids"].copy_(torch.randint(0, g.vocab, (t,), generator=gen).int())
+            x["token_ids"][t // 2 :] = -1  # a partial chunk
         else:
             x["destination_rows"].fill_(2 if spec.maintenance_op != "snapshot" else g.request_slots + 3)
             if "source_rows" in x:

@@ -111,6 +111,18 @@ class GraphRunner:
         g.graph.replay()
         _sync(self.p)
 
+    def admit_histogram(self, live_row: int, tokens: list[int]) -> None:
+        """As the executor does at admission: the prompt, in chunks, -1 padding the last."""
+        g = self.by_name.get("admit_histogram")
+        if g is None:
+            return
+        cap = g.token_capacity
+        for at in range(0, len(tokens), cap):
+            part = tokens[at : at + cap]
+            fill(g, {"request_slots": [live_row], "token_ids": part + [-1] * (cap - len(part))})
+            g.graph.replay()
+            _sync(self.p)
+
     def prefill_graph(self, tokens: int) -> GraphSpec:
         for g in self.prefill:
             if g.token_capacity >= tokens:
@@ -134,6 +146,7 @@ class GraphRunner:
             raise ValueError(f"{need} tokens exceed the context limit {geo.context_limit}")
         pages = list(range(geo.pages_per_request))[: math.ceil(need / geo.page_tokens)]
         self.maintenance("initialize", live_row)
+        self.admit_histogram(live_row, prompt)
         out: list[int] = []
         at = 0
         rec: list[list[int]] = []

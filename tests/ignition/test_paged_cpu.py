@@ -293,7 +293,7 @@ def test_program_staging_is_one_buffer_with_a_region_per_value(tmp_path: Path) -
     assert all(a[1] <= b[0] for a, b in zip(ordered, ordered[1:], strict=False))
     names = [g.name for g in prog.graphs]
     assert names == ["decode_b1", "decode_b2", "decode_b4", "prefill_t128", "prefill_t256", "resume_b1",
-                     "initialize", "restore", "snapshot"]  # fmt: skip
+                     "initialize", "admit_histogram", "restore", "snapshot"]  # fmt: skip
 
 
 def test_capacity_plan_refuses_what_does_not_fit() -> None:
@@ -408,3 +408,29 @@ def test_a_decode_row_is_bitwise_the_same_in_every_bucket(tmp_path: Path) -> Non
     prog.hist.copy_(state[2])
     h4, r4 = _run(prog, "decode_b4", [Row(2, other, 80, [ids[84]], (5, 0)), Row(1, pages, 80, [ids[80]], (4, 0))])
     assert torch.equal(h1[0], h4[1]) and r1[0, 8] == r4[1, 8]
+
+
+def test_admission_counts_the_prompt_once_and_sampling_adds_to_it(tmp_path: Path) -> None:
+    torch = require_torch()
+    from ignition.capture.runner import Row
+
+    _checkpoint(tmp_path, TINY)
+    prog = _program(_paged(tmp_path, TINY), buckets=(1,), chunks=(128,))
+    prompt = [5, 9, 9, 300 - 1] + [7] * 150  # longer than one admission chunk (128)
+    spec = next(g for g in prog.graphs if g.name == "admit_histogram")
+    assert spec.token_capacity == 128
+    for at in range(0, len(prompt), 128):
+        part = prompt[at : at + 128]
+        spec.inputs["request_slots"].fill_(3)
+        spec.inputs["token_ids"].copy_(torch.tensor(part + [-1] * (128 - len(part))))
+        prog.call(spec, prog.method(spec))
+    want = torch.bincount(torch.tensor(prompt), minlength=300).int()
+    assert torch.equal(prog.hist[3], want) and prog.hist[[0, 1, 2, 4]].sum() == 0
+    _, rec = _run(prog, "prefill_t128", [Row(3, [0, 1, 2], 26, prompt[26:154], (1, 0))])
+    want[int(rec[0, 8])] += 1
+    assert torch.equal(prog.hist[3], want)
+    # Padding rows of an admission chunk (-1) and a padded request slot count nothing.
+    spec.inputs["request_slots"].fill_(-1)
+    spec.inputs["token_ids"].fill_(4)
+    prog.call(spec, prog.method(spec))
+    assert prog.hist[0].sum() == 0 and torch.equal(prog.hist[3], want)

@@ -1,7 +1,9 @@
 //! `flare bench`: the design's latency/throughput workloads against any OpenAI-compatible server.
 
 use crate::error::BenchError;
-use crate::http::{ConnOptions, ReadPolicy, StreamEnd, StreamOutcome, Target, first_model_info, post_json, stream_chat};
+use crate::http::{
+    ConnOptions, ReadPolicy, StreamEnd, StreamOutcome, Target, first_model_info, post_json, stream_chat,
+};
 use crate::stats::Summary;
 use serde::Serialize;
 use serde_json::{Value, json};
@@ -385,7 +387,8 @@ impl Bench {
     async fn prefix(&self, args: &BenchArgs) -> Workload {
         let id = nonce();
         let question = |i: usize| json!({"role": "user", "content": format!("Question {i}: what is the gist?")});
-        let make = |doc: &str| json!([{"role": "system", "content": format!("Shared notes {id}.\n{doc}")}, question(0)]);
+        let make =
+            |doc: &str| json!([{"role": "system", "content": format!("Shared notes {id}.\n{doc}")}, question(0)]);
         let (first, _) = self.sized_messages(args.prefix_tokens, 32, 9000, make).await;
         let system = first.get(0).cloned().unwrap_or(Value::Null);
         let fill = self.one(self.body(first, 8, json!({}))).await;

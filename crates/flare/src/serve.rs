@@ -186,8 +186,8 @@ fn start_cuda(
     reserve_bytes: u64,
     started: Instant,
 ) -> Result<std::sync::Arc<helios_worker::Engine>, helios_worker::StartError> {
-    use helios_replay::graph::GraphExecutor;
     use helios_replay::cuda::{DeviceCore, LoadOptions};
+    use helios_replay::graph::GraphExecutor;
     let served = manifest.clone();
     Engine::start(manifest, frontend, options, move || {
         let load = LoadOptions { device_ordinal: 0, reserve_bytes, force_relocation: false };

@@ -129,6 +129,30 @@ impl<B: GraphBackend> GraphExecutor<B> {
         self.backend.replay(g.id)
     }
 
+    /// Counts `tokens` into the live row's penalty histogram, in chunks of the graph's token
+    /// capacity (the graph adds; Initialize and Restore clear). A core without the graph has no
+    /// histogram: nothing to do.
+    fn admit_histogram(&mut self, live_row: u32, tokens: &[u32]) -> Result<(), ExecutorError> {
+        let g = match self.bound.maintenance(MaintenanceOp::AdmitHistogram, 1) {
+            Ok(g) => g.clone(),
+            Err(helios_contract::CapacityError::Missing { .. }) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
+        let capacity = g.view(ValueKind::TokenIds).map_or(0, |v| v.capacity() as usize);
+        if capacity == 0 {
+            return Ok(());
+        }
+        for chunk in tokens.chunks(capacity) {
+            let ids: Vec<i32> = chunk.iter().map(|&t| t as i32).collect();
+            self.pack(&g, ValueKind::RequestSlots, &[live_row as i32], -1)?;
+            // -1 pads: no token.
+            self.pack(&g, ValueKind::TokenIds, &ids, -1)?;
+            self.upload()?;
+            self.backend.replay(g.id)?;
+        }
+        Ok(())
+    }
+
     /// Packs and replays one batch of rows (decode, prefill or resume), then reads its records.
     fn rows(
         &mut self,
@@ -259,6 +283,7 @@ impl<B: GraphBackend> Executor for GraphExecutor<B> {
                         self.copy_page(c.source, c.destination)?;
                     }
                 }
+                StepOp::AdmitHistogram { live_row, tokens } => self.admit_histogram(*live_row, tokens)?,
                 StepOp::Decode { bucket, rows } => {
                     let g = self.bound.decode(*bucket)?.clone();
                     let batch: Vec<(&ConsumeRow, Option<SampleSpec>)> = rows.iter().map(|r| (r, r.sample)).collect();
@@ -303,6 +328,7 @@ pub fn graph_for(bound: &BoundContract, op: &StepOp) -> Option<GraphId> {
         StepOp::Initialize { .. } => bound.maintenance(MaintenanceOp::Initialize, 1).ok(),
         StepOp::Restore { .. } => bound.maintenance(MaintenanceOp::Restore, 1).ok(),
         StepOp::Snapshot { .. } => bound.maintenance(MaintenanceOp::Snapshot, 1).ok(),
+        StepOp::AdmitHistogram { .. } => bound.maintenance(MaintenanceOp::AdmitHistogram, 1).ok(),
     };
     g.map(|g| g.id)
 }

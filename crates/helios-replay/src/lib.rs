@@ -403,6 +403,9 @@ impl Executor for SimulatedExecutor {
                     }
                     self.sample(*live_row, page_table, sample, inputs)?;
                 }
+                StepOp::AdmitHistogram { live_row, .. } => {
+                    self.row_state(*live_row)?;
+                }
             }
         }
         Ok(())

@@ -221,3 +221,38 @@ fn executor_rejects_stale_rows() {
         Err(ExecutorError::StaleRow { .. })
     ));
 }
+
+/// Every admission counts its prompt into the live row's penalty histogram exactly once, right
+/// after the row is initialized or restored, cold and on a prefix hit alike.
+#[test]
+fn admission_counts_the_prompt_once() {
+    use helios_replay::Executor;
+    use helios_scheduler::StepOp;
+    let scheme = reference_schemes().remove(0);
+    let caps = test_capacities(4, 64, 16);
+    let mut scheduler = Scheduler::new(scheme.clone(), caps.clone(), test_config(4)).unwrap();
+    let mut executor = SimulatedExecutor::new(&scheme, &caps);
+    let tokens = prompt(70, 5);
+    for seed in [1u64, 2] {
+        scheduler.submit(spec(tokens.clone(), 3, seed)).unwrap();
+        let mut admits = Vec::new();
+        while !scheduler.is_idle() {
+            if let Some(step) = scheduler.schedule() {
+                for (i, op) in step.ops.iter().enumerate() {
+                    if let StepOp::AdmitHistogram { live_row, tokens: counted } = op {
+                        let before = i.checked_sub(1).map(|j| &step.ops[j]);
+                        let after_reset = matches!(before, Some(StepOp::Initialize { live_row: r, .. } | StepOp::Restore { live_row: r, .. }) if r == live_row);
+                        assert!(after_reset, "{:?}", step.ops);
+                        admits.push(counted.clone());
+                    }
+                }
+                executor.submit(&step, &helios_replay::StepInputs::default()).unwrap();
+            }
+            for c in executor.synchronize() {
+                scheduler.complete(&c);
+            }
+        }
+        assert_eq!(admits, vec![tokens.clone()], "seed {seed}");
+    }
+    assert!(scheduler.stats().full_prompt_hits >= 1, "the second request is a prefix hit");
+}

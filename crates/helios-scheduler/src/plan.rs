@@ -47,6 +47,11 @@ pub enum StepOp {
     Prefill { capacity: u32, row: ConsumeRow },
     /// Sample from a restored state without consuming (full-prompt hit).
     ResumeSampling { live_row: u32, consumed: u32, page_table: Vec<PageId>, sample: SampleSpec },
+    /// Count the request's prompt into its live row's penalty histogram, once, at admission
+    /// (after the row's Initialize or Restore; on a prefix hit too). After a preemption the
+    /// prompt is everything consumed so far, generated tokens included. Sampling graphs count
+    /// each sampled token afterwards. Cores without a penalty histogram skip it.
+    AdmitHistogram { live_row: u32, tokens: Vec<u32> },
 }
 
 /// Everything submitted between two scheduling decisions; completes as one fence.

@@ -759,6 +759,7 @@ impl Scheduler {
         }
         self.stats.prefix_hit_tokens += u64::from(hit_tokens);
         let Some(request) = self.requests.get_mut(&id) else { return false };
+        ops.push(StepOp::AdmitHistogram { live_row, tokens: request.tokens[..request.prompt_len as usize].to_vec() });
         let mut captures: VecDeque<u32> = select_message_endpoints(
             &request.spec.message_endpoints,
             hit_tokens,
