@@ -791,7 +791,7 @@ mod tests {
         let gib = 1u64 << 30;
         assert!(check_memory(10 * gib, 20 * gib, 4 * gib).is_ok());
         assert!(check_memory(16 * gib - DRIVER_MARGIN_BYTES, 20 * gib, 4 * gib).is_ok());
-        let e = check_memory(16 * gib, 20 * gib, 4 * gib).unwrap_err();
+        let e = check_memory(16 * gib, 20 * gib, 4 * gib).expect_err("over the plan");
         assert!(matches!(e, CudaError::InsufficientMemory { reserve, .. } if reserve == 4 * gib), "{e}");
         assert!(check_memory(1, 0, 0).is_err());
     }
