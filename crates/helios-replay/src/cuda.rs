@@ -685,6 +685,10 @@ impl crate::graph::GraphBackend for DeviceCore {
     fn replay(&mut self, graph: GraphId) -> Result<(), crate::ExecutorError> {
         Ok(DeviceCore::replay(self, graph)?)
     }
+
+    fn device_memory_growth_bytes(&mut self) -> Option<i64> {
+        self.device_growth_since_ready().ok()
+    }
 }
 
 fn set_launch_attribute(node: cu::CUgraphNode, a: &LaunchAttribute) -> Result<(), CudaError> {

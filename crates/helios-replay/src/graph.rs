@@ -30,6 +30,10 @@ pub trait GraphBackend {
     fn copy(&mut self, src: (BufferId, u64), dst: (BufferId, u64), len: u64) -> Result<(), ExecutorError>;
     /// Enqueues one replay.
     fn replay(&mut self, graph: GraphId) -> Result<(), ExecutorError>;
+    /// See [`Executor::device_memory_growth_bytes`].
+    fn device_memory_growth_bytes(&mut self) -> Option<i64> {
+        None
+    }
 }
 
 /// Replays steps through a backend. Each step completes when `submit` returns.
@@ -316,6 +320,10 @@ impl<B: GraphBackend> Executor for GraphExecutor<B> {
 
     fn synchronize(&mut self) -> Vec<Completion> {
         std::mem::take(&mut self.completions)
+    }
+
+    fn device_memory_growth_bytes(&mut self) -> Option<i64> {
+        self.backend.device_memory_growth_bytes()
     }
 }
 

@@ -67,6 +67,12 @@ pub trait Executor {
     fn poll(&mut self) -> Vec<Completion>;
     /// Waits for every submitted step; returns their completions in fence order.
     fn synchronize(&mut self) -> Vec<Completion>;
+    /// Device memory in use now minus at readiness, for executors that own a device: anything
+    /// other than 0 means memory was allocated after readiness (by us or by another process on
+    /// the device). `None` where there is no device.
+    fn device_memory_growth_bytes(&mut self) -> Option<i64> {
+        None
+    }
 }
 
 /// Executor failures: metadata that does not match the storage it addresses.

@@ -341,12 +341,25 @@ struct ModelLoop<E: Executor> {
 }
 
 impl<E: Executor> ModelLoop<E> {
+    /// Samples device memory growth since readiness into the metrics (every 1024 steps and
+    /// when the loop ends); a driver query, so not on every step.
+    fn sample_device_memory(&mut self) {
+        if let Some(growth) = self.executor.device_memory_growth_bytes() {
+            self.metrics.device_memory_growth.store(growth, Ordering::Relaxed);
+            self.metrics.device_memory_sampled.store(true, Ordering::Relaxed);
+            if growth != 0 {
+                tracing::warn!(growth_bytes = growth, "device memory in use changed since readiness");
+            }
+        }
+    }
+
     fn run(&mut self) {
         loop {
             if self.scheduler.is_idle() {
                 if self.draining {
                     break;
                 }
+                self.sample_device_memory();
                 match self.rx.recv() {
                     Ok(cmd) => self.handle(cmd),
                     Err(_) => break,
@@ -364,6 +377,11 @@ impl<E: Executor> ModelLoop<E> {
             self.metrics.set_occupancy(self.scheduler.occupancy());
         }
         self.metrics.set_occupancy(self.scheduler.occupancy());
+        self.sample_device_memory();
+        if self.metrics.device_memory_sampled.load(Ordering::Relaxed) {
+            let growth = self.metrics.device_memory_growth.load(Ordering::Relaxed);
+            tracing::info!(growth_bytes = growth, "model loop stopped: device memory growth since readiness");
+        }
     }
 
     fn handle(&mut self, cmd: Command) {
@@ -433,7 +451,10 @@ impl<E: Executor> ModelLoop<E> {
                 self.executor.submit(&step, &inputs)?;
                 let done = self.executor.poll();
                 self.metrics.executor.observe(t0.elapsed().as_secs_f64());
-                self.metrics.steps.fetch_add(1, Ordering::Relaxed);
+                let steps = self.metrics.steps.fetch_add(1, Ordering::Relaxed);
+                if steps.is_multiple_of(1024) {
+                    self.sample_device_memory();
+                }
                 done
             }
             None => {

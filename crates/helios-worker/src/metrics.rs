@@ -67,6 +67,10 @@ pub struct Metrics {
     pub itl: Histogram,
     /// Time inside the executor per step (submit + poll): model time, as opposed to server time.
     pub executor: Histogram,
+    /// Device memory growth since readiness (bytes), when the executor owns a device and it has
+    /// been sampled (`device_memory_sampled`).
+    pub device_memory_growth: std::sync::atomic::AtomicI64,
+    pub device_memory_sampled: std::sync::atomic::AtomicBool,
 }
 
 impl Metrics {
@@ -159,6 +163,14 @@ impl Metrics {
             &mut out,
         );
         self.executor.render("flare_executor_step_seconds", "Executor time per step (submit and poll).", &mut out);
+        if self.device_memory_sampled.load(Ordering::Relaxed) {
+            let _ = writeln!(
+                out,
+                "# HELP flare_device_memory_growth_bytes Device memory in use minus at readiness (0: nothing \
+                 allocated since).\n# TYPE flare_device_memory_growth_bytes gauge\nflare_device_memory_growth_bytes {}",
+                self.device_memory_growth.load(Ordering::Relaxed)
+            );
+        }
         out
     }
 }

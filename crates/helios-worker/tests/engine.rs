@@ -188,3 +188,47 @@ async fn startup_failure_is_reported() {
     .expect_err("fails");
     assert!(e.to_string().contains("row 1"), "{e}");
 }
+
+/// An executor that "owns a device" whose memory grew by a fixed amount after readiness.
+struct DeviceLike {
+    inner: SimulatedExecutor,
+    growth: i64,
+}
+
+impl Executor for DeviceLike {
+    fn submit(&mut self, step: &Step, inputs: &StepInputs) -> Result<(), ExecutorError> {
+        self.inner.submit(step, inputs)
+    }
+    fn poll(&mut self) -> Vec<Completion> {
+        self.inner.poll()
+    }
+    fn synchronize(&mut self) -> Vec<Completion> {
+        self.inner.synchronize()
+    }
+    fn device_memory_growth_bytes(&mut self) -> Option<i64> {
+        Some(self.growth)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_memory_growth_after_readiness_is_exposed() {
+    let engine = sim_engine();
+    drain(&engine, input("hello", 3)).await.1.expect("finishes");
+    assert!(!engine.metrics_text().contains("flare_device_memory_growth_bytes"), "no device, no gauge");
+    let m = manifest();
+    let (scheme, caps) = (m.cache_scheme.clone(), m.capacities.clone());
+    let engine = Engine::start(&m, frontend(&m), EngineOptions::default(), move || {
+        Ok(DeviceLike { inner: SimulatedExecutor::new(&scheme, &caps), growth: 2 << 20 })
+    })
+    .expect("starts");
+    drain(&engine, input("hello", 3)).await.1.expect("finishes");
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let text = engine.metrics_text();
+        if text.contains("flare_device_memory_growth_bytes 2097152") {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "gauge never appeared: {text}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
