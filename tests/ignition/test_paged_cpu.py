@@ -434,3 +434,22 @@ def test_admission_counts_the_prompt_once_and_sampling_adds_to_it(tmp_path: Path
     spec.inputs["token_ids"].fill_(4)
     prog.call(spec, prog.method(spec))
     assert prog.hist[0].sum() == 0 and torch.equal(prog.hist[3], want)
+
+
+def test_triton_kernels_match_the_reference_under_the_interpreter() -> None:
+    """The paged-attention and KV-write kernels (what the GPU graphs run) against the gather
+    reference, on CPU through Triton's interpreter, in a fresh process (the interpreter switch is
+    read when kernels are defined)."""
+    require_torch()
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    p = subprocess.run([sys.executable, str(Path(__file__).parent / "scripts" / "triton_kernels_interpreted.py")],
+                       env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    report = json.loads(p.stdout.strip().splitlines()[-1])
+    assert report["kv_write_exact"] and report["attention_max_abs_err"] < 1e-5, report
