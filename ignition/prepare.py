@@ -288,7 +288,7 @@ def _check(rec: Any, model: Path, core: Path, work: Path, core_replay: Path | No
         report["torch_replay"] = rec.report.pop("torch_replay")
     if core_replay is not None:
         with phase("bitwise replay of each dumped graph in a fresh process (Rust core_replay)"):
-            from ignition.capture.__main__ import replay_in_rust
+            from ignition.capture.rust_replay import replay_in_rust
 
             report["rust_replay"] = {}
             for name in dump:
