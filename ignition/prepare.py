@@ -186,7 +186,8 @@ def prepare(model: Path, out: Path, decode_buckets: str = "1,2,4,8", prefill_chu
     state_bytes = (caps.max_kv_pages + 1) * geo.bytes_per_page + geo.total_rows * geo.hidden * 2 + (
         1 + geo.request_slots) * geo.vocab * 4
     pool_bytes = (256 << 20) + caps.prefill_chunks[-1] * (geo.ffn * 2 + geo.vocab) * 4 * 4
-    arena_bytes = weight_bytes + state_bytes + pool_bytes * (len(caps.decode_buckets) + len(caps.prefill_chunks) + 4)
+    # One pool per graph: decode buckets, prefill chunks, resume and four maintenance graphs.
+    arena_bytes = weight_bytes + state_bytes + pool_bytes * (len(caps.decode_buckets) + len(caps.prefill_chunks) + 5)
     if arena_bytes > device["free_bytes"] - (2 << 30):
         raise CapacityError("--kv-pages", f"the arena needs {arena_bytes / 2**30:.1f} GiB; "
                                           f"{device['free_bytes'] / 2**30:.1f} GiB are free")  # fmt: skip
