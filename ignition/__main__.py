@@ -8,7 +8,8 @@ the Rust loader (`flare check CORE`).
 - `export-recording --recording FILE --out CORE`: the CPU dry-run exporter over a recorded graph.
 - `random-checkpoint --config FILE --out DIR`: a seeded random-weight checkpoint of a config.
 - `prepare --model DIR --out CORE`: capture every graph on the GPU and export a runtime core.
-- `replay`: not in this build (the in-process torch replay is `prepare`'s check); exits 2.
+- `replay CORE`: the exported graphs replayed through the CUDA driver with no torch: reference
+  tokens for the Rust replay and the Python replay floor (`--bench`).
 """
 
 from __future__ import annotations
@@ -18,10 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-NOT_YET = (
-    "ignition {command}: not implemented in this build. `ignition prepare` replays every captured "
-    "graph in process (numerics, determinism, reference generations) and, with --core-replay, in Rust."
-)
+NOT_YET = "ignition {command}: unknown command"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,8 +56,15 @@ def _parser() -> argparse.ArgumentParser:
     rnd.add_argument("--out", required=True, type=Path)
     rnd.add_argument("--seed", type=int, default=0)
     rnd.add_argument("--tokenizer-from", required=True, type=Path)
-    replay = sub.add_parser("replay", help="minimal Python replay of a core's graphs")
-    replay.add_argument("core")
+    replay = sub.add_parser("replay", help="minimal Python replay of a core's graphs (no torch)")
+    replay.add_argument("core", type=Path)
+    replay.add_argument("--prompts", type=Path, help="JSON list of {prompt_ids, seed, max_tokens, params[, eos]}")
+    replay.add_argument("--reference", type=Path,
+                        help="reference generations (prepare's reference_generations.json): replayed and compared")
+    replay.add_argument("--out", type=Path, help="write the report (load, generations, floor) as JSON")
+    replay.add_argument("--bench", action="store_true", help="measure the replay floor: every decode bucket, prefill")
+    replay.add_argument("--decode-tokens", type=int, default=256, help="decode steps per bucket with --bench")
+    replay.add_argument("--relocate", action="store_true", help="map the arena away from its recorded base")
     return parser
 
 
@@ -116,6 +121,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ignition prepare: {e}", file=sys.stderr)
             return 2
         print(json.dumps({k: report.get(k) for k in ("timings", "export", "bitwise_equal_all")}, default=str))
+        return 0
+    if args.command == "replay":
+        from ignition.progress import note
+        from ignition.replay.core import CoreReadError
+        from ignition.replay.cuda import CudaError, NoDriverError
+        from ignition.replay.harness import ReplayError, run
+
+        try:
+            report = run(args.core, args.prompts, args.reference, args.out, args.bench, args.relocate,
+                         args.decode_tokens, note)  # fmt: skip
+        except (CoreReadError, NoDriverError, CudaError, ReplayError) as e:
+            print(f"ignition replay: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps({k: report.get(k) for k in ("load_s", "identical_to_reference", "steps")}))
         return 0
     print(NOT_YET.format(command=args.command), file=sys.stderr)
     return 2

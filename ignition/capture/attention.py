@@ -94,49 +94,51 @@ def _write_kernel():  # type: ignore[no-untyped-def]
     return kv_write_kernel
 
 
-@functools.cache
-def kv_write_op():  # type: ignore[no-untyped-def]
-    """`flare::kv_write`: the slot-mapping write of one layer's K and V, in place (a negative slot
-    writes nothing). A custom op that mutates `kv`, so the compiled graph writes the pages where
-    they are instead of functionalizing the whole cache into a copy."""
-    from torch.library import triton_op, wrap_triton
-
-    @triton_op("flare::kv_write", mutates_args={"kv"})
-    def kv_write(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, layer: int) -> None:
-        n, kvh, d = k.shape
-        st = kv.stride()
-        wrap_triton(_write_kernel())[(n, kvh)](k, v, kv, slots, layer, st[0], st[1], st[2], st[3], st[4],
-                                              KVH=kvh, D=d, T=kv.shape[3])  # fmt: skip
-
-    return kv_write
+def _launch_write(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, layer: int) -> None:
+    n, kvh, d = k.shape
+    st = kv.stride()
+    _write_kernel()[(n, kvh)](k, v, kv, slots, layer, st[0], st[1], st[2], st[3], st[4], KVH=kvh, D=d,
+                              T=kv.shape[3])  # fmt: skip
 
 
-@functools.cache
-def paged_attention_op():  # type: ignore[no-untyped-def]
-    """`flare::paged_attention` as a triton_op, so torch.compile keeps the kernel in the graph."""
-    from torch.library import triton_op, wrap_triton
-
-    @triton_op("flare::paged_attention", mutates_args=())
-    def paged_attention(q: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor, req: torch.Tensor,
-                        pos: torch.Tensor, layer: int, scale: float) -> torch.Tensor:  # fmt: skip
-        n, h, d = q.shape
-        kvh, t = kv.shape[4], kv.shape[3]
-        g = h // kvh
-        out = torch.empty((n, h, d), dtype=q.dtype, device=q.device)
-        st = kv.stride()
-        wrap_triton(_kernel())[(n, kvh)](
-            q, kv, pages, req, pos, out, layer, st[0], st[1], st[2], st[3], st[4], pages.stride(0),
-            SCALE=scale, H=h, G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, T=t)  # fmt: skip
-        return out
-
-    return paged_attention
-
-
-def attend(q: torch.Tensor, kv: torch.Tensor, layer: int, pages: torch.Tensor, req: torch.Tensor,
-           pos: torch.Tensor, scale: float, op: object | None) -> torch.Tensor:  # fmt: skip
-    """`op` is `paged_attention_op()`, created before tracing (Dynamo does not trace its creation);
-    None selects the gather reference."""
-    if op is None:
-        return attend_gather(q, kv, layer, pages, req, pos, scale)
+def _launch_attention(q: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor, req: torch.Tensor,
+                      pos: torch.Tensor, layer: int, scale: float) -> torch.Tensor:  # fmt: skip
     n, h, d = q.shape
-    return op(q.contiguous(), kv, pages, req, pos, layer, scale).reshape(n, h * d)  # type: ignore[operator]
+    kvh, t = kv.shape[4], kv.shape[3]
+    g = h // kvh
+    out = torch.empty((n, h, d), dtype=q.dtype, device=q.device)
+    st = kv.stride()
+    _kernel()[(n, kvh)](q, kv, pages, req, pos, out, layer, st[0], st[1], st[2], st[3], st[4], pages.stride(0),
+                        SCALE=scale, H=h, G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, T=t)  # fmt: skip
+    return out
+
+
+@functools.cache
+def write_attend_op():  # type: ignore[no-untyped-def]
+    """`flare::write_attend`: one layer's slot-mapping K/V write (a negative slot writes nothing)
+    followed by paged attention over the pages just written, as one opaque op.
+
+    The op writes `kv` in place but declares no mutation, on purpose: a declared mutation of a
+    graph input is functionalized, and with one write per layer Inductor could not reinplace the
+    first one, so every step copied the whole cache (a KV-sized buffer per graph pool; measured as
+    an 812 MiB temporary for SmolLM2 at 576 pages). Not declaring it is sound here because
+    - only this op reads `kv` inside a graph, and it reads layer `layer` after writing it, within
+      the op (write and read are never reordered);
+    - different layers touch disjoint regions of `kv`, so the order between layers is free;
+    - the op returns a fresh tensor that the graph consumes, so it is never eliminated.
+    The recorder checks the first point's consequence after capture: no graph pool holds a
+    KV-sized allocation."""
+    from torch.library import custom_op
+
+    @custom_op("flare::write_attend", mutates_args=())
+    def write_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
+                     pages: torch.Tensor, req: torch.Tensor, pos: torch.Tensor, layer: int,
+                     scale: float) -> torch.Tensor:  # fmt: skip
+        _launch_write(k, v, kv, slots, layer)
+        return _launch_attention(q, kv, pages, req, pos, layer, scale)
+
+    @write_attend.register_fake
+    def _(q, k, v, kv, slots, pages, req, pos, layer, scale):  # type: ignore[no-untyped-def]
+        return q.new_empty(q.shape)
+
+    return write_attend

@@ -25,8 +25,9 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from ignition.capture.attention import attend, kv_write_op, paged_attention_op
+from ignition.capture.attention import attend_gather, write_attend_op
 from ignition.capture.sampling import M32, sample
+from ignition.core.stepping import FLAG_EOS, FLAG_GRAMMAR_EXHAUSTED, FLAG_SAMPLED
 
 RECORD_MAGIC = 0x464C_5243
 # Decode buckets and single-row projections run their GEMMs over at least this many rows (padding
@@ -35,7 +36,6 @@ RECORD_MAGIC = 0x464C_5243
 # depend on the bucket it was packed into.
 MIN_GEMM_ROWS = 16
 HEADER_WORDS = 8
-FLAG_SAMPLED, FLAG_EOS, FLAG_GRAMMAR_EXHAUSTED = 1, 2, 4
 
 
 @dataclass(frozen=True)
@@ -140,8 +140,8 @@ class PagedLlama:
         self.inv_freq = inv_freq
         self.rope_scaling = rope_scaling
         self.kernel = attention_kernel
-        self.attention_op = paged_attention_op() if attention_kernel else None
-        self.kv_write = kv_write_op() if attention_kernel else None
+        # Created before tracing (Dynamo does not trace its creation); None: the gather reference.
+        self.write_attend = write_attend_op() if attention_kernel else None
         self.trash_page = geo.max_kv_pages
 
     def head(self) -> torch.Tensor:
@@ -179,12 +179,13 @@ class PagedLlama:
                 q = rms(q, w[p + "q_norm"], g.eps)
                 k = rms(k, w[p + "k_norm"], g.eps)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-            if self.kv_write is not None:
-                self.kv_write(k.contiguous(), v.contiguous(), kv, slots, i)
+            if self.write_attend is not None:
+                o = self.write_attend(q.contiguous(), k.contiguous(), v.contiguous(), kv, slots, tables, req, pos, i,
+                                      scale).reshape(n, hq)  # fmt: skip
             else:
                 kv[page, i, 0, off] = k
                 kv[page, i, 1, off] = v
-            o = attend(q, kv, i, tables, req, pos, scale, self.attention_op)
+                o = attend_gather(q, kv, i, tables, req, pos, scale)
             x = x + F.linear(o, w[p + "o_proj"], self._bias(p + "o_proj_bias"))
             h = rms(x, w[p + "post_attention_norm"], g.eps)
             gu = F.linear(h, w[p + "gate_up"], self._bias(p + "gate_up_bias"))

@@ -172,6 +172,15 @@ class Recorder:
         self._t("capture_s", t0)
         self.report["arena"]["used_bytes"] = self.arena.used
         self.report["arena"]["failed_allocs"] = self.arena.failed_allocs
+        # A compiled graph that functionalized a KV write holds a copy of the whole cache in its
+        # pool and copies it every replay (see attention.write_attend_op). Find any such block.
+        kv_bytes = self.program.kv_all.numel() * self.program.kv_all.element_size()
+        big = [size for seg in self._segments()[0] if seg["pool"] == "graph" for _, size, _ in seg["blocks"]
+               if size >= kv_bytes]  # fmt: skip
+        self.report["kv_sized_graph_pool_blocks"] = big
+        if big:
+            progress(f"WARNING: graph pools hold {len(big)} KV-sized blocks ({kv_bytes} B each or more): "
+                     "a graph copies the KV cache")  # fmt: skip
 
     # -- memory map ----------------------------------------------------------------------
     def _named(self) -> dict[str, tuple[torch.Tensor, str, Any, str]]:

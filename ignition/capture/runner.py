@@ -8,43 +8,16 @@ staging views, records read back after each step.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ignition.capture.paged import FLAG_SAMPLED, HEADER_WORDS
 from ignition.capture.program import GraphSpec, Program
+from ignition.core.stepping import PAD, Row, Sampling
+from ignition.core.stepping import pack_rows as _pack
 
-PAD = {"token_ids": 0, "positions": 0, "slot_mapping": -1, "page_table": -1, "request_slots": -1,
-       "query_lengths": 0, "context_lengths": 0, "state_row_indices": -1, "temperature": 1.0, "top_k": 0,
-       "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
-       "frequency_penalty": 0.0, "rng_seed": 0, "rng_counter": 0, "sample_flags": 0, "grammar_mask": -1,
-       "source_rows": -1, "destination_rows": -1, "expected_consumed": -1}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-
-
-@dataclass
-class Row:
-    """One request row of a step: its live row, its page table, the tokens it consumes from
-    `start`, and (seed, counter) when it samples."""
-
-    live_row: int
-    pages: list[int]
-    start: int
-    tokens: list[int]
-    sample: tuple[int, int] | None = None
-    params: Sampling = Sampling()
+__all__ = ["PAD", "GraphRunner", "Row", "Sampling", "fill", "pack_rows"]
 
 
 def _sync(p: Program) -> None:
@@ -65,27 +38,8 @@ def fill(g: GraphSpec, values: dict[str, list[Any]]) -> None:
 
 def pack_rows(geo: Any, g: GraphSpec, rows: list[Row]) -> dict[str, list[Any]]:
     """The values Helios' GraphExecutor packs for these rows."""
-    v: dict[str, list[Any]] = {k: [] for k in PAD}
-    for r in rows:
-        for i, tok in enumerate(r.tokens):
-            pos = r.start + i
-            v["token_ids"].append(tok)
-            v["positions"].append(pos)
-            v["slot_mapping"].append(r.pages[pos // geo.page_tokens] * geo.page_tokens + pos % geo.page_tokens)
-        v["page_table"] += r.pages + [-1] * (geo.pages_per_request - len(r.pages))
-        v["request_slots"].append(r.live_row)
-        v["state_row_indices"].append(r.live_row)
-        v["query_lengths"].append(len(r.tokens))
-        v["context_lengths"].append(r.start + len(r.tokens))
-        for k, x in vars(r.params).items():
-            v[k].append(x)
-        seed, counter = r.sample or (0, 0)
-        v["rng_seed"].append(seed if seed < 2**63 else seed - 2**64)
-        v["rng_counter"].append(counter)
-        v["sample_flags"].append(1 if r.sample else 0)
-    if "grammar_mask" in g.inputs:
-        v["grammar_mask"] = [-1] * g.inputs["grammar_mask"].numel()
-    return v
+    mask = g.inputs["grammar_mask"].numel() if "grammar_mask" in g.inputs else None
+    return _pack(geo.page_tokens, geo.pages_per_request, rows, mask)
 
 
 class GraphRunner:

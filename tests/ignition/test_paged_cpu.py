@@ -453,3 +453,22 @@ def test_triton_kernels_match_the_reference_under_the_interpreter() -> None:
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     report = json.loads(p.stdout.strip().splitlines()[-1])
     assert report["kv_write_exact"] and report["attention_max_abs_err"] < 1e-5, report
+
+
+def test_write_attend_compiles_without_copying_the_cache() -> None:
+    """`flare::write_attend` inside a compiled layer loop (CPU, Triton's interpreter): the cache is
+    written in place, nothing reorders the write and the read, and Inductor allocates no
+    KV-shaped buffer (the op declares no mutation so that the cache is never functionalized)."""
+    require_torch()
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    p = subprocess.run([sys.executable, str(Path(__file__).parent / "scripts" / "write_attend_compiled.py")],
+                       env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    report = json.loads(p.stdout.strip().splitlines()[-1])
+    assert report["kv_shaped_buffers"] == 0 and report["compiled_untouched_kv_bitwise_equal"], report

