@@ -76,7 +76,12 @@ def plan_capacities(config: LlamaFamilyConfig, decode_buckets: str, prefill_chun
     pages = kv_pages or slots * pages_per_request * 2
     if pages < pages_per_request:
         raise CapacityError("--kv-pages", f"{pages} pages cannot hold one {limit}-token request ({pages_per_request})")
-    return Capacities(buckets, chunks, limit, slots, 8 * slots, pages)
+    # A snapshot row of this recipe is one hidden vector (a few KiB), so rows are sized to the
+    # pages: every checkpoint holds at least a tail page or a segment anyway, and with far fewer
+    # rows than pages, snapshot pressure thins each new chain to its endpoint before page
+    # pressure can retire stale checkpoints, losing shared prefixes (measured on the GPU with
+    # 32 rows for 576 pages; tests/ lifecycle `a_shared_prefix_survives_page_pressure...`).
+    return Capacities(buckets, chunks, limit, slots, max(8 * slots, pages), pages)
 
 
 def _eos_ids(model: Path, config: LlamaFamilyConfig) -> list[int]:

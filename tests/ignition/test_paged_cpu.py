@@ -303,6 +303,7 @@ def test_capacity_plan_refuses_what_does_not_fit() -> None:
     cfg = LlamaFamilyConfig.from_dict(TINY)
     caps = plan_capacities(cfg, "1,2,4,8", 512, 512, None)
     assert caps.prefill_chunks == [128, 256, 512] and caps.request_slots == 8 and caps.max_kv_pages == 8 * 8 * 2
+    assert caps.snapshot_rows == caps.max_kv_pages  # rows are a hidden vector each: as many as pages
     for args, option in [(("4,2", None, None, None), "--decode-buckets"), (("1", None, 1024, None), "--context-limit"),
                          (("1", None, 500, None), "--context-limit"), (("1", 300, 512, None), "--prefill-chunk-size"),
                          (("1", 64, 512, None), "--prefill-chunk-size"), (("1", None, 512, 3), "--kv-pages"),

@@ -25,7 +25,8 @@ pub(crate) fn spec() -> FixtureSpec {
         decode_buckets: vec![1, 2, 4, 8, 16, 32, 64],
         prefill_capacities: vec![64, 256, 1024, 2048],
         request_slots: 64,
-        snapshot_rows: 256,
+        // As many snapshot rows as pages (rows are tiny), as `ignition prepare` sizes them.
+        snapshot_rows: 8192,
         max_kv_pages: 8192,
         context_limit: 8192,
         vocab_size: 49152,

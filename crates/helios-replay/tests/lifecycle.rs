@@ -256,3 +256,46 @@ fn admission_counts_the_prompt_once() {
     }
     assert!(scheduler.stats().full_prompt_hits >= 1, "the second request is a prefix hit");
 }
+
+/// With snapshot rows sized to the KV pages (as `ignition prepare` sizes them for rows this
+/// small), a shared system prefix stays a hit after unrelated conversations filled the pool:
+/// page pressure retires the least recently used checkpoints, not the fresh branch point.
+/// (With rows far below pages, snapshot pressure thins every new chain down to its endpoint
+/// first, as the design orders, and the shared prefix is lost: seen on the GPU with 32 rows.)
+#[test]
+fn a_shared_prefix_survives_page_pressure_when_rows_match_pages() {
+    for scheme in reference_schemes() {
+        let pt = scheme.page_tokens as usize;
+        let caps = test_capacities(4, 16, 16);
+        let mut scheduler = Scheduler::new(scheme.clone(), caps.clone(), test_config(4)).unwrap();
+        let mut executor = SimulatedExecutor::new(&scheme, &caps);
+        for i in 0..12 {
+            let mut other = spec(prompt(2 * pt + 22, 100 + i), 8, u64::from(i));
+            other.message_endpoints = vec![pt as u32 + 5];
+            scheduler.submit(other).unwrap();
+            drain(&mut scheduler, &mut executor);
+        }
+        let pressure = scheduler.pressure();
+        assert!(pressure.page_leaf_evictions + pressure.page_ancestor_removals > 0, "no page pressure: {pressure:?}");
+        let boundary = 3 * pt + 20;
+        let system = prompt(boundary, 7);
+        let ask = |q: u32| {
+            let mut tokens = system.clone();
+            tokens.extend(prompt(12, 200 + q));
+            let mut s = spec(tokens, 4, u64::from(q));
+            s.message_endpoints = vec![boundary as u32];
+            s
+        };
+        scheduler.submit(ask(0)).unwrap();
+        drain(&mut scheduler, &mut executor);
+        scheduler.take_finished();
+        let before = scheduler.stats().prefix_hit_tokens;
+        for q in 1..=3 {
+            scheduler.submit(ask(q)).unwrap();
+            drain(&mut scheduler, &mut executor);
+            assert_eq!(scheduler.take_finished().pop().unwrap().output, run_alone(&scheme, &caps, &ask(q)));
+        }
+        let hit = scheduler.stats().prefix_hit_tokens - before;
+        assert!(hit >= 3 * boundary as u64, "page tokens {pt}: the shared system prefix was lost ({hit} hit tokens)");
+    }
+}
