@@ -21,7 +21,10 @@ out = {"what": "issues 6/7 on one H200: SmolLM2-135M-Instruct (real weights, fet
                     "python3 qualification/kernel_breakdown.py CORE decode_b1 OUT.json",
                     "python3 qualification/rust_replay_io.py OUT.json  (Rust core_replay over prepare's dumped I/O of every graph)",
                     "bash qualification/gpu_session.sh hf-baselines OUT"]},
-       "raw": str(R)}
+       "raw": str(R),
+       "measured_code": "commit dac4417 (graphs, ignition replay) with bbfc817's scripts; flare and core_replay built from it. "
+                        "Later changes to the graphs (e.g. split-page attention) are not measured here; "
+                        "the capacities are prepare's before bbfc817 (32 snapshot rows)"}
 for tag, d, hf in (("smollm2_135m_instruct", "smollm2", "hf_smollm2_135m_eager.json"), ("llama_1b_random", "llama_1b_random", "hf_llama_1b_eager.json")):
     prep = load(f"{d}/prepare_report.json"); fv = load(f"{d}/flare_vs_torch.json"); ir = load(f"{d}/ignition_replay.json")
     h = load(f"{d}/{hf}")

@@ -32,17 +32,25 @@ def attend_gather(q: torch.Tensor, kv: torch.Tensor, layer: int, pages: torch.Te
     return (p[..., None] * vals).sum(1).to(q.dtype).reshape(n, h * d)
 
 
+# Pages one attention program walks: a request's pages are split into groups of this many, each
+# group reduced by its own program and the partial softmax states combined afterwards, so a long
+# context is read by many SMs at once instead of one program per (token, KV head).
+PAGES_PER_SPLIT = 4
+
+
 @functools.cache
 def _kernel():  # type: ignore[no-untyped-def]
     import triton
     import triton.language as tl
 
     @triton.jit
-    def paged_attention_kernel(Q, KV, PT, REQ, POS, O, layer, s_page, s_layer, s_sel, s_tok, s_head, pt_stride,
-                               SCALE: tl.constexpr, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                               T: tl.constexpr):  # fmt: skip
+    def paged_attention_kernel(Q, KV, PT, REQ, POS, PACC, PM, PL, layer, s_page, s_layer, s_sel, s_tok, s_head,
+                               pt_stride, SCALE: tl.constexpr, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                               D: tl.constexpr, T: tl.constexpr, SPLITS: tl.constexpr, PPS: tl.constexpr):  # fmt: skip
+        """One (token, KV head, page group): the group's unnormalized softmax state (m, l, acc)."""
         n = tl.program_id(0)
         kh = tl.program_id(1)
+        sp = tl.program_id(2)
         pos = tl.load(POS + n).to(tl.int64)
         r = tl.load(REQ + n).to(tl.int64)
         gi = tl.arange(0, GP)
@@ -55,7 +63,9 @@ def _kernel():  # type: ignore[no-untyped-def]
         lsum = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
         base = KV + layer * s_layer + kh * s_head
-        for j in range(0, pos // T + 1):
+        first = sp.to(tl.int64) * PPS
+        last = tl.minimum(first + PPS, pos // T + 1)
+        for j in range(first, last):
             page = tl.maximum(tl.load(PT + r * pt_stride + j).to(tl.int64), 0)
             kp = base + page * s_page + ti[:, None] * s_tok + di[None, :]
             k = tl.load(kp)
@@ -68,10 +78,39 @@ def _kernel():  # type: ignore[no-untyped-def]
             lsum = lsum * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
-        out = acc / lsum[:, None]
-        tl.store(O + n * H * D + head[:, None] * D + di[None, :], out.to(O.dtype.element_ty), mask=qmask[:, None])
+        at = (n * SPLITS + sp) * H + head
+        tl.store(PM + at, m, mask=qmask)
+        tl.store(PL + at, lsum, mask=qmask)
+        tl.store(PACC + at[:, None] * D + di[None, :], acc, mask=qmask[:, None])
 
     return paged_attention_kernel
+
+
+@functools.cache
+def _combine_kernel():  # type: ignore[no-untyped-def]
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def paged_attention_combine(PACC, PM, PL, O, H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+                                SP: tl.constexpr):  # fmt: skip
+        """One (token, head): the page groups' states rescaled to their common max and normalized.
+        Group 0 always holds the token's first page, so the max is finite."""
+        n = tl.program_id(0)
+        h = tl.program_id(1)
+        si = tl.arange(0, SP)
+        di = tl.arange(0, D)
+        smask = si < SPLITS
+        at = (n * SPLITS + si) * H + h
+        m = tl.load(PM + at, mask=smask, other=float("-inf"))
+        lsum = tl.load(PL + at, mask=smask, other=0.0)
+        mx = tl.max(m, 0)
+        w = tl.where(smask, tl.exp(m - mx), 0.0)
+        acc = tl.load(PACC + at[:, None] * D + di[None, :], mask=smask[:, None], other=0.0)
+        out = tl.sum(acc * w[:, None], 0) / tl.sum(lsum * w, 0)
+        tl.store(O + (n * H + h) * D + di, out.to(O.dtype.element_ty))
+
+    return paged_attention_combine
 
 
 @functools.cache
@@ -102,14 +141,22 @@ def _launch_write(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slots: tor
 
 
 def _launch_attention(q: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor, req: torch.Tensor,
-                      pos: torch.Tensor, layer: int, scale: float) -> torch.Tensor:  # fmt: skip
+                      pos: torch.Tensor, layer: int, scale: float, pages_per_split: int = PAGES_PER_SPLIT) -> torch.Tensor:  # fmt: skip
+    """Paged attention of q [N, H, D] over `pages` [R, P]: page groups in parallel, then combined."""
     n, h, d = q.shape
     kvh, t = kv.shape[4], kv.shape[3]
     g = h // kvh
-    out = torch.empty((n, h, d), dtype=q.dtype, device=q.device)
+    splits = -(-pages.shape[1] // pages_per_split)
+    part_acc = torch.empty((n, splits, h, d), dtype=torch.float32, device=q.device)
+    part_m = torch.empty((n, splits, h), dtype=torch.float32, device=q.device)
+    part_l = torch.empty((n, splits, h), dtype=torch.float32, device=q.device)
     st = kv.stride()
-    _kernel()[(n, kvh)](q, kv, pages, req, pos, out, layer, st[0], st[1], st[2], st[3], st[4], pages.stride(0),
-                        SCALE=scale, H=h, G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, T=t)  # fmt: skip
+    _kernel()[(n, kvh, splits)](q, kv, pages, req, pos, part_acc, part_m, part_l, layer, st[0], st[1], st[2], st[3],
+                                st[4], pages.stride(0), SCALE=scale, H=h, G=g, GP=max(16, 1 << (g - 1).bit_length()),
+                                D=d, T=t, SPLITS=splits, PPS=pages_per_split)  # fmt: skip
+    out = torch.empty((n, h, d), dtype=q.dtype, device=q.device)
+    _combine_kernel()[(n, h)](part_acc, part_m, part_l, out, H=h, D=d, SPLITS=splits,
+                              SP=max(2, 1 << (splits - 1).bit_length()))  # fmt: skip
     return out
 
 
