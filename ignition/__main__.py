@@ -123,15 +123,16 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: report.get(k) for k in ("timings", "export", "bitwise_equal_all")}, default=str))
         return 0
     if args.command == "replay":
+        from ignition.core.stepping import StepError
         from ignition.progress import note
         from ignition.replay.core import CoreReadError
         from ignition.replay.cuda import CudaError, NoDriverError
-        from ignition.replay.harness import ReplayError, run
+        from ignition.replay.harness import run
 
         try:
             report = run(args.core, args.prompts, args.reference, args.out, args.bench, args.relocate,
                          args.decode_tokens, note)  # fmt: skip
-        except (CoreReadError, NoDriverError, CudaError, ReplayError) as e:
+        except (CoreReadError, NoDriverError, CudaError, StepError) as e:
             print(f"ignition replay: {e}", file=sys.stderr)
             return 2
         print(json.dumps({k: report.get(k) for k in ("load_s", "identical_to_reference", "steps")}))

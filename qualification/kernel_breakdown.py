@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from ignition.core.stepping import Row, Sampling
+from ignition.core.stepping import Row, Sampling, admit
 from ignition.replay.core import CoreFiles, topological
 from ignition.replay.cuda import LAUNCH_PARAM_BUFFER_POINTER, LAUNCH_PARAM_BUFFER_SIZE, LAUNCH_PARAM_END, DeviceCore
 from ignition.replay.harness import CoreReplay
@@ -23,7 +23,7 @@ dev = DeviceCore(core)
 rep = CoreReplay(core, dev)
 g = next(x for x in core.graphs if x.name == sys.argv[2])
 pages = rep.pages_for(0, 300)
-first = rep.admit(1, pages, list(range(10, 42)), 5, Sampling())
+first = admit(rep, 1, pages, list(range(10, 42)), 5, Sampling())
 rep.rows_step(g, [Row(1, pages, 32, [first], (5, 1))])
 lib, st = dev.lib, dev.stream
 msg = g.message

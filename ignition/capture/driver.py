@@ -33,12 +33,13 @@ def call(name: str, *args: object) -> None:
         raise DriverError(f"{name} -> {r} {(s.value or b'?').decode()}")
 
 
-class _KernelParams(C.Structure):  # CUDA_KERNEL_NODE_PARAMS_v2
+# The node parameter structs are shared with the torch-free core replay (ignition.replay.cuda).
+class KernelNodeParams(C.Structure):  # CUDA_KERNEL_NODE_PARAMS_v2
     _fields_ = [("func", vp), ("gx", u32), ("gy", u32), ("gz", u32), ("bx", u32), ("by", u32), ("bz", u32),
                 ("smem", u32), ("kernelParams", vp), ("extra", vp), ("kern", vp), ("ctx", vp)]  # fmt: skip
 
 
-class _Memcpy3D(C.Structure):  # CUDA_MEMCPY3D
+class Memcpy3D(C.Structure):  # CUDA_MEMCPY3D
     _fields_ = [("srcXInBytes", sz), ("srcY", sz), ("srcZ", sz), ("srcLOD", sz),
                 ("srcMemoryType", C.c_int), ("srcHost", vp), ("srcDevice", u64), ("srcArray", vp),
                 ("reserved0", vp), ("srcPitch", sz), ("srcHeight", sz),
@@ -48,7 +49,7 @@ class _Memcpy3D(C.Structure):  # CUDA_MEMCPY3D
                 ("WidthInBytes", sz), ("Height", sz), ("Depth", sz)]  # fmt: skip
 
 
-class _Memset(C.Structure):  # CUDA_MEMSET_NODE_PARAMS
+class MemsetNodeParams(C.Structure):  # CUDA_MEMSET_NODE_PARAMS
     _fields_ = [("dst", u64), ("pitch", sz), ("value", u32), ("elementSize", u32), ("width", sz), ("height", sz)]
 
 
@@ -122,7 +123,7 @@ def param_layout(func: int) -> list[tuple[int, int]]:
 
 
 def kernel_launch(node: int) -> KernelLaunch:
-    p = _KernelParams()
+    p = KernelNodeParams()
     call("cuGraphKernelNodeGetParams_v2", vp(node), C.byref(p))
     func = int(p.func or 0)
     if not func and p.kern:
@@ -151,7 +152,7 @@ class Copy:
 
 
 def memcpy(node: int) -> Copy:
-    m = _Memcpy3D()
+    m = Memcpy3D()
     call("cuGraphMemcpyNodeGetParams", vp(node), C.byref(m))
     if m.srcMemoryType != CU_MEMORYTYPE_DEVICE or m.dstMemoryType != CU_MEMORYTYPE_DEVICE:
         raise DriverError(f"memcpy node with memory types {m.srcMemoryType}->{m.dstMemoryType}: only D2D is exported")
@@ -173,7 +174,7 @@ class Fill:
 
 
 def memset(node: int) -> Fill:
-    m = _Memset()
+    m = MemsetNodeParams()
     call("cuGraphMemsetNodeGetParams", vp(node), C.byref(m))
     return Fill(int(m.dst), int(m.value), int(m.elementSize), int(m.width), int(max(m.height, 1)), int(m.pitch))
 

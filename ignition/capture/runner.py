@@ -7,14 +7,14 @@ staging views, records read back after each step.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
-from ignition.capture.paged import FLAG_SAMPLED, HEADER_WORDS
+from ignition.capture.paged import HEADER_WORDS
 from ignition.capture.program import GraphSpec, Program
-from ignition.core.stepping import PAD, Row, Sampling
+from ignition.core.stepping import PAD, Row, Sampling, histogram_chunks
+from ignition.core.stepping import generate as _generate
 from ignition.core.stepping import pack_rows as _pack
 
 __all__ = ["PAD", "GraphRunner", "Row", "Sampling", "fill", "pack_rows"]
@@ -48,6 +48,11 @@ class GraphRunner:
         self.decode = sorted((g for g in program.graphs if g.kind == "decode"), key=lambda g: g.request_count)
         self.prefill = sorted((g for g in program.graphs if g.kind == "prefill"), key=lambda g: g.token_capacity)
         self.by_name = {g.name: g for g in program.graphs}
+        geo = program.geo
+        self.page_tokens, self.pages_per_request = geo.page_tokens, geo.pages_per_request
+        self.context_limit = geo.context_limit
+        self.header_words = HEADER_WORDS
+        self.largest_chunk = self.prefill[-1].token_capacity
 
     def replay(self, g: GraphSpec, rows: list[Row]) -> tuple[torch.Tensor, list[list[int]]]:
         fill(g, pack_rows(self.p.geo, g, rows))
@@ -65,15 +70,16 @@ class GraphRunner:
         g.graph.replay()
         _sync(self.p)
 
+    def initialize(self, live_row: int) -> None:
+        self.maintenance("initialize", live_row)
+
     def admit_histogram(self, live_row: int, tokens: list[int]) -> None:
         """As the executor does at admission: the prompt, in chunks, -1 padding the last."""
         g = self.by_name.get("admit_histogram")
         if g is None:
             return
-        cap = g.token_capacity
-        for at in range(0, len(tokens), cap):
-            part = tokens[at : at + cap]
-            fill(g, {"request_slots": [live_row], "token_ids": part + [-1] * (cap - len(part))})
+        for chunk in histogram_chunks(tokens, g.token_capacity):
+            fill(g, {"request_slots": [live_row], "token_ids": chunk})
             g.graph.replay()
             _sync(self.p)
 
@@ -89,34 +95,14 @@ class GraphRunner:
                 return g
         raise ValueError(f"no decode graph holds {rows} rows")
 
-    # -- generation ----------------------------------------------------------------------------
+    # -- the Stepper protocol (ignition.core.stepping) ---------------------------------------
+    def prefill_step(self, rows: list[Row]) -> list[list[int]]:
+        return self.replay(self.prefill_graph(sum(len(r.tokens) for r in rows)), rows)[1]
+
+    def decode_step(self, rows: list[Row]) -> list[list[int]]:
+        return self.replay(self.decode_graph(len(rows)), rows)[1]
+
     def generate(self, prompt: list[int], seed: int, params: Sampling, max_tokens: int, live_row: int = 1,
                  chunk: int | None = None) -> list[int]:  # fmt: skip
         """One request, alone: prefill in chunks of the largest graph, then decode_b1."""
-        geo = self.p.geo
-        chunk = chunk or self.prefill[-1].token_capacity
-        need = len(prompt) + max_tokens
-        if need > geo.context_limit:
-            raise ValueError(f"{need} tokens exceed the context limit {geo.context_limit}")
-        pages = list(range(geo.pages_per_request))[: math.ceil(need / geo.page_tokens)]
-        self.maintenance("initialize", live_row)
-        self.admit_histogram(live_row, prompt)
-        out: list[int] = []
-        at = 0
-        rec: list[list[int]] = []
-        while at < len(prompt):
-            part = prompt[at : at + chunk]
-            last = at + len(part) == len(prompt)
-            row = Row(live_row, pages, at, part, (seed, 0) if last else None, params)
-            _, rec = self.replay(self.prefill_graph(len(part)), [row])
-            at += len(part)
-        g1 = self.decode_graph(1)
-        while True:
-            r = rec[0]
-            if not r[2] & FLAG_SAMPLED:
-                raise RuntimeError(f"graph did not sample: record {r[:HEADER_WORDS]}")
-            tok = r[HEADER_WORDS]
-            out.append(tok)
-            if tok in geo.eos_token_ids or len(out) >= max_tokens:
-                return out
-            _, rec = self.replay(g1, [Row(live_row, pages, len(prompt) + len(out) - 1, [tok], (seed, len(out)), params)])
+        return _generate(self, prompt, seed, params, max_tokens, self.p.geo.eos_token_ids, live_row, chunk)

@@ -8,7 +8,7 @@ the same padding after the last real row, the same page arithmetic.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 # Padding of every lane after the real rows (slots and rows -1, so padded rows write nothing).
 PAD: dict[str, Any] = {
@@ -75,3 +75,77 @@ def pack_rows(page_tokens: int, pages_per_request: int, rows: list[Row],
     if grammar_mask_words is not None:
         v["grammar_mask"] = [-1] * grammar_mask_words
     return v
+
+
+class StepError(Exception):
+    """A request outside what the replayed graphs can run, or a step that did not sample."""
+
+
+class Stepper(Protocol):
+    """One replay of prepared graphs, as `admit` and `generate` drive it."""
+
+    page_tokens: int
+    pages_per_request: int
+    context_limit: int
+    header_words: int
+    largest_chunk: int
+
+    def initialize(self, live_row: int) -> None: ...
+
+    def admit_histogram(self, live_row: int, tokens: list[int]) -> None: ...
+
+    def prefill_step(self, rows: list[Row]) -> list[list[int]]:
+        """Replays the smallest prefill graph holding the rows' tokens; returns its records."""
+        ...
+
+    def decode_step(self, rows: list[Row]) -> list[list[int]]:
+        """Replays the smallest decode bucket holding the rows; returns its records."""
+        ...
+
+
+def histogram_chunks(tokens: list[int], capacity: int) -> list[list[int]]:
+    """The prompt in `admit_histogram` chunks, as the executor admits it: -1 pads the last."""
+    out = []
+    for at in range(0, len(tokens), capacity):
+        part = tokens[at : at + capacity]
+        out.append(part + [-1] * (capacity - len(part)))
+    return out
+
+
+def sampled_token(record: list[int], header_words: int) -> int:
+    if not record[2] & FLAG_SAMPLED:
+        raise StepError(f"the graph did not sample: record {record[:header_words]}")
+    return record[header_words]
+
+
+def admit(s: Stepper, live_row: int, pages: list[int], prompt: list[int], seed: int, params: Sampling,
+          chunk: int | None = None) -> int:  # fmt: skip
+    """initialize + admit_histogram + the prompt in prefill chunks, sampling after the last one;
+    returns the first token."""
+    if not prompt:
+        raise StepError("empty prompt")
+    chunk = chunk or s.largest_chunk
+    s.initialize(live_row)
+    s.admit_histogram(live_row, prompt)
+    at, rec = 0, []
+    while at < len(prompt):
+        part = prompt[at : at + chunk]
+        last = at + len(part) == len(prompt)
+        rec = s.prefill_step([Row(live_row, pages, at, part, (seed, 0) if last else None, params)])
+        at += len(part)
+    return sampled_token(rec[0], s.header_words)
+
+
+def generate(s: Stepper, prompt: list[int], seed: int, params: Sampling, max_tokens: int, eos: tuple[int, ...],
+             live_row: int = 1, chunk: int | None = None) -> list[int]:  # fmt: skip
+    """One request alone on pages 0.., prefill then the batch-1 decode bucket: the reference
+    sequence both Python replays run and the Rust replay is compared with."""
+    need = len(prompt) + max_tokens
+    if need > s.context_limit:
+        raise StepError(f"{need} tokens exceed the context limit {s.context_limit}")
+    pages = list(range(-(-need // s.page_tokens)))
+    out = [admit(s, live_row, pages, prompt, seed, params, chunk)]
+    while out[-1] not in eos and len(out) < max_tokens:
+        rec = s.decode_step([Row(live_row, pages, len(prompt) + len(out) - 1, [out[-1]], (seed, len(out)), params)])
+        out.append(sampled_token(rec[0], s.header_words))
+    return out

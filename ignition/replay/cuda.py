@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ignition.capture.driver import CU_MEMORYTYPE_DEVICE, FUNC_ATTR_MAX_DYNAMIC_SHARED, KernelNodeParams, Memcpy3D
+from ignition.capture.driver import MemsetNodeParams
 from ignition.replay.core import CoreFiles, GraphInfo, topological
 
 GIB = 1 << 30
@@ -22,31 +24,11 @@ u32, u64, sz, vp = C.c_uint, C.c_uint64, C.c_size_t, C.c_void_p
 
 # Driver enums used here (cuda.h).
 CU_MEM_ALLOCATION_TYPE_PINNED, CU_MEM_LOCATION_TYPE_DEVICE, CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 1, 1, 3
-CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-CU_MEMORYTYPE_DEVICE = 2
 CU_EVENT_DISABLE_TIMING = 2
 CU_STREAM_NON_BLOCKING = 1
 LAUNCH_ATTRIBUTE_IDS = {"cooperative": 2, "cluster_dim": 4, "cluster_scheduling_policy": 5, "priority": 8,
                         "mem_sync_domain": 10}  # fmt: skip
 LAUNCH_PARAM_END, LAUNCH_PARAM_BUFFER_POINTER, LAUNCH_PARAM_BUFFER_SIZE = 0, 1, 2
-
-
-class KernelNodeParams(C.Structure):  # CUDA_KERNEL_NODE_PARAMS_v2
-    _fields_ = [("func", vp), ("gx", u32), ("gy", u32), ("gz", u32), ("bx", u32), ("by", u32), ("bz", u32),
-                ("smem", u32), ("kernelParams", vp), ("extra", vp), ("kern", vp), ("ctx", vp)]  # fmt: skip
-
-
-class MemsetNodeParams(C.Structure):  # CUDA_MEMSET_NODE_PARAMS
-    _fields_ = [("dst", u64), ("pitch", sz), ("value", u32), ("elementSize", u32), ("width", sz), ("height", sz)]
-
-
-class Memcpy3D(C.Structure):  # CUDA_MEMCPY3D
-    _fields_ = [("srcXInBytes", sz), ("srcY", sz), ("srcZ", sz), ("srcLOD", sz), ("srcMemoryType", C.c_int),
-                ("srcHost", vp), ("srcDevice", u64), ("srcArray", vp), ("reserved0", vp), ("srcPitch", sz),
-                ("srcHeight", sz), ("dstXInBytes", sz), ("dstY", sz), ("dstZ", sz), ("dstLOD", sz),
-                ("dstMemoryType", C.c_int), ("dstHost", vp), ("dstDevice", u64), ("dstArray", vp),
-                ("reserved1", vp), ("dstPitch", sz), ("dstHeight", sz), ("WidthInBytes", sz), ("Height", sz),
-                ("Depth", sz)]  # fmt: skip
 
 
 class MemLocation(C.Structure):
@@ -211,7 +193,7 @@ class DeviceCore:
             f = vp()
             self.call("cuModuleGetFunction", C.byref(f), module, k.function_name.encode())
             if k.max_dynamic_shared_memory:
-                self.call("cuFuncSetAttribute", f, C.c_int(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES),
+                self.call("cuFuncSetAttribute", f, C.c_int(FUNC_ATTR_MAX_DYNAMIC_SHARED),
                           C.c_int(k.max_dynamic_shared_memory))  # fmt: skip
             functions[k.id] = f.value or 0
         self.report.kernels = len(functions)

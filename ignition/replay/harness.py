@@ -17,12 +17,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ignition.core.stepping import FLAG_SAMPLED, Row, Sampling, pack_rows
+from ignition.core.stepping import Row, Sampling, StepError, admit, generate, histogram_chunks, pack_rows, sampled_token
 from ignition.replay.core import CoreFiles, CoreReadError, GraphInfo, pack_graph
 from ignition.replay.cuda import DeviceCore
 
 
-class ReplayError(Exception):
+class ReplayError(StepError):
     """A request or step outside what the core was prepared for."""
 
 
@@ -40,6 +40,9 @@ class CoreReplay:
         records = max(g.outputs["completion_records"].byte_len for g in core.graphs if "completion_records" in g.outputs)
         self.host = device.pinned(len(self.mirror) + records)
         self.steps = 0
+        self.page_tokens, self.pages_per_request = core.page_tokens, core.pages_per_request
+        self.context_limit, self.header_words = core.context_limit, core.header_words
+        self.largest_chunk = self.prefill[-1].token_capacity
 
     # -- one step --------------------------------------------------------------------------------
     def _step(self, g: GraphInfo, values: dict[str, list[Any]], pad: dict[str, Any] | None = None) -> list[list[int]]:
@@ -75,16 +78,6 @@ class CoreReplay:
         self._step(g, {"destination_rows": [destination], "source_rows": [] if source is None else [source],
                        "expected_consumed": [-1]})  # fmt: skip
 
-    def admit_histogram(self, live_row: int, tokens: list[int]) -> None:
-        """As the executor does at admission: the prompt in chunks, -1 padding the last."""
-        g = self.core.maintenance("admit_histogram")
-        if g is None:
-            return
-        cap = g.token_capacity
-        for at in range(0, len(tokens), cap):
-            part = tokens[at : at + cap]
-            self._step(g, {"request_slots": [live_row], "token_ids": part + [-1] * (cap - len(part))})
-
     def prefill_graph(self, tokens: int) -> GraphInfo:
         for g in self.prefill:
             if g.token_capacity >= tokens:
@@ -97,11 +90,6 @@ class CoreReplay:
                 return g
         raise ReplayError(f"no decode graph holds {rows} rows (buckets {[g.request_count for g in self.decode]})")
 
-    def _sampled(self, r: list[int]) -> int:
-        if not r[2] & FLAG_SAMPLED:
-            raise ReplayError(f"the graph did not sample: record {r[: self.core.header_words]}")
-        return r[self.core.header_words]
-
     def pages_for(self, request: int, tokens: int) -> list[int]:
         """Disjoint pages for request index `request` (0-based), enough for `tokens`."""
         n = math.ceil(tokens / self.core.page_tokens)
@@ -112,34 +100,26 @@ class CoreReplay:
             raise ReplayError(f"request {request} needs pages past max_kv_pages {self.core.m.capacities.max_kv_pages}")
         return list(range(first, first + n))
 
-    def admit(self, live_row: int, pages: list[int], prompt: list[int], seed: int, params: Sampling,
-              chunk: int | None = None) -> int:  # fmt: skip
-        """initialize + admit_histogram + chunked prefill; returns the first sampled token."""
-        chunk = chunk or self.prefill[-1].token_capacity
+    # -- the Stepper protocol (ignition.core.stepping) ---------------------------------------
+    def initialize(self, live_row: int) -> None:
         self.maintenance("initialize", live_row)
-        self.admit_histogram(live_row, prompt)
-        at, rec = 0, []
-        while at < len(prompt):
-            part = prompt[at : at + chunk]
-            last = at + len(part) == len(prompt)
-            rec = self.rows_step(self.prefill_graph(len(part)),
-                                 [Row(live_row, pages, at, part, (seed, 0) if last else None, params)])  # fmt: skip
-            at += len(part)
-        return self._sampled(rec[0])
 
-    def generate(self, prompt: list[int], seed: int, params: Sampling, max_tokens: int, live_row: int = 1,
-                 chunk: int | None = None, eos: tuple[int, ...] | None = None) -> list[int]:  # fmt: skip
+    def admit_histogram(self, live_row: int, tokens: list[int]) -> None:
+        g = self.core.maintenance("admit_histogram")
+        if g is not None:
+            for chunk in histogram_chunks(tokens, g.token_capacity):
+                self._step(g, {"request_slots": [live_row], "token_ids": chunk})
+
+    def prefill_step(self, rows: list[Row]) -> list[list[int]]:
+        return self.rows_step(self.prefill_graph(sum(len(r.tokens) for r in rows)), rows)
+
+    def decode_step(self, rows: list[Row]) -> list[list[int]]:
+        return self.rows_step(self.decode_graph(len(rows)), rows)
+
+    def generate(self, prompt: list[int], seed: int, params: Sampling, max_tokens: int,
+                 eos: tuple[int, ...] | None = None) -> list[int]:  # fmt: skip
         """One request alone, exactly as `GraphRunner.generate` (the torch replay) runs it."""
-        if not prompt:
-            raise ReplayError("empty prompt")
-        eos = self.core.eos_token_ids if eos is None else eos
-        pages = self.pages_for(0, len(prompt) + max_tokens)
-        out = [self.admit(live_row, pages, prompt, seed, params, chunk)]
-        g1 = self.decode_graph(1)
-        while out[-1] not in eos and len(out) < max_tokens:
-            rec = self.rows_step(g1, [Row(live_row, pages, len(prompt) + len(out) - 1, [out[-1]], (seed, len(out)), params)])
-            out.append(self._sampled(rec[0]))
-        return out
+        return generate(self, prompt, seed, params, max_tokens, self.core.eos_token_ids if eos is None else eos)
 
     # -- the floor -------------------------------------------------------------------------------
     def bench_decode(self, rows: int, tokens: int, prompt_len: int = 32) -> dict[str, Any]:
@@ -153,7 +133,7 @@ class CoreReplay:
         for j in range(rows):
             prompt = [(7 + 13 * j + 5 * i) % 1000 + 10 for i in range(prompt_len)]
             pages = self.pages_for(j, prompt_len + tokens + 1)
-            first = self.admit(j + 1, pages, prompt, 99 + j, Sampling())
+            first = admit(self, j + 1, pages, prompt, 99 + j, Sampling())
             reqs.append([j + 1, pages, [first]])
         step_us = []
         for _ in range(tokens):
@@ -162,7 +142,7 @@ class CoreReplay:
             rec = self.rows_step(g, batch)
             step_us.append((time.perf_counter() - t0) * 1e6)
             for (_, _, t), r in zip(reqs, rec):
-                t.append(self._sampled(r))
+                t.append(sampled_token(r, self.header_words))
         n = 100
         t0 = time.perf_counter()
         for _ in range(n):

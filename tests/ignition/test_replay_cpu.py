@@ -121,3 +121,46 @@ def test_replay_imports_no_torch_and_fails_cleanly_without_a_driver(core: CoreFi
         pytest.skip("this machine has a CUDA device: the replay ran")
     assert proc.returncode == 2, proc.stderr
     assert "ignition replay:" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+class _FakeStepper:
+    """Records the calls `generate` makes; samples token 100 + counter, EOS at 103."""
+
+    page_tokens, pages_per_request, context_limit, header_words, largest_chunk = 64, 8, 512, 8, 128
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def initialize(self, live_row: int) -> None:
+        self.calls.append(("initialize", live_row))
+
+    def admit_histogram(self, live_row: int, tokens: list[int]) -> None:
+        self.calls.append(("histogram", live_row, len(tokens)))
+
+    def _records(self, rows: list[Row]) -> list[list[int]]:
+        return [[0, r.live_row, 1 if r.sample else 0] + [0] * 5 + [100 + (r.sample or (0, 0))[1]] for r in rows]
+
+    def prefill_step(self, rows: list[Row]) -> list[list[int]]:
+        self.calls.append(("prefill", rows[0].start, len(rows[0].tokens), rows[0].sample))
+        return self._records(rows)
+
+    def decode_step(self, rows: list[Row]) -> list[list[int]]:
+        self.calls.append(("decode", rows[0].start, rows[0].tokens, rows[0].sample))
+        return self._records(rows)
+
+
+def test_generate_drives_admission_chunks_and_decode_like_the_executor() -> None:
+    from ignition.core.stepping import StepError, generate, histogram_chunks
+
+    s = _FakeStepper()
+    out = generate(s, list(range(300)), 9, Sampling(), 10, eos=(103,), live_row=2)
+    assert out == [100, 101, 102, 103]  # stops at EOS, the EOS token included
+    assert s.calls[:2] == [("initialize", 2), ("histogram", 2, 300)]
+    # 300 prompt tokens in 128-token chunks; only the last samples, with counter 0.
+    assert s.calls[2:5] == [("prefill", 0, 128, None), ("prefill", 128, 128, None), ("prefill", 256, 44, (9, 0))]
+    # Each decode step feeds the previous token at the next position with the next counter.
+    assert s.calls[5:] == [("decode", 300, [100], (9, 1)), ("decode", 301, [101], (9, 2)), ("decode", 302, [102], (9, 3))]
+    assert generate(_FakeStepper(), [1, 2], 9, Sampling(), 2, eos=()) == [100, 101]
+    with pytest.raises(StepError, match="context limit"):
+        generate(_FakeStepper(), list(range(500)), 9, Sampling(), 13, eos=())
+    assert histogram_chunks([1, 2, 3], 2) == [[1, 2], [3, -1]]
