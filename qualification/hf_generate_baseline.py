@@ -31,7 +31,16 @@ def main() -> int:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).to(dev).eval()
     if args.compile:
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        # reduce-overhead replays CUDA graphs whose outputs the next replay overwrites; the static
+        # cache's counters are such outputs, so each forward starts a new cudagraph step (without
+        # this, transformers 5.17 failed on the H200: "cumulative_length ... overwritten").
+        compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+
+        def forward(*a, **k):  # type: ignore[no-untyped-def]
+            torch.compiler.cudagraph_mark_step_begin()
+            return compiled(*a, **k)
+
+        model.forward = forward
     ids = torch.randint(0, model.config.vocab_size, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
     ids = ids.to(dev)
     kw = {"do_sample": False, "cache_implementation": "static", "pad_token_id": 0}
