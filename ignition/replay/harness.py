@@ -9,6 +9,7 @@ the Python floor the native loop is compared with.
 
 from __future__ import annotations
 
+import ctypes as C
 import json
 import math
 import statistics
@@ -45,10 +46,8 @@ class CoreReplay:
         self.largest_chunk = self.prefill[-1].token_capacity
 
     # -- one step --------------------------------------------------------------------------------
-    def _step(self, g: GraphInfo, values: dict[str, list[Any]], pad: dict[str, Any] | None = None) -> list[list[int]]:
-        import ctypes as C
-
-        pack_graph(self.core, g, values, self.mirror, pad)
+    def _step(self, g: GraphInfo, values: dict[str, list[Any]]) -> list[list[int]]:
+        pack_graph(self.core, g, values, self.mirror)
         C.memmove(self.host, bytes(self.mirror), len(self.mirror))
         self.dev.write_async(self.staging_addr, self.host, len(self.mirror))
         rec = g.outputs.get("completion_records")
