@@ -93,7 +93,6 @@ class DeviceCore:
         self.core = core
         self.lib = _driver()
         self.report = LoadReport()
-        self._keep: list[Any] = []
         self.modules: list[int] = []
         self.execs: dict[int, int] = {}
         self.graph_handles: list[int] = []

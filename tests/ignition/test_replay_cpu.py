@@ -164,3 +164,128 @@ def test_generate_drives_admission_chunks_and_decode_like_the_executor() -> None
     with pytest.raises(StepError, match="context limit"):
         generate(_FakeStepper(), list(range(500)), 9, Sampling(), 13, eos=())
     assert histogram_chunks([1, 2, 3], 2) == [[1, 2], [3, -1]]
+
+
+class _FakeDriver:
+    """Stands in for libcuda: answers every call with CUDA_SUCCESS, fills the out-parameters the
+    loader reads and records what it was asked (the device half is qualified on the GPU)."""
+
+    RELOCATED_BASE = 0x5000_0000_0000
+
+    def __init__(self) -> None:
+        import ctypes as C
+
+        self.C = C
+        self.calls: list[tuple] = []
+        self.next_handle = 0x1000
+        self.nodes: dict[int, tuple] = {}
+        self.host: list[object] = []
+
+    def _handle(self) -> int:
+        self.next_handle += 1
+        return self.next_handle
+
+    def _out(self, ref, value) -> None:  # type: ignore[no-untyped-def]
+        ref._obj.value = value
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        C = self.C
+
+        def call(*args):  # type: ignore[no-untyped-def]
+            self.calls.append((name, args))
+            if name == "cuMemGetAllocationGranularity":
+                self._out(args[0], 2 << 20)
+            elif name == "cuMemAddressReserve":
+                self._out(args[0], args[3].value or self.RELOCATED_BASE)
+            elif name in ("cuDeviceGet",):
+                self._out(args[0], 0)
+            elif name in ("cuDevicePrimaryCtxRetain", "cuStreamCreate", "cuMemCreate", "cuModuleLoadData",
+                          "cuModuleGetFunction", "cuGraphCreate", "cuEventCreate", "cuGraphInstantiateWithFlags"):  # fmt: skip
+                self._out(args[0], self._handle())
+            elif name == "cuMemAllocHost_v2":
+                buf = C.create_string_buffer(args[1].value)
+                self.host.append(buf)
+                self._out(args[0], C.addressof(buf))
+            elif name.startswith("cuGraphAdd"):
+                h = self._handle()
+                self._out(args[0], h)
+                deps = [int(args[2][i] or 0) for i in range(args[3].value)]
+                info: tuple = (name, deps)
+                if name == "cuGraphAddKernelNode_v2":
+                    p = args[4]._obj
+                    extra = (C.c_void_p * 5).from_address(p.extra)
+                    size = C.c_size_t.from_address(extra[3]).value
+                    info += (p.func, C.string_at(extra[1], size))
+                self.nodes[h] = info
+            return 0
+
+        return call
+
+
+def test_the_loader_rebuilds_every_graph_relocated(core: CoreFiles, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ignition.replay.cuda as cuda
+
+    fake = _FakeDriver()
+    monkeypatch.setattr(cuda, "_driver", lambda: fake)
+    dev = cuda.DeviceCore(core, relocate=True)
+    assert dev.base == fake.RELOCATED_BASE and not dev.report.fixed_address_honoured
+    names = [c[0] for c in fake.calls]
+    # Whole-GiB reservation without a hint, then one physical allocation mapped over the arena.
+    reserve = next(c for c in fake.calls if c[0] == "cuMemAddressReserve")
+    assert reserve[1][1].value % (1 << 30) == 0 and reserve[1][3].value == 0
+    assert names.index("cuMemMap") < names.index("cuMemcpyHtoD_v2")
+    # Every safetensors payload lands at base + its buffer offset, with its bytes.
+    uploads = {c[1][0].value: c[1][2].value for c in fake.calls if c[0] == "cuMemcpyHtoD_v2"}
+    for b in core.m.buffers:
+        if b.WhichOneof("payload") == "safetensors":
+            assert uploads[dev.base + b.offset] == len(core.payload(b))
+    fills = {c[1][0].value for c in fake.calls if c[0] == "cuMemsetD8_v2"}
+    assert all(dev.base + b.offset in fills for b in core.m.buffers if b.WhichOneof("payload") == "zero_fill")
+    # Each kernel by its recorded function name; every graph instantiated and uploaded.
+    loaded = [c[1][2] for c in fake.calls if c[0] == "cuModuleGetFunction"]
+    assert loaded == [k.function_name.encode() for k in core.m.kernels]
+    assert names.count("cuGraphInstantiateWithFlags") == names.count("cuGraphUpload") == len(core.graphs)
+    # Nodes: dependencies are exactly the recorded edges, parameters relocated to the new base.
+    kernel_nodes = [v for v in fake.nodes.values() if v[0] == "cuGraphAddKernelNode_v2"]
+    assert len(kernel_nodes) == sum(1 for g in core.graphs for n in g.message.nodes if n.WhichOneof("op") == "kernel")
+    expected = {core.kernel_params(n, dev.base) for g in core.graphs for n in g.message.nodes if n.WhichOneof("op") == "kernel"}
+    assert {v[3] for v in kernel_nodes} == expected
+    assert sum(len(v[1]) for v in fake.nodes.values()) == sum(len(g.message.edges) for g in core.graphs)
+    assert dev.report.relocated_words == sum(len(n.kernel.relocations) for g in core.graphs for n in g.message.nodes
+                                             if n.WhichOneof("op") == "kernel")  # fmt: skip
+    start = len(fake.calls)
+    dev.close()
+    # Teardown drains first, then graphs, modules and memory, and releases the context last.
+    down = [c[0] for c in fake.calls[start:]]
+    order = ["cuStreamSynchronize", "cuGraphExecDestroy", "cuGraphDestroy", "cuModuleUnload", "cuMemUnmap",
+             "cuMemRelease", "cuMemAddressFree", "cuDevicePrimaryCtxRelease_v2"]  # fmt: skip
+    assert [down.index(n) for n in order] == sorted(down.index(n) for n in order), down
+
+
+def test_a_step_uploads_the_packed_mirror_and_rejects_an_unsampled_record(
+    core: CoreFiles, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ctypes as C
+
+    import ignition.replay.cuda as cuda
+    from ignition.core.stepping import StepError, sampled_token
+    from ignition.replay.harness import CoreReplay
+
+    fake = _FakeDriver()
+    monkeypatch.setattr(cuda, "_driver", lambda: fake)
+    dev = cuda.DeviceCore(core)
+    assert dev.base == core.m.arena.base_address  # the recorded base was asked for and given
+    rep = CoreReplay(core, dev)
+    # The fake device writes no record, so the step's record has no sampled flag: a typed error.
+    records = rep.decode_step([Row(1, [4, 2], 70, [7], (3, 1))])
+    with pytest.raises(StepError, match="did not sample"):
+        sampled_token(records[0], rep.header_words)
+    upload = [c for c in fake.calls if c[0] == "cuMemcpyHtoDAsync_v2"][-1][1]
+    assert upload[0].value == dev.base + core.buffers[core.staging].offset
+    assert C.string_at(upload[1].value, upload[2].value) == bytes(rep.mirror)
+    g = rep.decode_graph(1)
+    table = g.inputs["page_table"]
+    assert struct.unpack_from(f"<{table.count}i", rep.mirror, table.offset)[:3] == (4, 2, -1)
+    launch = [c for c in fake.calls if c[0] == "cuGraphLaunch"][-1][1]
+    assert launch[0].value == dev.execs[g.id]
+    dev.close()
