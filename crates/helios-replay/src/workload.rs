@@ -6,7 +6,7 @@ use helios_cache::PrefixIdentity;
 use helios_contract::model::{CacheScheme, Capacities};
 use helios_scheduler::{FinishReason, FinishedRequest, RequestId, RequestSpec, Scheduler, SchedulerConfig};
 
-use crate::{ExecutorError, SimulatedExecutor, turn};
+use crate::{Executor, ExecutorError, SimulatedExecutor, turn};
 
 /// One workload event.
 #[derive(Clone, Debug)]
@@ -41,15 +41,34 @@ fn tokens(seed: u64, len: usize, vocab: u32) -> Vec<u32> {
 
 /// Output of `spec` run alone on an unlimited pool.
 pub fn run_alone(scheme: &CacheScheme, capacities: &Capacities, spec: &RequestSpec) -> Vec<u32> {
+    let caps = solo_capacities(scheme, capacities);
+    let mut executor = SimulatedExecutor::new(scheme, &caps);
+    run_alone_on(&mut executor, scheme, capacities, spec).expect("oracle executes")
+}
+
+/// One slot, no snapshots, pages for one request: nothing cached, nothing shared.
+fn solo_capacities(scheme: &CacheScheme, capacities: &Capacities) -> Capacities {
     let mut caps = capacities.clone();
     caps.request_slots = 1;
     caps.snapshot_rows = 0;
-    caps.max_kv_pages = caps.pages_per_request(scheme.page_tokens) as u32 + 2;
-    let mut scheduler = Scheduler::new(scheme.clone(), caps.clone(), test_config(1)).expect("oracle config");
-    let mut executor = SimulatedExecutor::new(scheme, &caps);
-    scheduler.submit(spec.clone()).expect("oracle admits");
-    while turn(&mut scheduler, &mut executor).expect("oracle executes") {}
-    scheduler.take_finished().pop().expect("oracle finishes").output
+    caps.max_kv_pages = (caps.pages_per_request(scheme.page_tokens) as u32 + 2).min(capacities.max_kv_pages);
+    caps
+}
+
+/// Output of `spec` run alone through `executor` (a fresh scheduler over a solo pool: one slot,
+/// no snapshots). The executor's storage needs no reset: admission initializes the row and the
+/// request writes every KV position before reading it.
+pub fn run_alone_on<E: Executor>(
+    executor: &mut E,
+    scheme: &CacheScheme,
+    capacities: &Capacities,
+    spec: &RequestSpec,
+) -> Result<Vec<u32>, ExecutorError> {
+    let caps = solo_capacities(scheme, capacities);
+    let mut scheduler = Scheduler::new(scheme.clone(), caps, test_config(1)).expect("solo config");
+    scheduler.submit(spec.clone()).expect("solo admits");
+    while turn(&mut scheduler, executor)? {}
+    Ok(scheduler.take_finished().pop().expect("solo finishes").output)
 }
 
 /// Result of a workload run.
@@ -72,9 +91,22 @@ pub fn run_workload(
     completion_lag: usize,
     actions: &[Action],
 ) -> Result<WorkloadReport, ExecutorError> {
+    let mut executor = SimulatedExecutor::with_completion_lag(scheme, capacities, completion_lag);
+    run_workload_on(&mut executor, scheme, capacities, max_concurrency, eos_tokens, actions)
+}
+
+/// [`run_workload`] through any executor (a device one included) whose storage holds at least
+/// `capacities`.
+pub fn run_workload_on<E: Executor>(
+    executor: &mut E,
+    scheme: &CacheScheme,
+    capacities: &Capacities,
+    max_concurrency: u32,
+    eos_tokens: &[u32],
+    actions: &[Action],
+) -> Result<WorkloadReport, ExecutorError> {
     let mut scheduler =
         Scheduler::new(scheme.clone(), capacities.clone(), test_config(max_concurrency)).expect("test config");
-    let mut executor = SimulatedExecutor::with_completion_lag(scheme, capacities, completion_lag);
     let mut conversations: Vec<Conversation> = Vec::new();
     let mut specs: HashMap<RequestId, (usize, RequestSpec)> = HashMap::new();
     let mut report = WorkloadReport::default();
@@ -170,7 +202,7 @@ pub fn run_workload(
             }
             Action::Run { turns } => {
                 for _ in 0..turns {
-                    turn(&mut scheduler, &mut executor)?;
+                    turn(&mut scheduler, executor)?;
                     report.turns += 1;
                     scheduler.check_invariants();
                     collect(&mut scheduler, &mut conversations, &mut specs, &mut report);
@@ -181,7 +213,7 @@ pub fn run_workload(
     }
     let mut idle_turns = 0;
     while !scheduler.is_idle() {
-        if turn(&mut scheduler, &mut executor)? {
+        if turn(&mut scheduler, executor)? {
             idle_turns = 0;
         } else {
             idle_turns += 1;

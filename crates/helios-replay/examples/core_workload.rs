@@ -1,0 +1,126 @@
+//! The lifecycle scenarios on a real core: an agent-like workload (conversations with message
+//! endpoints, appended turns, branches from endpoints, a cancel, page pressure with preemption)
+//! runs through `GraphExecutor<DeviceCore>` with the real scheduler, then every request is run
+//! again alone on the same device (one slot, nothing cached) and the tokens are compared.
+//!
+//! `core_workload CORE [--pages N] [--relocate]`: `--pages` caps the scheduler's page pool below
+//! the core's (pressure, preemption). Prints JSON; exits 1 on an error.
+//!
+//! Identical tokens are expected where the plan is deterministic; a prefix hit or a different
+//! chunking recomputes nothing bitwise-shared, so a near-tie may legitimately sample otherwise:
+//! the report lists where each differing request first diverged.
+#![allow(clippy::print_stdout)]
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use helios_contract::RuntimeCore;
+use helios_replay::cuda::{DeviceCore, LoadOptions};
+use helios_replay::graph::GraphExecutor;
+use helios_replay::workload::{Action, run_alone_on, run_workload_on};
+use helios_scheduler::FinishReason;
+use serde_json::json;
+
+fn actions() -> Vec<Action> {
+    let mut a = Vec::new();
+    for seed in 0..6u64 {
+        a.push(Action::Start { messages: 3, message_len: 90, max_output: 24, seed });
+        a.push(Action::Run { turns: 3 });
+    }
+    a.push(Action::Cancel { index: 1 });
+    a.push(Action::Run { turns: 40 });
+    for c in 0..6u8 {
+        a.push(Action::Append { conversation: c, len: 40, max_output: 16 });
+        a.push(Action::Branch { conversation: c, cut: 1, len: 30, max_output: 16 });
+        a.push(Action::Run { turns: 6 });
+    }
+    a.push(Action::Run { turns: 200 });
+    for c in 0..4u8 {
+        a.push(Action::Append { conversation: c + 6, len: 25, max_output: 12 });
+    }
+    a
+}
+
+fn run(core: &str, pages: Option<u32>, relocate: bool) -> Result<serde_json::Value, String> {
+    let core = RuntimeCore::open(core).map_err(|e| e.to_string())?;
+    let t0 = Instant::now();
+    let dev = DeviceCore::load(&core, &LoadOptions { device_ordinal: 0, reserve_bytes: 0, force_relocation: relocate })
+        .map_err(|e| e.to_string())?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let m = dev.manifest().clone();
+    let mut caps = m.capacities.clone();
+    if let Some(p) = pages {
+        caps.max_kv_pages = p.min(caps.max_kv_pages);
+    }
+    let scheme = m.cache_scheme.clone();
+    let eos = m.frontend.eos_token_ids.clone();
+    let mut executor = GraphExecutor::new(&m, dev).map_err(|e| e.to_string())?;
+    let slots = caps.request_slots.max(1);
+    let t1 = Instant::now();
+    let report = run_workload_on(&mut executor, &scheme, &caps, slots, &eos, &actions()).map_err(|e| e.to_string())?;
+    let workload_s = t1.elapsed().as_secs_f64();
+    let mut identical = 0usize;
+    let mut compared = 0usize;
+    let mut differing = Vec::new();
+    for (spec, done) in &report.finished {
+        let alone = run_alone_on(&mut executor, &scheme, &caps, spec).map_err(|e| e.to_string())?;
+        let partial = matches!(done.reason, FinishReason::Cancelled | FinishReason::PoolExhausted);
+        let same = if partial { alone.starts_with(&done.output) } else { alone == done.output };
+        compared += 1;
+        if same {
+            identical += 1;
+        } else {
+            let at =
+                done.output.iter().zip(&alone).position(|(a, b)| a != b).unwrap_or(done.output.len().min(alone.len()));
+            differing.push(json!({"prompt_tokens": spec.tokens.len(), "cached_tokens": done.cached_tokens,
+                                  "reason": format!("{:?}", done.reason), "first_difference": at,
+                                  "tokens": done.output.len(), "alone_tokens": alone.len()}));
+        }
+    }
+    Ok(json!({
+        "load_s": load_s, "workload_s": workload_s, "requests": report.finished.len(), "turns": report.turns,
+        "preemptions": report.preemptions, "captures": report.captures, "evictions": report.evictions,
+        "prefix_hit_tokens": report.finished.iter().map(|(_, d)| u64::from(d.cached_tokens)).sum::<u64>(),
+        "cancelled": report.finished.iter().filter(|(_, d)| d.reason == FinishReason::Cancelled).count(),
+        "compared": compared, "identical_to_solo_run": identical, "differing": differing,
+        "pages": caps.max_kv_pages, "relocated": relocate,
+    }))
+}
+
+fn main() -> ExitCode {
+    let mut core = None;
+    let mut pages = None;
+    let mut relocate = false;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--pages" => match args.next().and_then(|n| n.parse().ok()) {
+                Some(n) => pages = Some(n),
+                None => {
+                    eprintln!("--pages needs a number");
+                    return ExitCode::FAILURE;
+                }
+            },
+            "--relocate" => relocate = true,
+            _ if core.is_none() && !a.starts_with("--") => core = Some(a),
+            other => {
+                eprintln!("unknown argument {other}; usage: core_workload CORE [--pages N] [--relocate]");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    let Some(core) = core else {
+        eprintln!("usage: core_workload CORE [--pages N] [--relocate]");
+        return ExitCode::FAILURE;
+    };
+    match run(&core, pages, relocate) {
+        Ok(report) => {
+            println!("{report}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("core_workload: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
