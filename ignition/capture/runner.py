@@ -13,7 +13,7 @@ import torch
 
 from ignition.capture.paged import HEADER_WORDS
 from ignition.capture.program import GraphSpec, Program
-from ignition.core.stepping import PAD, Row, Sampling, histogram_chunks
+from ignition.core.stepping import PAD, Row, Sampling, histogram_chunks, smallest_holding
 from ignition.core.stepping import generate as _generate
 from ignition.core.stepping import pack_rows as _pack
 
@@ -84,16 +84,10 @@ class GraphRunner:
             _sync(self.p)
 
     def prefill_graph(self, tokens: int) -> GraphSpec:
-        for g in self.prefill:
-            if g.token_capacity >= tokens:
-                return g
-        raise ValueError(f"no prefill graph holds {tokens} tokens")
+        return smallest_holding(self.prefill, lambda g: g.token_capacity, tokens, "prefill")
 
     def decode_graph(self, rows: int) -> GraphSpec:
-        for g in self.decode:
-            if g.request_count >= rows:
-                return g
-        raise ValueError(f"no decode graph holds {rows} rows")
+        return smallest_holding(self.decode, lambda g: g.request_count, rows, "decode")
 
     # -- the Stepper protocol (ignition.core.stepping) ---------------------------------------
     def prefill_step(self, rows: list[Row]) -> list[list[int]]:

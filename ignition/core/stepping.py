@@ -103,6 +103,14 @@ class Stepper(Protocol):
         ...
 
 
+def smallest_holding(graphs: list[Any], size: Any, need: int, what: str) -> Any:
+    """The first of `graphs` (ascending by `size`) whose `size(g)` holds `need`."""
+    for g in graphs:
+        if size(g) >= need:
+            return g
+    raise StepError(f"no {what} graph holds {need} (capacities {[size(g) for g in graphs]})")
+
+
 def histogram_chunks(tokens: list[int], capacity: int) -> list[list[int]]:
     """The prompt in `admit_histogram` chunks, as the executor admits it: -1 pads the last."""
     out = []

@@ -18,7 +18,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ignition.core.stepping import Row, Sampling, StepError, admit, generate, histogram_chunks, pack_rows, sampled_token
+from ignition.core.stepping import (
+    Row, Sampling, StepError, admit, generate, histogram_chunks, pack_rows, sampled_token, smallest_holding,
+)
 from ignition.replay.core import CoreFiles, CoreReadError, GraphInfo, pack_graph
 from ignition.replay.cuda import DeviceCore
 
@@ -78,16 +80,10 @@ class CoreReplay:
                        "expected_consumed": [-1]})  # fmt: skip
 
     def prefill_graph(self, tokens: int) -> GraphInfo:
-        for g in self.prefill:
-            if g.token_capacity >= tokens:
-                return g
-        raise ReplayError(f"no prefill graph holds {tokens} tokens")
+        return smallest_holding(self.prefill, lambda g: g.token_capacity, tokens, "prefill")
 
     def decode_graph(self, rows: int) -> GraphInfo:
-        for g in self.decode:
-            if g.request_count >= rows:
-                return g
-        raise ReplayError(f"no decode graph holds {rows} rows (buckets {[g.request_count for g in self.decode]})")
+        return smallest_holding(self.decode, lambda g: g.request_count, rows, "decode")
 
     def pages_for(self, request: int, tokens: int) -> list[int]:
         """Disjoint pages for request index `request` (0-based), enough for `tokens`."""

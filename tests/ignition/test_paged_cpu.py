@@ -437,10 +437,9 @@ def test_admission_counts_the_prompt_once_and_sampling_adds_to_it(tmp_path: Path
     assert prog.hist[0].sum() == 0 and torch.equal(prog.hist[3], want)
 
 
-def test_triton_kernels_match_the_reference_under_the_interpreter() -> None:
-    """The paged-attention and KV-write kernels (what the GPU graphs run) against the gather
-    reference, on CPU through Triton's interpreter, in a fresh process (the interpreter switch is
-    read when kernels are defined)."""
+def _interpreted(script: str, timeout: int) -> dict:  # type: ignore[type-arg]
+    """Runs tests/ignition/scripts/SCRIPT under Triton's CPU interpreter in a fresh process (the
+    interpreter switch is read when kernels are defined); returns its last JSON line."""
     require_torch()
     import os
     import subprocess
@@ -449,10 +448,16 @@ def test_triton_kernels_match_the_reference_under_the_interpreter() -> None:
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    p = subprocess.run([sys.executable, str(Path(__file__).parent / "scripts" / "triton_kernels_interpreted.py")],
-                       env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    p = subprocess.run([sys.executable, str(Path(__file__).parent / "scripts" / script)], env=env,
+                       capture_output=True, text=True, timeout=timeout)  # fmt: skip
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
-    report = json.loads(p.stdout.strip().splitlines()[-1])
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_triton_kernels_match_the_reference_under_the_interpreter() -> None:
+    """The paged-attention and KV-write kernels (what the GPU graphs run) against the gather
+    reference, on CPU through Triton's interpreter."""
+    report = _interpreted("triton_kernels_interpreted.py", 300)
     assert report["kv_write_exact"] and report["attention_max_abs_err"] < 1e-5, report
 
 
@@ -460,16 +465,5 @@ def test_write_attend_compiles_without_copying_the_cache() -> None:
     """`flare::write_attend` inside a compiled layer loop (CPU, Triton's interpreter): the cache is
     written in place, nothing reorders the write and the read, and Inductor allocates no
     KV-shaped buffer (the op declares no mutation so that the cache is never functionalized)."""
-    require_torch()
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    p = subprocess.run([sys.executable, str(Path(__file__).parent / "scripts" / "write_attend_compiled.py")],
-                       env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
-    report = json.loads(p.stdout.strip().splitlines()[-1])
+    report = _interpreted("write_attend_compiled.py", 600)
     assert report["kv_shaped_buffers"] == 0 and report["compiled_untouched_kv_bitwise_equal"], report
