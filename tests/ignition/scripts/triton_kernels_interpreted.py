@@ -23,8 +23,9 @@ pos = torch.tensor([0, 70, 5, 130, 255, 64]).int()
 st = kv.stride()
 scale = d**-0.5
 ref = attend_gather(q, kv, 1, tables.long().clamp(min=0), req, pos, scale).view(n, h, d)
-# One page group per program (4 groups for these 4-page tables), two, and all four together.
-attn_err = max((_launch_attention(q, kv, tables, req, pos, 1, scale, pps) - ref).abs().max().item() for pps in (1, 2, 4))
+# One page group per program (4 groups for these 4-page tables), two, three (a partial last
+# group) and all four together.
+attn_err = max((_launch_attention(q, kv, tables, req, pos, 1, scale, pps) - ref).abs().max().item() for pps in (1, 2, 3, 4))
 k = torch.randn(3, kvh, d, generator=g)
 v = torch.randn(3, kvh, d, generator=g)
 slots = torch.tensor([5, -1, 3 * t + 9]).long()
