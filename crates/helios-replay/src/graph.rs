@@ -34,6 +34,10 @@ pub trait GraphBackend {
     fn device_memory_growth_bytes(&mut self) -> Option<i64> {
         None
     }
+    /// See [`Executor::kv_pages`].
+    fn kv_pages(&self) -> Option<u32> {
+        None
+    }
 }
 
 /// Replays steps through a backend. Each step completes when `submit` returns.
@@ -324,6 +328,10 @@ impl<B: GraphBackend> Executor for GraphExecutor<B> {
 
     fn device_memory_growth_bytes(&mut self) -> Option<i64> {
         self.backend.device_memory_growth_bytes()
+    }
+
+    fn kv_pages(&self) -> Option<u32> {
+        self.backend.kv_pages()
     }
 }
 

@@ -14,6 +14,7 @@ use helios_scheduler::{Completion, ConsumeRow, RequestId, SampleSpec, SampledTok
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod graph;
+pub mod memory;
 pub mod workload;
 
 /// Request-level sampling controls, packed beside the step for the device sampler.
@@ -71,6 +72,12 @@ pub trait Executor {
     /// other than 0 means memory was allocated after readiness (by us or by another process on
     /// the device). `None` where there is no device.
     fn device_memory_growth_bytes(&mut self) -> Option<i64> {
+        None
+    }
+    /// KV pages the executor's storage backs, when fewer than the core prepared (the load-time
+    /// memory plan cut them to fit the device): the scheduler's page pool must not exceed it.
+    /// `None`: every prepared page is backed.
+    fn kv_pages(&self) -> Option<u32> {
         None
     }
 }

@@ -155,6 +155,7 @@ impl Engine {
         };
         let scheduler = Scheduler::new(manifest.cache_scheme.clone(), manifest.capacities.clone(), config)?;
         let vocab = manifest.capacities.vocab_size;
+        let (scheme, capacities) = (manifest.cache_scheme.clone(), manifest.capacities.clone());
         let (tx, rx) = channel();
         let health = Arc::new(HealthState::default());
         let metrics = Arc::new(Metrics::default());
@@ -171,6 +172,22 @@ impl Engine {
                             health.fail(e.to_string());
                             let _ = ready_tx.send(Err(e.to_string()));
                             return;
+                        }
+                    };
+                    // The load-time memory plan may have backed fewer KV pages than prepared:
+                    // the page pool is what the device holds, never more.
+                    let scheduler = match executor.kv_pages().filter(|&p| p < capacities.max_kv_pages) {
+                        None => scheduler,
+                        Some(pages) => {
+                            let caps = helios_contract::model::Capacities { max_kv_pages: pages, ..capacities };
+                            match Scheduler::new(scheme, caps, config) {
+                                Ok(s) => s,
+                                Err(e) => {
+                                    health.fail(e.to_string());
+                                    let _ = ready_tx.send(Err(e.to_string()));
+                                    return;
+                                }
+                            }
                         }
                     };
                     health.status.store(READY, Ordering::Release);

@@ -232,3 +232,40 @@ async fn device_memory_growth_after_readiness_is_exposed() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// An executor whose device backed only part of the prepared KV pages (the load-time plan).
+struct CutPages {
+    inner: SimulatedExecutor,
+    pages: u32,
+}
+
+impl Executor for CutPages {
+    fn submit(&mut self, step: &Step, inputs: &StepInputs) -> Result<(), ExecutorError> {
+        self.inner.submit(step, inputs)
+    }
+    fn poll(&mut self) -> Vec<Completion> {
+        self.inner.poll()
+    }
+    fn synchronize(&mut self) -> Vec<Completion> {
+        self.inner.synchronize()
+    }
+    fn kv_pages(&self) -> Option<u32> {
+        Some(self.pages)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_page_pool_is_what_the_executor_backed() {
+    let m = manifest();
+    let (scheme, caps) = (m.cache_scheme.clone(), m.capacities.clone());
+    let engine = Engine::start(&m, frontend(&m), EngineOptions::default(), move || {
+        Ok(CutPages { inner: SimulatedExecutor::new(&scheme, &caps), pages: 100 })
+    })
+    .expect("starts");
+    drain(&engine, input("hello", 3)).await.1.expect("finishes");
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !engine.metrics_text().contains("flare_pages_total 100") {
+        assert!(std::time::Instant::now() < deadline, "{}", engine.metrics_text());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
