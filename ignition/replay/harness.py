@@ -112,9 +112,10 @@ class CoreReplay:
         return self.rows_step(self.decode_graph(len(rows)), rows)
 
     def generate(self, prompt: list[int], seed: int, params: Sampling, max_tokens: int,
-                 eos: tuple[int, ...] | None = None) -> list[int]:  # fmt: skip
+                 eos: tuple[int, ...] | None = None, live_row: int = 1) -> list[int]:  # fmt: skip
         """One request alone, exactly as `GraphRunner.generate` (the torch replay) runs it."""
-        return generate(self, prompt, seed, params, max_tokens, self.core.eos_token_ids if eos is None else eos)
+        eos = self.core.eos_token_ids if eos is None else eos
+        return generate(self, prompt, seed, params, max_tokens, eos, live_row)
 
     # -- the floor -------------------------------------------------------------------------------
     def bench_decode(self, rows: int, tokens: int, prompt_len: int = 32) -> dict[str, Any]:
@@ -159,7 +160,7 @@ class CoreReplay:
         for i in range(repeats):
             prompt = [(11 * i + 3 * k) % 1000 + 10 for k in range(cap)]
             pages = self.pages_for(0, cap)
-            self.maintenance("initialize", 1)
+            self.initialize(1)
             t0 = time.perf_counter()
             self.rows_step(g, [Row(1, pages, 0, prompt, None)])
             times.append(time.perf_counter() - t0)
@@ -208,6 +209,18 @@ def run(core_dir: Path, prompts: Path | None, reference: Path | None, out: Path 
             report["generations"] = gens
             if refs is not None:
                 report["identical_to_reference"] = f"{sum(g['identical_to_reference'] for g in gens)}/{len(gens)}"
+            # Again in reverse order on other live rows: the graph families alternate differently
+            # and every request lands in another slot; a request's tokens must not change.
+            slots = core.m.capacities.request_slots
+            again = []
+            for i, p in reversed(list(enumerate(json.loads(prompts.read_text())))):
+                eos = tuple(p["eos"]) if "eos" in p else None
+                row = slots - i % slots
+                toks = replay.generate(p["prompt_ids"], p["seed"], _params(p.get("params", {})), p["max_tokens"],
+                                       eos=eos, live_row=row)  # fmt: skip
+                again.append(toks == gens[i]["tokens"])
+            report["identical_reversed_on_other_rows"] = f"{sum(again)}/{len(again)}"
+            note(f"reversed order on other rows: identical {report['identical_reversed_on_other_rows']}")
         if bench:
             report["decode"] = []
             for g in replay.decode:

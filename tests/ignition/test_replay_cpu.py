@@ -289,3 +289,45 @@ def test_a_step_uploads_the_packed_mirror_and_rejects_an_unsampled_record(
     launch = [c for c in fake.calls if c[0] == "cuGraphLaunch"][-1][1]
     assert launch[0].value == dev.execs[g.id]
     dev.close()
+
+
+def test_run_replays_references_reversed_and_benches_over_the_fake_driver(
+    core: CoreFiles, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import ctypes as C
+    import json
+
+    import ignition.replay.cuda as cuda
+    from ignition.replay.harness import run
+
+    # Every record the "device" returns samples token 5 (flags word 2, token after the header).
+    rec = next(g.outputs["completion_records"] for g in core.graphs if "completion_records" in g.outputs)
+    width, header = rec.shape[-1], core.header_words
+
+    class Sampling5(_FakeDriver):
+        def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+            if name != "cuMemcpyDtoHAsync_v2":
+                return super().__getattr__(name)
+
+            def read(host, src, length, stream):  # type: ignore[no-untyped-def]
+                words = (C.c_int32 * (length.value // 4)).from_address(host.value)
+                for r in range(length.value // 4 // width):
+                    words[r * width + 2], words[r * width + header] = 1, 5
+                return 0
+
+            return read
+
+    monkeypatch.setattr(cuda, "_driver", lambda: Sampling5())
+    # The recorded fixture has no maintenance graphs (a real core's `initialize` clears the row).
+    from ignition.replay.harness import CoreReplay
+
+    monkeypatch.setattr(CoreReplay, "initialize", lambda self, live_row: None)
+    refs = [{"prompt_ids": [3, 4, 5], "seed": 1, "max_tokens": 3, "params": {"temperature": 0.7}, "tokens": [5, 5, 5]},
+            {"prompt_ids": list(range(10, 150)), "seed": 2, "max_tokens": 2, "tokens": [5, 6]}]  # fmt: skip
+    (tmp_path / "refs.json").write_text(json.dumps(refs))
+    out = tmp_path / "report.json"
+    report = run(core.root, None, tmp_path / "refs.json", out, True, False, 4, lambda _m: None)
+    assert report["identical_to_reference"] == "1/2"  # the second reference was made up to differ
+    assert report["identical_reversed_on_other_rows"] == "2/2"
+    assert [d["rows"] for d in report["decode"]] == [1, 2] and report["prefill"]["tokens"] == 128
+    assert json.loads(out.read_text())["steps"] == report["steps"] > 0
