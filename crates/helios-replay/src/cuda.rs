@@ -2,8 +2,9 @@
 //! nothing here needs CUDA to build).
 //!
 //! [`DeviceCore::load`] reserves the core's arena at its recorded base address (falling
-//! back to another address and patching every recorded relocation), maps physical memory,
-//! uploads payloads, loads each kernel from its exact recorded image, rebuilds every graph
+//! back to another address and patching every recorded relocation), maps physical memory as the
+//! load-time plan says ([`crate::memory`]: the whole arena, or all of it but a KV-page tail when
+//! free memory is short, serving fewer pages), uploads payloads, loads each kernel from its exact recorded image, rebuilds every graph
 //! node by node (kernel, memcpy, memset, empty, event record/wait) with its launch
 //! attributes, instantiates and uploads them. After `load` returns, replay allocates
 //! nothing.
