@@ -17,29 +17,9 @@ use std::time::Instant;
 use helios_contract::RuntimeCore;
 use helios_replay::cuda::{DeviceCore, LoadOptions};
 use helios_replay::graph::GraphExecutor;
-use helios_replay::workload::{Action, run_alone_on, run_workload_on};
+use helios_replay::workload::{device_scenario, run_alone_on, run_workload_on};
 use helios_scheduler::FinishReason;
 use serde_json::json;
-
-fn actions() -> Vec<Action> {
-    let mut a = Vec::new();
-    for seed in 0..6u64 {
-        a.push(Action::Start { messages: 3, message_len: 90, max_output: 24, seed });
-        a.push(Action::Run { turns: 3 });
-    }
-    a.push(Action::Cancel { index: 1 });
-    a.push(Action::Run { turns: 40 });
-    for c in 0..6u8 {
-        a.push(Action::Append { conversation: c, len: 40, max_output: 16 });
-        a.push(Action::Branch { conversation: c, cut: 1, len: 30, max_output: 16 });
-        a.push(Action::Run { turns: 6 });
-    }
-    a.push(Action::Run { turns: 200 });
-    for c in 0..4u8 {
-        a.push(Action::Append { conversation: c + 6, len: 25, max_output: 12 });
-    }
-    a
-}
 
 fn run(core: &str, pages: Option<u32>, relocate: bool) -> Result<serde_json::Value, String> {
     let core = RuntimeCore::open(core).map_err(|e| e.to_string())?;
@@ -57,7 +37,8 @@ fn run(core: &str, pages: Option<u32>, relocate: bool) -> Result<serde_json::Val
     let mut executor = GraphExecutor::new(&m, dev).map_err(|e| e.to_string())?;
     let slots = caps.request_slots.max(1);
     let t1 = Instant::now();
-    let report = run_workload_on(&mut executor, &scheme, &caps, slots, &eos, &actions()).map_err(|e| e.to_string())?;
+    let report =
+        run_workload_on(&mut executor, &scheme, &caps, slots, &eos, &device_scenario()).map_err(|e| e.to_string())?;
     let workload_s = t1.elapsed().as_secs_f64();
     let mut identical = 0usize;
     let mut compared = 0usize;

@@ -30,6 +30,29 @@ struct Conversation {
     in_flight: Option<RequestId>,
 }
 
+/// The lifecycle scenario replayed on a device (`examples/core_workload`) and on the CPU
+/// emulation of the fixture core: six three-message conversations, a cancel, appended turns
+/// and branches from message endpoints while others decode, then more appends.
+pub fn device_scenario() -> Vec<Action> {
+    let mut a = Vec::new();
+    for seed in 0..6u64 {
+        a.push(Action::Start { messages: 3, message_len: 90, max_output: 24, seed });
+        a.push(Action::Run { turns: 3 });
+    }
+    a.push(Action::Cancel { index: 1 });
+    a.push(Action::Run { turns: 40 });
+    for c in 0..6u8 {
+        a.push(Action::Append { conversation: c, len: 40, max_output: 16 });
+        a.push(Action::Branch { conversation: c, cut: 1, len: 30, max_output: 16 });
+        a.push(Action::Run { turns: 6 });
+    }
+    a.push(Action::Run { turns: 200 });
+    for c in 0..4u8 {
+        a.push(Action::Append { conversation: c + 6, len: 25, max_output: 12 });
+    }
+    a
+}
+
 /// Config for tests.
 pub fn test_config(max_concurrency: u32) -> SchedulerConfig {
     SchedulerConfig { max_concurrency, queue_limit: 64, identity: PrefixIdentity { model: 1, token_layout: 1 } }

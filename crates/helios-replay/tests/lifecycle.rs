@@ -299,3 +299,28 @@ fn a_shared_prefix_survives_page_pressure_when_rows_match_pages() {
         assert!(hit >= 3 * boundary as u64, "page tokens {pt}: the shared system prefix was lost ({hit} hit tokens)");
     }
 }
+
+/// The device lifecycle scenario (what `examples/core_workload` runs on a real core), on the
+/// simulated executor: every request matches its solo run on the *same* executor, so a solo
+/// run needs no storage reset (admission initializes the row; every KV position is written
+/// before it is read), and the run exercised captures, prefix hits, a cancel and page pressure.
+#[test]
+fn the_device_scenario_matches_solo_runs_on_the_same_executor() {
+    use helios_replay::workload::{device_scenario, run_alone_on, run_workload_on};
+
+    for scheme in reference_schemes() {
+        let caps = test_capacities(4, 24, 24);
+        let mut executor = SimulatedExecutor::new(&scheme, &caps);
+        let report = run_workload_on(&mut executor, &scheme, &caps, 4, &[], &device_scenario()).unwrap();
+        assert!(report.finished.len() >= 12 && report.captures > 0 && report.evictions > 0, "{report:?}");
+        assert!(report.finished.iter().any(|(_, d)| d.cached_tokens > 0), "no prefix hit");
+        assert!(report.finished.iter().any(|(_, d)| d.reason == FinishReason::Cancelled), "no cancel");
+        for (spec, done) in &report.finished {
+            let alone = run_alone_on(&mut executor, &scheme, &caps, spec).unwrap();
+            match done.reason {
+                FinishReason::Cancelled | FinishReason::PoolExhausted => assert!(alone.starts_with(&done.output)),
+                _ => assert_eq!(done.output, alone, "{:?} diverged from its solo run", done.id),
+            }
+        }
+    }
+}
