@@ -189,10 +189,12 @@ async fn startup_failure_is_reported() {
     assert!(e.to_string().contains("row 1"), "{e}");
 }
 
-/// An executor that "owns a device" whose memory grew by a fixed amount after readiness.
+/// An executor that "owns a device": its memory grew by `growth` after readiness, and it
+/// backs `pages` KV pages when the load-time plan cut them.
 struct DeviceLike {
     inner: SimulatedExecutor,
     growth: i64,
+    pages: Option<u32>,
 }
 
 impl Executor for DeviceLike {
@@ -208,6 +210,9 @@ impl Executor for DeviceLike {
     fn device_memory_growth_bytes(&mut self) -> Option<i64> {
         Some(self.growth)
     }
+    fn kv_pages(&self) -> Option<u32> {
+        self.pages
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -218,7 +223,7 @@ async fn device_memory_growth_after_readiness_is_exposed() {
     let m = manifest();
     let (scheme, caps) = (m.cache_scheme.clone(), m.capacities.clone());
     let engine = Engine::start(&m, frontend(&m), EngineOptions::default(), move || {
-        Ok(DeviceLike { inner: SimulatedExecutor::new(&scheme, &caps), growth: 2 << 20 })
+        Ok(DeviceLike { inner: SimulatedExecutor::new(&scheme, &caps), growth: 2 << 20, pages: None })
     })
     .expect("starts");
     drain(&engine, input("hello", 3)).await.1.expect("finishes");
@@ -233,33 +238,12 @@ async fn device_memory_growth_after_readiness_is_exposed() {
     }
 }
 
-/// An executor whose device backed only part of the prepared KV pages (the load-time plan).
-struct CutPages {
-    inner: SimulatedExecutor,
-    pages: u32,
-}
-
-impl Executor for CutPages {
-    fn submit(&mut self, step: &Step, inputs: &StepInputs) -> Result<(), ExecutorError> {
-        self.inner.submit(step, inputs)
-    }
-    fn poll(&mut self) -> Vec<Completion> {
-        self.inner.poll()
-    }
-    fn synchronize(&mut self) -> Vec<Completion> {
-        self.inner.synchronize()
-    }
-    fn kv_pages(&self) -> Option<u32> {
-        Some(self.pages)
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_page_pool_is_what_the_executor_backed() {
     let m = manifest();
     let (scheme, caps) = (m.cache_scheme.clone(), m.capacities.clone());
     let engine = Engine::start(&m, frontend(&m), EngineOptions::default(), move || {
-        Ok(CutPages { inner: SimulatedExecutor::new(&scheme, &caps), pages: 100 })
+        Ok(DeviceLike { inner: SimulatedExecutor::new(&scheme, &caps), growth: 0, pages: Some(100) })
     })
     .expect("starts");
     drain(&engine, input("hello", 3)).await.1.expect("finishes");
