@@ -19,7 +19,7 @@ out = {"what": "issues 6/7 on one H200: SmolLM2-135M-Instruct (real weights, fet
                     "bash qualification/gpu_session.sh smol-reprepare OUT  (the prepare report with numerics, warm Inductor cache)",
                     "python3 -m ignition replay /tmp/smolcore --reference ... --relocate",
                     "python3 qualification/kernel_breakdown.py CORE decode_b1 OUT.json",
-                    "python3 qualification/rust_replay_io.py OUT.json  (Rust core_replay over prepare's dumped I/O of every graph)",
+                    "python3 qualification/rust_replay_io.py /tmp/smolcore /tmp/core_replay OUT.json  (Rust core_replay over prepare's dumped I/O of every graph)",
                     "bash qualification/gpu_session.sh hf-baselines OUT"]},
        "raw": str(R),
        "measured_code": "commit dac4417 (graphs, ignition replay) with bbfc817's scripts; flare and core_replay built from it. "

@@ -100,6 +100,7 @@ class DeviceCore:
         self.base = 0
         self._handle = None
         self.stream = vp()
+        self._pinned, self._pinned_len = vp(), 0
         t = time.perf_counter()
         self.call("cuInit", 0)
         dev = C.c_int()
@@ -125,8 +126,6 @@ class DeviceCore:
                 progress(f"graphs {i + 1}/{len(core.graphs)}")
         self.call("cuStreamSynchronize", self.stream)
         self.report.seconds["graphs"] = time.perf_counter() - t
-        self._pinned_len = 0
-        self._pinned = vp()
 
     # -- driver ---------------------------------------------------------------------------------
     def call(self, name: str, *args: Any) -> None:
@@ -327,7 +326,7 @@ class DeviceCore:
             lib.cuMemRelease(self._handle)
             lib.cuMemAddressFree(u64(self.base), sz(self._reserved))
             self._handle = None
-        if getattr(self, "_pinned", None) is not None and self._pinned.value:
+        if self._pinned.value:
             lib.cuMemFreeHost(self._pinned)
             self._pinned = vp()
         if self.stream.value:
