@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         except (CoreReadError, NoDriverError, CudaError, StepError) as e:
             print(f"ignition replay: {e}", file=sys.stderr)
             return 2
-        keys = ("load_s", "identical_to_reference", "identical_reversed_on_other_rows", "steps")
+        keys = ("load_s", "identical_to_reference", "identical_reversed_on_other_rows", "device_fed_identical", "steps")
         print(json.dumps({k: report.get(k) for k in keys}))
         return 0
     print(NOT_YET.format(command=args.command), file=sys.stderr)

@@ -189,7 +189,7 @@ def prepare(model: Path, out: Path, decode_buckets: str = "1,2,4,8", prefill_chu
                                snapshot_rows=caps.snapshot_rows, max_kv_pages=caps.max_kv_pages)  # fmt: skip
     weight_bytes = sum(math.prod(d.shape) * 2 for d in mapping.destinations.values())
     state_bytes = (caps.max_kv_pages + 1) * geo.bytes_per_page + geo.total_rows * geo.hidden * 2 + (
-        1 + geo.request_slots) * geo.vocab * 4
+        1 + geo.request_slots) * (geo.vocab + 1) * 4  # histograms and pending tokens
     pool_bytes = (256 << 20) + caps.prefill_chunks[-1] * (geo.ffn * 2 + geo.vocab) * 4 * 4
     # One pool per graph: decode buckets, prefill chunks, resume and four maintenance graphs.
     arena_bytes = weight_bytes + state_bytes + pool_bytes * (len(caps.decode_buckets) + len(caps.prefill_chunks) + 5)
@@ -279,13 +279,17 @@ def _check(rec: Any, model: Path, core: Path, work: Path, core_replay: Path | No
         torch.cuda.empty_cache()
     if reference_prompts is not None:
         with phase("reference generations through the torch replay"):
-            gens = []
+            gens, fed = [], []
             for p in json.loads(reference_prompts.read_text()):
                 s = Sampling(**p.get("params", {}))
                 t0 = time.time()
                 toks = runner.generate(p["prompt_ids"], p["seed"], s, p["max_tokens"])
                 gens.append({**p, "tokens": toks, "wall_s": round(time.time() - t0, 4)})
+                # Again with every decode input taken from the pending token on the device.
+                fed.append(runner.generate(p["prompt_ids"], p["seed"], s, p["max_tokens"], device_fed=True) == toks)
             report["reference_generations"] = gens
+            report["device_fed_identical"] = f"{sum(fed)}/{len(fed)}"
+            note(f"device-fed decode identical to host-fed: {report['device_fed_identical']}")
             (work / "reference_generations.json").write_text(json.dumps(gens) + "\n")
     with phase("torch replay: determinism, poisoned pool, graph vs eager, replay time"):
         # The I/O of these graphs is dumped for the fresh-process replay (every state buffer, twice).

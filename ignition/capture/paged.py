@@ -1,5 +1,5 @@
 """The prepared Llama-family step programs: decode, prefill, resume sampling and state maintenance,
-over 64-token KV pages, continuation rows and per-slot penalty histograms.
+over 64-token KV pages, continuation rows, per-slot penalty histograms and pending tokens.
 
 The arithmetic follows Transformers' LlamaForCausalLM / Qwen3ForCausalLM (bf16 RMSNorm cast
 before the weight, rotate-half RoPE from the checkpoint's rope parameters, GQA, SiLU MLP), so
@@ -14,8 +14,12 @@ State and its invariants (row indices follow the cache scheme: row 0 is the null
 - `hist[r]` counts live row r's prompt (added once at admission by admit_histogram, after
   initialize or restore cleared the row) and every token sampled since (request state, outside
   every checkpoint). Penalties read it.
+- `pending[r]` is the token live row r sampled last (request state, outside every checkpoint;
+  entry 0, the null row's, is never written). Every sampling step stores its sampled tokens
+  there; a decode lane whose packed token id is negative consumes its row's entry instead
+  (device-fed generation). Padded lanes read entry 0.
 - A row that does not sample (padding, a prefill chunk short of the prompt end, an exhausted
-  grammar) changes no histogram and writes a record without the sampled flag.
+  grammar) changes no histogram and no pending token, and writes a record without the sampled flag.
 """
 
 from __future__ import annotations
@@ -129,8 +133,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class PagedLlama:
     """Holds execution-layout weights (names from `ignition.recipes.llama`) and the step programs.
 
-    Every step method mutates only the state tensors passed to it and returns the normed final
-    hidden vectors of the tokens it consumed (decode: [B, H]; prefill: [T, H]; resume: [1, H]).
+    Every step method takes (inputs, kv, rows, hist, records, pending), mutates only those state
+    tensors and returns the normed final hidden vectors of the tokens it consumed (decode: [B, H];
+    prefill: [T, H]; resume: [1, H]).
     """
 
     def __init__(self, geo: Geometry, weights: dict[str, torch.Tensor], inv_freq: torch.Tensor, rope_scaling: float,
@@ -200,7 +205,8 @@ class PagedLlama:
 
     # -- sampling and records ----------------------------------------------------------------
     def _sample_and_record(self, h: torch.Tensor, slots: torch.Tensor, wants: torch.Tensor, consumed: torch.Tensor,
-                           s: dict[str, torch.Tensor], hist: torch.Tensor, records: torch.Tensor) -> None:  # fmt: skip
+                           s: dict[str, torch.Tensor], hist: torch.Tensor, records: torch.Tensor,
+                           pending: torch.Tensor) -> None:  # fmt: skip
         """h [B, H]; slots [B] live rows (negative: padding); wants [B] bool (the row samples)."""
         g = self.geo
         b = h.shape[0]
@@ -222,6 +228,10 @@ class PagedLlama:
         cols += [z] * (records.shape[1] - HEADER_WORDS - 1)
         records.copy_(torch.stack(cols, -1))
         hist.index_put_((torch.where(sampled, hrow, 0), tok), sampled.int(), accumulate=True)
+        # Lanes that store nothing write entry 0 with its own value: every write to one index then
+        # carries the same value, so the unordered scatter is deterministic and entry 0 unchanged.
+        prow = torch.where(sampled, hrow, 0)
+        pending.index_put_((prow,), torch.where(prow > 0, tok.to(pending.dtype), pending[0]))
 
     def _store_rows(self, rows: torch.Tensor, slots: torch.Tensor, h: torch.Tensor) -> None:
         live = (slots >= 0) & (slots < rows.shape[0])
@@ -229,7 +239,7 @@ class PagedLlama:
 
     # -- step programs -----------------------------------------------------------------------
     def decode(self, v: dict[str, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, hist: torch.Tensor,
-               records: torch.Tensor) -> torch.Tensor:  # fmt: skip
+               records: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:  # fmt: skip
         """One token per request row; its KV slot follows from its position and page table."""
         g = self.geo
         slots = v["request_slots"].long()
@@ -241,20 +251,23 @@ class PagedLlama:
         slot = table.long()[rowsel, pidx] * g.page_tokens + pos % g.page_tokens
         valid = (slots >= 0) & (slot >= 0)
         slot = torch.where(valid, slot, -1)
+        # A negative packed id: the lane consumes its row's pending token (padding reads entry 0).
+        prow = torch.where((slots >= 0) & (slots <= g.request_slots), slots, 0)
+        tok = torch.where(v["token_ids"] < 0, pending[prow], v["token_ids"])
         m = max(b, MIN_GEMM_ROWS)
         if m > b:  # inert rows: no KV write, page table -1 (reads page 0), position 0
-            tok = F.pad(v["token_ids"], (0, m - b))
+            tok = F.pad(tok, (0, m - b))
             h = self.hidden(tok, F.pad(v["positions"], (0, m - b)), F.pad(slot, (0, m - b), value=-1),
                             F.pad(table, (0, 0, 0, m - b), value=-1), torch.arange(m, device=pos.device), kv)[:b]  # fmt: skip
         else:
-            h = self.hidden(v["token_ids"], v["positions"], slot, table, rowsel, kv)
+            h = self.hidden(tok, v["positions"], slot, table, rowsel, kv)
         self._store_rows(rows, torch.where(valid, slots, -1), h)
         wants = (v["sample_flags"] & 1) != 0
-        self._sample_and_record(h, torch.where(valid, slots, -1), wants, pos + 1, v, hist, records)
+        self._sample_and_record(h, torch.where(valid, slots, -1), wants, pos + 1, v, hist, records, pending)
         return h
 
     def prefill(self, v: dict[str, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, hist: torch.Tensor,
-                records: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                records: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:  # fmt: skip
         """One request's chunk; the row keeps the hidden vector of its last real token."""
         t = v["token_ids"].shape[0]
         req = torch.zeros(t, dtype=torch.int32, device=v["token_ids"].device)
@@ -265,21 +278,21 @@ class PagedLlama:
         slots = torch.where(q > 0, v["request_slots"].long(), -1)
         self._store_rows(rows, slots, h_last)
         wants = (v["sample_flags"] & 1) != 0
-        self._sample_and_record(h_last, slots, wants, v["positions"].long()[last] + 1, v, hist, records)
+        self._sample_and_record(h_last, slots, wants, v["positions"].long()[last] + 1, v, hist, records, pending)
         return h
 
     def resume(self, v: dict[str, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, hist: torch.Tensor,
-               records: torch.Tensor) -> torch.Tensor:  # fmt: skip
+               records: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:  # fmt: skip
         """Samples from a restored row's saved hidden vector; nothing is consumed."""
         src = v["state_row_indices"].long()
         h = rows[src.clamp(0, rows.shape[0] - 1)]
         slots = torch.where(src >= 0, v["request_slots"].long(), -1)
         wants = (v["sample_flags"] & 1) != 0
-        self._sample_and_record(h, slots, wants, v["context_lengths"].long(), v, hist, records)
+        self._sample_and_record(h, slots, wants, v["context_lengths"].long(), v, hist, records, pending)
         return h
 
     def initialize(self, v: dict[str, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, hist: torch.Tensor,
-                   records: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                   records: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:  # fmt: skip
         dst = v["destination_rows"].long().clamp(0, rows.shape[0] - 1)
         rows[dst] = torch.zeros_like(rows[dst])
         hd = torch.where(dst <= self.geo.request_slots, dst, 0)
@@ -287,7 +300,7 @@ class PagedLlama:
         return rows[dst]
 
     def restore(self, v: dict[str, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, hist: torch.Tensor,
-                records: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                records: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:  # fmt: skip
         src = v["source_rows"].long().clamp(0, rows.shape[0] - 1)
         dst = v["destination_rows"].long().clamp(0, rows.shape[0] - 1)
         rows[dst] = rows[src].clone()
@@ -296,7 +309,7 @@ class PagedLlama:
         return rows[dst]
 
     def admit_histogram(self, v: dict[str, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, hist: torch.Tensor,
-                        records: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                        records: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:  # fmt: skip
         """Adds one chunk of a request's prompt to its live row's penalty histogram (negative ids
         are padding; the row was cleared by initialize or restore)."""
         g = self.geo
@@ -309,7 +322,7 @@ class PagedLlama:
         return hist[torch.where(live, row, 0)]
 
     def snapshot(self, v: dict[str, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, hist: torch.Tensor,
-                 records: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                 records: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:  # fmt: skip
         src = v["source_rows"].long().clamp(0, rows.shape[0] - 1)
         dst = v["destination_rows"].long().clamp(0, rows.shape[0] - 1)
         rows[dst] = rows[src].clone()

@@ -1,9 +1,9 @@
 """The catalog of graphs a Llama-family core carries, their staging layout and their state.
 
 One `Program` owns the state tensors (weights, KV pages, continuation rows, penalty histograms,
-completion records) and one staging buffer. Every value kind has one region in the staging
-buffer, sized for the largest graph that binds it; each graph views the start of that region
-(the executor packs only the graph it is about to replay).
+pending tokens, completion records) and one staging buffer. Every value kind has one region in
+the staging buffer, sized for the largest graph that binds it; each graph views the start of that
+region (the executor packs only the graph it is about to replay).
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ class Program:
         self.kv = self.kv_all[: g.max_kv_pages]
         self.rows = torch.zeros(g.total_rows, g.hidden, dtype=torch.bfloat16, device=dev)
         self.hist = torch.zeros(1 + g.request_slots, g.vocab, dtype=torch.int32, device=dev)
+        self.pending = torch.zeros(1 + g.request_slots, dtype=torch.int32, device=dev)
         self.records = torch.zeros(g.request_slots, HEADER_WORDS + COMPLETION_TOKENS, dtype=torch.int32, device=dev)
         regions: dict[str, int] = {}
         for spec in graphs:
@@ -119,11 +120,13 @@ class Program:
 
     def state(self) -> dict[str, torch.Tensor]:
         return {"kv_pages": self.kv, "continuation_rows": self.rows, "penalty_histogram": self.hist,
-                "completion_records": self.records, "staging": self.staging}  # fmt: skip
+                "pending_tokens": self.pending, "completion_records": self.records,
+                "staging": self.staging}  # fmt: skip
 
     def call(self, spec: GraphSpec, fn: Any, state: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        s = state or {"kv": self.kv_all, "rows": self.rows, "hist": self.hist, "records": spec.records}
-        return fn(spec.inputs, s["kv"], s["rows"], s["hist"], s["records"])
+        s = state or {"kv": self.kv_all, "rows": self.rows, "hist": self.hist, "records": spec.records,
+                      "pending": self.pending}  # fmt: skip
+        return fn(spec.inputs, s["kv"], s["rows"], s["hist"], s["records"], s["pending"])
 
     def method(self, spec: GraphSpec) -> Any:
         return getattr(self.model, spec.method)
@@ -131,7 +134,8 @@ class Program:
     # -- deterministic contents for replay checks ----------------------------------------------
     def set_inputs(self, spec: GraphSpec, seed: int) -> None:
         """Shuffled page tables, positions across page boundaries, live sampling parameters,
-        random KV/rows/histograms: what a replay in another process must reproduce bitwise."""
+        random KV/rows/histograms/pending tokens, decode lanes both device-fed and host-fed: what a
+        replay in another process must reproduce bitwise."""
         g = self.geo
         gen = torch.Generator(device="cpu").manual_seed(1000 + seed)
         # The large state is filled on its own device (a seeded generator there: fast at any size).
@@ -140,6 +144,8 @@ class Program:
         self.kv_all.copy_((torch.randn(self.kv_all.shape, generator=dgen, device=dev) * 0.5).to(torch.bfloat16))
         self.rows.copy_(torch.randn(self.rows.shape, generator=dgen, device=dev).to(torch.bfloat16))
         self.hist.copy_(torch.randint(0, 3, self.hist.shape, generator=dgen, device=dev, dtype=torch.int32))
+        # Entry 0 too: a step must leave it as it found it, whatever it holds.
+        self.pending.copy_(torch.randint(0, g.vocab, self.pending.shape, generator=dgen, device=dev, dtype=torch.int32))
         self.records.zero_()
         self.staging.zero_()
         x = spec.inputs
@@ -160,11 +166,13 @@ class Program:
             x["grammar_mask"][0, :2].zero_()  # row 0 may not sample the first 64 ids
         if spec.kind == "decode":
             x["token_ids"].copy_(torch.randint(0, g.vocab, (b,), generator=gen).int())
+            x["token_ids"][0] = -1  # device-fed: lane 0 consumes its row's pending token
             ends = [5, g.page_tokens + 6, 2 * g.page_tokens - 1, g.context_limit - 1]
             x["positions"].copy_(torch.tensor([ends[i % 4] for i in range(b)]).int())
             x["request_slots"].copy_(torch.arange(1, b + 1).int())
             if b > 1:
-                x["request_slots"][-1] = -1  # a padded lane
+                x["request_slots"][-1] = -1  # a padded lane, device-fed: it reads entry 0
+                x["token_ids"][-1] = -1
             x["page_table"].copy_(pages)
         elif spec.kind == "prefill":
             t = spec.token_capacity

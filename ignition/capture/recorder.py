@@ -38,7 +38,10 @@ TORCH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f3
 # State tensor -> (role, dtype in the manifest, init).
 STATE_ROLES = {"kv_pages": ("kv_pages", "bf16", "zero"), "continuation_rows": ("continuation_rows", "bf16", "zero"),
                "penalty_histogram": ("request_state", "i32", "zero"),
+               "pending_tokens": ("request_state", "i32", "zero"),
                "completion_records": ("completion_records", "u32", "zero"), "staging": ("staging_inputs", "u8", "zero")}  # fmt: skip
+# How each sampling graph binds the pending tokens: all store what they sample, decode also reads.
+PENDING_DIRECTION = {"decode": "state_read_write", "prefill": "state_write", "resume_sampling": "state_write"}
 
 
 # -- kernel images ---------------------------------------------------------------------------
@@ -313,6 +316,9 @@ class Recorder:
                 assert g.records is not None
                 bindings.append({"value": "completion_records", "address": hex(g.records.data_ptr()), "dtype": "u32",
                                  "shape": list(g.records.shape)})  # fmt: skip
+                pending = self.program.pending
+                bindings.append({"value": "pending_tokens", "address": hex(pending.data_ptr()), "dtype": "i32",
+                                 "shape": list(pending.shape), "direction": PENDING_DIRECTION[g.kind]})  # fmt: skip
             graphs.append({
                 "name": g.name, "kind": g.kind,
                 "capacity": {"request_count": g.request_count, "token_capacity": g.token_capacity},
@@ -420,7 +426,7 @@ class Recorder:
             torch.cuda.synchronize()
             written = dict(prog.state())
             eager_state = {"kv": prog.kv_all.clone(), "rows": prog.rows.clone(), "hist": prog.hist.clone(),
-                           "records": g.records.clone()}  # fmt: skip
+                           "records": g.records.clone(), "pending": prog.pending.clone()}  # fmt: skip
             eager = prog.call(g, prog.method(g), eager_state)
             dump = graphs is None or g.name in graphs
             d = io_dir / g.name
@@ -442,7 +448,8 @@ class Recorder:
             torch.cuda.synchronize()
             assert g.output is not None
             read = {"kv_pages": prog.kv, "continuation_rows": prog.rows, "penalty_histogram": prog.hist,
-                    "completion_records": prog.records, f"{g.name}.output": g.output}  # fmt: skip
+                    "pending_tokens": prog.pending, "completion_records": prog.records,
+                    f"{g.name}.output": g.output}  # fmt: skip
             if dump:
                 for name, t in read.items():
                     (d / f"out.{name}.bin").write_bytes(_bytes(t))
@@ -465,6 +472,7 @@ class Recorder:
             denom = eager.float().norm().item()
             rel = ((got - eager.float()).norm().item() / denom) if denom else 0.0
             records_equal = bool(torch.equal(eager_state["records"], g.records))
+            pending_equal = bool(torch.equal(eager_state["pending"], prog.pending))
             t0 = time.time()
             for _ in range(timed):
                 g.graph.replay()
@@ -472,6 +480,7 @@ class Recorder:
             us = (time.time() - t0) / max(timed, 1) * 1e6
             self.report["torch_replay"][g.name] = {
                 "replay_us": round(us, 2), "rel_l2_graph_vs_eager": rel, "records_equal_eager": records_equal,
+                "pending_tokens_equal_eager": pending_equal,
                 "second_replay_bitwise_equal": again, "poisoned_pool_replay_bitwise_equal": poisoned,
                 "io_dumped": dump}  # fmt: skip
 

@@ -97,6 +97,7 @@ class GraphRunner:
         return self.replay(self.decode_graph(len(rows)), rows)[1]
 
     def generate(self, prompt: list[int], seed: int, params: Sampling, max_tokens: int, live_row: int = 1,
-                 chunk: int | None = None) -> list[int]:  # fmt: skip
-        """One request, alone: prefill in chunks of the largest graph, then decode_b1."""
-        return _generate(self, prompt, seed, params, max_tokens, self.p.geo.eos_token_ids, live_row, chunk)
+                 chunk: int | None = None, device_fed: bool = False) -> list[int]:  # fmt: skip
+        """One request, alone: prefill in chunks of the largest graph, then decode_b1 (its input
+        token from the device's pending token with `device_fed`)."""
+        return _generate(self, prompt, seed, params, max_tokens, self.p.geo.eos_token_ids, live_row, chunk, device_fed)

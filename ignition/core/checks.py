@@ -11,7 +11,9 @@ import math
 from dataclasses import dataclass
 
 from ignition.core.contract import expected_view, required_values
-from ignition.core.manifest import BufferRole, Direction, GraphKind, KernelNode, RuntimeCore, SamplingParameter
+from ignition.core.manifest import (
+    BufferRole, Direction, GraphKind, KernelNode, RuntimeCore, SamplingParameter, ValueKind, ZeroFill,
+)  # fmt: skip
 
 
 @dataclass(eq=False)
@@ -89,23 +91,34 @@ def check_core(core: RuntimeCore) -> None:
         bound = set()
         for bnd in g.bindings:
             f = f"graphs[{g.name}].bindings[{bnd.value.name}]"
-            want = expected_view(bnd.value, g.capacity, g.completion_token_capacity, s, c)
+            want = expected_view(bnd.value, g.kind, g.capacity, g.completion_token_capacity, s, c)
+            if want is None:
+                raise ManifestError(f, f"a {g.kind.name} graph may not bind it")
             if bnd.direction is not want.direction or bnd.dtype not in want.dtypes or not want.matches(bnd.shape):
                 raise ManifestError(f, f"expected {want}, got {bnd.direction.name} {bnd.dtype.name} {bnd.shape}")
             buf = by_id.get(bnd.view.buffer_id)
             if buf is None or bnd.view.offset + bnd.byte_size > buf.byte_size:
                 raise ManifestError(f"{f}.view", "does not fit its buffer")
-            allowed = (
-                (BufferRole.STAGING_INPUTS, BufferRole.REQUEST_STATE)
-                if bnd.direction is Direction.INPUT
-                else (BufferRole.COMPLETION_RECORDS,)
-            )
+            if bnd.direction.is_state:
+                allowed: tuple[BufferRole, ...] = (BufferRole.REQUEST_STATE,)
+            elif bnd.direction is Direction.INPUT:
+                allowed = (BufferRole.STAGING_INPUTS, BufferRole.REQUEST_STATE)
+            else:
+                allowed = (BufferRole.COMPLETION_RECORDS,)
             if buf.role not in allowed:
                 raise ManifestError(f"{f}.view", f"buffer role {buf.role.name} not allowed")
+            if bnd.direction.is_state:
+                # Request state persists across submissions in a buffer of its own (zeroed at load,
+                # indexed by live row): the view is that whole buffer.
+                whole = bnd.view.offset == 0 and buf.dtype is bnd.dtype and buf.shape == bnd.shape
+                if not whole or not isinstance(buf.payload, ZeroFill):
+                    got = f"{buf.dtype.name} {list(buf.shape)} {type(buf.payload).__name__}"
+                    raise ManifestError(f"{f}.view", f"must be all of a zero-filled buffer; {buf.name} is {got}")
             bound.add(bnd.value)
         for v in required_values(g.kind, g.maintenance_op):
             if v not in bound:
                 raise ManifestError(f"graphs[{g.name}].bindings", f"missing required binding {v.name}")
+    _check_pending_tokens(core)
     for bucket in c.decode_request_buckets:
         if not any(g.kind is GraphKind.DECODE and g.capacity.request_count == bucket for g in core.graphs):
             raise ManifestError("capacities.decode_request_buckets", f"no decode graph for bucket {bucket}")
@@ -122,6 +135,19 @@ def check_core(core: RuntimeCore) -> None:
         raise ManifestError("frontend.sampling.temperature", "must stay positive over its whole range")
     if fe.sampling.max_output_tokens <= 0:
         raise ManifestError("frontend.sampling.max_output_tokens", "must be positive")
+
+
+def _check_pending_tokens(core: RuntimeCore) -> None:
+    """A decode reading a pending token that some sampling graph did not store would consume a
+    stale one: when any graph binds PENDING_TOKENS, every sampling graph binds the same buffer."""
+    views = {g.name: b.view.buffer_id for g in core.graphs for b in g.bindings if b.value is ValueKind.PENDING_TOKENS}
+    if not views:
+        return
+    for g in core.graphs:
+        if g.kind in (GraphKind.DECODE, GraphKind.PREFILL, GraphKind.RESUME_SAMPLING) and g.name not in views:
+            raise ManifestError(f"graphs[{g.name}].bindings", "missing PENDING_TOKENS (other graphs bind it)")
+    if len(set(views.values())) != 1:
+        raise ManifestError("graphs.bindings[PENDING_TOKENS]", f"views in several buffers: {views}")
 
 
 def _check_graph_kernels(core, graph, nodes, kernels, by_id) -> None:  # type: ignore[no-untyped-def]

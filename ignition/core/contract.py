@@ -1,7 +1,7 @@
 """The PreparedContract's view shapes, mirrored from crates/helios-contract/src/prepared.rs.
 
 For each value kind: the dtypes, row-major shape and direction its byte view must have in a
-graph of a given capacity, and which values each graph kind must bind.
+graph of a given kind and capacity, and which values each graph kind must bind.
 """
 
 from __future__ import annotations
@@ -34,15 +34,29 @@ _PER_REQUEST_F32 = {
 }  # fmt: skip
 
 
+# Persistent request state a graph kind binds, and how: sampling graphs store every sampled
+# token; only decode reads it (a negative packed token id takes the row's pending token).
+_PENDING_DIRECTION = {
+    GraphKind.DECODE: Direction.STATE_READ_WRITE,
+    GraphKind.PREFILL: Direction.STATE_WRITE,
+    GraphKind.RESUME_SAMPLING: Direction.STATE_WRITE,
+}
+
+
 def expected_view(
     value: ValueKind,
+    kind: GraphKind,
     capacity: GraphCapacity,
     completion_token_capacity: int,
     scheme: CacheScheme,
     caps: Capacities,
-) -> ExpectedView:
+) -> ExpectedView | None:
+    """None: a graph of this kind may not bind `value`."""
     b, t = capacity.request_count, capacity.token_capacity
     inp = Direction.INPUT
+    if value is V.PENDING_TOKENS:
+        direction = _PENDING_DIRECTION.get(kind)
+        return None if direction is None else ExpectedView((Dtype.I32,), (caps.request_slots + 1,), direction)
     if value is V.TOKEN_IDS:
         return ExpectedView((Dtype.I32,), (t,), inp)
     if value is V.POSITIONS:

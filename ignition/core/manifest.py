@@ -119,11 +119,20 @@ class ValueKind(IntEnum):
     COMPLETION_RECORDS = 23
     PATCH_PIXELS = 24
     IMAGE_FEATURE_OFFSETS = 25
+    PENDING_TOKENS = 26
 
 
 class Direction(IntEnum):
     INPUT = 1
     OUTPUT = 2
+    STATE_READ = 3
+    STATE_WRITE = 4
+    STATE_READ_WRITE = 5
+
+    @property
+    def is_state(self) -> bool:
+        """Persistent request state: bound in a REQUEST_STATE buffer, never packed by the host."""
+        return self in (Direction.STATE_READ, Direction.STATE_WRITE, Direction.STATE_READ_WRITE)
 
 
 class RowRegionKind(IntEnum):

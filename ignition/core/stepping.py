@@ -144,16 +144,25 @@ def admit(s: Stepper, live_row: int, pages: list[int], prompt: list[int], seed: 
     return sampled_token(rec[0], s.header_words)
 
 
+# A decode lane packed with this token id consumes its row's pending token (the one the row's
+# last sampling step stored on the device) instead of a host-packed one.
+DEVICE_FED_TOKEN = -1
+
+
 def generate(s: Stepper, prompt: list[int], seed: int, params: Sampling, max_tokens: int, eos: tuple[int, ...],
-             live_row: int = 1, chunk: int | None = None) -> list[int]:  # fmt: skip
+             live_row: int = 1, chunk: int | None = None, device_fed: bool = False) -> list[int]:  # fmt: skip
     """One request alone on pages 0.., prefill then the batch-1 decode bucket: the reference
-    sequence both Python replays run and the Rust replay is compared with."""
+    sequence both Python replays run and the Rust replay is compared with.
+
+    `device_fed`: each decode packs DEVICE_FED_TOKEN, so its input is the pending token the
+    previous step (the prefill, then each decode) stored; the tokens must not change."""
     need = len(prompt) + max_tokens
     if need > s.context_limit:
         raise StepError(f"{need} tokens exceed the context limit {s.context_limit}")
     pages = list(range(-(-need // s.page_tokens)))
     out = [admit(s, live_row, pages, prompt, seed, params, chunk)]
     while out[-1] not in eos and len(out) < max_tokens:
-        rec = s.decode_step([Row(live_row, pages, len(prompt) + len(out) - 1, [out[-1]], (seed, len(out)), params)])
+        tok = DEVICE_FED_TOKEN if device_fed else out[-1]
+        rec = s.decode_step([Row(live_row, pages, len(prompt) + len(out) - 1, [tok], (seed, len(out)), params)])
         out.append(sampled_token(rec[0], s.header_words))
     return out

@@ -269,7 +269,11 @@ class RecordingExporter:
             value = _enum(ValueKind, _get(b, "value", f), f"{f}.bindings.value")
             dtype = _enum(Dtype, _get(b, "dtype", f), f"{f}.bindings.dtype")
             shape = tuple(_int(x, f"{f}.bindings.shape") for x in _get(b, "shape", f))
-            direction = Direction.OUTPUT if value is ValueKind.COMPLETION_RECORDS else Direction.INPUT
+            # Explicit for request state (which a value kind alone does not decide); else inferred.
+            if "direction" in b:
+                direction = _enum(Direction, b["direction"], f"{f}.bindings.direction")
+            else:
+                direction = Direction.OUTPUT if value is ValueKind.COMPLETION_RECORDS else Direction.INPUT
             size = dtype.size * math.prod(shape)
             view = self._range(name, f"binding {value.name}", _get(b, "address", f), size, amap)
             bindings.append(ValueBinding(value, direction, view, dtype, shape))

@@ -42,6 +42,8 @@ class View:
     code: str
     size: int
     shape: tuple[int, ...]
+    # "input", "output", "state_read", "state_write" or "state_read_write".
+    direction: str = "input"
 
     @property
     def count(self) -> int:
@@ -76,7 +78,15 @@ class GraphInfo:
     token_capacity: int
     inputs: dict[str, View]
     outputs: dict[str, View]
+    # Persistent request state (in its own buffer, never packed by the host).
+    state: dict[str, View]
     message: Any
+
+    @property
+    def reads_pending_tokens(self) -> bool:
+        """A negative packed token id takes the lane's token from its row's pending token."""
+        v = self.state.get("pending_tokens")
+        return self.kind == "decode" and v is not None and v.direction in ("state_read", "state_read_write")
 
 
 def _enum_suffix(schema: Any, enum: str, number: int, prefix: str) -> str:
@@ -109,6 +119,7 @@ class CoreFiles:
         for g in self.m.graphs:
             inputs: dict[str, View] = {}
             outputs: dict[str, View] = {}
+            state: dict[str, View] = {}
             for b in g.bindings:
                 value = _enum_suffix(schema, "ValueKind", b.value, "VALUE_KIND_")
                 dname = dtype_names.get(b.dtype, str(b.dtype))
@@ -117,15 +128,22 @@ class CoreFiles:
                 if b.view.buffer_id not in self.buffers:
                     raise CoreReadError(f"graph {g.name}", f"binding {value} names buffer {b.view.buffer_id}")
                 code, size = _CODES[dname]
-                view = View(value, b.view.buffer_id, b.view.offset, code, size, tuple(b.shape))
+                direction = _enum_suffix(schema, "Direction", b.direction, "DIRECTION_")
+                view = View(value, b.view.buffer_id, b.view.offset, code, size, tuple(b.shape), direction)
                 if view.offset + view.byte_len > self.buffers[b.view.buffer_id].byte_size:
                     raise CoreReadError(f"graph {g.name}", f"binding {value} runs past its buffer")
-                direction = _enum_suffix(schema, "Direction", b.direction, "DIRECTION_")
-                (inputs if direction == "input" else outputs)[value] = view
+                if direction == "input":
+                    inputs[value] = view
+                elif direction == "output":
+                    outputs[value] = view
+                elif direction.startswith("state_"):
+                    state[value] = view
+                else:
+                    raise CoreReadError(f"graph {g.name}", f"binding {value} has direction {direction}")
             op = _enum_suffix(schema, "MaintenanceOp", g.maintenance_op, "MAINTENANCE_OP_")
             self.graphs.append(GraphInfo(g.id, g.name, _enum_suffix(schema, "GraphKind", g.kind, "GRAPH_KIND_"),
                                          "" if op == "unspecified" else op, g.capacity.request_count,
-                                         g.capacity.token_capacity, inputs, outputs, g))  # fmt: skip
+                                         g.capacity.token_capacity, inputs, outputs, state, g))  # fmt: skip
         staging = {v.buffer for g in self.graphs for v in g.inputs.values()}
         if len(staging) != 1:
             raise CoreReadError("staging", f"inputs live in {len(staging)} buffers; one staging buffer is supported")
@@ -155,6 +173,12 @@ class CoreFiles:
     def by_kind(self, kind: str) -> list[GraphInfo]:
         key = (lambda g: g.request_count) if kind == "decode" else (lambda g: g.token_capacity)
         return sorted((g for g in self.graphs if g.kind == kind), key=key)
+
+    @property
+    def device_fed(self) -> bool:
+        """Whether every decode graph can take its input tokens from the rows' pending tokens."""
+        decode = self.by_kind("decode")
+        return bool(decode) and all(g.reads_pending_tokens for g in decode)
 
     def maintenance(self, op: str) -> GraphInfo | None:
         return next((g for g in self.graphs if g.kind == "state_maintenance" and g.op == op), None)

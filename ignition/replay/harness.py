@@ -112,10 +112,13 @@ class CoreReplay:
         return self.rows_step(self.decode_graph(len(rows)), rows)
 
     def generate(self, prompt: list[int], seed: int, params: Sampling, max_tokens: int,
-                 eos: tuple[int, ...] | None = None, live_row: int = 1) -> list[int]:  # fmt: skip
+                 eos: tuple[int, ...] | None = None, live_row: int = 1,
+                 device_fed: bool = False) -> list[int]:  # fmt: skip
         """One request alone, exactly as `GraphRunner.generate` (the torch replay) runs it."""
+        if device_fed and not self.core.device_fed:
+            raise ReplayError("the core's decode graphs do not read pending tokens: no device-fed decode")
         eos = self.core.eos_token_ids if eos is None else eos
-        return generate(self, prompt, seed, params, max_tokens, eos, live_row)
+        return generate(self, prompt, seed, params, max_tokens, eos, live_row, device_fed=device_fed)
 
     # -- the floor -------------------------------------------------------------------------------
     def bench_decode(self, rows: int, tokens: int, prompt_len: int = 32) -> dict[str, Any]:
@@ -221,6 +224,16 @@ def run(core_dir: Path, prompts: Path | None, reference: Path | None, out: Path 
                 again.append(toks == gens[i]["tokens"])
             report["identical_reversed_on_other_rows"] = f"{sum(again)}/{len(again)}"
             note(f"reversed order on other rows: identical {report['identical_reversed_on_other_rows']}")
+            if core.device_fed:
+                # Each decode's input from the pending token the previous step stored on the device.
+                fed = []
+                for i, p in enumerate(json.loads(prompts.read_text())):
+                    eos = tuple(p["eos"]) if "eos" in p else None
+                    toks = replay.generate(p["prompt_ids"], p["seed"], _params(p.get("params", {})), p["max_tokens"],
+                                           eos=eos, device_fed=True)  # fmt: skip
+                    fed.append(toks == gens[i]["tokens"])
+                report["device_fed_identical"] = f"{sum(fed)}/{len(fed)}"
+                note(f"device-fed decode: identical {report['device_fed_identical']}")
         if bench:
             report["decode"] = []
             for g in replay.decode:

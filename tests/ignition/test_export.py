@@ -13,11 +13,12 @@ from typing import Any
 
 import pytest
 
-from conftest import FIXTURES, flare_check
+from conftest import FIXTURES, flare_check, with_pending_tokens
 from ignition.core.checks import ManifestError
-from ignition.core.manifest import KernelNode, MemcpyNode, MemsetNode
+from ignition.core.manifest import BufferRole, Direction, Dtype, KernelNode, MemcpyNode, MemsetNode, ValueKind, ZeroFill
 from ignition.export.errors import (
-    ForeignPointerError, LibraryKernelError, MissingKernelImageError, UnresolvedAddressError, UnresolvedPointerError,
+    ForeignPointerError, LibraryKernelError, MissingKernelImageError, RecordingError, UnresolvedAddressError,
+    UnresolvedPointerError,
 )  # fmt: skip
 from ignition.export.exporter import RecordingExporter, export_recording
 
@@ -175,3 +176,65 @@ def test_cli_export_recording(tmp_path: Path, flare_bin: Path) -> None:
     assert "pointer words relocated" in proc.stderr
     assert flare_check(flare_bin, out).returncode == 0
     shutil.rmtree(out)
+
+
+def test_pending_tokens_are_bound_as_request_state_with_each_graph_kinds_direction(tmp_path: Path) -> None:
+    core = export(with_pending_tokens(load()), tmp_path / "core")
+    buf = next(b for b in core.buffers if b.name == "pending_tokens")
+    assert buf.role is BufferRole.REQUEST_STATE and buf.dtype is Dtype.I32 and isinstance(buf.payload, ZeroFill)
+    want = {"decode_b1": Direction.STATE_READ_WRITE, "decode_b2": Direction.STATE_READ_WRITE,
+            "prefill_t128": Direction.STATE_WRITE, "resume_b1": Direction.STATE_WRITE}  # fmt: skip
+    got = {}
+    for g in core.graphs:
+        (b,) = [b for b in g.bindings if b.value is ValueKind.PENDING_TOKENS]
+        assert b.view.buffer_id == buf.id and b.view.offset == 0 and b.shape == (5,) and b.dtype is Dtype.I32
+        got[g.name] = b.direction
+        # Every other binding keeps the direction its value kind implies.
+        for o in g.bindings:
+            if o.value is not ValueKind.PENDING_TOKENS:
+                assert o.direction is (Direction.OUTPUT if o.value is ValueKind.COMPLETION_RECORDS else Direction.INPUT)
+    assert got == want
+    assert core.encode() == export(with_pending_tokens(load()), tmp_path / "again").encode()
+
+
+def _binding(rec: dict[str, Any], graph: str, value: str) -> dict[str, Any]:
+    g = next(g for g in rec["graphs"] if g["name"] == graph)
+    return next(b for b in g["bindings"] if b["value"] == value)
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "needle"),
+    [
+        # Only decode reads pending tokens, and decode also stores them.
+        (lambda r: _binding(r, "prefill_t128", "pending_tokens").update(direction="state_read_write"),
+         "graphs[prefill_t128].bindings[PENDING_TOKENS]", "STATE_READ_WRITE"),
+        (lambda r: _binding(r, "decode_b1", "pending_tokens").update(direction="state_write"),
+         "graphs[decode_b1].bindings[PENDING_TOKENS]", "STATE_WRITE"),
+        # Inferred (no direction): an input, which request state never is.
+        (lambda r: _binding(r, "resume_b1", "pending_tokens").pop("direction"),
+         "graphs[resume_b1].bindings[PENDING_TOKENS]", "INPUT"),
+        # A sampling graph that does not store its sample would leave a stale pending token.
+        (lambda r: next(g for g in r["graphs"] if g["name"] == "resume_b1")["bindings"].pop(),
+         "graphs[resume_b1].bindings", "missing PENDING_TOKENS"),
+        # State lives in its own zero-filled request-state buffer, never in staging.
+        (lambda r: _binding(r, "decode_b2", "pending_tokens").update(
+            address=_binding(r, "decode_b2", "top_k")["address"]),
+         "graphs[decode_b2].bindings[PENDING_TOKENS].view", "STAGING_INPUTS"),
+        (lambda r: next(a for a in r["allocations"] if a["name"] == "pending_tokens").update(init="uninitialized"),
+         "graphs[decode_b1].bindings[PENDING_TOKENS].view", "zero-filled"),
+    ],
+)  # fmt: skip
+def test_python_checks_reject_misbound_pending_tokens(tmp_path: Path, change: Any, field: str, needle: str) -> None:
+    rec = with_pending_tokens(load())
+    change(rec)
+    with pytest.raises(ManifestError) as e:
+        export(rec, tmp_path / "core")
+    assert e.value.field == field and needle in str(e.value), str(e.value)
+    assert not (tmp_path / "core" / "manifest.pb").exists()
+
+
+def test_an_unknown_binding_direction_is_a_recording_error(tmp_path: Path) -> None:
+    rec = with_pending_tokens(load())
+    _binding(rec, "decode_b1", "pending_tokens")["direction"] = "sideways"
+    with pytest.raises(RecordingError, match="unknown Direction 'sideways'"):
+        export(rec, tmp_path / "core")

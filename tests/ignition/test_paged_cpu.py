@@ -185,6 +185,99 @@ def test_records_histograms_and_maintenance(tmp_path: Path) -> None:
     assert torch.equal(h[0], prog.rows[snap]) and spec.records[0, 4] == 60 and spec.records[0, 5] == 3
 
 
+def _state(prog):  # type: ignore[no-untyped-def]
+    return [t.clone() for t in (prog.kv_all, prog.rows, prog.hist, prog.pending)]
+
+
+def _set_state(prog, state) -> None:  # type: ignore[no-untyped-def]
+    for t, saved in zip((prog.kv_all, prog.rows, prog.hist, prog.pending), state, strict=True):
+        t.copy_(saved)
+
+
+def test_a_device_fed_decode_equals_the_host_fed_one(tmp_path: Path) -> None:
+    """A decode lane packed with token id -1 consumes the token its row's last sampling step
+    stored: bitwise the same step as packing that token, in every lane and every state tensor."""
+    torch = require_torch()
+    from ignition.capture.runner import Row
+
+    _checkpoint(tmp_path, TINY)
+    prog = _program(_paged(tmp_path, TINY))
+    ids = list(range(3, 80))
+    a, b = [0, 5], [7, 9]
+    prog.pending[0] = 77  # not the invariant (0), so that a write to the null row's entry shows
+    _, ra = _run(prog, "prefill_t128", [Row(1, a, 0, ids[:70], (11, 0))])
+    _, rb = _run(prog, "prefill_t128", [Row(3, b, 0, ids[:60], (12, 0))])
+    ta, tb = int(ra[0, 8]), int(rb[0, 8])
+    assert prog.pending.tolist() == [77, ta, 0, tb, 0]
+    before = _state(prog)
+    # Bucket 4: row 1 host-fed, row 3 as packed below, two padded lanes.
+    host = [Row(1, a, 70, [ta], (11, 1)), Row(3, b, 60, [tb], (12, 1))]
+    h_host, rec_host = _run(prog, "decode_b4", host)
+    after_host = _state(prog)
+    _set_state(prog, before)
+    h_fed, rec_fed = _run(prog, "decode_b4", [host[0], Row(3, b, 60, [-1], (12, 1))])
+    assert torch.equal(h_host, h_fed) and torch.equal(rec_host, rec_fed)
+    assert all(torch.equal(x, y) for x, y in zip(after_host, _state(prog), strict=True))
+    # The decode stored what it sampled; the padded lanes left entry 0 as it was.
+    assert prog.pending.tolist() == [77, int(rec_fed[0, 8]), 0, int(rec_fed[1, 8]), 0]
+    # Every lane device-fed, the padded ones too (they read entry 0): still the same step.
+    _set_state(prog, before)
+    spec = next(g for g in prog.graphs if g.name == "decode_b4")
+    _fill(prog, spec, [Row(1, a, 70, [-1], (11, 1)), Row(3, b, 60, [-1], (12, 1))])
+    spec.inputs["token_ids"].fill_(-1)
+    spec.records.zero_()
+    h_all = prog.call(spec, prog.method(spec))
+    assert torch.equal(h_all[:2], h_host[:2]) and torch.equal(spec.records, rec_host)
+    kv, rows, hist, pending = _state(prog)
+    assert torch.equal(kv, after_host[0]) and torch.equal(hist, after_host[2]) and torch.equal(pending, after_host[3])
+    assert torch.equal(rows[1:], after_host[1][1:])  # row 0 holds padding's hidden vectors either way
+
+
+def test_pending_tokens_are_written_only_by_sampling_rows(tmp_path: Path) -> None:
+    torch = require_torch()
+    from ignition.capture.runner import Row
+
+    _checkpoint(tmp_path, TINY)
+    prog = _program(_paged(tmp_path, TINY))
+    pages = [4, 2]
+    prog.pending.copy_(torch.tensor([0, 11, 22, 33, 44], dtype=torch.int32))
+    # A chunk short of the prompt end samples nothing and stores nothing.
+    _, rec = _run(prog, "prefill_t128", [Row(2, pages, 0, list(range(10, 60)))])
+    assert rec[0, 2] == 0 and prog.pending.tolist() == [0, 11, 22, 33, 44]
+    # An exhausted grammar (no id allowed) reports, stores nothing.
+    spec = next(g for g in prog.graphs if g.name == "prefill_t128")
+    _fill(prog, spec, [Row(2, pages, 50, list(range(60, 70)), (5, 0))])
+    spec.inputs["grammar_mask"].zero_()
+    spec.records.zero_()
+    prog.call(spec, prog.method(spec))
+    assert spec.records[0, 2] == 4 and prog.pending.tolist() == [0, 11, 22, 33, 44]
+    _, rec = _run(prog, "prefill_t128", [Row(2, pages, 50, list(range(60, 70)), (5, 0))])
+    tok = int(rec[0, 8])
+    assert prog.pending.tolist() == [0, 11, tok, 33, 44]
+    # Maintenance leaves pending tokens alone; resume stores its sample at its live row.
+    for name, src, dst in (("snapshot", 2, prog.geo.request_slots + 2), ("restore", prog.geo.request_slots + 2, 4),
+                           ("initialize", None, 3)):  # fmt: skip
+        spec = next(g for g in prog.graphs if g.name == name)
+        spec.inputs["destination_rows"].fill_(dst)
+        if src is not None:
+            spec.inputs["source_rows"].fill_(src)
+        prog.call(spec, prog.method(spec))
+    assert prog.pending.tolist() == [0, 11, tok, 33, 44]
+    spec = next(g for g in prog.graphs if g.name == "resume_b1")
+    _fill(prog, spec, [Row(4, pages, 60, [], (9, 3))])
+    spec.records.zero_()
+    prog.call(spec, prog.method(spec))
+    resumed = int(spec.records[0, 8])
+    assert prog.pending.tolist() == [0, 11, tok, 33, resumed]
+    # A decode bucket of padded lanes only (device-fed: they read entry 0) stores nothing.
+    spec = next(g for g in prog.graphs if g.name == "decode_b4")
+    _fill(prog, spec, [])
+    spec.inputs["token_ids"].fill_(-1)
+    spec.records.zero_()
+    prog.call(spec, prog.method(spec))
+    assert spec.records[:, 2].sum() == 0 and prog.pending.tolist() == [0, 11, tok, 33, resumed]
+
+
 def _sampler_inputs(torch, b, v, **over):  # type: ignore[no-untyped-def]
     base = {"temperature": torch.full((b,), 1.0), "top_k": torch.zeros(b, dtype=torch.int32),
             "top_p": torch.ones(b), "min_p": torch.zeros(b), "repetition": torch.ones(b),
@@ -324,12 +417,20 @@ def test_every_graph_runs_on_its_replay_check_inputs(tmp_path: Path) -> None:
     prog = _program(_paged(tmp_path, TINY), buckets=(1, 4), chunks=(128,))
     for i, spec in enumerate(prog.graphs):
         prog.set_inputs(spec, i)
+        pending = prog.pending.clone()
         out = prog.call(spec, prog.method(spec))
         assert torch.isfinite(out.float()).all(), spec.name
         if spec.kind in ("decode", "prefill", "resume_sampling"):
             rec = spec.records
             real = [r for r in range(spec.request_count) if int(spec.inputs["request_slots"][r]) >= 0]
             assert real and all(int(rec[r, 2]) & FLAG_SAMPLED for r in real), (spec.name, rec)
+            for r in real:
+                pending[int(rec[r, 1])] = rec[r, 8]
+        assert torch.equal(prog.pending, pending), spec.name  # sampled rows only, entry 0 untouched
+        if spec.kind == "decode" and spec.request_count >= 3:
+            # The replay checks cover both input paths: device-fed and host-fed real lanes.
+            fed = spec.inputs["token_ids"][: len(real)]
+            assert (fed < 0).any() and (fed >= 0).any(), fed
 
 
 def test_prepare_refuses_without_a_gpu_or_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -385,6 +486,8 @@ def test_runner_numerics_and_generation_on_cpu(tmp_path: Path) -> None:
     a = runner.generate(list(range(3, 140)), 77, params, 12)
     b = runner.generate(list(range(3, 140)), 77, params, 12, live_row=3)
     assert a == b and len(a) >= 1  # the stream depends on (seed, counter), not the row
+    # Each decode's input from the pending token the previous step stored: the same tokens.
+    assert runner.generate(list(range(3, 140)), 77, params, 12, live_row=2, device_fed=True) == a
     hot = Sampling(temperature=1.5)
     outs = {tuple(runner.generate(list(range(3, 140)), seed, hot, 6)) for seed in range(5)}
     assert len(outs) > 1  # and on the seed it does depend

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES, REPO
+from conftest import FIXTURES, REPO, with_pending_tokens
 from ignition.core.stepping import PAD, Row, Sampling, pack_rows
-from ignition.export.exporter import export_recording
+from ignition.export.exporter import RecordingExporter, export_recording
 from ignition.replay.core import CoreFiles, CoreReadError, pack_graph, topological
 
 
@@ -22,6 +22,17 @@ from ignition.replay.core import CoreFiles, CoreReadError, pack_graph, topologic
 def core(tmp_path_factory: pytest.TempPathFactory) -> CoreFiles:
     out = tmp_path_factory.mktemp("replay") / "core"
     export_recording(FIXTURES / "recorded_graph.json", out)
+    return CoreFiles(out)
+
+
+@pytest.fixture(scope="module")
+def fed_core(tmp_path_factory: pytest.TempPathFactory) -> CoreFiles:
+    """The fixture with pending tokens: decode graphs that can be device-fed."""
+    import json
+
+    out = tmp_path_factory.mktemp("replay_fed") / "core"
+    rec = with_pending_tokens(json.loads((FIXTURES / "recorded_graph.json").read_text()))
+    RecordingExporter(rec, FIXTURES).export(out)
     return CoreFiles(out)
 
 
@@ -36,6 +47,26 @@ def test_the_core_reads_back_with_bound_views(core: CoreFiles) -> None:
     for g in core.graphs:
         for v in g.inputs.values():
             assert v.buffer == core.staging and v.offset + v.byte_len <= staging.byte_size
+        assert not g.state and not g.reads_pending_tokens
+    assert not core.device_fed
+
+
+def test_state_views_are_read_back_apart_and_never_packed(fed_core: CoreFiles) -> None:
+    pending = next(b for b in fed_core.m.buffers if b.name == "pending_tokens")
+    for g in fed_core.graphs:
+        v = g.state["pending_tokens"]
+        assert "pending_tokens" not in g.inputs and "pending_tokens" not in g.outputs
+        assert (v.buffer, v.offset, v.shape) == (pending.id, 0, (5,))
+        assert v.direction == ("state_read_write" if g.kind == "decode" else "state_write")
+        assert g.reads_pending_tokens == (g.kind == "decode")
+    assert fed_core.device_fed and fed_core.staging != pending.id
+    # A device-fed lane packs its negative token id; the pending tokens are not in the mirror.
+    g = next(g for g in fed_core.graphs if g.name == "decode_b2")
+    mirror = bytearray(fed_core.buffers[fed_core.staging].byte_size)
+    rows = [Row(3, [4, 9], 70, [-1], (5, 7))]
+    pack_graph(fed_core, g, pack_rows(fed_core.page_tokens, fed_core.pages_per_request, rows), mirror)
+    tokens = g.inputs["token_ids"]
+    assert struct.unpack_from("<2i", mirror, tokens.offset) == (-1, PAD["token_ids"])
 
 
 def test_packing_writes_values_then_padding_at_the_views(core: CoreFiles) -> None:
@@ -161,6 +192,11 @@ def test_generate_drives_admission_chunks_and_decode_like_the_executor() -> None
     # Each decode step feeds the previous token at the next position with the next counter.
     assert s.calls[5:] == [("decode", 300, [100], (9, 1)), ("decode", 301, [101], (9, 2)), ("decode", 302, [102], (9, 3))]
     assert generate(_FakeStepper(), [1, 2], 9, Sampling(), 2, eos=()) == [100, 101]
+    # Device-fed: every decode packs -1 (its row's pending token) where it packed the last token.
+    fed = _FakeStepper()
+    assert generate(fed, list(range(300)), 9, Sampling(), 10, eos=(103,), live_row=2, device_fed=True) == out
+    assert fed.calls[:5] == s.calls[:5]
+    assert fed.calls[5:] == [("decode", 300, [-1], (9, 1)), ("decode", 301, [-1], (9, 2)), ("decode", 302, [-1], (9, 3))]
     with pytest.raises(StepError, match="context limit"):
         generate(_FakeStepper(), list(range(500)), 9, Sampling(), 13, eos=())
     assert histogram_chunks([1, 2, 3], 2) == [[1, 2], [3, -1]]
@@ -291,33 +327,37 @@ def test_a_step_uploads_the_packed_mirror_and_rejects_an_unsampled_record(
     dev.close()
 
 
+class _Sampling5(_FakeDriver):
+    """Every record the "device" returns samples token 5 (flags word 2, token after the header)."""
+
+    def __init__(self, core: CoreFiles) -> None:
+        super().__init__()
+        rec = next(g.outputs["completion_records"] for g in core.graphs if "completion_records" in g.outputs)
+        self.width, self.header = rec.shape[-1], core.header_words
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        if name != "cuMemcpyDtoHAsync_v2":
+            return super().__getattr__(name)
+        C, width, header = self.C, self.width, self.header
+
+        def read(host, src, length, stream):  # type: ignore[no-untyped-def]
+            words = (C.c_int32 * (length.value // 4)).from_address(host.value)
+            for r in range(length.value // 4 // width):
+                words[r * width + 2], words[r * width + header] = 1, 5
+            return 0
+
+        return read
+
+
 def test_run_replays_references_reversed_and_benches_over_the_fake_driver(
     core: CoreFiles, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    import ctypes as C
     import json
 
     import ignition.replay.cuda as cuda
     from ignition.replay.harness import run
 
-    # Every record the "device" returns samples token 5 (flags word 2, token after the header).
-    rec = next(g.outputs["completion_records"] for g in core.graphs if "completion_records" in g.outputs)
-    width, header = rec.shape[-1], core.header_words
-
-    class Sampling5(_FakeDriver):
-        def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
-            if name != "cuMemcpyDtoHAsync_v2":
-                return super().__getattr__(name)
-
-            def read(host, src, length, stream):  # type: ignore[no-untyped-def]
-                words = (C.c_int32 * (length.value // 4)).from_address(host.value)
-                for r in range(length.value // 4 // width):
-                    words[r * width + 2], words[r * width + header] = 1, 5
-                return 0
-
-            return read
-
-    monkeypatch.setattr(cuda, "_driver", lambda: Sampling5())
+    monkeypatch.setattr(cuda, "_driver", lambda: _Sampling5(core))
     # The recorded fixture has no maintenance graphs (a real core's `initialize` clears the row).
     from ignition.replay.harness import CoreReplay
 
@@ -331,3 +371,34 @@ def test_run_replays_references_reversed_and_benches_over_the_fake_driver(
     assert report["identical_reversed_on_other_rows"] == "2/2"
     assert [d["rows"] for d in report["decode"]] == [1, 2] and report["prefill"]["tokens"] == 128
     assert json.loads(out.read_text())["steps"] == report["steps"] > 0
+    assert "device_fed_identical" not in report  # its decode graphs do not read pending tokens
+
+
+def test_run_compares_device_fed_decode_where_the_core_reads_pending_tokens(
+    core: CoreFiles, fed_core: CoreFiles, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import json
+
+    import ignition.replay.cuda as cuda
+    from ignition.replay.harness import CoreReplay, ReplayError, run
+
+    fake = _Sampling5(fed_core)
+    monkeypatch.setattr(cuda, "_driver", lambda: fake)
+    monkeypatch.setattr(CoreReplay, "initialize", lambda self, live_row: None)
+    refs = [{"prompt_ids": [3, 4, 5], "seed": 1, "max_tokens": 3, "tokens": [5, 5, 5]},
+            {"prompt_ids": list(range(10, 150)), "seed": 2, "max_tokens": 2, "tokens": [5, 5]}]  # fmt: skip
+    (tmp_path / "refs.json").write_text(json.dumps(refs))
+    report = run(fed_core.root, None, tmp_path / "refs.json", None, False, False, 4, lambda _m: None)
+    assert report["identical_to_reference"] == "2/2" and report["device_fed_identical"] == "2/2"
+    # The host only ever uploads the staging mirror: the pending tokens stay on the device,
+    # zero-filled at load.
+    base = fed_core.m.arena.base_address
+    pending = next(b for b in fed_core.m.buffers if b.name == "pending_tokens")
+    uploads = {args[0].value for name, args in fake.calls if name == "cuMemcpyHtoDAsync_v2"}
+    assert uploads == {base + fed_core.buffers[fed_core.staging].offset}
+    assert any(name == "cuMemsetD8_v2" and args[0].value == base + pending.offset for name, args in fake.calls)
+    # A core whose decode graphs do not read pending tokens refuses a device-fed generation.
+    dev = cuda.DeviceCore(core)
+    with pytest.raises(ReplayError, match="do not read pending tokens"):
+        CoreReplay(core, dev).generate([3, 4], 1, Sampling(), 2, device_fed=True)
+    dev.close()

@@ -47,6 +47,10 @@ pub(crate) struct RunArgs {
     /// Chat template file overriding the core's.
     #[arg(long)]
     chat_template: Option<PathBuf>,
+    /// Feed every decode step its token from the host (one step in flight), even when the
+    /// core's graphs keep the pending token on the device.
+    #[arg(long)]
+    host_fed_decode: bool,
     /// Preparation (tokenization/template) worker threads.
     #[arg(long, default_value_t = 2)]
     prep_threads: usize,
@@ -132,12 +136,16 @@ pub(crate) fn run(args: RunArgs) -> Result<(), CliError> {
         max_output_tokens: args.max_output_tokens,
         prep_threads: args.prep_threads,
         prep_queue: args.queue_limit.max(1),
+        device_fed_decode: !args.host_fed_decode,
     };
     let engine = if simulate {
         progress(started, "starting the model thread (simulated executor)");
         let (scheme, caps) = (manifest.cache_scheme.clone(), manifest.capacities.clone());
         Engine::start(&manifest, frontend, options, move || {
-            Ok(SimulatedExecutor::new(&scheme, &caps).with_model(SimModel::Induction))
+            // Completions one step late, like a device with two steps in flight.
+            Ok(SimulatedExecutor::with_completion_lag(&scheme, &caps, 1)
+                .with_model(SimModel::Induction)
+                .with_device_fed_decode())
         })
     } else {
         progress(started, "starting the model thread: loading the core onto the GPU");
@@ -214,7 +222,13 @@ fn start_cuda(
             elapsed_ms = started.elapsed().as_millis() as u64,
             "core resident on the GPU"
         );
-        Ok(GraphExecutor::new(&served, device)?)
+        let executor = GraphExecutor::new(&served, device)?;
+        tracing::info!(
+            device_fed_decode = helios_replay::Executor::device_fed_decode(&executor),
+            max_steps_in_flight = helios_replay::graph::MAX_STEPS_IN_FLIGHT,
+            "decode input: device-fed graphs keep two steps in flight (unless --host-fed-decode)"
+        );
+        Ok(executor)
     })
 }
 

@@ -12,7 +12,7 @@ use crate::model::{
     ValueKind,
 };
 
-const VALUE_KINDS: usize = ValueKind::ImageFeatureOffsets as usize + 1;
+const VALUE_KINDS: usize = ValueKind::PendingTokens as usize + 1;
 
 /// A resolved view: `byte_len` bytes at `arena_offset`, inside buffer `buffer` at `buffer_offset`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -147,6 +147,18 @@ impl BoundGraph {
     /// Views the host packs before each submission.
     pub fn inputs(&self) -> impl Iterator<Item = (ValueKind, &ByteView)> {
         self.views().filter(|(_, v)| v.direction == Direction::Input)
+    }
+
+    /// Whether a negative token id packed for a lane makes the graph read that lane's input
+    /// token from its row's pending token on the device (device-fed generation): such a step
+    /// does not wait for the completion that sampled the token.
+    pub fn reads_pending_token(&self) -> bool {
+        self.kind == GraphKind::Decode && self.view(ValueKind::PendingTokens).is_some_and(|v| v.direction.reads_state())
+    }
+
+    /// Whether the graph stores every token it samples as its row's pending token.
+    pub fn writes_pending_token(&self) -> bool {
+        self.view(ValueKind::PendingTokens).is_some_and(|v| v.direction.writes_state())
     }
 
     pub fn views(&self) -> impl Iterator<Item = (ValueKind, &ByteView)> {

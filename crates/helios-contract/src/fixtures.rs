@@ -619,6 +619,45 @@ impl Fixture {
         std::fs::write(dir.join(MANIFEST_FILE), self.manifest.encode_to_vec())
     }
 
+    /// Adds device-side pending tokens: a zero-filled request-state buffer at the arena's end,
+    /// read and written by every decode graph, written by prefill and resume sampling.
+    /// Returns the buffer's id.
+    pub fn add_pending_tokens(&mut self) -> u32 {
+        let m = &mut self.manifest;
+        let entries = u64::from(m.capacities.as_ref().map_or(0, |c| c.request_slots)) + 1;
+        let size = entries * 4;
+        let arena = m.arena.get_or_insert_with(Default::default);
+        let offset = arena.byte_size.next_multiple_of(256);
+        arena.byte_size = offset + size.next_multiple_of(256);
+        let id = m.buffers.iter().map(|b| b.id).max().unwrap_or(0) + 1;
+        m.buffers.push(pb::Buffer {
+            id,
+            name: "pending_tokens".into(),
+            role: pb::BufferRole::RequestState as i32,
+            offset,
+            byte_size: size,
+            alignment: 256,
+            dtype: pb::Dtype::I32 as i32,
+            shape: vec![entries],
+            payload: Some(pb::buffer::Payload::ZeroFill(pb::ZeroFill {})),
+        });
+        for g in &mut m.graphs {
+            let direction = match pb::GraphKind::try_from(g.kind) {
+                Ok(pb::GraphKind::Decode) => pb::Direction::StateReadWrite,
+                Ok(pb::GraphKind::Prefill | pb::GraphKind::ResumeSampling) => pb::Direction::StateWrite,
+                _ => continue,
+            };
+            g.bindings.push(pb::ValueBinding {
+                value: pb::ValueKind::PendingTokens as i32,
+                direction: direction as i32,
+                view: Some(pb::BufferRange { buffer_id: id, offset: 0 }),
+                dtype: pb::Dtype::I32 as i32,
+                shape: vec![entries],
+            });
+        }
+        id
+    }
+
     /// Contents of a fixture file by core-relative path.
     pub fn file_mut(&mut self, path: &str) -> Option<&mut Vec<u8>> {
         self.files.iter_mut().find(|(p, _)| p == path).map(|(_, b)| b)

@@ -363,6 +363,8 @@ pub enum ValueKind {
     CompletionRecords,
     PatchPixels,
     ImageFeatureOffsets,
+    /// Request state: the token each live row sampled and has not consumed yet.
+    PendingTokens,
 }
 
 impl ValueKind {
@@ -393,14 +395,35 @@ impl ValueKind {
             ValueKind::CompletionRecords => "completion_records",
             ValueKind::PatchPixels => "patch_pixels",
             ValueKind::ImageFeatureOffsets => "image_feature_offsets",
+            ValueKind::PendingTokens => "pending_tokens",
         }
     }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Direction {
+    /// Staged by the host before each submission.
     Input,
+    /// Read back by the host after the submission completes.
     Output,
+    /// Persistent request state the graph reads, writes, or both; never packed by the host.
+    StateRead,
+    StateWrite,
+    StateReadWrite,
+}
+
+impl Direction {
+    pub fn is_state(self) -> bool {
+        matches!(self, Direction::StateRead | Direction::StateWrite | Direction::StateReadWrite)
+    }
+
+    pub fn reads_state(self) -> bool {
+        matches!(self, Direction::StateRead | Direction::StateReadWrite)
+    }
+
+    pub fn writes_state(self) -> bool {
+        matches!(self, Direction::StateWrite | Direction::StateReadWrite)
+    }
 }
 
 /// One semantic value's byte view: `shape` elements of `dtype` at `view` (validated to fit).

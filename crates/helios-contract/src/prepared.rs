@@ -86,6 +86,12 @@ pub fn expected_view(value: ValueKind, graph: &Graph, scheme: &CacheScheme, caps
             direction: Direction::Input,
         },
         ValueKind::ImageFeatureOffsets => ExpectedView { dtypes: I32, shape: vec![None], direction: Direction::Input },
+        // One entry per live row and the null row; the graph's direction says read or write.
+        ValueKind::PendingTokens => ExpectedView {
+            dtypes: I32,
+            shape: vec![Some(u64::from(caps.request_slots) + 1)],
+            direction: Direction::StateReadWrite,
+        },
     }
 }
 

@@ -896,6 +896,7 @@ fn value_kind(raw: i32, field: &FieldPath) -> Result<ValueKind> {
         P::CompletionRecords => ValueKind::CompletionRecords,
         P::PatchPixels => ValueKind::PatchPixels,
         P::ImageFeatureOffsets => ValueKind::ImageFeatureOffsets,
+        P::PendingTokens => ValueKind::PendingTokens,
         P::Unspecified => return Err(CoreError::UnknownEnum { field: field.clone(), value: raw }),
     })
 }
@@ -916,13 +917,22 @@ fn bindings(
         let direction = match enum_value::<pb::Direction>(b.direction, &p.field("direction"))? {
             pb::Direction::Input => Direction::Input,
             pb::Direction::Output => Direction::Output,
+            pb::Direction::StateRead => Direction::StateRead,
+            pb::Direction::StateWrite => Direction::StateWrite,
+            pb::Direction::StateReadWrite => Direction::StateReadWrite,
             pb::Direction::Unspecified => {
                 return Err(CoreError::UnknownEnum { field: p.field("direction"), value: b.direction });
             }
         };
         let dtype = dtype(b.dtype, &p.field("dtype"))?;
         let expected = expected_view(value, graph, ctx.scheme, ctx.caps);
-        if direction != expected.direction {
+        let direction_ok = if expected.direction.is_state() {
+            // Only decode may read request state; any sampling graph may write it.
+            direction.is_state() && (graph.kind == GraphKind::Decode || !direction.reads_state())
+        } else {
+            direction == expected.direction
+        };
+        if !direction_ok {
             return Err(invalid(&p.field("direction"), InvalidReason::WrongDirection));
         }
         if !expected.dtypes.contains(&dtype) {
@@ -951,6 +961,9 @@ fn bindings(
         let allowed = match direction {
             Direction::Input => matches!(role, BufferRole::StagingInputs | BufferRole::RequestState),
             Direction::Output => role == BufferRole::CompletionRecords,
+            Direction::StateRead | Direction::StateWrite | Direction::StateReadWrite => {
+                role == BufferRole::RequestState
+            }
         };
         if !allowed {
             return Err(invalid(&p.field("view").field("buffer_id"), InvalidReason::WrongRole { role: role.name() }));

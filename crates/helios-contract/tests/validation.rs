@@ -319,3 +319,50 @@ fn unrecorded_arena_pointer_is_rejected() {
     );
     assert_eq!(field, "core.graphs[0].nodes[0].kernel.param_bytes");
 }
+
+#[test]
+fn pending_tokens_are_request_state_read_only_by_decode() {
+    let mut f = fixture();
+    f.add_pending_tokens();
+    let m = validate(&f.manifest).unwrap();
+    let bound = BoundContract::bind(&m);
+    assert!(bound.decode(2).unwrap().reads_pending_token());
+    assert!(bound.prefill(64).unwrap().writes_pending_token());
+    assert!(!bound.prefill(64).unwrap().reads_pending_token());
+    assert!(bound.resume_sampling(1).unwrap().writes_pending_token());
+    // Never a staged input: the executor packs nothing for it.
+    assert!(bound.decode(2).unwrap().inputs().all(|(v, _)| v != ValueKind::PendingTokens));
+    let pending = |m: &pb::RuntimeCore, g: usize| {
+        m.graphs[g].bindings.iter().position(|b| b.value == pb::ValueKind::PendingTokens as i32).unwrap()
+    };
+    let decode = graph_index(&f.manifest, pb::GraphKind::Decode);
+    let prefill = graph_index(&f.manifest, pb::GraphKind::Prefill);
+    let wrong_direction = |reason: &InvalidReason| matches!(reason, InvalidReason::WrongDirection);
+    // Only decode may read it.
+    let mut bad = f.clone();
+    let i = pending(&bad.manifest, prefill);
+    bad.manifest.graphs[prefill].bindings[i].direction = pb::Direction::StateReadWrite as i32;
+    let (err, field) = field_of(validate(&bad.manifest));
+    assert!(matches!(err, CoreError::InvalidValue { ref reason, .. } if wrong_direction(reason)), "{err}");
+    assert_eq!(field, format!("core.graphs[{prefill}].bindings[{i}].direction"));
+    // Not a staged input.
+    let mut bad = f.clone();
+    let i = pending(&bad.manifest, decode);
+    bad.manifest.graphs[decode].bindings[i].direction = pb::Direction::Input as i32;
+    let (err, _) = field_of(validate(&bad.manifest));
+    assert!(matches!(err, CoreError::InvalidValue { ref reason, .. } if wrong_direction(reason)), "{err}");
+    // One i32 entry per live row and the null row.
+    let mut bad = f.clone();
+    bad.manifest.graphs[decode].bindings[i].dtype = pb::Dtype::I64 as i32;
+    let (err, _) = field_of(validate(&bad.manifest));
+    assert!(matches!(err, CoreError::InvalidValue { reason: InvalidReason::WrongDType { .. }, .. }), "{err}");
+    let mut bad = f.clone();
+    bad.manifest.graphs[decode].bindings[i].shape = vec![2];
+    assert!(validate(&bad.manifest).is_err());
+    // Request state, not staging.
+    let mut bad = f.clone();
+    let staging = bad.manifest.buffers.iter().find(|b| b.name == "staging_inputs").unwrap().id;
+    bad.manifest.graphs[decode].bindings[i].view = Some(pb::BufferRange { buffer_id: staging, offset: 0 });
+    let (err, _) = field_of(validate(&bad.manifest));
+    assert!(matches!(err, CoreError::InvalidValue { reason: InvalidReason::WrongRole { .. }, .. }), "{err}");
+}

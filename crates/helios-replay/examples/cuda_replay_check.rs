@@ -27,7 +27,8 @@ fn lifecycle<B: helios_replay::graph::GraphBackend>(
 ) -> (Vec<(Vec<u32>, FinishReason)>, u64, f64) {
     let m = core.manifest().clone();
     let mut executor = GraphExecutor::new(&m, backend).expect("drivable core");
-    let config = SchedulerConfig { max_concurrency: 4, queue_limit: 64, identity: Default::default() };
+    let config =
+        SchedulerConfig { max_concurrency: 4, queue_limit: 64, identity: Default::default(), device_fed_decode: false };
     let mut scheduler = Scheduler::new(m.cache_scheme.clone(), m.capacities.clone(), config).expect("scheduler");
     let vocab = m.capacities.vocab_size;
     let mut ids = Vec::new();
@@ -42,6 +43,7 @@ fn lifecycle<B: helios_replay::graph::GraphBackend>(
             max_output_tokens: 20 + r,
             eos_tokens: vec![],
             seed: u64::from(r),
+            needs_host_feedback: false,
         };
         ids.push(scheduler.submit(spec).expect("admits"));
     }

@@ -57,6 +57,8 @@ pub enum CudaError {
     Plan(#[from] PlanError),
     #[error("the arena is not backed whole (KV pages were cut to fit): {0} needs every byte")]
     PartiallyBacked(&'static str),
+    #[error("no deferred read {0} is outstanding")]
+    UnknownRead(u64),
 }
 
 fn error_text(r: cu::CUresult) -> (String, String) {
@@ -138,6 +140,15 @@ pub struct LoadReport {
     pub backed_bytes: u64,
 }
 
+/// Reads in flight keep at most this many events.
+const READ_EVENTS: usize = 64;
+
+/// A device-to-host copy into the pinned ring, or its bytes once copied out of the ring.
+enum DeferredRead {
+    InFlight { event: usize, at: usize, len: usize },
+    Done(Vec<u8>),
+}
+
 struct DeviceGraph {
     graph: cu::CUgraph,
     exec: cu::CUgraphExec,
@@ -159,11 +170,20 @@ pub struct DeviceCore {
     modules: Vec<cu::CUmodule>,
     graphs: HashMap<GraphId, DeviceGraph>,
     report: LoadReport,
-    /// Reusable page-locked staging for the executor's copies: bump-allocated, reset once the
-    /// stream has drained, so a region is never rewritten while a copy may still read it.
+    /// Reusable page-locked staging for the executor's copies, in two halves, bump-allocated.
+    /// Leaving a half records `half_left[h]`; a half is reused only after that event completed
+    /// and its deferred reads were copied out, so no region is rewritten while a copy or the
+    /// host may still read it.
     pinned: *mut u8,
     pinned_len: usize,
     pinned_at: usize,
+    half_left: [cu::CUevent; 2],
+    half_recorded: [bool; 2],
+    /// Events for deferred reads, created at load (none after readiness).
+    read_events: Vec<cu::CUevent>,
+    free_read_events: Vec<usize>,
+    reads: HashMap<u64, DeferredRead>,
+    next_read: u64,
     /// Device memory in use when loading finished (for the after-readiness growth check).
     used_at_ready: u64,
 }
@@ -220,12 +240,19 @@ impl DeviceCore {
             pinned: std::ptr::null_mut(),
             pinned_len: 0,
             pinned_at: 0,
+            half_left: [std::ptr::null_mut(); 2],
+            half_recorded: [false; 2],
+            read_events: Vec::new(),
+            free_read_events: Vec::new(),
+            reads: HashMap::new(),
+            next_read: 0,
             used_at_ready: 0,
         };
         // From here on, Drop releases whatever was created.
         // SAFETY: out-pointer to a field; the context is current.
         check("cuStreamCreate", unsafe { cu::cuStreamCreate(&mut me.stream, 1) })?;
         me.alloc_pinned()?;
+        me.create_events()?;
         me.map_arena(options)?;
         let t0 = Instant::now();
         me.upload(core)?;
@@ -584,6 +611,97 @@ impl DeviceCore {
         Ok(())
     }
 
+    fn create_events(&mut self) -> Result<(), CudaError> {
+        for i in 0..2 {
+            // SAFETY: out-pointer to a field; flags 2 = CU_EVENT_DISABLE_TIMING.
+            check("cuEventCreate", unsafe { cu::cuEventCreate(&mut self.half_left[i], 2) })?;
+        }
+        for i in 0..READ_EVENTS {
+            let mut e = std::ptr::null_mut();
+            // SAFETY: out-pointer to a live local.
+            check("cuEventCreate", unsafe { cu::cuEventCreate(&mut e, 2) })?;
+            self.read_events.push(e);
+            self.free_read_events.push(i);
+        }
+        Ok(())
+    }
+
+    /// Copies a finished deferred read out of the ring, freeing its event.
+    fn settle(&mut self, id: u64, wait: bool) -> Result<bool, CudaError> {
+        let Some(DeferredRead::InFlight { event, at, len }) = self.reads.get(&id) else { return Ok(true) };
+        let (event, at, len) = (*event, *at, *len);
+        let e = self.read_events[event];
+        // SAFETY: the event is live.
+        let r = unsafe { cu::cuEventQuery(e) };
+        if r == cu::CUresult::CUDA_ERROR_NOT_READY {
+            if !wait {
+                return Ok(false);
+            }
+            // SAFETY: the event is live.
+            check("cuEventSynchronize", unsafe { cu::cuEventSynchronize(e) })?;
+        } else {
+            check("cuEventQuery", r)?;
+        }
+        // SAFETY: the copy into [at, at + len) of the ring completed (its event did).
+        let bytes = unsafe { std::slice::from_raw_parts(self.pinned.add(at), len) }.to_vec();
+        self.reads.insert(id, DeferredRead::Done(bytes));
+        self.free_read_events.push(event);
+        Ok(true)
+    }
+
+    /// Copies every deferred read lying in ring half `half` out of the ring.
+    fn settle_half(&mut self, half: usize) -> Result<(), CudaError> {
+        let half_len = self.pinned_len / 2;
+        let ids: Vec<u64> = self
+            .reads
+            .iter()
+            .filter(|(_, r)| matches!(r, DeferredRead::InFlight { at, .. } if at / half_len == half))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in ids {
+            self.settle(id, true)?;
+        }
+        Ok(())
+    }
+
+    /// Enqueues a copy of a buffer range into the pinned ring, ordered after everything
+    /// enqueued; `None` when the range does not fit in half the ring.
+    pub fn read_later(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Option<u64>, CudaError> {
+        let addr = self.range(buffer, offset, len)?;
+        if self.free_read_events.is_empty() {
+            let ids: Vec<u64> = self.reads.keys().copied().collect();
+            for id in ids {
+                self.settle(id, true)?;
+            }
+        }
+        let Some(p) = self.pinned_region(len as usize)? else { return Ok(None) };
+        let Some(event) = self.free_read_events.pop() else { return Ok(None) };
+        // SAFETY: p holds len bytes of the ring nobody reads until the event completes.
+        check("cuMemcpyDtoHAsync", unsafe { cu::cuMemcpyDtoHAsync_v2(p.cast(), addr, len as usize, self.stream) })?;
+        // SAFETY: event and stream are live.
+        check("cuEventRecord", unsafe { cu::cuEventRecord(self.read_events[event], self.stream) })?;
+        let id = self.next_read;
+        self.next_read += 1;
+        // SAFETY: p lies inside the ring allocation.
+        let at = unsafe { p.offset_from(self.pinned) } as usize;
+        self.reads.insert(id, DeferredRead::InFlight { event, at, len: len as usize });
+        Ok(Some(id))
+    }
+
+    /// A deferred read's bytes once its copy landed; `None` while in flight unless `wait`.
+    pub fn take_read(&mut self, id: u64, wait: bool) -> Result<Option<Vec<u8>>, CudaError> {
+        if !self.reads.contains_key(&id) {
+            return Err(CudaError::UnknownRead(id));
+        }
+        if !self.settle(id, wait)? {
+            return Ok(None);
+        }
+        match self.reads.remove(&id) {
+            Some(DeferredRead::Done(bytes)) => Ok(Some(bytes)),
+            _ => Err(CudaError::UnknownRead(id)),
+        }
+    }
+
     /// Device memory in use now (all processes), from `cuMemGetInfo`.
     pub fn device_used_bytes(&self) -> Result<u64, CudaError> {
         let (mut free, mut total) = (0usize, 0usize);
@@ -598,14 +716,25 @@ impl DeviceCore {
         Ok(self.device_used_bytes()? as i64 - self.used_at_ready as i64)
     }
 
-    /// A region of the pinned ring for `len` bytes, draining the stream first when the ring is full.
+    /// A region of the pinned ring for `len` bytes (`None`: larger than half the ring). Moving
+    /// to the other half waits until that half's earlier copies finished.
     fn pinned_region(&mut self, len: usize) -> Result<Option<*mut u8>, CudaError> {
-        if len > self.pinned_len {
+        let half_len = self.pinned_len / 2;
+        if len > half_len {
             return Ok(None);
         }
-        if self.pinned_at + len > self.pinned_len {
-            self.synchronize()?;
-            self.pinned_at = 0;
+        let half = (self.pinned_at / half_len).min(1);
+        if self.pinned_at + len > (half + 1) * half_len {
+            // SAFETY: event and stream are live.
+            check("cuEventRecord", unsafe { cu::cuEventRecord(self.half_left[half], self.stream) })?;
+            self.half_recorded[half] = true;
+            let next = 1 - half;
+            if self.half_recorded[next] {
+                // SAFETY: the event is live.
+                check("cuEventSynchronize", unsafe { cu::cuEventSynchronize(self.half_left[next]) })?;
+            }
+            self.settle_half(next)?;
+            self.pinned_at = next * half_len;
         }
         // SAFETY: pinned_at + len <= pinned_len, inside the allocation.
         let p = unsafe { self.pinned.add(self.pinned_at) };
@@ -631,7 +760,6 @@ impl DeviceCore {
         // SAFETY: p holds len bytes; the source range is mapped.
         check("cuMemcpyDtoHAsync", unsafe { cu::cuMemcpyDtoHAsync_v2(p.cast(), addr, len as usize, self.stream) })?;
         self.synchronize()?;
-        self.pinned_at = 0;
         // SAFETY: the copy into p completed with the synchronization.
         Ok(unsafe { std::slice::from_raw_parts(p, len as usize) }.to_vec())
     }
@@ -720,6 +848,23 @@ impl crate::graph::GraphBackend for DeviceCore {
 
     fn replay(&mut self, graph: GraphId) -> Result<(), crate::ExecutorError> {
         Ok(DeviceCore::replay(self, graph)?)
+    }
+
+    fn read_later(
+        &mut self,
+        buffer: BufferId,
+        offset: u64,
+        len: u64,
+    ) -> Result<Option<crate::graph::ReadTicket>, crate::ExecutorError> {
+        Ok(DeviceCore::read_later(self, buffer, offset, len)?.map(crate::graph::ReadTicket))
+    }
+
+    fn take_read(
+        &mut self,
+        ticket: crate::graph::ReadTicket,
+        wait: bool,
+    ) -> Result<Option<Vec<u8>>, crate::ExecutorError> {
+        Ok(DeviceCore::take_read(self, ticket.0, wait)?)
     }
 
     fn device_memory_growth_bytes(&mut self) -> Option<i64> {
@@ -813,6 +958,11 @@ impl Drop for DeviceCore {
                     cu::cuMemRelease(h);
                 }
                 cu::cuMemAddressFree(self.base, self.reserved);
+            }
+            for &e in self.read_events.iter().chain(self.half_left.iter()) {
+                if !e.is_null() {
+                    cu::cuEventDestroy_v2(e);
+                }
             }
             if !self.stream.is_null() {
                 cu::cuStreamDestroy_v2(self.stream);

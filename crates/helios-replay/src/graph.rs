@@ -2,9 +2,16 @@
 //!
 //! [`GraphExecutor`] turns each planned [`StepOp`] into one graph replay: it packs the
 //! request metadata into the host mirror of the staging buffer through the
-//! [`BoundContract`] views, uploads it, replays the captured graph, and reads the completion
-//! records back ([`helios_contract::record`]). A [`GraphBackend`] supplies storage and replay:
-//! the CUDA [`crate::cuda::DeviceCore`], or a CPU emulation in tests.
+//! [`BoundContract`] views, uploads it, replays the captured graph, and copies the completion
+//! records back behind it ([`helios_contract::record`]). A [`GraphBackend`] supplies storage
+//! and replay: the CUDA [`crate::cuda::DeviceCore`], or a CPU emulation in tests.
+//!
+//! Steps stay in flight: `submit` only enqueues, and a step completes once every records copy
+//! it enqueued has landed ([`Executor::poll`], [`Executor::wait`]). At most
+//! [`MAX_STEPS_IN_FLIGHT`] steps are outstanding; a further `submit` first waits for the
+//! oldest. With cores whose graphs keep the pending token on the device, decode rows may be
+//! device-fed (a negative token id), so the scheduler can plan a step before the previous
+//! step's samples arrive.
 //!
 //! Conventions this executor fixes (the contract leaves them to the executor):
 //! - a KV page `p` is the byte range `p * bytes_per_page ..` of the core's `KvPages` buffer,
@@ -13,12 +20,22 @@
 //!   or `-1` (page tables, rows), zero for counts, and records are cleared before each replay,
 //!   so a record the graph did not write is rejected rather than read stale.
 
-use helios_contract::model::{BufferId, BufferRole, GraphId, MaintenanceOp, Manifest, ValueKind};
+use helios_contract::model::{BufferId, BufferRole, GraphId, GraphKind, MaintenanceOp, Manifest, ValueKind};
 use helios_contract::record::{CompletionRecord, FLAG_SAMPLED, RecordError};
 use helios_contract::{BoundContract, BoundGraph, ByteView, Element};
-use helios_scheduler::{Completion, ConsumeRow, SampleSpec, SampledToken, Step, StepOp};
+use std::collections::VecDeque;
+
+use helios_cache::Fence;
+use helios_scheduler::{Completion, ConsumeRow, RequestId, SampleSpec, SampledToken, Step, StepOp};
 
 use crate::{Executor, ExecutorError, RowSampling, StepInputs};
+
+/// Steps submitted and not yet completed, at most.
+pub const MAX_STEPS_IN_FLIGHT: usize = 2;
+
+/// A host copy of device bytes the backend enqueued ([`GraphBackend::read_later`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ReadTicket(pub u64);
 
 /// Storage and graph replay for a [`GraphExecutor`].
 pub trait GraphBackend {
@@ -30,6 +47,18 @@ pub trait GraphBackend {
     fn copy(&mut self, src: (BufferId, u64), dst: (BufferId, u64), len: u64) -> Result<(), ExecutorError>;
     /// Enqueues one replay.
     fn replay(&mut self, graph: GraphId) -> Result<(), ExecutorError>;
+    /// Enqueues a host copy of `len` bytes of `buffer` at `offset`, ordered after everything
+    /// enqueued before it. `None`: the backend cannot defer, so the executor reads at once.
+    fn read_later(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Option<ReadTicket>, ExecutorError> {
+        let _ = (buffer, offset, len);
+        Ok(None)
+    }
+    /// The bytes of a ticket once its copy landed (`None` while in flight; `wait` blocks until
+    /// it has). Each ticket is taken once.
+    fn take_read(&mut self, ticket: ReadTicket, wait: bool) -> Result<Option<Vec<u8>>, ExecutorError> {
+        let _ = wait;
+        Err(ExecutorError::UnknownRead(ticket.0))
+    }
     /// See [`Executor::device_memory_growth_bytes`].
     fn device_memory_growth_bytes(&mut self) -> Option<i64> {
         None
@@ -40,7 +69,24 @@ pub trait GraphBackend {
     }
 }
 
-/// Replays steps through a backend. Each step completes when `submit` returns.
+/// Records of one sampling replay: where their bytes are and whose samples they hold.
+#[derive(Debug)]
+struct RecordRead {
+    bytes: Option<Vec<u8>>,
+    ticket: Option<ReadTicket>,
+    width: usize,
+    token_capacity: u32,
+    /// Per graph row, the request it samples for.
+    rows: Vec<Option<RequestId>>,
+}
+
+#[derive(Debug)]
+struct InFlight {
+    fence: Fence,
+    reads: Vec<RecordRead>,
+}
+
+/// Replays steps through a backend, keeping up to [`MAX_STEPS_IN_FLIGHT`] in flight.
 #[derive(Debug)]
 pub struct GraphExecutor<B> {
     backend: B,
@@ -49,7 +95,10 @@ pub struct GraphExecutor<B> {
     staging: BufferId,
     staging_mirror: Vec<u8>,
     kv: Option<BufferId>,
-    completions: Vec<Completion>,
+    in_flight: VecDeque<InFlight>,
+    /// Completed steps not yet handed out, in fence order.
+    ready: Vec<Completion>,
+    device_fed: bool,
 }
 
 /// A manifest the executor cannot drive.
@@ -82,14 +131,24 @@ impl<B: GraphBackend> GraphExecutor<B> {
         };
         let size = manifest.buffer(id).map_or(0, |b| b.byte_size) as usize;
         let kv = manifest.buffers.iter().find(|b| b.role == BufferRole::KvPages).map(|b| b.id);
+        let samplers = || {
+            bound
+                .graphs()
+                .iter()
+                .filter(|g| matches!(g.kind, GraphKind::Decode | GraphKind::Prefill | GraphKind::ResumeSampling))
+        };
+        let device_fed = samplers().all(|g| g.writes_pending_token())
+            && bound.graphs().iter().filter(|g| g.kind == GraphKind::Decode).all(|g| g.reads_pending_token());
         Ok(GraphExecutor {
             backend,
             manifest: manifest.clone(),
+            device_fed,
             bound,
             staging: id,
             staging_mirror: vec![0; size],
             kv,
-            completions: Vec::new(),
+            in_flight: VecDeque::new(),
+            ready: Vec::new(),
         })
     }
 
@@ -161,13 +220,14 @@ impl<B: GraphBackend> GraphExecutor<B> {
         Ok(())
     }
 
-    /// Packs and replays one batch of rows (decode, prefill or resume), then reads its records.
+    /// Packs and replays one batch of rows (decode, prefill or resume), then enqueues the copy
+    /// of its records.
     fn rows(
         &mut self,
         g: &BoundGraph,
         rows: &[(&ConsumeRow, Option<SampleSpec>)],
         inputs: &StepInputs,
-        sampled: &mut Vec<SampledToken>,
+        reads: &mut Vec<RecordRead>,
     ) -> Result<(), ExecutorError> {
         let scheme = &self.manifest.cache_scheme;
         let (pt, pad_slot) = (i64::from(scheme.page_tokens), scheme.padding_slot);
@@ -184,13 +244,19 @@ impl<B: GraphBackend> GraphExecutor<B> {
         let mut counters = Vec::new();
         let mut flags = Vec::new();
         for (row, sample) in rows {
-            for (i, &t) in row.tokens.iter().enumerate() {
+            if row.device_token && !g.reads_pending_token() {
+                return Err(ExecutorError::DeviceFedUnsupported);
+            }
+            // A negative id: the graph reads the row's pending token on the device.
+            let device = row.device_token.then_some(-1i32);
+            let ids = device.into_iter().chain(row.tokens.iter().map(|&t| t as i32));
+            for (i, t) in ids.enumerate() {
                 let position = i64::from(row.start) + i as i64;
                 let page = row
                     .page_table
                     .get((position / pt) as usize)
                     .ok_or(ExecutorError::PageTableShort { position: position as u32, pages: row.page_table.len() })?;
-                tokens.push(t as i32);
+                tokens.push(t);
                 positions.push(position as i32);
                 slot_mapping.push(i64::from(*page) * pt + position % pt);
             }
@@ -198,8 +264,8 @@ impl<B: GraphBackend> GraphExecutor<B> {
             table.resize(pages, -1);
             page_table.extend(table);
             slots.push(row.live_row as i32);
-            query.push(row.tokens.len() as i32);
-            context.push((row.start as usize + row.tokens.len()) as i32);
+            query.push(row.len() as i32);
+            context.push((row.start as usize + row.len()) as i32);
             let s = sample.and_then(|s| inputs.sampling.get(&s.request)).cloned().unwrap_or_default();
             sampling.push(s);
             seeds.push(sample.map_or(0, |s| s.seed));
@@ -245,25 +311,68 @@ impl<B: GraphBackend> GraphExecutor<B> {
         self.upload()?;
         self.backend.replay(g.id)?;
         let Some(view) = records else { return Ok(()) };
-        let bytes = self.backend.read(view.buffer, view.buffer_offset, view.byte_len)?;
         let header = self.manifest.capacities.completion_record_header_words;
-        let width = (header + g.completion_token_capacity) as usize;
+        let ticket = self.backend.read_later(view.buffer, view.buffer_offset, view.byte_len)?;
+        let bytes = match ticket {
+            Some(_) => None,
+            None => Some(self.backend.read(view.buffer, view.buffer_offset, view.byte_len)?),
+        };
+        reads.push(RecordRead {
+            bytes,
+            ticket,
+            width: (header + g.completion_token_capacity) as usize,
+            token_capacity: g.completion_token_capacity,
+            rows: rows.iter().map(|(_, s)| s.map(|s| s.request)).collect(),
+        });
+        Ok(())
+    }
+
+    /// The sampled tokens of one replay's records.
+    fn parse(&self, read: &RecordRead, sampled: &mut Vec<SampledToken>) -> Result<(), ExecutorError> {
+        let bytes = read.bytes.as_deref().unwrap_or_default();
+        let header = self.manifest.capacities.completion_record_header_words;
         let vocab = self.manifest.capacities.vocab_size;
-        for (i, (_, sample)) in rows.iter().enumerate() {
-            let Some(sample) = sample else { continue };
+        let width = read.width;
+        for (i, request) in read.rows.iter().enumerate() {
+            let Some(request) = *request else { continue };
             let words: Vec<u32> = bytes
                 .get(i * width * 4..(i + 1) * width * 4)
                 .ok_or(ExecutorError::Record { row: i, error: RecordError::WrongLength { got: 0, expected: width } })?
                 .chunks_exact(4)
                 .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect();
-            let record = CompletionRecord::parse(&words, header, g.completion_token_capacity, vocab)
+            let record = CompletionRecord::parse(&words, header, read.token_capacity, vocab)
                 .map_err(|error| ExecutorError::Record { row: i, error })?;
             let token = match record.tokens.first() {
                 Some(&t) if record.flags & FLAG_SAMPLED != 0 => t,
                 _ => return Err(ExecutorError::NotSampled(i)),
             };
-            sampled.push(SampledToken { request: sample.request, token });
+            sampled.push(SampledToken { request, token });
+        }
+        Ok(())
+    }
+
+    /// Moves in-flight steps whose records all landed to `ready`, oldest first; `wait`: the
+    /// oldest step is waited for.
+    fn collect(&mut self, mut wait: bool) -> Result<(), ExecutorError> {
+        while let Some(step) = self.in_flight.front_mut() {
+            for read in &mut step.reads {
+                if read.bytes.is_some() {
+                    continue;
+                }
+                let Some(ticket) = read.ticket else { continue };
+                read.bytes = self.backend.take_read(ticket, wait)?;
+                if read.bytes.is_none() {
+                    return Ok(());
+                }
+            }
+            wait = false;
+            let Some(step) = self.in_flight.pop_front() else { break };
+            let mut sampled = Vec::new();
+            for read in &step.reads {
+                self.parse(read, &mut sampled)?;
+            }
+            self.ready.push(Completion { fence: step.fence, sampled });
         }
         Ok(())
     }
@@ -271,7 +380,10 @@ impl<B: GraphBackend> GraphExecutor<B> {
 
 impl<B: GraphBackend> Executor for GraphExecutor<B> {
     fn submit(&mut self, step: &Step, inputs: &StepInputs) -> Result<(), ExecutorError> {
-        let mut sampled = Vec::new();
+        while self.in_flight.len() >= MAX_STEPS_IN_FLIGHT {
+            self.collect(true)?;
+        }
+        let mut reads = Vec::new();
         for op in &step.ops {
             match op {
                 StepOp::Initialize { live_row, rows } => {
@@ -295,11 +407,11 @@ impl<B: GraphBackend> Executor for GraphExecutor<B> {
                 StepOp::Decode { bucket, rows } => {
                     let g = self.bound.decode(*bucket)?.clone();
                     let batch: Vec<(&ConsumeRow, Option<SampleSpec>)> = rows.iter().map(|r| (r, r.sample)).collect();
-                    self.rows(&g, &batch, inputs, &mut sampled)?;
+                    self.rows(&g, &batch, inputs, &mut reads)?;
                 }
                 StepOp::Prefill { capacity, row } => {
                     let g = self.bound.prefill(*capacity)?.clone();
-                    self.rows(&g, &[(row, row.sample)], inputs, &mut sampled)?;
+                    self.rows(&g, &[(row, row.sample)], inputs, &mut reads)?;
                 }
                 StepOp::ResumeSampling { live_row, consumed, page_table, sample } => {
                     let g = self.bound.resume_sampling(1)?.clone();
@@ -307,23 +419,37 @@ impl<B: GraphBackend> Executor for GraphExecutor<B> {
                         live_row: *live_row,
                         start: *consumed,
                         tokens: Vec::new(),
+                        device_token: false,
                         page_table: page_table.clone(),
                         sample: Some(*sample),
                     };
-                    self.rows(&g, &[(&row, Some(*sample))], inputs, &mut sampled)?;
+                    self.rows(&g, &[(&row, Some(*sample))], inputs, &mut reads)?;
                 }
             }
         }
-        self.completions.push(Completion { fence: step.fence, sampled });
+        self.in_flight.push_back(InFlight { fence: step.fence, reads });
         Ok(())
     }
 
-    fn poll(&mut self) -> Vec<Completion> {
-        std::mem::take(&mut self.completions)
+    fn poll(&mut self) -> Result<Vec<Completion>, ExecutorError> {
+        self.collect(false)?;
+        Ok(std::mem::take(&mut self.ready))
     }
 
-    fn synchronize(&mut self) -> Vec<Completion> {
-        std::mem::take(&mut self.completions)
+    fn synchronize(&mut self) -> Result<Vec<Completion>, ExecutorError> {
+        while !self.in_flight.is_empty() {
+            self.collect(true)?;
+        }
+        Ok(std::mem::take(&mut self.ready))
+    }
+
+    fn wait(&mut self) -> Result<Vec<Completion>, ExecutorError> {
+        self.collect(true)?;
+        Ok(std::mem::take(&mut self.ready))
+    }
+
+    fn device_fed_decode(&self) -> bool {
+        self.device_fed
     }
 
     fn device_memory_growth_bytes(&mut self) -> Option<i64> {

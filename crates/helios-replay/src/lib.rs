@@ -65,9 +65,19 @@ pub trait Executor {
     /// Submits one step with its packed inputs; ops run in order.
     fn submit(&mut self, step: &Step, inputs: &StepInputs) -> Result<(), ExecutorError>;
     /// Completions of finished steps, in fence order (non-blocking).
-    fn poll(&mut self) -> Vec<Completion>;
+    fn poll(&mut self) -> Result<Vec<Completion>, ExecutorError>;
     /// Waits for every submitted step; returns their completions in fence order.
-    fn synchronize(&mut self) -> Vec<Completion>;
+    fn synchronize(&mut self) -> Result<Vec<Completion>, ExecutorError>;
+    /// Waits until at least the oldest submitted step completed (when any is in flight);
+    /// returns every completion ready, in fence order. Keeps later steps in flight.
+    fn wait(&mut self) -> Result<Vec<Completion>, ExecutorError> {
+        self.synchronize()
+    }
+    /// Whether decode rows may be device-fed ([`ConsumeRow::device_token`]): every decode
+    /// graph reads the pending token from device state and every sampling op writes it.
+    fn device_fed_decode(&self) -> bool {
+        false
+    }
     /// Device memory in use now minus at readiness, for executors that own a device: anything
     /// other than 0 means memory was allocated after readiness (by us or by another process on
     /// the device). `None` where there is no device.
@@ -107,6 +117,12 @@ pub enum ExecutorError {
     Record { row: usize, error: helios_contract::record::RecordError },
     #[error("completion record of row {0} holds no sampled token")]
     NotSampled(usize),
+    #[error("row {0} decodes its pending token, but no sampling op wrote one since it was initialized")]
+    NoPendingToken(u32),
+    #[error("a device-fed decode row, but the core's graphs do not keep the pending token on the device")]
+    DeviceFedUnsupported,
+    #[error("no deferred read {0} is outstanding")]
+    UnknownRead(u64),
     #[error("the core cannot be driven: {0}")]
     Contract(#[from] graph::GraphExecutorError),
     /// A CUDA failure: operation, driver code, name and description.
@@ -157,6 +173,10 @@ pub struct SimulatedExecutor {
     /// Completions are reported only once this many later steps were submitted.
     completion_lag: usize,
     model: SimModel,
+    /// Device request state: the token each row sampled last, cleared when the row is
+    /// initialized or restored (outside every checkpoint).
+    pending: Vec<Option<u32>>,
+    device_fed: bool,
 }
 
 impl SimulatedExecutor {
@@ -178,7 +198,15 @@ impl SimulatedExecutor {
             completions: Vec::new(),
             completion_lag: 0,
             model: SimModel::Hash,
+            pending: vec![None; rows],
+            device_fed: false,
         }
+    }
+
+    /// Accepts device-fed decode rows (reports [`Executor::device_fed_decode`]).
+    pub fn with_device_fed_decode(mut self) -> Self {
+        self.device_fed = true;
+        self
     }
 
     /// Selects the simulated model.
@@ -210,6 +238,12 @@ impl SimulatedExecutor {
         let source = self.rows[from as usize].clone();
         self.rows[to as usize].copy_from_slice(&source);
         Ok(())
+    }
+
+    fn clear_pending(&mut self, row: u32) {
+        if let Some(p) = self.pending.get_mut(row as usize) {
+            *p = None;
+        }
     }
 
     fn copy_page(&mut self, from: u32, to: u32) -> Result<(), ExecutorError> {
@@ -286,6 +320,9 @@ impl SimulatedExecutor {
         if let Some(c) = self.completions.last_mut() {
             c.sampled.push(SampledToken { request: sample.request, token });
         }
+        if let Some(p) = self.pending.get_mut(row as usize) {
+            *p = Some(token);
+        }
         Ok(())
     }
 
@@ -298,13 +335,22 @@ impl SimulatedExecutor {
                 expected: u64::from(row.start),
             });
         }
-        for (i, &token) in row.tokens.iter().enumerate() {
+        let device = if row.device_token {
+            if !self.device_fed {
+                return Err(ExecutorError::DeviceFedUnsupported);
+            }
+            let token = self.pending.get(row.live_row as usize).copied().flatten();
+            Some(token.ok_or(ExecutorError::NoPendingToken(row.live_row))?)
+        } else {
+            None
+        };
+        for (i, &token) in device.iter().chain(&row.tokens).enumerate() {
             let position = row.start + i as u32;
             let word = u64::from(token) | (u64::from(position) << 32);
             self.slot_of(&row.page_table, position)?.copy_from_slice(&word.to_le_bytes());
             state = splitmix(state ^ word);
         }
-        self.set_row_state(row.live_row, state, consumed + row.tokens.len() as u64)?;
+        self.set_row_state(row.live_row, state, consumed + row.len() as u64)?;
         if let Some(sample) = &row.sample {
             self.sample(row.live_row, &row.page_table, sample, inputs)?;
         }
@@ -389,10 +435,12 @@ impl Executor for SimulatedExecutor {
                 StepOp::Initialize { live_row, rows } => {
                     for r in *live_row..live_row + rows {
                         self.copy_row(0, r)?;
+                        self.clear_pending(r);
                     }
                 }
                 StepOp::Restore { snapshot_row, live_row, tail } => {
                     self.copy_row(*snapshot_row, *live_row)?;
+                    self.clear_pending(*live_row);
                     if let Some(copy) = tail {
                         self.copy_page(copy.source, copy.destination)?;
                     }
@@ -424,32 +472,41 @@ impl Executor for SimulatedExecutor {
         Ok(())
     }
 
-    fn poll(&mut self) -> Vec<Completion> {
+    fn poll(&mut self) -> Result<Vec<Completion>, ExecutorError> {
         let ready = self.completions.len().saturating_sub(self.completion_lag);
-        self.completions.drain(..ready).collect()
+        Ok(self.completions.drain(..ready).collect())
     }
 
-    fn synchronize(&mut self) -> Vec<Completion> {
-        std::mem::take(&mut self.completions)
+    fn synchronize(&mut self) -> Result<Vec<Completion>, ExecutorError> {
+        Ok(std::mem::take(&mut self.completions))
+    }
+
+    fn wait(&mut self) -> Result<Vec<Completion>, ExecutorError> {
+        let ready = self.completions.len().saturating_sub(self.completion_lag).max(1).min(self.completions.len());
+        Ok(self.completions.drain(..ready).collect())
+    }
+
+    fn device_fed_decode(&self) -> bool {
+        self.device_fed
     }
 }
 
 /// One serving-loop turn: apply completions, plan, submit; with nothing to plan, wait for
 /// the executor. Returns whether anything happened.
 pub fn turn<E: Executor>(scheduler: &mut Scheduler, executor: &mut E) -> Result<bool, ExecutorError> {
-    for completion in executor.poll() {
+    for completion in executor.poll()? {
         scheduler.complete(&completion);
     }
     match scheduler.schedule() {
         Some(step) => {
             executor.submit(&step, &StepInputs::default())?;
-            for completion in executor.poll() {
+            for completion in executor.poll()? {
                 scheduler.complete(&completion);
             }
             Ok(true)
         }
         None => {
-            let completions = executor.synchronize();
+            let completions = executor.wait()?;
             for completion in &completions {
                 scheduler.complete(completion);
             }
@@ -545,13 +602,20 @@ mod tests {
             let mut inputs = StepInputs::default();
             inputs.sampling.insert(request, RowSampling { mask: Some(mask.into()), ..Default::default() });
             let sample = Some(SampleSpec { request, seed: 9, counter: 0 });
-            let row = ConsumeRow { live_row: 1, start: 0, tokens: vec![5, 6, 5], page_table: vec![0], sample };
+            let row = ConsumeRow {
+                live_row: 1,
+                start: 0,
+                tokens: vec![5, 6, 5],
+                device_token: false,
+                page_table: vec![0],
+                sample,
+            };
             let step = Step {
                 fence: helios_cache::Fence(1),
                 ops: vec![StepOp::Initialize { live_row: 1, rows: 1 }, StepOp::Prefill { capacity: 16, row }],
             };
             executor.submit(&step, &inputs).expect("submits");
-            let done = executor.synchronize();
+            let done = executor.synchronize().expect("completes");
             assert_eq!(done[0].sampled, vec![SampledToken { request, token: 34 }]);
         }
     }

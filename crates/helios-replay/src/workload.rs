@@ -55,7 +55,12 @@ pub fn device_scenario() -> Vec<Action> {
 
 /// Config for tests.
 pub fn test_config(max_concurrency: u32) -> SchedulerConfig {
-    SchedulerConfig { max_concurrency, queue_limit: 64, identity: PrefixIdentity { model: 1, token_layout: 1 } }
+    SchedulerConfig {
+        max_concurrency,
+        queue_limit: 64,
+        identity: PrefixIdentity { model: 1, token_layout: 1 },
+        device_fed_decode: false,
+    }
 }
 
 fn tokens(seed: u64, len: usize, vocab: u32) -> Vec<u32> {
@@ -128,8 +133,8 @@ pub fn run_workload_on<E: Executor>(
     eos_tokens: &[u32],
     actions: &[Action],
 ) -> Result<WorkloadReport, ExecutorError> {
-    let mut scheduler =
-        Scheduler::new(scheme.clone(), capacities.clone(), test_config(max_concurrency)).expect("test config");
+    let config = SchedulerConfig { device_fed_decode: executor.device_fed_decode(), ..test_config(max_concurrency) };
+    let mut scheduler = Scheduler::new(scheme.clone(), capacities.clone(), config).expect("test config");
     let mut conversations: Vec<Conversation> = Vec::new();
     let mut specs: HashMap<RequestId, (usize, RequestSpec)> = HashMap::new();
     let mut report = WorkloadReport::default();
@@ -169,6 +174,7 @@ pub fn run_workload_on<E: Executor>(
                 max_output_tokens: u32::from(max_output.max(1)),
                 eos_tokens: eos.clone(),
                 seed: step as u64,
+                needs_host_feedback: false,
             };
             let id = scheduler.submit(spec.clone()).ok()?;
             c.in_flight = Some(id);

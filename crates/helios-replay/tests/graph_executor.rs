@@ -9,14 +9,19 @@ use helios_contract::fixtures::FixtureSpec;
 use helios_replay::graph::GraphExecutor;
 use helios_replay::turn;
 use helios_scheduler::{FinishReason, RequestSpec, Scheduler, SchedulerConfig};
-use support::device_fixture::{Emulator, device_fixture};
+use support::device_fixture::{Emulator, device_fixture, device_fixture_with};
 
-fn run(spec: &FixtureSpec, prompts: &[Vec<u32>], max_output: u32) -> Vec<(Vec<u32>, FinishReason)> {
+fn run(spec: &FixtureSpec, prompts: &[Vec<u32>], max_output: u32, deferred: bool) -> Vec<(Vec<u32>, FinishReason)> {
     let dir = tempfile::tempdir().unwrap();
     let core = device_fixture(dir.path(), spec);
     let m = core.manifest().clone();
-    let mut executor = GraphExecutor::new(&m, Emulator::new(&core)).expect("drivable core");
-    let config = SchedulerConfig { max_concurrency: 4, queue_limit: 64, identity: Default::default() };
+    let mut emulator = Emulator::new(&core);
+    emulator.deferred = deferred;
+    let mut executor = GraphExecutor::new(&m, emulator).expect("drivable core");
+    // The fixture's graphs take their tokens from the host only.
+    assert!(!helios_replay::Executor::device_fed_decode(&executor));
+    let config =
+        SchedulerConfig { max_concurrency: 4, queue_limit: 64, identity: Default::default(), device_fed_decode: false };
     let mut scheduler = Scheduler::new(m.cache_scheme.clone(), m.capacities.clone(), config).unwrap();
     let ids: Vec<_> = prompts
         .iter()
@@ -29,6 +34,7 @@ fn run(spec: &FixtureSpec, prompts: &[Vec<u32>], max_output: u32) -> Vec<(Vec<u3
                     max_output_tokens: max_output,
                     eos_tokens: vec![],
                     seed: 1,
+                    needs_host_feedback: false,
                 })
                 .unwrap()
         })
@@ -62,12 +68,85 @@ fn steps_replay_through_records() {
         (0..70).map(|i| i % vocab).collect(), // shares the first's prefix
         (5..40).map(|i| (i * 7) % vocab).collect(),
     ];
-    let first = run(&spec, &prompts, 12);
+    let first = run(&spec, &prompts, 12, false);
     for (output, reason) in &first {
         assert_eq!(output.len(), 12);
         assert_eq!(*reason, FinishReason::Length);
         assert!(output.iter().all(|&t| t < vocab));
     }
     // Deterministic: packing, replay and record parsing are pure functions of the steps.
-    assert_eq!(run(&spec, &prompts, 12), first);
+    assert_eq!(run(&spec, &prompts, 12, false), first);
+    // Records copied behind the replay and collected a turn later: the scheduler plans with
+    // a step in flight, so batches differ (and this fixture's graphs are not request-
+    // deterministic), but every request completes, in fence order, deterministically.
+    let deferred = run(&spec, &prompts, 12, true);
+    for (output, reason) in &deferred {
+        assert_eq!((output.len(), *reason), (12, FinishReason::Length));
+    }
+    assert_eq!(run(&spec, &prompts, 12, true), deferred);
+}
+
+#[test]
+fn device_fed_rows_need_graphs_that_keep_the_pending_token() {
+    use helios_replay::{Executor, ExecutorError, StepInputs};
+    use helios_scheduler::{ConsumeRow, SampleSpec, Step, StepOp};
+    let spec = FixtureSpec::default();
+    let step = Step {
+        fence: helios_cache::Fence(1),
+        ops: vec![StepOp::Decode {
+            bucket: 1,
+            rows: vec![ConsumeRow {
+                live_row: 1,
+                start: 3,
+                tokens: vec![],
+                device_token: true,
+                page_table: vec![0],
+                sample: Some(SampleSpec { request: helios_scheduler::RequestId(0), seed: 1, counter: 1 }),
+            }],
+        }],
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let host_fed = device_fixture(dir.path(), &spec);
+    let mut executor = GraphExecutor::new(host_fed.manifest(), Emulator::new(&host_fed)).unwrap();
+    assert_eq!(executor.submit(&step, &StepInputs::default()), Err(ExecutorError::DeviceFedUnsupported));
+
+    let dir = tempfile::tempdir().unwrap();
+    let core = device_fixture_with(dir.path(), &spec, |f| {
+        f.add_pending_tokens();
+    });
+    let m = core.manifest().clone();
+    let mut emulator = Emulator::new(&core);
+    emulator.deferred = true;
+    let mut executor = GraphExecutor::new(&m, emulator).unwrap();
+    assert!(executor.device_fed_decode());
+    executor.submit(&step, &StepInputs::default()).unwrap();
+    assert!(executor.poll().unwrap().is_empty(), "the records copy is still in flight");
+    let done = executor.wait().unwrap();
+    assert_eq!((done.len(), done[0].sampled.len()), (1, 1));
+
+    // Whole requests with two decode steps in flight.
+    let config =
+        SchedulerConfig { max_concurrency: 4, queue_limit: 64, identity: Default::default(), device_fed_decode: true };
+    let mut scheduler = Scheduler::new(m.cache_scheme.clone(), m.capacities.clone(), config).unwrap();
+    for p in 0..3u32 {
+        let tokens = (0..40).map(|i| (i * 3 + p) % spec.vocab_size).collect();
+        let request = RequestSpec {
+            tokens,
+            images: vec![],
+            message_endpoints: vec![],
+            max_output_tokens: 10,
+            eos_tokens: vec![],
+            seed: 1,
+            needs_host_feedback: false,
+        };
+        scheduler.submit(request).unwrap();
+    }
+    let mut finished = Vec::new();
+    while !scheduler.is_idle() {
+        turn(&mut scheduler, &mut executor).expect("executes");
+        scheduler.check_invariants();
+        finished.extend(scheduler.take_finished());
+    }
+    assert_eq!(finished.len(), 3);
+    assert!(finished.iter().all(|f| f.output.len() == 10 && f.reason == FinishReason::Length));
 }

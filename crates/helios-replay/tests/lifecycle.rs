@@ -1,9 +1,10 @@
 //! Deterministic scenarios and property tests over random agent workloads.
 #![allow(clippy::unwrap_used)]
 
-use helios_replay::workload::{Action, assert_matches_oracle, run_alone, run_workload, test_config};
-use helios_replay::{SimulatedExecutor, reference_schemes, test_capacities, turn};
-use helios_scheduler::{AdmissionError, FinishReason, RequestSpec, Scheduler};
+use helios_contract::model::CacheScheme;
+use helios_replay::workload::{Action, assert_matches_oracle, run_alone, run_workload, run_workload_on, test_config};
+use helios_replay::{Executor, SimulatedExecutor, reference_schemes, test_capacities, turn};
+use helios_scheduler::{AdmissionError, FinishReason, RequestSpec, Scheduler, SchedulerConfig, StepOp};
 use proptest::prelude::*;
 
 fn spec(tokens: Vec<u32>, max_output: u32, seed: u64) -> RequestSpec {
@@ -14,6 +15,7 @@ fn spec(tokens: Vec<u32>, max_output: u32, seed: u64) -> RequestSpec {
         max_output_tokens: max_output,
         eos_tokens: vec![],
         seed,
+        needs_host_feedback: false,
     }
 }
 
@@ -170,19 +172,26 @@ fn action() -> impl Strategy<Value = Action> {
     ]
 }
 
-fn check(scheme_index: usize, tight: bool, lag: usize, actions: Vec<Action>) {
+/// `device_fed`: decode reads the pending token on the "device", so with a lag two decode steps
+/// are in flight; the oracle is always the host-fed solo run.
+fn check(scheme_index: usize, tight: bool, lag: usize, device_fed: bool, actions: Vec<Action>) {
     let scheme = reference_schemes().remove(scheme_index);
     let min_pages = scheme.pages_for(1024) as u32 + 2;
     let caps = if tight { test_capacities(4, min_pages, 3) } else { test_capacities(4, min_pages * 3, 16) };
-    let report = run_workload(&scheme, &caps, 4, &[0], lag, &actions).unwrap();
+    let report = if device_fed {
+        let mut executor = SimulatedExecutor::with_completion_lag(&scheme, &caps, lag).with_device_fed_decode();
+        run_workload_on(&mut executor, &scheme, &caps, 4, &[0], &actions).unwrap()
+    } else {
+        run_workload(&scheme, &caps, 4, &[0], lag, &actions).unwrap()
+    };
     assert_matches_oracle(&scheme, &caps, &report);
 }
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
     #[test]
-    fn random_agent_workloads(scheme in 0usize..3, tight in any::<bool>(), lag in 0usize..3, actions in prop::collection::vec(action(), 1..24)) {
-        check(scheme, tight, lag, actions);
+    fn random_agent_workloads(scheme in 0usize..3, tight in any::<bool>(), lag in 0usize..3, device_fed in any::<bool>(), actions in prop::collection::vec(action(), 1..24)) {
+        check(scheme, tight, lag, device_fed, actions);
     }
 }
 
@@ -190,8 +199,8 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 4000, ..ProptestConfig::default() })]
     #[test]
     #[ignore = "soak: cargo test -p helios-replay -- --ignored"]
-    fn random_agent_workloads_soak(scheme in 0usize..3, tight in any::<bool>(), lag in 0usize..3, actions in prop::collection::vec(action(), 1..48)) {
-        check(scheme, tight, lag, actions);
+    fn random_agent_workloads_soak(scheme in 0usize..3, tight in any::<bool>(), lag in 0usize..3, device_fed in any::<bool>(), actions in prop::collection::vec(action(), 1..48)) {
+        check(scheme, tight, lag, device_fed, actions);
     }
 }
 
@@ -214,7 +223,8 @@ fn executor_rejects_stale_rows() {
     let scheme = reference_schemes().remove(0);
     let caps = test_capacities(1, 4, 1);
     let mut executor = SimulatedExecutor::new(&scheme, &caps);
-    let row = ConsumeRow { live_row: 1, start: 5, tokens: vec![1], page_table: vec![0], sample: None };
+    let row =
+        ConsumeRow { live_row: 1, start: 5, tokens: vec![1], device_token: false, page_table: vec![0], sample: None };
     let step = Step { fence: Fence(1), ops: vec![StepOp::Prefill { capacity: 16, row }] };
     assert!(matches!(
         executor.submit(&step, &helios_replay::StepInputs::default()),
@@ -248,7 +258,7 @@ fn admission_counts_the_prompt_once() {
                 }
                 executor.submit(&step, &helios_replay::StepInputs::default()).unwrap();
             }
-            for c in executor.synchronize() {
+            for c in executor.synchronize().unwrap() {
                 scheduler.complete(&c);
             }
         }
@@ -322,5 +332,70 @@ fn the_device_scenario_matches_solo_runs_on_the_same_executor() {
                 _ => assert_eq!(done.output, alone, "{:?} diverged from its solo run", done.id),
             }
         }
+    }
+}
+
+/// Runs one request with completions one step late and device-fed decode; returns its output,
+/// the device-fed decode rows planned and the most samples that were in flight at once.
+fn pipelined(scheme: &CacheScheme, spec: &RequestSpec) -> (Vec<u32>, usize, usize) {
+    let caps = test_capacities(2, 40, 4);
+    let mut executor = SimulatedExecutor::with_completion_lag(scheme, &caps, 1).with_device_fed_decode();
+    let config = SchedulerConfig { device_fed_decode: true, ..helios_replay::workload::test_config(2) };
+    let mut scheduler = Scheduler::new(scheme.clone(), caps, config).unwrap();
+    scheduler.submit(spec.clone()).unwrap();
+    let (mut device_rows, mut outstanding, mut most) = (0, 0usize, 0);
+    while !scheduler.is_idle() {
+        match scheduler.schedule() {
+            Some(step) => {
+                for op in &step.ops {
+                    if let StepOp::Decode { rows, .. } = op {
+                        device_rows += rows.iter().filter(|r| r.device_token).count();
+                    }
+                }
+                let samples = step.ops.iter().any(|op| {
+                    matches!(op, StepOp::Decode { .. } | StepOp::ResumeSampling { .. })
+                        || matches!(op, StepOp::Prefill { row, .. } if row.sample.is_some())
+                });
+                outstanding += usize::from(samples);
+                most = most.max(outstanding);
+                executor.submit(&step, &helios_replay::StepInputs::default()).unwrap();
+                for c in executor.poll().unwrap() {
+                    outstanding -= usize::from(!c.sampled.is_empty());
+                    scheduler.complete(&c);
+                }
+            }
+            None => {
+                for c in executor.wait().unwrap() {
+                    outstanding -= usize::from(!c.sampled.is_empty());
+                    scheduler.complete(&c);
+                }
+            }
+        }
+        scheduler.check_invariants();
+    }
+    let done = scheduler.take_finished().pop().unwrap();
+    (done.output, device_rows, most)
+}
+
+#[test]
+fn device_fed_decode_keeps_two_steps_in_flight_and_matches_solo_runs() {
+    for scheme in reference_schemes() {
+        let caps = test_capacities(2, 40, 4);
+        let plain = spec(prompt(70, 3), 24, 11);
+        let alone = helios_replay::workload::run_alone(&scheme, &caps, &plain);
+        let (out, device_rows, most) = pipelined(&scheme, &plain);
+        assert_eq!(out, alone, "page_tokens {}", scheme.page_tokens);
+        assert!(device_rows >= 20, "{device_rows} device-fed rows");
+        assert_eq!(most, 2, "two sampling steps in flight");
+        // An EOS sampled while the next step is in flight: that step's sample is dropped.
+        let eos = alone[9];
+        let first = alone.iter().position(|&t| t == eos).unwrap();
+        let stopping = RequestSpec { eos_tokens: vec![eos], ..plain.clone() };
+        let (out, _, _) = pipelined(&scheme, &stopping);
+        assert_eq!(out, alone[..=first].to_vec(), "stops at the first EOS");
+        // Grammar-like host feedback: never device-fed.
+        let fed = RequestSpec { needs_host_feedback: true, ..plain.clone() };
+        let (out, device_rows, _) = pipelined(&scheme, &fed);
+        assert_eq!((out, device_rows), (alone, 0));
     }
 }

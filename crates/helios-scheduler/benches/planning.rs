@@ -43,6 +43,7 @@ fn request(seed: u64) -> RequestSpec {
         max_output_tokens: 2000,
         eos_tokens: vec![],
         seed,
+        needs_host_feedback: false,
     }
 }
 
@@ -70,6 +71,7 @@ fn decode_step(c: &mut Criterion) {
             max_concurrency: active,
             queue_limit: 1024,
             identity: PrefixIdentity { model: 1, token_layout: 1 },
+            device_fed_decode: false,
         };
         let mut scheduler = Scheduler::new(scheme(), capacities(active), config).unwrap();
         let mut next_seed = 0;

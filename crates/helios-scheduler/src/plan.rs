@@ -28,8 +28,22 @@ pub struct ConsumeRow {
     pub live_row: u32,
     pub start: u32,
     pub tokens: Vec<u32>,
+    /// Decode only: the row consumes one token the host has not seen, its live row's pending
+    /// token on the device (sampled by a step still in flight); `tokens` is then empty.
+    pub device_token: bool,
     pub page_table: Vec<PageId>,
     pub sample: Option<SampleSpec>,
+}
+
+impl ConsumeRow {
+    /// Tokens the row consumes.
+    pub fn len(&self) -> usize {
+        self.tokens.len() + usize::from(self.device_token)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// One operation; ops in a step run in order.

@@ -11,7 +11,16 @@
 //! - every snapshot row is held by exactly one checkpoint or pending capture;
 //! - running requests hold distinct slots, at most `max_concurrency` of them;
 //! - a running request's page table covers its consumed tokens, and starts with its
-//!   anchor checkpoint's complete-page chain; the anchor is pinned once per holder.
+//!   anchor checkpoint's complete-page chain; the anchor is pinned once per holder;
+//! - a running request has at most two samples in flight, and consumes at most one token the
+//!   host has not seen yet (a device-fed decode of a sample still in flight).
+//!
+//! Device-fed decode (`SchedulerConfig::device_fed_decode`): a decoder whose one sample is
+//! still in flight may decode again, consuming that sample from device state, so two decode
+//! steps can be in flight. Never for a request that needs host feedback, is cancelling, or
+//! could exceed its output limit; a sample that arrives after its request finished (an EOS
+//! followed by the step already in flight) is dropped, and that step's consumption stays part
+//! of the request's state (the terminal capture covers the EOS).
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -22,7 +31,7 @@ use helios_cache::{
 };
 use helios_contract::model::{CacheScheme, Capacities};
 
-use crate::plan::{Completion, ConsumeRow, PageCopy, RequestId, SampleSpec, Step, StepOp};
+use crate::plan::{Completion, ConsumeRow, PageCopy, RequestId, SampleSpec, SampledToken, Step, StepOp};
 
 /// Deployment choices that are not part of the core.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,6 +41,9 @@ pub struct SchedulerConfig {
     /// Waiting requests accepted before `QueueFull`.
     pub queue_limit: usize,
     pub identity: PrefixIdentity,
+    /// The executor's decode graphs read their input token from device state and every
+    /// sampling graph writes it there: plan up to two decode steps in flight.
+    pub device_fed_decode: bool,
 }
 
 /// Invalid scheduler configuration for these capacities.
@@ -62,6 +74,15 @@ pub enum AdmissionError {
     QueueFull { limit: usize },
 }
 
+/// Where a decode row's input token comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DecodeInput {
+    /// The host holds it (its sample completed).
+    Host,
+    /// The request's one sample in flight, read from device state.
+    Device,
+}
+
 /// A request as submitted.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RequestSpec {
@@ -73,6 +94,9 @@ pub struct RequestSpec {
     pub max_output_tokens: u32,
     pub eos_tokens: Vec<u32>,
     pub seed: u64,
+    /// Each step's inputs depend on the host having seen the previous sample (a grammar
+    /// mask): never device-fed.
+    pub needs_host_feedback: bool,
 }
 
 /// How a request ended.
@@ -183,7 +207,8 @@ struct Live {
     anchor: Option<CheckpointId>,
     /// Selected endpoints still ahead, ascending.
     captures: VecDeque<u32>,
-    awaiting_sample: bool,
+    /// Samples submitted whose completion has not arrived (at most two).
+    samples_in_flight: u32,
     last_fence: Fence,
     admitted: u64,
 }
@@ -202,6 +227,8 @@ struct Request {
     preemptions: u32,
     cached_tokens: u32,
     finishing: Option<FinishReason>,
+    /// Cancelled; finishes once nothing is in flight. Plans nothing meanwhile.
+    cancelling: bool,
     live: Option<Live>,
 }
 
@@ -313,6 +340,7 @@ impl Scheduler {
             preemptions: 0,
             cached_tokens: 0,
             finishing: None,
+            cancelling: false,
             live: None,
             spec,
         };
@@ -329,7 +357,8 @@ impl Scheduler {
 
     /// Cancels at the next submission boundary.
     pub fn cancel(&mut self, id: RequestId) {
-        if self.requests.contains_key(&id) {
+        if let Some(r) = self.requests.get_mut(&id) {
+            r.cancelling = true;
             self.cancelled.push(id);
         }
     }
@@ -404,15 +433,21 @@ impl Scheduler {
         self.pages.all_free() && self.rows.all_free()
     }
 
-    /// Applies a completion: fences, sampled tokens, publications.
-    pub fn complete(&mut self, completion: &Completion) {
+    /// Applies a completion: fences, sampled tokens, publications. Returns the samples the
+    /// requests accepted: a sample of a request that finished meanwhile is dropped.
+    pub fn complete(&mut self, completion: &Completion) -> Vec<SampledToken> {
         self.pages.signal(completion.fence);
         self.rows.slots.signal(completion.fence);
         self.rows.snapshots.signal(completion.fence);
+        let mut accepted = Vec::with_capacity(completion.sampled.len());
         for sampled in &completion.sampled {
             let Some(request) = self.requests.get_mut(&sampled.request) else { continue };
             let Some(live) = request.live.as_mut() else { continue };
-            live.awaiting_sample = false;
+            live.samples_in_flight = live.samples_in_flight.saturating_sub(1);
+            if request.finishing.is_some() {
+                continue;
+            }
+            accepted.push(*sampled);
             request.tokens.push(sampled.token);
             request.generated += 1;
             if request.spec.eos_tokens.contains(&sampled.token) {
@@ -441,6 +476,7 @@ impl Scheduler {
                 self.prefix.unpin(p);
             }
         }
+        accepted
     }
 
     fn allocate_page(&mut self, may_evict: bool) -> Option<PageId> {
@@ -569,13 +605,28 @@ impl Scheduler {
         }
     }
 
-    fn is_decoder(&self, id: RequestId) -> bool {
-        self.requests.get(&id).is_some_and(|r| {
-            r.finishing.is_none()
-                && r.live.as_ref().is_some_and(|l| {
-                    !l.awaiting_sample && l.consumed >= r.prompt_len && (r.tokens.len() as u32) > l.consumed
-                })
-        })
+    /// Whether the request decodes next step, and how its input token is fed.
+    fn decode_input(&self, id: RequestId) -> Option<DecodeInput> {
+        let r = self.requests.get(&id)?;
+        let l = r.live.as_ref()?;
+        if r.finishing.is_some() || r.cancelling || l.consumed < r.prompt_len {
+            return None;
+        }
+        if l.samples_in_flight == 0 && (r.tokens.len() as u32) > l.consumed {
+            return Some(DecodeInput::Host);
+        }
+        // The one sample in flight is the next input: consume it where it was written.
+        let device_fed = self.config.device_fed_decode
+            && !r.spec.needs_host_feedback
+            && l.samples_in_flight == 1
+            && r.tokens.len() as u32 == l.consumed
+            && r.generated + 1 < r.max_output;
+        device_fed.then_some(DecodeInput::Device)
+    }
+
+    /// A decoder that could yield its storage: nothing of it in flight.
+    fn is_idle_decoder(&self, id: RequestId) -> bool {
+        self.decode_input(id) == Some(DecodeInput::Host)
     }
 
     /// Plans the next step; `None` when there is nothing to submit.
@@ -584,7 +635,8 @@ impl Scheduler {
         let mut ops = Vec::new();
 
         for id in std::mem::take(&mut self.cancelled) {
-            let awaiting = self.requests.get(&id).and_then(|r| r.live.as_ref()).is_some_and(|l| l.awaiting_sample);
+            let awaiting =
+                self.requests.get(&id).and_then(|r| r.live.as_ref()).is_some_and(|l| l.samples_in_flight > 0);
             if awaiting {
                 self.cancelled.push(id);
             } else if self.requests.contains_key(&id) {
@@ -640,9 +692,10 @@ impl Scheduler {
         let mut short = false;
         let candidates: Vec<RequestId> = self.running.clone();
         for id in candidates {
-            if rows.len() >= max_bucket || !self.is_decoder(id) {
+            if rows.len() >= max_bucket {
                 continue;
             }
+            let Some(input) = self.decode_input(id) else { continue };
             let consumed = self.requests[&id].live.as_ref().map_or(0, |l| l.consumed);
             let need = self.scheme.pages_for(u64::from(consumed) + 1) as usize;
             let want = (self.scheme.pages_for(u64::from(consumed) + 1 + pt) as usize).min(page_limit).max(need);
@@ -654,6 +707,11 @@ impl Scheduler {
                 }
                 have += 1;
             }
+            if have < need && input == DecodeInput::Device {
+                // Its sample is still in flight: decode it host-fed once it arrives.
+                short = true;
+                continue;
+            }
             if have < need {
                 short = true;
                 // Newest eligible decoder not yet batched (possibly this one) yields.
@@ -661,7 +719,7 @@ impl Scheduler {
                     .running
                     .iter()
                     .copied()
-                    .filter(|&v| self.is_decoder(v) && !self.requests[&v].full_reservation)
+                    .filter(|&v| self.is_idle_decoder(v) && !self.requests[&v].full_reservation)
                     .filter(|&v| v == id || !rows.iter().any(|(r, _): &(RequestId, ConsumeRow)| *r == v))
                     .max_by_key(|v| self.requests[v].live.as_ref().map_or(0, |l| l.admitted));
                 match victim {
@@ -672,15 +730,21 @@ impl Scheduler {
             }
             let Some(request) = self.requests.get_mut(&id) else { continue };
             let Some(live) = request.live.as_mut() else { continue };
+            let (tokens, device_token) = match input {
+                DecodeInput::Host => (vec![request.tokens[live.consumed as usize]], false),
+                DecodeInput::Device => (Vec::new(), true),
+            };
+            let counter = request.generated + live.samples_in_flight;
             let row = ConsumeRow {
                 live_row: self.rows.live_row(live.slot),
                 start: live.consumed,
-                tokens: vec![request.tokens[live.consumed as usize]],
+                tokens,
+                device_token,
                 page_table: live.page_table.clone(),
-                sample: Some(SampleSpec { request: id, seed: request.spec.seed, counter: request.generated }),
+                sample: Some(SampleSpec { request: id, seed: request.spec.seed, counter }),
             };
             live.consumed += 1;
-            live.awaiting_sample = true;
+            live.samples_in_flight += 1;
             live.last_fence = fence;
             rows.push((id, row));
         }
@@ -786,13 +850,13 @@ impl Scheduler {
             consumed: hit_tokens,
             anchor: hit,
             captures,
-            awaiting_sample: false,
+            samples_in_flight: 0,
             last_fence: fence,
             admitted: self.admissions,
         };
         if hit_tokens == request.prompt_len {
             self.stats.full_prompt_hits += 1;
-            live.awaiting_sample = true;
+            live.samples_in_flight = 1;
             ops.push(StepOp::ResumeSampling {
                 live_row,
                 consumed: hit_tokens,
@@ -810,7 +874,9 @@ impl Scheduler {
         let max_chunk = self.capacities.max_prefill_chunk();
         let next = self.running.iter().copied().find(|id| {
             let r = &self.requests[id];
-            r.finishing.is_none() && r.live.as_ref().is_some_and(|l| !l.awaiting_sample && l.consumed < r.prompt_len)
+            r.finishing.is_none()
+                && !r.cancelling
+                && r.live.as_ref().is_some_and(|l| l.samples_in_flight == 0 && l.consumed < r.prompt_len)
         });
         let Some(id) = next else { return };
         let Some(request) = self.requests.get_mut(&id) else { return };
@@ -824,6 +890,7 @@ impl Scheduler {
             live_row: self.rows.live_row(live.slot),
             start: live.consumed,
             tokens: request.tokens[live.consumed as usize..stop as usize].to_vec(),
+            device_token: false,
             page_table: live.page_table.clone(),
             sample: ends_prompt.then_some(SampleSpec {
                 request: id,
@@ -832,7 +899,7 @@ impl Scheduler {
             }),
         };
         live.consumed = stop;
-        live.awaiting_sample = ends_prompt;
+        live.samples_in_flight = u32::from(ends_prompt);
         live.last_fence = fence;
         ops.push(StepOp::Prefill { capacity, row });
     }
@@ -868,7 +935,8 @@ impl Scheduler {
                 live.page_table.len() as u64 >= self.scheme.pages_for(u64::from(live.consumed)),
                 "page table does not cover consumed tokens"
             );
-            assert!(live.consumed as usize <= request.tokens.len());
+            assert!(live.samples_in_flight <= 2, "more than two samples in flight");
+            assert!(live.consumed as usize <= request.tokens.len() + 1, "consumed tokens the host has not seen");
             for &page in &live.page_table {
                 page_refs[page as usize] += 1;
             }

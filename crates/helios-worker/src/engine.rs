@@ -16,8 +16,8 @@ use helios_contract::model::Manifest;
 use helios_frontend::GrammarMatcher;
 use helios_replay::{Executor, ExecutorError, RowSampling, SamplingParams, StepInputs};
 use helios_scheduler::{
-    Completion, FinishReason, FinishedRequest, RequestId, RequestSpec, SampleSpec, Scheduler, SchedulerConfig, Step,
-    StepOp,
+    Completion, FinishReason, FinishedRequest, RequestId, RequestSpec, SampleSpec, SampledToken, Scheduler,
+    SchedulerConfig, Step, StepOp,
 };
 use tokio::sync::oneshot;
 
@@ -39,6 +39,9 @@ pub struct EngineOptions {
     pub max_output_tokens: Option<u32>,
     pub prep_threads: usize,
     pub prep_queue: usize,
+    /// Keep up to two decode steps in flight when the executor's graphs keep the pending
+    /// token on the device (requests without a grammar).
+    pub device_fed_decode: bool,
 }
 
 impl Default for EngineOptions {
@@ -49,6 +52,7 @@ impl Default for EngineOptions {
             max_output_tokens: None,
             prep_threads: 2,
             prep_queue: 1024,
+            device_fed_decode: true,
         }
     }
 }
@@ -152,7 +156,9 @@ impl Engine {
             max_concurrency: options.max_concurrency,
             queue_limit: options.queue_limit,
             identity: helios_cache::PrefixIdentity::default(),
+            device_fed_decode: false,
         };
+        let device_fed_option = options.device_fed_decode;
         let scheduler = Scheduler::new(manifest.cache_scheme.clone(), manifest.capacities.clone(), config)?;
         let vocab = manifest.capacities.vocab_size;
         let (scheme, capacities) = (manifest.cache_scheme.clone(), manifest.capacities.clone());
@@ -176,10 +182,14 @@ impl Engine {
                     };
                     // The load-time memory plan may have backed fewer KV pages than prepared:
                     // the page pool is what the device holds, never more.
-                    let scheduler = match executor.kv_pages().filter(|&p| p < capacities.max_kv_pages) {
-                        None => scheduler,
-                        Some(pages) => {
+                    let cut = executor.kv_pages().filter(|&p| p < capacities.max_kv_pages);
+                    let device_fed = device_fed_option && executor.device_fed_decode();
+                    let scheduler = match (cut, device_fed) {
+                        (None, false) => scheduler,
+                        _ => {
+                            let pages = cut.unwrap_or(capacities.max_kv_pages);
                             let caps = helios_contract::model::Capacities { max_kv_pages: pages, ..capacities };
+                            let config = SchedulerConfig { device_fed_decode: device_fed, ..config };
                             match Scheduler::new(scheme, caps, config) {
                                 Ok(s) => s,
                                 Err(e) => {
@@ -287,6 +297,7 @@ impl Engine {
             max_output_tokens: prepared.sampling.max_output_tokens,
             eos_tokens: if prepared.ignore_eos { Vec::new() } else { self.frontend.eos_token_ids.clone() },
             seed: prepared.seed.wrapping_add(u64::from(index)),
+            needs_host_feedback: !prepared.grammars.is_empty(),
         };
         let grammar = if prepared.grammars.is_empty() { None } else { Some(Box::new(prepared.grammars.remove(0))) };
         let cell = Arc::new(OutputCell::default());
@@ -466,7 +477,7 @@ impl<E: Executor> ModelLoop<E> {
                 let inputs = self.pack(&step);
                 let t0 = Instant::now();
                 self.executor.submit(&step, &inputs)?;
-                let done = self.executor.poll();
+                let done = self.executor.poll()?;
                 self.metrics.executor.observe(t0.elapsed().as_secs_f64());
                 let steps = self.metrics.steps.fetch_add(1, Ordering::Relaxed);
                 if steps.is_multiple_of(1024) {
@@ -475,7 +486,8 @@ impl<E: Executor> ModelLoop<E> {
                 done
             }
             None => {
-                let done = self.executor.synchronize();
+                // The oldest step only: a later one stays in flight while this turn plans.
+                let done = self.executor.wait()?;
                 if done.is_empty() && !self.scheduler.is_idle() {
                     // Nothing runnable (e.g. waiting for pages): wait briefly for a command.
                     match self.rx.recv_timeout(Duration::from_millis(1)) {
@@ -488,8 +500,8 @@ impl<E: Executor> ModelLoop<E> {
         };
         for c in completions {
             self.validate(&c)?;
-            self.scheduler.complete(&c);
-            self.publish(&c);
+            let accepted = self.scheduler.complete(&c);
+            self.publish(&accepted);
         }
         for f in self.scheduler.take_finished() {
             self.retire(f);
@@ -537,9 +549,11 @@ impl<E: Executor> ModelLoop<E> {
         Ok(())
     }
 
-    fn publish(&mut self, c: &Completion) {
+    /// Hands the samples the scheduler accepted to their requests (a sample the device drew
+    /// after its request finished is not among them).
+    fn publish(&mut self, accepted: &[SampledToken]) {
         let now = Instant::now();
-        for s in &c.sampled {
+        for s in accepted {
             let Some(a) = self.active.get_mut(&s.request) else { continue };
             if let Some(g) = a.grammar.as_mut()
                 && let Err(e) = g.consume_token(s.token)

@@ -30,11 +30,14 @@ fn frontend(m: &Manifest) -> Frontend {
     Frontend::from_parts(m, tokenizer, &template).expect("frontend")
 }
 
+/// Completions one step late and device-fed decode: two decode steps in flight, as on the GPU.
 fn sim_engine() -> Arc<Engine> {
     let m = manifest();
     let (scheme, caps) = (m.cache_scheme.clone(), m.capacities.clone());
     Engine::start(&m, frontend(&m), EngineOptions::default(), move || {
-        Ok(SimulatedExecutor::new(&scheme, &caps).with_model(SimModel::Induction))
+        Ok(SimulatedExecutor::with_completion_lag(&scheme, &caps, 1)
+            .with_model(SimModel::Induction)
+            .with_device_fed_decode())
     })
     .expect("starts")
 }
@@ -155,10 +158,10 @@ impl Executor for FailingExecutor {
         }
         self.inner.submit(step, inputs)
     }
-    fn poll(&mut self) -> Vec<Completion> {
+    fn poll(&mut self) -> Result<Vec<Completion>, ExecutorError> {
         self.inner.poll()
     }
-    fn synchronize(&mut self) -> Vec<Completion> {
+    fn synchronize(&mut self) -> Result<Vec<Completion>, ExecutorError> {
         self.inner.synchronize()
     }
 }
@@ -201,10 +204,10 @@ impl Executor for DeviceLike {
     fn submit(&mut self, step: &Step, inputs: &StepInputs) -> Result<(), ExecutorError> {
         self.inner.submit(step, inputs)
     }
-    fn poll(&mut self) -> Vec<Completion> {
+    fn poll(&mut self) -> Result<Vec<Completion>, ExecutorError> {
         self.inner.poll()
     }
-    fn synchronize(&mut self) -> Vec<Completion> {
+    fn synchronize(&mut self) -> Result<Vec<Completion>, ExecutorError> {
         self.inner.synchronize()
     }
     fn device_memory_growth_bytes(&mut self) -> Option<i64> {

@@ -119,7 +119,13 @@ pub fn record_words(m: &Manifest) -> u64 {
 
 /// The fixture core (`spec`) with PTX kernels, written to `dir` and opened.
 pub fn device_fixture(dir: &std::path::Path, spec: &FixtureSpec) -> RuntimeCore {
+    device_fixture_with(dir, spec, |_| {})
+}
+
+/// [`device_fixture`] with `edit` applied to the fixture before it is written.
+pub fn device_fixture_with(dir: &std::path::Path, spec: &FixtureSpec, edit: impl FnOnce(&mut Fixture)) -> RuntimeCore {
     let mut f = Fixture::build(spec);
+    edit(&mut f);
     let (rw, header) = {
         let m = helios_contract::validate(&f.manifest).expect("valid fixture");
         (record_words(&m), u64::from(m.capacities.completion_record_header_words))
@@ -236,6 +242,10 @@ pub struct Emulator {
     pub manifest: Manifest,
     pub arena: Vec<u8>,
     pub replays: usize,
+    /// Defer records reads like a device: each is "in flight" for its first non-waiting take.
+    pub deferred: bool,
+    reads: std::collections::HashMap<u64, (Vec<u8>, bool)>,
+    next_read: u64,
 }
 
 impl Emulator {
@@ -248,7 +258,7 @@ impl Emulator {
                 arena[b.offset as usize..b.offset as usize + bytes.len()].copy_from_slice(bytes);
             }
         }
-        Emulator { manifest: m, arena, replays: 0 }
+        Emulator { manifest: m, arena, replays: 0, deferred: false, reads: Default::default(), next_read: 0 }
     }
 
     fn at(&self, buffer: BufferId, offset: u64, len: u64) -> Result<std::ops::Range<usize>, ExecutorError> {
@@ -277,6 +287,34 @@ impl GraphBackend for Emulator {
         let tmp = self.arena[s].to_vec();
         self.arena[d].copy_from_slice(&tmp);
         Ok(())
+    }
+    fn read_later(
+        &mut self,
+        buffer: BufferId,
+        offset: u64,
+        len: u64,
+    ) -> Result<Option<helios_replay::graph::ReadTicket>, ExecutorError> {
+        if !self.deferred {
+            return Ok(None);
+        }
+        // Emulated replays run at once, so the bytes are final now.
+        let bytes = self.read(buffer, offset, len)?;
+        let id = self.next_read;
+        self.next_read += 1;
+        self.reads.insert(id, (bytes, false));
+        Ok(Some(helios_replay::graph::ReadTicket(id)))
+    }
+    fn take_read(
+        &mut self,
+        ticket: helios_replay::graph::ReadTicket,
+        wait: bool,
+    ) -> Result<Option<Vec<u8>>, ExecutorError> {
+        let entry = self.reads.get_mut(&ticket.0).ok_or(ExecutorError::UnknownRead(ticket.0))?;
+        if !wait && !entry.1 {
+            entry.1 = true;
+            return Ok(None);
+        }
+        Ok(self.reads.remove(&ticket.0).map(|(bytes, _)| bytes))
     }
     fn replay(&mut self, graph: GraphId) -> Result<(), ExecutorError> {
         let base = self.manifest.arena.base_address;
