@@ -37,6 +37,7 @@ def main() -> int:
     ap.add_argument("--bench-timeout", type=int, default=150)
     ap.add_argument("--tokenizer", type=Path)
     ap.add_argument("--log", type=Path, default=Path("/tmp/flare_run.log"))
+    ap.add_argument("--run-arg", action="append", default=[], help="extra `flare run` argument (repeatable)")
     args = ap.parse_args()
     from tokenizers import Tokenizer
 
@@ -44,10 +45,10 @@ def main() -> int:
     gens = json.loads(args.reference.read_text())
     t0 = time.time()
     log = args.log.open("w")
-    server = subprocess.Popen([args.flare, "run", str(args.core), "--port", str(args.port)], stdout=log,
-                              stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    cmd = [args.flare, "run", str(args.core), "--port", str(args.port), *args.run_arg]
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{args.port}"
-    report: dict = {"command": f"{args.flare} run {args.core}"}
+    report: dict = {"command": " ".join(cmd)}
     try:
         while True:
             if server.poll() is not None:

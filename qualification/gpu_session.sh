@@ -44,6 +44,11 @@ measure() {  # MODEL CORE
     --tokenizer "$1/tokenizer.json" --reference "$2.work/reference_generations.json" \
     --out "$OUT/flare_vs_torch.json" --bench --bench-timeout 150 --log "$OUT/flare_run.log"
   echo "flare_vs_torch rc=$?"
+  # The same with one decode step in flight (host-fed tokens): the pipelining's effect.
+  timeout 200 python3 qualification/flare_vs_torch_replay.py --flare /tmp/flare --core "$2" \
+    --tokenizer "$1/tokenizer.json" --reference "$2.work/reference_generations.json" --run-arg=--host-fed-decode \
+    --out "$OUT/flare_vs_torch_host_fed.json" --bench --bench-timeout 150 --log "$OUT/flare_run_host_fed.log"
+  echo "flare_vs_torch host-fed rc=$?"
   timeout 100 python3 qualification/partial_kv_check.py --flare /tmp/flare --core "$2" --out "$OUT/partial_kv.json"
   echo "partial_kv rc=$?"
   if [ -f .dev/b2/core_workload.xz ]; then  # lifecycle scenarios vs solo runs on the device
