@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -51,11 +52,18 @@ def main() -> int:
         report["served_pages"] = int(m.group(1)) if m else None
         report["startup_rc"] = server.poll()
         if server.poll() is None:
-            body = json.dumps({"prompt": "The three primary colors are", "max_tokens": 16, "seed": 1}).encode()
+            # The API requires the served model's name (the 2026-12-03 run sent none: 400).
+            with urllib.request.urlopen(base + "/v1/models", timeout=5) as r:
+                model = json.loads(r.read())["data"][0]["id"]
+            body = json.dumps({"model": model, "prompt": "The three primary colors are", "max_tokens": 16,
+                               "seed": 1}).encode()  # fmt: skip
             req = urllib.request.Request(base + "/v1/completions", body, {"content-type": "application/json"})
-            with urllib.request.urlopen(req, timeout=60) as r:
-                out = json.loads(r.read())
-            report["completion_tokens"] = out["usage"]["completion_tokens"]
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    out = json.loads(r.read())
+                report["completion_tokens"] = out["usage"]["completion_tokens"]
+            except urllib.error.HTTPError as e:
+                report["completion_error"] = {"status": e.code, "body": e.read().decode(errors="replace")[:1000]}
             with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
                 metrics = r.read().decode()
             report["pages_total_metric"] = next((ln for ln in metrics.splitlines() if ln.startswith("flare_pages_total")), None)

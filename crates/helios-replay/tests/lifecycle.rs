@@ -399,3 +399,58 @@ fn device_fed_decode_keeps_two_steps_in_flight_and_matches_solo_runs() {
         assert_eq!((out, device_rows), (alone, 0));
     }
 }
+
+/// Two requests that start apart stay in one decode batch with two steps in flight (lockstep):
+/// neither drifts into alternate single-row steps, and both match their solo runs.
+#[test]
+fn device_fed_decoders_stay_batched() {
+    // Lag 2: a step's completion arrives two submissions later, as on a GPU whose host is
+    // ahead, so a decoder is still at two samples in flight when the next step is planned.
+    // Host-fed too: completions arrive late there as well once records are copied behind.
+    for (lag, device_fed) in [(1, true), (2, true), (1, false), (2, false)] {
+        stay_batched(lag, device_fed);
+    }
+}
+
+fn stay_batched(lag: usize, device_fed: bool) {
+    let scheme = reference_schemes().remove(0);
+    let caps = test_capacities(2, 40, 4);
+    let executor = SimulatedExecutor::with_completion_lag(&scheme, &caps, lag);
+    let mut executor = if device_fed { executor.with_device_fed_decode() } else { executor };
+    let config = SchedulerConfig { device_fed_decode: device_fed, ..test_config(2) };
+    let mut scheduler = Scheduler::new(scheme.clone(), caps.clone(), config).unwrap();
+    let specs = [spec(prompt(20, 1), 40, 5), spec(prompt(150, 2), 40, 6)];
+    let ids: Vec<_> = specs.iter().map(|s| scheduler.submit(s.clone()).unwrap()).collect();
+    let mut batch_sizes = Vec::new();
+    while !scheduler.is_idle() {
+        if let Some(step) = scheduler.schedule() {
+            for op in &step.ops {
+                if let StepOp::Decode { rows, .. } = op {
+                    batch_sizes.push(rows.len());
+                }
+            }
+            executor.submit(&step, &helios_replay::StepInputs::default()).unwrap();
+            for c in executor.poll().unwrap() {
+                scheduler.complete(&c);
+            }
+        } else {
+            for c in executor.wait().unwrap() {
+                scheduler.complete(&c);
+            }
+        }
+        scheduler.check_invariants();
+    }
+    let finished = scheduler.take_finished();
+    for (id, s) in ids.iter().zip(&specs) {
+        let done = finished.iter().find(|f| f.id == *id).unwrap();
+        assert_eq!(done.output, run_alone(&scheme, &caps, s));
+    }
+    // The first request decodes alone while the second prefills, then both share every step.
+    let shared = batch_sizes.iter().filter(|&&n| n == 2).count();
+    let alone = batch_sizes.iter().filter(|&&n| n == 1).count();
+    assert!(shared >= 30, "{batch_sizes:?}");
+    assert!(alone <= 12, "{batch_sizes:?}");
+    let first_shared = batch_sizes.iter().position(|&n| n == 2).unwrap();
+    let last_shared = batch_sizes.iter().rposition(|&n| n == 2).unwrap();
+    assert!(batch_sizes[first_shared..=last_shared].iter().all(|&n| n == 2), "drifted apart: {batch_sizes:?}");
+}

@@ -605,8 +605,26 @@ impl Scheduler {
         }
     }
 
+    /// Whether this step may device-feed decoders, and whether it decodes at all. Decoders move
+    /// in lockstep: while one has as many samples in flight as it may (two device-fed, one
+    /// host-fed) the step plans no decode, and the next one takes everybody. Otherwise a
+    /// request left out of one step drifts into alternate steps: on the H200 two requests then
+    /// took turns in single-row steps and each one's ITL doubled. Any decoder that needs host
+    /// feedback keeps every decoder host-fed (one step in flight), so it is never left out.
+    fn decode_plan(&self) -> (bool, bool) {
+        let decoding = || {
+            self.running.iter().filter_map(|id| self.requests.get(id)).filter(|r| {
+                r.finishing.is_none() && !r.cancelling && r.live.as_ref().is_some_and(|l| l.consumed >= r.prompt_len)
+            })
+        };
+        let device_fed = self.config.device_fed_decode && !decoding().any(|r| r.spec.needs_host_feedback);
+        let limit = if device_fed { 2 } else { 1 };
+        let lockstep = !decoding().any(|r| r.live.as_ref().is_some_and(|l| l.samples_in_flight >= limit));
+        (device_fed, lockstep)
+    }
+
     /// Whether the request decodes next step, and how its input token is fed.
-    fn decode_input(&self, id: RequestId) -> Option<DecodeInput> {
+    fn decode_input(&self, id: RequestId, device_fed: bool) -> Option<DecodeInput> {
         let r = self.requests.get(&id)?;
         let l = r.live.as_ref()?;
         if r.finishing.is_some() || r.cancelling || l.consumed < r.prompt_len {
@@ -616,7 +634,7 @@ impl Scheduler {
             return Some(DecodeInput::Host);
         }
         // The one sample in flight is the next input: consume it where it was written.
-        let device_fed = self.config.device_fed_decode
+        let device_fed = device_fed
             && !r.spec.needs_host_feedback
             && l.samples_in_flight == 1
             && r.tokens.len() as u32 == l.consumed
@@ -626,7 +644,7 @@ impl Scheduler {
 
     /// A decoder that could yield its storage: nothing of it in flight.
     fn is_idle_decoder(&self, id: RequestId) -> bool {
-        self.decode_input(id) == Some(DecodeInput::Host)
+        self.decode_input(id, false) == Some(DecodeInput::Host)
     }
 
     /// Plans the next step; `None` when there is nothing to submit.
@@ -691,11 +709,15 @@ impl Scheduler {
         let mut rows = Vec::new();
         let mut short = false;
         let candidates: Vec<RequestId> = self.running.clone();
+        let (device_fed, lockstep) = self.decode_plan();
+        if !lockstep {
+            return false;
+        }
         for id in candidates {
             if rows.len() >= max_bucket {
                 continue;
             }
-            let Some(input) = self.decode_input(id) else { continue };
+            let Some(input) = self.decode_input(id, device_fed) else { continue };
             let consumed = self.requests[&id].live.as_ref().map_or(0, |l| l.consumed);
             let need = self.scheme.pages_for(u64::from(consumed) + 1) as usize;
             let want = (self.scheme.pages_for(u64::from(consumed) + 1 + pt) as usize).min(page_limit).max(need);
