@@ -320,6 +320,10 @@ def test_sampler_thresholds_are_exact_against_a_sort() -> None:
             mass = torch.stack([p[r][key[r] >= t].sum() for t in s])
             want = s[(mass >= top_p[r] * p[r].sum()).nonzero()[0, 0]]
             assert tp[r] == want
+        # Every radix finds the same thresholds (the graphs use RADIX_BITS).
+        for bits in (4, 16):
+            assert torch.equal(_largest_threshold(key, None, k, bits), tk)
+            assert torch.equal(_largest_threshold(key, p, top_p * p.sum(-1), bits), tp)
 
 
 def test_sampler_filters_masks_penalties_and_stream_invariance() -> None:
