@@ -384,6 +384,15 @@ impl<E: Executor> ModelLoop<E> {
     fn run(&mut self) {
         loop {
             if self.scheduler.is_idle() {
+                // A step whose samples were all dropped (the step after an EOS) may still be in
+                // flight: land it before sleeping, so its pages and slot retire.
+                if let Err(e) = self.executor.synchronize().and_then(|done| self.apply(done)) {
+                    tracing::error!(stage = "execution", code = "execution_failed", "executor failed: {e}");
+                    self.health.fail(e.to_string());
+                    self.fail_all(&RequestError::Execution(e));
+                    break;
+                }
+                self.metrics.set_occupancy(self.scheduler.occupancy());
                 if self.draining {
                     break;
                 }
@@ -498,6 +507,11 @@ impl<E: Executor> ModelLoop<E> {
                 done
             }
         };
+        self.apply(completions)
+    }
+
+    /// Validates completions in fence order, applies them and retires finished requests.
+    fn apply(&mut self, completions: Vec<Completion>) -> Result<(), ExecutorError> {
         for c in completions {
             self.validate(&c)?;
             let accepted = self.scheduler.complete(&c);

@@ -140,8 +140,15 @@ async fn grammar_masks_hold_and_a_dropped_stream_cancels() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(engine.metrics_text().contains(cancelled));
+    // Idle: nothing in flight any more, so no page is still retiring behind a fence.
+    for _ in 0..500 {
+        if engine.metrics().occupancy().pages_retiring == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let o = engine.metrics().occupancy();
-    assert_eq!((o.running, o.waiting, o.pages_request), (0, 0, 0));
+    assert_eq!((o.running, o.waiting, o.pages_request, o.pages_retiring), (0, 0, 0, 0));
 }
 
 /// Fails the third step it is given.
