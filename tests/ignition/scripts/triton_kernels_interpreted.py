@@ -10,7 +10,9 @@ import sys
 
 import torch
 
-from ignition.capture.attention import _launch_attention, _write_kernel, attend_gather
+from ignition.capture.attention import (
+    PAGES_PER_SPLIT, SPLIT_MAX_TOKENS, _launch_attention, _write_kernel, attend_gather, pages_per_split,
+)  # fmt: skip
 
 g = torch.Generator().manual_seed(0)
 n, h, kvh, d, t, p, pages, layers = 6, 6, 2, 64, 64, 4, 12, 3
@@ -24,8 +26,16 @@ st = kv.stride()
 scale = d**-0.5
 ref = attend_gather(q, kv, 1, tables.long().clamp(min=0), req, pos, scale).view(n, h, d)
 # One page group per program (4 groups for these 4-page tables), two, three (a partial last
-# group) and all four together.
+# group), and all four in one group (the direct store without a combine, as prefill runs).
 attn_err = max((_launch_attention(q, kv, tables, req, pos, 1, scale, pps) - ref).abs().max().item() for pps in (1, 2, 3, 4))
+# The default policy: few query tokens split, many (a prefill chunk) walk all pages at once.
+assert pages_per_split(16, 72) == PAGES_PER_SPLIT and pages_per_split(256, 72) == 72
+n2 = SPLIT_MAX_TOKENS + 1
+q2 = torch.randn(n2, h, d, generator=g)
+req2 = torch.ones(n2, dtype=torch.int32)
+pos2 = torch.arange(n2, dtype=torch.int32) * 3
+ref2 = attend_gather(q2, kv, 0, tables.long().clamp(min=0), req2, pos2, scale).view(n2, h, d)
+attn_err = max(attn_err, (_launch_attention(q2, kv, tables, req2, pos2, 0, scale) - ref2).abs().max().item())
 k = torch.randn(3, kvh, d, generator=g)
 v = torch.randn(3, kvh, d, generator=g)
 slots = torch.tensor([5, -1, 3 * t + 9]).long()
