@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     prepare.add_argument("--no-compile", action="store_true")
     prepare.add_argument("--no-check", action="store_true", help="skip numerics and replay checks")
     prepare.add_argument("--core-replay", type=Path, help="Rust core_replay binary for the fresh-process check")
+    prepare.add_argument("--dump-io", action="store_true",
+                         help="dump the checked graphs' I/O under OUT.work/io for a later fresh-process check")
     prepare.add_argument("--card", default="auto", choices=["auto", "smollm2-135m-instruct", "neutral"])
     prepare.add_argument("--served-name")
     prepare.add_argument("--reference-prompts", type=Path,
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             report = prepare(args.model, args.out, args.decode_buckets, args.prefill_chunk_size, args.context_limit,
                              args.kv_pages, not args.no_compile, not args.no_check, args.core_replay, args.card,
-                             not args.gather_attention, args.served_name, args.reference_prompts)  # fmt: skip
+                             not args.gather_attention, args.served_name, args.reference_prompts, args.dump_io)  # fmt: skip
         except (CapacityError, DeviceError) as e:
             print(f"ignition prepare: {e}", file=sys.stderr)
             return 2

@@ -144,7 +144,8 @@ def check_device() -> dict[str, Any]:
 def prepare(model: Path, out: Path, decode_buckets: str = "1,2,4,8", prefill_chunk: int | None = None,
             context_limit: int | None = None, kv_pages: int | None = None, compile_graphs: bool = True,
             check: bool = True, core_replay: Path | None = None, card: str = "auto", attention_kernel: bool = True,
-            served_name: str | None = None, reference_prompts: Path | None = None) -> dict[str, Any]:  # fmt: skip
+            served_name: str | None = None, reference_prompts: Path | None = None,
+            dump_io: bool = False) -> dict[str, Any]:  # fmt: skip
     if not compile_graphs:
         raise CapacityError("--no-compile", "graphs without torch.compile would launch library kernels "
                                             "(cuBLAS), which a core cannot carry; refusing")
@@ -242,7 +243,7 @@ def prepare(model: Path, out: Path, decode_buckets: str = "1,2,4,8", prefill_chu
         rec.timings["prepare_total_s"] = round(time.time() - t_all, 3)
         if check:
             stage = "check"
-            _check(rec, model, out, work, core_replay, report, reference_prompts)
+            _check(rec, model, out, work, core_replay, report, reference_prompts, dump_io)
     except Exception as e:
         report["failed_stage"] = stage
         report["error"] = f"{type(e).__name__}: {e}"
@@ -263,7 +264,7 @@ def _torch_dtype(name: str) -> Any:
 
 
 def _check(rec: Any, model: Path, core: Path, work: Path, core_replay: Path | None, report: dict[str, Any],
-           reference_prompts: Path | None) -> None:  # fmt: skip
+           reference_prompts: Path | None, dump_io: bool = False) -> None:  # fmt: skip
     import torch
 
     from ignition.capture.numerics import teacher_forced, transformers_reference
@@ -293,7 +294,9 @@ def _check(rec: Any, model: Path, core: Path, work: Path, core_replay: Path | No
             (work / "reference_generations.json").write_text(json.dumps(gens) + "\n")
     with phase("torch replay: determinism, poisoned pool, graph vs eager, replay time"):
         # The I/O of these graphs is dumped for the fresh-process replay (every state buffer, twice).
-        dump = [g.name for g in rec.graphs if g.kind != "prefill"] + [runner.prefill[0].name] if core_replay else []
+        # `dump_io` alone dumps for a later run (qualification/rust_replay_io.py), not timed here.
+        wanted = core_replay is not None or dump_io
+        dump = [g.name for g in rec.graphs if g.kind != "prefill"] + [runner.prefill[0].name] if wanted else []
         rec.reference(work / "io", timed=50, graphs=dump)
         report["torch_replay"] = rec.report.pop("torch_replay")
     if core_replay is not None:

@@ -11,6 +11,8 @@
 #   r1b-prepare   (carry .dev/b1)        the ~1.07B seeded random Llama: random-checkpoint, prepare
 #   r1b-measure   (carry .dev/b1 .dev/b2) as smol-measure, plus Transformers generate + HBM bound
 #   r1b-measure-only                     as smol-measure for the 1B core (no Transformers run)
+#   r1b-serve, r1b-native                r1b-measure-only in two calls (serving; Rust bitwise + lifecycle +
+#                                        compiled Transformers generate); DUMP_IO=1 at r1b-prepare for the bitwise part
 #   smol-reprepare                       prepare again (warm Inductor cache) without the Rust check
 #   hf-baselines                         Transformers generate, eager and compiled, both shapes
 #
@@ -36,7 +38,7 @@ unxz_to() { python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(s
 prepare() {  # MODEL CORE NAME TIMEOUT
   python3 qualification/make_reference_prompts.py "$1" "$1.prompts.json"
   timeout "$4" python3 -m ignition prepare --model "$1" --out "$2" --decode-buckets 1,2,4 \
-    --prefill-chunk-size 256 --context-limit 4608 --served-name "$3" ${CORE_REPLAY:+--core-replay /tmp/core_replay} \
+    --prefill-chunk-size 256 --context-limit 4608 --served-name "$3" ${CORE_REPLAY:+--core-replay /tmp/core_replay} ${DUMP_IO:+--dump-io} \
     --reference-prompts "$1.prompts.json" > "$OUT/prepare.log" 2>&1
   echo "prepare rc=$?"
   cp "$2.work/report.json" "$OUT/prepare_report.json" 2>/dev/null || cp "$2.report.json" "$OUT/prepare_report.json"
@@ -56,21 +58,28 @@ measure() {  # MODEL CORE
     --out "$OUT/flare_vs_torch.json" --bench --bench-timeout 150 --log "$OUT/flare_run.log"
   echo "flare_vs_torch rc=$?"
   # The same with one decode step in flight (host-fed tokens): the pipelining's effect.
+  [ -n "${SHORT:-}" ] && return
   timeout 200 python3 qualification/flare_vs_torch_replay.py --flare /tmp/flare --core "$2" \
     --tokenizer "$1/tokenizer.json" --reference "$2.work/reference_generations.json" --run-arg=--host-fed-decode \
     --out "$OUT/flare_vs_torch_host_fed.json" --bench --bench-timeout 150 --log "$OUT/flare_run_host_fed.log"
   echo "flare_vs_torch host-fed rc=$?"
   timeout 100 python3 qualification/partial_kv_check.py --flare /tmp/flare --core "$2" --out "$OUT/partial_kv.json"
   echo "partial_kv rc=$?"
+  [ -n "${SPLIT_MEASURE:-}" ] || native "$2"
+}
+
+native() {  # CORE: the fresh-process bitwise check and the lifecycle scenarios on the device
+  [ -f "$1/manifest.pb" ] || { echo "no core at $1: the machine went cold or prepare failed"; exit 4; }
+  set -- "" "$1"
   if [ -f .dev/b1/core_replay.xz ] && [ -d "$2.work/io" ]; then  # fresh-process bitwise check of prepare's dumps
     unxz_to .dev/b1/core_replay.xz /tmp/core_replay
-    timeout 200 python3 qualification/rust_replay_io.py "$2" /tmp/core_replay "$OUT/rust_replay_io.json" | tail -12
+    timeout "${RUST_IO_TIMEOUT:-200}" python3 qualification/rust_replay_io.py "$2" /tmp/core_replay "$OUT/rust_replay_io.json" | tail -12
     echo "rust_replay_io rc=${PIPESTATUS[0]}"
   fi
   if [ -f .dev/b2/core_workload.xz ]; then  # lifecycle scenarios vs solo runs on the device
     unxz_to .dev/b2/core_workload.xz /tmp/core_workload
     timeout 120 /tmp/core_workload "$2" > "$OUT/core_workload.json"; echo "core_workload rc=$?"
-    timeout 120 /tmp/core_workload "$2" --pages 96 > "$OUT/core_workload_pressure.json"; echo "core_workload --pages 96 rc=$?"
+    [ -n "${SHORT:-}" ] || { timeout 120 /tmp/core_workload "$2" --pages 96 > "$OUT/core_workload_pressure.json"; echo "core_workload --pages 96 rc=$?"; }
   fi
 }
 
@@ -97,6 +106,16 @@ case "$STAGE" in
     prepare /tmp/r1b /tmp/r1bcore llama-1b-random 540 ;;
   r1b-measure-only)
     measure /tmp/r1b /tmp/r1bcore ;;
+  r1b-serve)  # SPLIT_MEASURE=1: the serving half of r1b-measure-only; r1b-native runs the rest
+    SPLIT_MEASURE=1 measure /tmp/r1b /tmp/r1bcore ;;
+  r1b-short)  # one call after r1b-prepare when the budget allows one: device-fed serving, bitwise, lifecycle
+    SHORT=1 SPLIT_MEASURE=1 measure /tmp/r1b /tmp/r1bcore
+    native /tmp/r1bcore ;;
+  r1b-native)  # after r1b-serve (DUMP_IO=1 at r1b-prepare for the bitwise check), plus compiled generate
+    native /tmp/r1bcore
+    timeout 240 python3 qualification/hf_generate_baseline.py --model /tmp/r1b --out "$OUT/hf_generate_compile.json" \
+      --tokens 256 --compile > "$OUT/hf_generate_compile.log" 2>&1
+    echo "hf_generate --compile rc=$?"; tail -3 "$OUT/hf_generate_compile.log" ;;
   r1b-measure)
     measure /tmp/r1b /tmp/r1bcore
     timeout 150 python3 qualification/hf_generate_baseline.py --model /tmp/r1b --out "$OUT/hf_generate.json" --tokens 256

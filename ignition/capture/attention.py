@@ -15,6 +15,13 @@ import functools
 import torch
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [N, heads, D] with cos/sin [N, D] (Transformers' convention)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
 def attend_gather(q: torch.Tensor, kv: torch.Tensor, layer: int, pages: torch.Tensor, req: torch.Tensor,
                   pos: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
     """q [N, H, D] bf16; pages [R, P] (>= 0); req [N] row of each token; pos [N]. -> [N, H*D]."""
@@ -54,11 +61,13 @@ def _kernel():  # type: ignore[no-untyped-def]
     import triton.language as tl
 
     @triton.jit
-    def paged_attention_kernel(Q, KV, PT, REQ, POS, PACC, PM, PL, O, layer, s_page, s_layer, s_sel, s_tok, s_head,
-                               pt_stride, SCALE: tl.constexpr, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                               D: tl.constexpr, T: tl.constexpr, SPLITS: tl.constexpr, PPS: tl.constexpr):  # fmt: skip
+    def paged_attention_kernel(Q, COS, SIN, KV, PT, REQ, POS, PACC, PM, PL, O, layer, q_row, q_head, s_page, s_layer,
+                               s_sel, s_tok, s_head, pt_stride, SCALE: tl.constexpr, H: tl.constexpr,
+                               G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
+                               SPLITS: tl.constexpr, PPS: tl.constexpr, ROPE: tl.constexpr):  # fmt: skip
         """One (token, KV head, page group): the group's unnormalized softmax state (m, l, acc);
-        with a single group, the normalized output itself (into O)."""
+        with a single group, the normalized output itself (into O). `ROPE`: q is rotated here
+        (rotate-half with the token's cos/sin), so no kernel materializes it first."""
         n = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -69,7 +78,15 @@ def _kernel():  # type: ignore[no-untyped-def]
         ti = tl.arange(0, T)
         qmask = gi < G
         head = kh * G + gi
-        q = tl.load(Q + n * H * D + head[:, None] * D + di[None, :], mask=qmask[:, None], other=0.0)
+        qp = Q + n * q_row + head[:, None] * q_head
+        q = tl.load(qp + di[None, :], mask=qmask[:, None], other=0.0)
+        if ROPE:
+            rot = (di + D // 2) % D
+            sign = tl.where(di < D // 2, -1.0, 1.0)
+            qr = tl.load(qp + rot[None, :], mask=qmask[:, None], other=0.0).to(tl.float32)
+            c = tl.load(COS + n * D + di).to(tl.float32)
+            s_ = tl.load(SIN + n * D + di).to(tl.float32)
+            q = (q.to(tl.float32) * c[None, :] + sign[None, :] * qr * s_[None, :]).to(KV.dtype.element_ty)
         m = tl.full([GP], float("-inf"), tl.float32)
         lsum = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
@@ -135,31 +152,55 @@ def _write_kernel():  # type: ignore[no-untyped-def]
     import triton.language as tl
 
     @triton.jit
-    def kv_write_kernel(K, V, KV, SLOT, layer, s_page, s_layer, s_sel, s_tok, s_head, KVH: tl.constexpr,
-                        D: tl.constexpr, T: tl.constexpr):  # fmt: skip
+    def kv_write_kernel(K, V, COS, SIN, KV, SLOT, layer, k_row, k_head, v_row, v_head, s_page, s_layer, s_sel,
+                        s_tok, s_head, D: tl.constexpr, T: tl.constexpr, ROPE: tl.constexpr):  # fmt: skip
+        """One (token, KV head): K (rotated here when `ROPE`) and V into the token's slot."""
         n = tl.program_id(0)
         h = tl.program_id(1)
         slot = tl.load(SLOT + n).to(tl.int64)
         if slot >= 0:
             di = tl.arange(0, D)
+            kp = K + n * k_row + h * k_head
+            k = tl.load(kp + di)
+            if ROPE:
+                rot = (di + D // 2) % D
+                sign = tl.where(di < D // 2, -1.0, 1.0)
+                c = tl.load(COS + n * D + di).to(tl.float32)
+                s_ = tl.load(SIN + n * D + di).to(tl.float32)
+                k = k.to(tl.float32) * c + sign * tl.load(kp + rot).to(tl.float32) * s_
             dst = KV + (slot // T) * s_page + layer * s_layer + (slot % T) * s_tok + h * s_head + di
-            tl.store(dst, tl.load(K + (n * KVH + h) * D + di))
-            tl.store(dst + s_sel, tl.load(V + (n * KVH + h) * D + di))
+            tl.store(dst, k.to(KV.dtype.element_ty))
+            tl.store(dst + s_sel, tl.load(V + n * v_row + h * v_head + di))
 
     return kv_write_kernel
 
 
-def _launch_write(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, layer: int) -> None:
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, D] with unit stride along D (views of the fused QKV projection qualify)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _launch_write(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, layer: int,
+                  cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> None:  # fmt: skip
+    """K/V [N, KVH, D] into their slots; with cos/sin [N, D], K rotated on the way."""
+    k, v = _rows(k), _rows(v)
     n, kvh, d = k.shape
     st = kv.stride()
-    _write_kernel()[(n, kvh)](k, v, kv, slots, layer, st[0], st[1], st[2], st[3], st[4], KVH=kvh, D=d,
-                              T=kv.shape[3])  # fmt: skip
+    rope = cos is not None and sin is not None
+    c, s = (cos.contiguous(), sin.contiguous()) if rope else (k, k)  # type: ignore[union-attr]
+    _write_kernel()[(n, kvh)](k, v, c, s, kv, slots, layer, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                              st[0], st[1], st[2], st[3], st[4], D=d, T=kv.shape[3], ROPE=rope)  # fmt: skip
 
 
 def _launch_attention(q: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor, req: torch.Tensor,
-                      pos: torch.Tensor, layer: int, scale: float, pps: int | None = None) -> torch.Tensor:  # fmt: skip
-    """Paged attention of q [N, H, D] over `pages` [R, P]: page groups of `pps` pages (default
-    `pages_per_split`) in parallel, then combined; one group stores its output directly."""
+                      pos: torch.Tensor, layer: int, scale: float, pps: int | None = None,
+                      cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Paged attention of q [N, H, D] (rotated first when cos/sin [N, D] are given) over `pages`
+    [R, P]: page groups of `pps` pages (default `pages_per_split`) in parallel, then combined;
+    one group stores its output directly."""
+    q = _rows(q)
+    rope = cos is not None and sin is not None
+    c, s = (cos.contiguous(), sin.contiguous()) if rope else (q, q)  # type: ignore[union-attr]
     n, h, d = q.shape
     kvh, t = kv.shape[4], kv.shape[3]
     g = h // kvh
@@ -173,9 +214,10 @@ def _launch_attention(q: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor, re
         part_m = torch.empty((n, splits, h), dtype=torch.float32, device=q.device)
         part_l = torch.empty((n, splits, h), dtype=torch.float32, device=q.device)
     st = kv.stride()
-    _kernel()[(n, kvh, splits)](q, kv, pages, req, pos, part_acc, part_m, part_l, out, layer, st[0], st[1], st[2],
-                                st[3], st[4], pages.stride(0), SCALE=scale, H=h, G=g,
-                                GP=max(16, 1 << (g - 1).bit_length()), D=d, T=t, SPLITS=splits, PPS=pps)  # fmt: skip
+    _kernel()[(n, kvh, splits)](q, c, s, kv, pages, req, pos, part_acc, part_m, part_l, out, layer, q.stride(0),
+                                q.stride(1), st[0], st[1], st[2], st[3], st[4], pages.stride(0), SCALE=scale, H=h,
+                                G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, T=t, SPLITS=splits, PPS=pps,
+                                ROPE=rope)  # fmt: skip
     if splits > 1:
         _combine_kernel()[(n, h)](part_acc, part_m, part_l, out, H=h, D=d, SPLITS=splits,
                                   SP=max(2, 1 << (splits - 1).bit_length()))  # fmt: skip
@@ -184,8 +226,11 @@ def _launch_attention(q: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor, re
 
 @functools.cache
 def write_attend_op():  # type: ignore[no-untyped-def]
-    """`flare::write_attend`: one layer's slot-mapping K/V write (a negative slot writes nothing)
-    followed by paged attention over the pages just written, as one opaque op.
+    """`flare::write_attend`: one layer's RoPE, slot-mapping K/V write (a negative slot writes
+    nothing) and paged attention over the pages just written, as one opaque op. q/k/v may be
+    strided views of the fused QKV projection: rotating inside the kernels means no kernel
+    materializes rotated or contiguous copies first (on the H200 the ~1B Llama's decode_b1 went
+    from 304 to 244 graph nodes).
 
     The op writes `kv` in place but declares no mutation, on purpose: a declared mutation of a
     graph input is functionalized, and with one write per layer Inductor could not reinplace the
@@ -200,14 +245,14 @@ def write_attend_op():  # type: ignore[no-untyped-def]
     from torch.library import custom_op
 
     @custom_op("flare::write_attend", mutates_args=())
-    def write_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
-                     pages: torch.Tensor, req: torch.Tensor, pos: torch.Tensor, layer: int,
-                     scale: float) -> torch.Tensor:  # fmt: skip
-        _launch_write(k, v, kv, slots, layer)
-        return _launch_attention(q, kv, pages, req, pos, layer, scale)
+    def write_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     kv: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor, req: torch.Tensor, pos: torch.Tensor,
+                     layer: int, scale: float) -> torch.Tensor:  # fmt: skip
+        _launch_write(k, v, kv, slots, layer, cos, sin)
+        return _launch_attention(q, kv, pages, req, pos, layer, scale, cos=cos, sin=sin)
 
     @write_attend.register_fake
-    def _(q, k, v, kv, slots, pages, req, pos, layer, scale):  # type: ignore[no-untyped-def]
-        return q.new_empty(q.shape)
+    def _(q, k, v, cos, sin, kv, slots, pages, req, pos, layer, scale):  # type: ignore[no-untyped-def]
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
     return write_attend

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from ignition.capture.attention import attend_gather, write_attend_op
+from ignition.capture.attention import attend_gather, rotate, write_attend_op
 from ignition.capture.sampling import M32, sample
 from ignition.core.stepping import FLAG_EOS, FLAG_GRAMMAR_EXHAUSTED, FLAG_SAMPLED
 
@@ -124,12 +124,6 @@ def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return x * cos[:, None, :] + rot * sin[:, None, :]
-
-
 class PagedLlama:
     """Holds execution-layout weights (names from `ignition.recipes.llama`) and the step programs.
 
@@ -183,11 +177,11 @@ class PagedLlama:
             if g.qk_norm:
                 q = rms(q, w[p + "q_norm"], g.eps)
                 k = rms(k, w[p + "k_norm"], g.eps)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             if self.write_attend is not None:
-                o = self.write_attend(q.contiguous(), k.contiguous(), v.contiguous(), kv, slots, tables, req, pos, i,
-                                      scale).reshape(n, hq)  # fmt: skip
+                # RoPE happens inside the op, on the projection's views.
+                o = self.write_attend(q, k, v, cos, sin, kv, slots, tables, req, pos, i, scale).reshape(n, hq)
             else:
+                q, k = rotate(q, cos, sin), rotate(k, cos, sin)
                 kv[page, i, 0, off] = k
                 kv[page, i, 1, off] = v
                 o = attend_gather(q, kv, i, tables, req, pos, scale)

@@ -11,7 +11,7 @@ import sys
 import torch
 
 from ignition.capture.attention import (
-    PAGES_PER_SPLIT, SPLIT_MAX_TOKENS, _launch_attention, _write_kernel, attend_gather, pages_per_split,
+    PAGES_PER_SPLIT, SPLIT_MAX_TOKENS, _launch_attention, _launch_write, attend_gather, pages_per_split, rotate,
 )  # fmt: skip
 
 g = torch.Generator().manual_seed(0)
@@ -22,7 +22,6 @@ tables = torch.randperm(pages, generator=g)[: 2 * p].view(2, p).int()
 tables[0, 2:] = -1  # request 0 holds two pages; unused entries are -1
 req = torch.tensor([0, 0, 1, 1, 1, 1]).int()
 pos = torch.tensor([0, 70, 5, 130, 255, 64]).int()
-st = kv.stride()
 scale = d**-0.5
 ref = attend_gather(q, kv, 1, tables.long().clamp(min=0), req, pos, scale).view(n, h, d)
 # One page group per program (4 groups for these 4-page tables), two, three (a partial last
@@ -40,10 +39,29 @@ k = torch.randn(3, kvh, d, generator=g)
 v = torch.randn(3, kvh, d, generator=g)
 slots = torch.tensor([5, -1, 3 * t + 9]).long()
 written = kv.clone()
-_write_kernel()[(3, kvh)](k, v, written, slots, 2, st[0], st[1], st[2], st[3], st[4], KVH=kvh, D=d, T=t)
+_launch_write(k, v, written, slots, 2)
 want = kv.clone()
 want[0, 2, 0, 5], want[0, 2, 1, 5] = k[0], v[0]
 want[3, 2, 0, 9], want[3, 2, 1, 9] = k[2], v[2]
-ok = attn_err < 1e-5 and torch.equal(written, want)
-print(json.dumps({"attention_max_abs_err": attn_err, "kv_write_exact": bool(torch.equal(written, want))}))
+kv_write_exact = torch.equal(written, want)
+# RoPE inside the kernels, on strided views of a fused [N, H + 2 KVH, D] projection: the write
+# stores rotate(k), the attention attends with rotate(q).
+qkv = torch.randn(n, h + 2 * kvh, d, generator=g)
+rq, rk, rv = qkv[:, :h], qkv[:, h : h + kvh], qkv[:, h + kvh :]
+ang = pos.float()[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))[None, :]
+cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+rslots = torch.arange(n).long() * 7
+rwritten, rwant = kv.clone(), kv.clone()
+_launch_write(rk, rv, rwritten, rslots, 1, cos, sin)
+rot_k = rotate(rk, cos, sin)
+for i, sl in enumerate(rslots.tolist()):
+    rwant[sl // t, 1, 0, sl % t], rwant[sl // t, 1, 1, sl % t] = rot_k[i], rv[i]
+rope_write_err = (rwritten - rwant).abs().max().item()
+rref = attend_gather(rotate(rq, cos, sin), kv, 1, tables.long().clamp(min=0), req, pos, scale).view(n, h, d)
+rope_attn_err = max((_launch_attention(rq, kv, tables, req, pos, 1, scale, pps, cos=cos, sin=sin) - rref).abs().max().item()
+                    for pps in (1, 4))  # fmt: skip
+report = {"attention_max_abs_err": attn_err, "kv_write_exact": kv_write_exact,
+          "rope_write_max_abs_err": rope_write_err, "rope_attention_max_abs_err": rope_attn_err}  # fmt: skip
+print(json.dumps(report))
+ok = attn_err < 1e-5 and kv_write_exact and rope_write_err < 1e-5 and rope_attn_err < 1e-5
 sys.exit(0 if ok else 1)
