@@ -244,10 +244,18 @@ def write_attend_op():  # type: ignore[no-untyped-def]
     KV-sized allocation."""
     from torch.library import custom_op
 
-    @custom_op("flare::write_attend", mutates_args=())
+    # flexible_layout: on the H200 (torch 2.11) decode_b1 still ran two pointwise kernels per
+    # layer producing this op's layer-invariant inputs (cos/sin, positions, slots: 32 of its 244
+    # kernels). On CPU, the default exact-stride constraint copies a computed input once per call;
+    # flexible inputs are stored once and shared. The launches accept any strides (q/k/v by their
+    # strides, the rest made dense, free when they already are). Not yet measured on the GPU.
+    flexible = getattr(torch.Tag, "flexible_layout", None)
+
+    @custom_op("flare::write_attend", mutates_args=(), tags=(flexible,) if flexible is not None else ())
     def write_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      kv: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor, req: torch.Tensor, pos: torch.Tensor,
                      layer: int, scale: float) -> torch.Tensor:  # fmt: skip
+        cos, sin, slots, pages, req, pos = (t.contiguous() for t in (cos, sin, slots, pages, req, pos))
         _launch_write(k, v, kv, slots, layer, cos, sin)
         return _launch_attention(q, kv, pages, req, pos, layer, scale, cos=cos, sin=sin)
 
