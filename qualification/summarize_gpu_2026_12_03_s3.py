@@ -8,36 +8,13 @@ inside the attention kernels, the scheduler's lockstep, single-split prefill att
 import json
 from pathlib import Path
 
+from gpu_summary import bench, floor
+
 R = Path("qualification/raw/2026-12-03-s3/llama_1b_random")
 S2 = json.loads(Path("qualification/gpu_2026-12-03-s2.json").read_text())["models"]["llama_1b_random"]
 
-
 def load(p: str) -> dict:
     return json.loads((R / p).read_text())
-
-
-def bench(f: dict) -> dict:
-    out = {}
-    for w in f["bench"]["workloads"]:
-        out[w["name"]] = {"concurrency": w["concurrency"], "failed": w["failed"],
-                          "ttft_ms_median": round(w["ttft"]["median_ms"], 3),
-                          "itl_ms_median": round(w["itl"]["median_ms"], 4) if w["itl"]["count"] else None,
-                          "itl_ms_p99": round(w["itl"]["p99_ms"], 4) if w["itl"]["count"] else None,
-                          "output_tokens_per_s": round(w["output_tokens_per_sec"], 1),
-                          "prompt_tokens": w["prompt_tokens"], "cached_tokens": w["cached_tokens"]}  # fmt: skip
-    return out
-
-
-def floor(log: str) -> dict:
-    out = {}
-    for line in log.splitlines():
-        if "us/step" in line:
-            name = line.split("decode ")[-1].split(":")[0]
-            step = float(line.split(": ")[1].split(" us/step")[0])
-            alone = float(line.split("replay alone ")[1].split(" us")[0])
-            out[name] = {"step_us": step, "replay_alone_us": alone}
-    return out
-
 
 fed = load("short/flare_vs_torch.json")
 ir = load("short/ignition_replay.json")
