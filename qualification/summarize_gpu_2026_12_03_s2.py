@@ -11,8 +11,10 @@ from gpu_summary import bench, floor
 
 R = Path("qualification/raw/2026-12-03-s2")
 
+
 def load(p: str) -> dict:
     return json.loads((R / p).read_text())
+
 
 out = {
     "what": "issues 6/7, second H200 session of 2026-12-03: graphs with the device-side pending token and split-page "

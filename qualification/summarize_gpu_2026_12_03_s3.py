@@ -13,8 +13,10 @@ from gpu_summary import bench, floor
 R = Path("qualification/raw/2026-12-03-s3/llama_1b_random")
 S2 = json.loads(Path("qualification/gpu_2026-12-03-s2.json").read_text())["models"]["llama_1b_random"]
 
+
 def load(p: str) -> dict:
     return json.loads((R / p).read_text())
+
 
 fed = load("short/flare_vs_torch.json")
 ir = load("short/ignition_replay.json")
