@@ -13,6 +13,7 @@
 #   r1b-measure-only                     as smol-measure for the 1B core (no Transformers run)
 #   r1b-serve, r1b-native                r1b-measure-only in two calls (serving; Rust bitwise + lifecycle +
 #                                        compiled Transformers generate); DUMP_IO=1 at r1b-prepare for the bitwise part
+#   r1b-short                            device-fed serving, Rust bitwise and one lifecycle run in one call
 #   smol-reprepare                       prepare again (warm Inductor cache) without the Rust check
 #   hf-baselines                         Transformers generate, eager and compiled, both shapes
 #
@@ -69,17 +70,17 @@ measure() {  # MODEL CORE
 }
 
 native() {  # CORE: the fresh-process bitwise check and the lifecycle scenarios on the device
-  [ -f "$1/manifest.pb" ] || { echo "no core at $1: the machine went cold or prepare failed"; exit 4; }
-  set -- "" "$1"
-  if [ -f .dev/b1/core_replay.xz ] && [ -d "$2.work/io" ]; then  # fresh-process bitwise check of prepare's dumps
+  local core=$1
+  [ -f "$core/manifest.pb" ] || { echo "no core at $core: the machine went cold or prepare failed"; exit 4; }
+  if [ -f .dev/b1/core_replay.xz ] && [ -d "$core.work/io" ]; then  # fresh-process bitwise check of prepare's dumps
     unxz_to .dev/b1/core_replay.xz /tmp/core_replay
-    timeout "${RUST_IO_TIMEOUT:-200}" python3 qualification/rust_replay_io.py "$2" /tmp/core_replay "$OUT/rust_replay_io.json" | tail -12
+    timeout "${RUST_IO_TIMEOUT:-200}" python3 qualification/rust_replay_io.py "$core" /tmp/core_replay "$OUT/rust_replay_io.json" | tail -12
     echo "rust_replay_io rc=${PIPESTATUS[0]}"
   fi
   if [ -f .dev/b2/core_workload.xz ]; then  # lifecycle scenarios vs solo runs on the device
     unxz_to .dev/b2/core_workload.xz /tmp/core_workload
-    timeout 120 /tmp/core_workload "$2" > "$OUT/core_workload.json"; echo "core_workload rc=$?"
-    [ -n "${SHORT:-}" ] || { timeout 120 /tmp/core_workload "$2" --pages 96 > "$OUT/core_workload_pressure.json"; echo "core_workload --pages 96 rc=$?"; }
+    timeout 120 /tmp/core_workload "$core" > "$OUT/core_workload.json"; echo "core_workload rc=$?"
+    [ -n "${SHORT:-}" ] || { timeout 120 /tmp/core_workload "$core" --pages 96 > "$OUT/core_workload_pressure.json"; echo "core_workload --pages 96 rc=$?"; }
   fi
 }
 
@@ -110,7 +111,7 @@ case "$STAGE" in
     SPLIT_MEASURE=1 measure /tmp/r1b /tmp/r1bcore ;;
   r1b-short)  # one call after r1b-prepare when the budget allows one: device-fed serving, bitwise, lifecycle
     SHORT=1 SPLIT_MEASURE=1 measure /tmp/r1b /tmp/r1bcore
-    native /tmp/r1bcore ;;
+    SHORT=1 native /tmp/r1bcore ;;
   r1b-native)  # after r1b-serve (DUMP_IO=1 at r1b-prepare for the bitwise check), plus compiled generate
     native /tmp/r1bcore
     timeout 240 python3 qualification/hf_generate_baseline.py --model /tmp/r1b --out "$OUT/hf_generate_compile.json" \
