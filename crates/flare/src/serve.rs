@@ -198,7 +198,7 @@ fn start_cuda(
     use helios_replay::graph::GraphExecutor;
     let served = manifest.clone();
     Engine::start(manifest, frontend, options, move || {
-        let load = LoadOptions { device_ordinal: 0, reserve_bytes, force_relocation: false };
+        let load = LoadOptions { reserve_bytes, progress: Some(log_upload_progress), ..LoadOptions::default() };
         let device = DeviceCore::load(&core, &load)?;
         let r = device.report();
         let caps = &served.capacities;
@@ -211,6 +211,7 @@ fn start_cuda(
             graphs = r.graphs,
             nodes = r.nodes,
             upload_s = r.upload_seconds,
+            upload_gib_per_s = r.uploaded_bytes as f64 / (1u64 << 30) as f64 / r.upload_seconds.max(1e-9),
             build_s = r.build_seconds,
             kv_pages = r.kv_pages,
             kv_pages_prepared = caps.max_kv_pages,
@@ -230,6 +231,21 @@ fn start_cuda(
         );
         Ok(executor)
     })
+}
+
+/// Logs the payload upload's tenths for cores of a GiB or more (smaller ones take well under a
+/// second), and its end for every core.
+#[cfg(feature = "cuda")]
+fn log_upload_progress(p: helios_replay::cuda::UploadProgress) {
+    if p.done || p.total_bytes >= 1 << 30 {
+        tracing::info!(
+            staged_mib = p.staged_bytes >> 20,
+            total_mib = p.total_bytes >> 20,
+            elapsed_ms = (p.elapsed_seconds * 1e3) as u64,
+            done = p.done,
+            "upload: payloads to the GPU through pinned staging"
+        );
+    }
 }
 
 #[cfg(not(feature = "cuda"))]

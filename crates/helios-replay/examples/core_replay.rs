@@ -51,9 +51,8 @@ fn parse() -> Result<Args, String> {
 fn run(a: &Args) -> Result<serde_json::Value, String> {
     let t0 = Instant::now();
     let core = RuntimeCore::open(&a.core).map_err(|e| e.to_string())?;
-    let dev =
-        DeviceCore::load(&core, &LoadOptions { device_ordinal: 0, reserve_bytes: 0, force_relocation: a.relocate })
-            .map_err(|e| e.to_string())?;
+    let dev = DeviceCore::load(&core, &LoadOptions { force_relocation: a.relocate, ..LoadOptions::default() })
+        .map_err(|e| e.to_string())?;
     let load_s = t0.elapsed().as_secs_f64();
     let m = dev.manifest();
     let graph = m.graphs.iter().find(|g| g.name == a.graph).ok_or(format!("no graph named {}", a.graph))?.id;

@@ -24,7 +24,7 @@ use serde_json::json;
 fn run(core: &str, pages: Option<u32>, relocate: bool) -> Result<serde_json::Value, String> {
     let core = RuntimeCore::open(core).map_err(|e| e.to_string())?;
     let t0 = Instant::now();
-    let dev = DeviceCore::load(&core, &LoadOptions { device_ordinal: 0, reserve_bytes: 0, force_relocation: relocate })
+    let dev = DeviceCore::load(&core, &LoadOptions { force_relocation: relocate, ..LoadOptions::default() })
         .map_err(|e| e.to_string())?;
     let load_s = t0.elapsed().as_secs_f64();
     let m = dev.manifest().clone();

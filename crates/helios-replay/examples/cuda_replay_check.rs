@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use helios_contract::RuntimeCore;
 use helios_contract::fixtures::FixtureSpec;
-use helios_replay::cuda::{DeviceCore, LoadOptions};
+use helios_replay::cuda::{DeviceCore, LoadOptions, UploadPath};
 use serde_json::json;
 
 #[path = "../tests/support/device_fixture.rs"]
@@ -64,9 +64,20 @@ fn lifecycle<B: helios_replay::graph::GraphBackend>(
     (out, steps, secs)
 }
 
+/// `CUDA_REPLAY_CHECK_UPLOAD=direct` selects the baseline upload path (tells an upload fault from others).
+fn upload_path() -> UploadPath {
+    match std::env::var("CUDA_REPLAY_CHECK_UPLOAD").as_deref() {
+        Ok("direct") => UploadPath::Direct,
+        _ => UploadPath::Staged,
+    }
+}
+
 fn run(core: &RuntimeCore, force_relocation: bool) -> serde_json::Value {
     let t0 = Instant::now();
-    let dev = match DeviceCore::load(core, &LoadOptions { device_ordinal: 0, reserve_bytes: 0, force_relocation }) {
+    let dev = match DeviceCore::load(
+        core,
+        &LoadOptions { force_relocation, upload: upload_path(), ..LoadOptions::default() },
+    ) {
         Ok(d) => d,
         Err(e) => return json!({"force_relocation": force_relocation, "load_error": e.to_string()}),
     };
@@ -121,7 +132,10 @@ fn main() {
         json!({"check": "cuda_replay_check", "fixed_base": run(&core, false), "relocated": run(&core, true)});
     // The scheduler's lifecycle through the graph executor: GPU replay vs the CPU emulation.
     let (cpu, cpu_steps, _) = lifecycle(&core, Emulator::new(&core));
-    let lifecycle_report = match DeviceCore::load(&core, &LoadOptions::default()) {
+    let lifecycle_report = match DeviceCore::load(
+        &core,
+        &LoadOptions { upload: upload_path(), ..LoadOptions::default() },
+    ) {
         Ok(dev) => {
             let (gpu, steps, secs) = lifecycle(&core, dev);
             json!({"requests": gpu.len(), "steps": steps, "cpu_steps": cpu_steps, "tokens": gpu.iter().map(|(o, _)| o.len()).sum::<usize>(),

@@ -113,6 +113,180 @@ pub struct LoadOptions {
     pub reserve_bytes: u64,
     /// Reserve the arena anywhere but the recorded base (exercises relocation).
     pub force_relocation: bool,
+    pub upload: UploadPath,
+    /// Called as the payload upload advances: after each further tenth of the bytes has been
+    /// staged, and once when every copy has landed.
+    pub progress: Option<fn(UploadProgress)>,
+}
+
+/// How payload bytes travel from the core's mmap to the arena.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum UploadPath {
+    /// Through two reusable page-locked slots of [`UPLOAD_SLOT_BYTES`] on the copy stream:
+    /// host threads fill one slot from the mmap while the other slot's copy runs. The slots
+    /// are allocated for the upload and freed before readiness.
+    #[default]
+    Staged,
+    /// One synchronous pageable `cuMemcpyHtoD` per buffer straight from the mmap: the baseline
+    /// the `core_load` bench measures the staged path against.
+    Direct,
+}
+
+/// Largest size of one of the two upload staging slots.
+pub const UPLOAD_SLOT_BYTES: usize = 32 << 20;
+
+/// Host threads that fill an upload slot (each copies a contiguous part of it).
+const UPLOAD_FILL_THREADS: usize = 4;
+
+/// Where a payload upload stands.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct UploadProgress {
+    /// Bytes handed to the copy engine so far (all of them, landed, when `done`).
+    pub staged_bytes: u64,
+    pub total_bytes: u64,
+    pub elapsed_seconds: f64,
+    pub done: bool,
+}
+
+/// Calls the progress hook at each further tenth of the bytes and at the end.
+struct ProgressMeter {
+    hook: Option<fn(UploadProgress)>,
+    total: u64,
+    staged: u64,
+    next_tenth: u64,
+    started: Instant,
+}
+
+impl ProgressMeter {
+    fn new(hook: Option<fn(UploadProgress)>, total: u64) -> Self {
+        ProgressMeter { hook, total, staged: 0, next_tenth: 1, started: Instant::now() }
+    }
+
+    fn staged(&mut self, bytes: u64) {
+        self.staged += bytes;
+        let Some(hook) = self.hook else { return };
+        let mut crossed = false;
+        while self.next_tenth < 10 && self.staged * 10 >= self.total * self.next_tenth {
+            self.next_tenth += 1;
+            crossed = true;
+        }
+        if crossed {
+            hook(self.report(false));
+        }
+    }
+
+    fn finish(&mut self) {
+        if let Some(hook) = self.hook {
+            hook(self.report(true));
+        }
+    }
+
+    fn report(&self, done: bool) -> UploadProgress {
+        UploadProgress {
+            staged_bytes: self.staged,
+            total_bytes: self.total,
+            elapsed_seconds: self.started.elapsed().as_secs_f64(),
+            done,
+        }
+    }
+}
+
+/// `[0, len)` as consecutive ranges of at most `slot` bytes.
+fn slot_ranges(len: usize, slot: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    (0..len.div_ceil(slot)).map(move |i| i * slot..((i + 1) * slot).min(len))
+}
+
+/// Copies `src` into `dst` (same length) with up to `threads` threads, one contiguous part each.
+fn parallel_copy(dst: &mut [u8], src: &[u8], threads: usize) {
+    debug_assert_eq!(dst.len(), src.len());
+    let part = src.len().div_ceil(threads.max(1)).max(1 << 20);
+    if part >= src.len() {
+        dst.copy_from_slice(src);
+        return;
+    }
+    std::thread::scope(|s| {
+        for (d, from) in dst.chunks_mut(part).zip(src.chunks(part)) {
+            s.spawn(move || d.copy_from_slice(from));
+        }
+    });
+}
+
+/// The two page-locked upload slots and their copy-done events; drained and freed on drop.
+struct UploadSlots {
+    stream: cu::CUstream,
+    /// Bytes per slot: [`UPLOAD_SLOT_BYTES`], or less for small payloads (pinning costs about
+    /// 50 ms for the full size, measured on the H200).
+    slot: usize,
+    pinned: *mut u8,
+    events: [cu::CUevent; 2],
+    pending: [bool; 2],
+}
+
+impl UploadSlots {
+    fn new(stream: cu::CUstream, total: u64) -> Result<Self, CudaError> {
+        let slot = usize::try_from(total)
+            .unwrap_or(usize::MAX)
+            .div_ceil(2)
+            .next_multiple_of(4096)
+            .clamp(4096, UPLOAD_SLOT_BYTES);
+        let mut me = UploadSlots {
+            stream,
+            slot,
+            pinned: std::ptr::null_mut(),
+            events: [std::ptr::null_mut(); 2],
+            pending: [false; 2],
+        };
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: out-pointer to a live local; the context is current.
+        check("cuMemAllocHost", unsafe { cu::cuMemAllocHost_v2(&mut p, 2 * slot) })?;
+        me.pinned = p.cast();
+        for e in &mut me.events {
+            // SAFETY: out-pointer to a field; flags 2 = CU_EVENT_DISABLE_TIMING.
+            check("cuEventCreate", unsafe { cu::cuEventCreate(e, 2) })?;
+        }
+        Ok(me)
+    }
+
+    /// Copies `src` (at most one slot) to device address `dst` through slot `slot`, first
+    /// waiting for that slot's previous copy to finish reading it.
+    fn send(&mut self, slot: usize, src: &[u8], dst: u64) -> Result<(), CudaError> {
+        debug_assert!(src.len() <= self.slot);
+        if self.pending[slot] {
+            // SAFETY: the event is live and was recorded.
+            check("cuEventSynchronize", unsafe { cu::cuEventSynchronize(self.events[slot]) })?;
+            self.pending[slot] = false;
+        }
+        // SAFETY: the slot lies inside the allocation and no copy reads it any more (above).
+        let staging = unsafe { std::slice::from_raw_parts_mut(self.pinned.add(slot * self.slot), src.len()) };
+        parallel_copy(staging, src, UPLOAD_FILL_THREADS);
+        // SAFETY: the source is page-locked and stays untouched until the event below completes;
+        // dst..dst+len is mapped arena memory.
+        check("cuMemcpyHtoDAsync", unsafe {
+            cu::cuMemcpyHtoDAsync_v2(dst, staging.as_ptr().cast(), src.len(), self.stream)
+        })?;
+        // SAFETY: event and stream are live.
+        check("cuEventRecord", unsafe { cu::cuEventRecord(self.events[slot], self.stream) })?;
+        self.pending[slot] = true;
+        Ok(())
+    }
+}
+
+impl Drop for UploadSlots {
+    fn drop(&mut self) {
+        // SAFETY: the copies reading the slots finish before the slots are freed; every handle
+        // was created by `new` (or is null) and is released once.
+        unsafe {
+            cu::cuStreamSynchronize(self.stream);
+            for &e in &self.events {
+                if !e.is_null() {
+                    cu::cuEventDestroy_v2(e);
+                }
+            }
+            if !self.pinned.is_null() {
+                cu::cuMemFreeHost(self.pinned.cast());
+            }
+        }
+    }
 }
 
 /// What loading did and cost.
@@ -128,6 +302,7 @@ pub struct LoadReport {
     pub kernels: usize,
     pub graphs: usize,
     pub nodes: usize,
+    pub upload_path: UploadPath,
     pub upload_seconds: f64,
     pub build_seconds: f64,
     /// Page-locked staging allocated at load for step metadata and records.
@@ -160,7 +335,11 @@ pub struct DeviceCore {
     manifest: Manifest,
     device: cu::CUdevice,
     context: cu::CUcontext,
+    /// Replays and everything ordered with them: step inputs, completion-record reads, state copies.
     stream: cu::CUstream,
+    /// Bulk transfers not ordered with replays (the load-time upload), so they never queue
+    /// behind or in front of a step.
+    copy_stream: cu::CUstream,
     base: u64,
     reserved: usize,
     /// Backed ranges of the arena: (offset, length, physical allocation).
@@ -230,6 +409,7 @@ impl DeviceCore {
             device,
             context,
             stream: std::ptr::null_mut(),
+            copy_stream: std::ptr::null_mut(),
             base: 0,
             reserved: 0,
             mappings: Vec::new(),
@@ -251,12 +431,15 @@ impl DeviceCore {
         // From here on, Drop releases whatever was created.
         // SAFETY: out-pointer to a field; the context is current.
         check("cuStreamCreate", unsafe { cu::cuStreamCreate(&mut me.stream, 1) })?;
+        // SAFETY: as above.
+        check("cuStreamCreate", unsafe { cu::cuStreamCreate(&mut me.copy_stream, 1) })?;
         me.alloc_pinned()?;
         me.create_events()?;
         me.map_arena(options)?;
         let t0 = Instant::now();
-        me.upload(core)?;
+        me.upload(core, options)?;
         me.report.upload_seconds = t0.elapsed().as_secs_f64();
+        me.report.upload_path = options.upload;
         let t1 = Instant::now();
         let functions = me.load_kernels(core)?;
         let graphs = me.manifest.graphs.clone();
@@ -265,8 +448,8 @@ impl DeviceCore {
         }
         // SAFETY: the stream is live.
         check("cuStreamSynchronize", unsafe { cu::cuStreamSynchronize(me.stream) })?;
-        // Payload copies and zero fills ran on the legacy stream, which the non-blocking model
-        // stream does not wait for: finish them before the core is ready.
+        // Direct payload copies run on the legacy stream, which the non-blocking model stream
+        // does not wait for: finish everything before the core is ready.
         // SAFETY: the context is current.
         check("cuCtxSynchronize", unsafe { cu::cuCtxSynchronize() })?;
         me.report.build_seconds = t1.elapsed().as_secs_f64();
@@ -345,29 +528,54 @@ impl DeviceCore {
         }
     }
 
-    fn upload(&mut self, core: &RuntimeCore) -> Result<(), CudaError> {
+    /// Payload bytes into the arena and zero fills, finished before returning. The staged path
+    /// runs on the copy stream, so the model stream never waits behind it.
+    fn upload(&mut self, core: &RuntimeCore, options: &LoadOptions) -> Result<(), CudaError> {
         let buffers = self.manifest.buffers.clone();
+        let mut payloads = Vec::new();
         for b in &buffers {
-            let addr = self.base + b.offset;
-            match &b.payload {
-                Payload::Safetensors { .. } => {
-                    let bytes = core.payload(b.id).ok_or(CudaError::UnknownBuffer(b.id.0))?;
+            if let Payload::Safetensors { .. } = &b.payload {
+                let bytes = core.payload(b.id).ok_or(CudaError::UnknownBuffer(b.id.0))?;
+                payloads.push((self.base + b.offset, bytes));
+            }
+        }
+        let total = payloads.iter().map(|(_, bytes)| bytes.len() as u64).sum();
+        let mut meter = ProgressMeter::new(options.progress, total);
+        match options.upload {
+            UploadPath::Direct => {
+                for &(addr, bytes) in &payloads {
                     // SAFETY: addr..addr+len lies inside the mapped arena (validated buffer
                     // extents); the source is a live mmap slice.
                     check("cuMemcpyHtoD", unsafe { cu::cuMemcpyHtoD_v2(addr, bytes.as_ptr().cast(), bytes.len()) })?;
-                    self.report.uploaded_bytes += bytes.len() as u64;
+                    meter.staged(bytes.len() as u64);
                 }
-                Payload::ZeroFill => {
-                    for (start, end) in self.backed_parts(b.offset, b.byte_size) {
-                        // SAFETY: the part lies inside a backed range of the arena.
-                        check("cuMemsetD8", unsafe {
-                            cu::cuMemsetD8_v2(self.base + start, 0, (end - start) as usize)
-                        })?;
+            }
+            UploadPath::Staged => {
+                let mut slots = UploadSlots::new(self.copy_stream, total)?;
+                let mut slot = 0;
+                for &(addr, bytes) in &payloads {
+                    for r in slot_ranges(bytes.len(), slots.slot) {
+                        let (offset, len) = (r.start as u64, r.len() as u64);
+                        slots.send(slot, &bytes[r], addr + offset)?;
+                        slot ^= 1;
+                        meter.staged(len);
                     }
                 }
-                Payload::Uninitialized => {}
+                drop(slots); // drains the copy stream before the slots are freed
             }
         }
+        self.report.uploaded_bytes = total;
+        for b in buffers.iter().filter(|b| matches!(b.payload, Payload::ZeroFill)) {
+            for (start, end) in self.backed_parts(b.offset, b.byte_size) {
+                // SAFETY: the part lies inside a backed range of the arena.
+                check("cuMemsetD8Async", unsafe {
+                    cu::cuMemsetD8Async(self.base + start, 0, (end - start) as usize, self.copy_stream)
+                })?;
+            }
+        }
+        // SAFETY: the stream is live.
+        check("cuStreamSynchronize", unsafe { cu::cuStreamSynchronize(self.copy_stream) })?;
+        meter.finish();
         Ok(())
     }
 
@@ -943,8 +1151,10 @@ impl Drop for DeviceCore {
         // Drain first: nothing may be destroyed while a replay can still touch it.
         // SAFETY: every handle below was created by this object and is destroyed once.
         unsafe {
-            if !self.stream.is_null() {
-                cu::cuStreamSynchronize(self.stream);
+            for stream in [self.stream, self.copy_stream] {
+                if !stream.is_null() {
+                    cu::cuStreamSynchronize(stream);
+                }
             }
             for g in self.graphs.values() {
                 destroy_graph(g);
@@ -966,6 +1176,9 @@ impl Drop for DeviceCore {
             }
             if !self.stream.is_null() {
                 cu::cuStreamDestroy_v2(self.stream);
+            }
+            if !self.copy_stream.is_null() {
+                cu::cuStreamDestroy_v2(self.copy_stream);
             }
             if !self.pinned.is_null() {
                 cu::cuMemFreeHost(self.pinned.cast());
@@ -990,6 +1203,55 @@ mod tests {
                 assert!(matches!(e, CudaError::NoDriver | CudaError::Call { .. } | CudaError::DriverTooOld { .. }))
             }
         }
+    }
+
+    #[test]
+    fn slot_ranges_cover_each_byte_once_in_order() {
+        for (len, slot) in [(0, 8), (1, 8), (8, 8), (9, 8), (100, 7), (64, 64), (65, 64)] {
+            let ranges: Vec<_> = slot_ranges(len, slot).collect();
+            let mut at = 0;
+            for r in &ranges {
+                assert_eq!(r.start, at, "len {len} slot {slot}: {ranges:?}");
+                assert!(!r.is_empty() && r.len() <= slot);
+                at = r.end;
+            }
+            assert_eq!(at, len);
+        }
+    }
+
+    #[test]
+    fn parallel_copy_is_a_copy() {
+        for len in [0usize, 1, (1 << 20) - 3, 5 << 20, (9 << 20) + 11] {
+            let src: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4093) as u8).collect();
+            let mut dst = vec![0u8; len];
+            parallel_copy(&mut dst, &src, 4);
+            assert!(dst == src, "len {len}");
+        }
+    }
+
+    static HOOK_CALLS: std::sync::Mutex<Vec<(u64, bool)>> = std::sync::Mutex::new(Vec::new());
+
+    fn record(p: UploadProgress) {
+        HOOK_CALLS.lock().expect("lock").push((p.staged_bytes, p.done));
+    }
+
+    #[test]
+    fn progress_reports_each_tenth_once_and_the_end() {
+        let mut meter = ProgressMeter::new(Some(record), 1000);
+        // 25-byte steps: tenths are crossed at 100, 200, ... 900; nothing for 1000 until finish.
+        for _ in 0..40 {
+            meter.staged(25);
+        }
+        meter.finish();
+        let calls = HOOK_CALLS.lock().expect("lock").clone();
+        let expected: Vec<(u64, bool)> = (1..10).map(|t| (t * 100, false)).chain([(1000, true)]).collect();
+        assert_eq!(calls, expected);
+        // One large step crossing several tenths reports once.
+        HOOK_CALLS.lock().expect("lock").clear();
+        let mut meter = ProgressMeter::new(Some(record), 10);
+        meter.staged(10);
+        meter.finish();
+        assert_eq!(*HOOK_CALLS.lock().expect("lock"), vec![(10, false), (10, true)]);
     }
 
     #[test]
