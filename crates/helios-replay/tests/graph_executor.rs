@@ -5,19 +5,33 @@
 
 mod support;
 
+use helios_contract::RuntimeCore;
 use helios_contract::fixtures::FixtureSpec;
-use helios_replay::graph::GraphExecutor;
+use helios_replay::graph::{GraphBackend, GraphExecutor};
 use helios_replay::turn;
 use helios_scheduler::{FinishReason, RequestSpec, Scheduler, SchedulerConfig};
-use support::device_fixture::{Emulator, device_fixture, device_fixture_with};
+use support::device_fixture::{Emulator, PacedReads, device_fixture, device_fixture_with};
 
 fn run(spec: &FixtureSpec, prompts: &[Vec<u32>], max_output: u32, deferred: bool) -> Vec<(Vec<u32>, FinishReason)> {
+    run_on(spec, prompts, max_output, |core| {
+        let mut emulator = Emulator::new(core);
+        emulator.deferred = deferred;
+        emulator
+    })
+    .0
+}
+
+/// The requests' outputs and the number of steps the scheduler took, over `backend(core)`.
+fn run_on<B: GraphBackend>(
+    spec: &FixtureSpec,
+    prompts: &[Vec<u32>],
+    max_output: u32,
+    backend: impl FnOnce(&RuntimeCore) -> B,
+) -> (Vec<(Vec<u32>, FinishReason)>, u64) {
     let dir = tempfile::tempdir().unwrap();
     let core = device_fixture(dir.path(), spec);
     let m = core.manifest().clone();
-    let mut emulator = Emulator::new(&core);
-    emulator.deferred = deferred;
-    let mut executor = GraphExecutor::new(&m, emulator).expect("drivable core");
+    let mut executor = GraphExecutor::new(&m, backend(&core)).expect("drivable core");
     // The fixture's graphs take their tokens from the host only.
     assert!(!helios_replay::Executor::device_fed_decode(&executor));
     let config =
@@ -51,12 +65,14 @@ fn run(spec: &FixtureSpec, prompts: &[Vec<u32>], max_output: u32, deferred: bool
     assert!(scheduler.is_idle());
     scheduler.evict_cache();
     assert!(scheduler.all_storage_free());
-    ids.iter()
+    let outputs = ids
+        .iter()
         .map(|id| {
             let f = finished.iter().find(|f| f.id == *id).expect("finished");
             (f.output.clone(), f.reason)
         })
-        .collect()
+        .collect();
+    (outputs, scheduler.stats().steps)
 }
 
 #[test]
@@ -84,6 +100,32 @@ fn steps_replay_through_records() {
         assert_eq!((output.len(), *reason), (12, FinishReason::Length));
     }
     assert_eq!(run(&spec, &prompts, 12, true), deferred);
+}
+
+/// The device check (examples/cuda_replay_check) compares a GPU run with the emulation step
+/// for step. A device's reads land when its timing says, which changes the schedule and so
+/// (this fixture's graphs depend on the batch) the tokens; pacing the reads restores both.
+#[test]
+fn paced_reads_give_the_emulated_schedule_whatever_the_device_timing() {
+    let spec = FixtureSpec::default();
+    let vocab = spec.vocab_size;
+    let prompts: Vec<Vec<u32>> =
+        (0..8u32).map(|r| (0..(r % 3) * 40 + 30 + r).map(|i| (i * 5 + r) % vocab).collect()).collect();
+    let emulated = |fast: bool| {
+        move |core: &RuntimeCore| {
+            let mut e = Emulator::new(core);
+            e.deferred = true;
+            e.reads_land_at_once = fast;
+            e
+        }
+    };
+    let paced = run_on(&spec, &prompts, 16, emulated(false));
+    let fast = run_on(&spec, &prompts, 16, emulated(true));
+    // A fast "device" changes the schedule, and with it the tokens: the raw comparison fails.
+    assert_ne!(fast.1, paced.1, "steps");
+    assert_ne!(fast.0, paced.0, "outputs");
+    let fast_paced = run_on(&spec, &prompts, 16, |core| PacedReads::new(emulated(true)(core)));
+    assert_eq!(fast_paced, paced);
 }
 
 #[test]

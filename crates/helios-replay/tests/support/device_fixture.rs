@@ -244,6 +244,9 @@ pub struct Emulator {
     pub replays: usize,
     /// Defer records reads like a device: each is "in flight" for its first non-waiting take.
     pub deferred: bool,
+    /// With `deferred`: every read has landed by its first take, as on a device that runs
+    /// ahead of the host (the schedule then differs from `deferred` alone).
+    pub reads_land_at_once: bool,
     reads: std::collections::HashMap<u64, (Vec<u8>, bool)>,
     next_read: u64,
 }
@@ -258,7 +261,15 @@ impl Emulator {
                 arena[b.offset as usize..b.offset as usize + bytes.len()].copy_from_slice(bytes);
             }
         }
-        Emulator { manifest: m, arena, replays: 0, deferred: false, reads: Default::default(), next_read: 0 }
+        Emulator {
+            manifest: m,
+            arena,
+            replays: 0,
+            deferred: false,
+            reads_land_at_once: false,
+            reads: Default::default(),
+            next_read: 0,
+        }
     }
 
     fn at(&self, buffer: BufferId, offset: u64, len: u64) -> Result<std::ops::Range<usize>, ExecutorError> {
@@ -310,7 +321,7 @@ impl GraphBackend for Emulator {
         wait: bool,
     ) -> Result<Option<Vec<u8>>, ExecutorError> {
         let entry = self.reads.get_mut(&ticket.0).ok_or(ExecutorError::UnknownRead(ticket.0))?;
-        if !wait && !entry.1 {
+        if !wait && !entry.1 && !self.reads_land_at_once {
             entry.1 = true;
             return Ok(None);
         }
@@ -322,5 +333,56 @@ impl GraphBackend for Emulator {
         emulate(&m, graph, &mut self.arena, base);
         self.replays += 1;
         Ok(())
+    }
+}
+
+/// A backend whose deferred reads land on a fixed schedule, whatever the device's timing: a
+/// ticket is in flight for its first non-waiting take and waited for on the next (the
+/// [`Emulator`]'s `deferred` pacing). The scheduler then plans exactly the steps it plans over
+/// `Emulator { deferred: true, .. }`, so graphs whose tokens depend on the batch (this fixture's
+/// do) can be compared step for step between a device and the emulation.
+#[derive(Debug)]
+pub struct PacedReads<B> {
+    pub inner: B,
+    polled: std::collections::HashSet<u64>,
+}
+
+impl<B> PacedReads<B> {
+    pub fn new(inner: B) -> Self {
+        PacedReads { inner, polled: Default::default() }
+    }
+}
+
+impl<B: GraphBackend> GraphBackend for PacedReads<B> {
+    fn write(&mut self, buffer: BufferId, offset: u64, bytes: &[u8]) -> Result<(), ExecutorError> {
+        self.inner.write(buffer, offset, bytes)
+    }
+    fn read(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, ExecutorError> {
+        self.inner.read(buffer, offset, len)
+    }
+    fn copy(&mut self, src: (BufferId, u64), dst: (BufferId, u64), len: u64) -> Result<(), ExecutorError> {
+        self.inner.copy(src, dst, len)
+    }
+    fn replay(&mut self, graph: GraphId) -> Result<(), ExecutorError> {
+        self.inner.replay(graph)
+    }
+    fn read_later(
+        &mut self,
+        buffer: BufferId,
+        offset: u64,
+        len: u64,
+    ) -> Result<Option<helios_replay::graph::ReadTicket>, ExecutorError> {
+        self.inner.read_later(buffer, offset, len)
+    }
+    fn take_read(
+        &mut self,
+        ticket: helios_replay::graph::ReadTicket,
+        wait: bool,
+    ) -> Result<Option<Vec<u8>>, ExecutorError> {
+        if !wait && self.polled.insert(ticket.0) {
+            return Ok(None);
+        }
+        self.polled.remove(&ticket.0);
+        self.inner.take_read(ticket, true)
     }
 }
