@@ -210,6 +210,7 @@ fn start_cuda(
             kernels = r.kernels,
             graphs = r.graphs,
             nodes = r.nodes,
+            upload_path = ?r.upload_path,
             upload_s = r.upload_seconds,
             upload_gib_per_s = r.uploaded_bytes as f64 / (1u64 << 30) as f64 / r.upload_seconds.max(1e-9),
             build_s = r.build_seconds,
@@ -243,7 +244,7 @@ fn log_upload_progress(p: helios_replay::cuda::UploadProgress) {
             total_mib = p.total_bytes >> 20,
             elapsed_ms = (p.elapsed_seconds * 1e3) as u64,
             done = p.done,
-            "upload: payloads to the GPU through pinned staging"
+            "upload: payloads to the GPU"
         );
     }
 }
