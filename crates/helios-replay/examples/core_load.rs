@@ -41,9 +41,10 @@ fn run(path: &str, rounds: usize) -> Result<serde_json::Value, String> {
         for upload in [UploadPath::Direct, UploadPath::Staged] {
             let dev = load(upload).map_err(|e| e.to_string())?;
             let s = dev.report().upload_seconds;
-            match upload {
-                UploadPath::Direct => direct.push(s),
-                UploadPath::Staged => staged.push(s),
+            if upload == UploadPath::Direct {
+                direct.push(s)
+            } else {
+                staged.push(s)
             }
             if round == 0 && upload == UploadPath::Staged {
                 identical = payload_bytes(&dev)? == direct_image;
