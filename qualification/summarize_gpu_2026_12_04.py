@@ -8,7 +8,7 @@ reads): writes qualification/gpu_2026-12-04.json from qualification/raw/2026-12-
 import json
 from pathlib import Path
 
-from gpu_summary import bench, floor
+from gpu_summary import serving
 
 RAW = Path("qualification/raw/2026-12-04")
 R = RAW / "llama_1b_random"
@@ -19,31 +19,18 @@ def load(p: str) -> dict:
     return json.loads((R / p).read_text())
 
 
-fed = load("measure/flare_vs_torch.json")
-ir = load("measure/ignition_replay.json")
 p = load("prepare/prepare_report.json")
 hf = load("measure/hf_generate.json")
-m: dict = {
-    "tokens": {k: ir.get(k) for k in ("identical_to_reference", "identical_reversed_on_other_rows", "device_fed_identical")},
-    "ready_s": fed["ready_s"],
-    "python_floor": floor((R / "measure/ignition_replay.log").read_text()),
-    "bench_device_fed": bench(fed),
-}
-m["tokens"]["flare_device_fed_cold_and_prefix_hit_equal_torch_replay"] = fed["all_cold_equal"] and fed["all_prefix_hit_equal"]
+m = serving(R / "measure")
 c1 = m["bench_device_fed"]["decode c=1"]["itl_ms_median"]
-fl = m["python_floor"]["decode_b1"]
-m["ratios"] = {
-    "itl_c1_over_back_to_back_replay": round(c1 / (fl["replay_alone_us"] / 1000), 3),
-    "itl_c1_over_python_floor_step": round(c1 / (fl["step_us"] / 1000), 3),
+cold = m["bench_device_fed"]["cold 4096 tok"]
+m["ratios"].update({
     "hf_generate_static_cache_eager_ms_per_token": round(hf["decode_ms_per_token"], 4),
     "hf_generate_over_flare_itl_c1": round(hf["decode_ms_per_token"] / c1, 3),
     "hbm_bound_ms_batch1": round(hf["hbm_bound_ms_per_token"], 4),
     "hbm_fraction_itl_c1": round(hf["hbm_bound_ms_per_token"] / c1, 3),
-    # What the host adds per decode step beyond the device's back-to-back replays.
-    "host_gap_us_per_step_c1": round(c1 * 1000 - fl["replay_alone_us"], 1),
-    "prefill_tok_per_s_cold_4096_ttft": round(m["bench_device_fed"]["cold 4096 tok"]["prompt_tokens"] / 2
-                                              / (m["bench_device_fed"]["cold 4096 tok"]["ttft_ms_median"] / 1000)),
-}
+    "prefill_tok_per_s_cold_4096_ttft": round(cold["prompt_tokens"] / 2 / (cold["ttft_ms_median"] / 1000)),
+})
 m["versus_session_3_device_fed"] = {
     k: {"itl_ms_median": (S3["bench_device_fed"][k]["itl_ms_median"], v["itl_ms_median"]),
         "ttft_ms_median": (S3["bench_device_fed"][k]["ttft_ms_median"], v["ttft_ms_median"])}
@@ -60,23 +47,15 @@ fixture = json.loads((RAW / "fixture/cuda_replay_check.json").read_text())
 # SmolLM2-135M-Instruct (real weights), the smol-prepare/smol-all chain after the 1B one.
 SR = RAW / "smollm2"
 sload = lambda q: json.loads((SR / q).read_text())  # noqa: E731
-sfed, sir, sp = sload("measure/flare_vs_torch.json"), sload("measure/ignition_replay.json"), sload("prepare/prepare_report.json")
-smol: dict = {
-    "tokens": {k: sir.get(k) for k in ("identical_to_reference", "identical_reversed_on_other_rows", "device_fed_identical")},
-    "ready_s": sfed["ready_s"],
-    "python_floor": floor((SR / "measure/ignition_replay.log").read_text()),
-    "bench_device_fed": bench(sfed),
+sp = sload("prepare/prepare_report.json")
+smol = serving(SR / "measure")
+smol.update({
     "core_workload_on_device": sload("measure/core_workload.json"),
     "payload_upload_staged_vs_direct": sload("measure/core_load.json"),
     "rust_core_replay_bitwise": "timed out at RUST_IO_TIMEOUT=100 s before writing its report; the 8 graphs it printed "
-                                "were bitwise equal (see the session log in the closing note)",
+                                "were bitwise equal (measure/rust_replay_io.partial.txt)",
     "prepare": {"timings_s": sp["timings"], "peak_memory": sp["peak_memory"], "numerics": sp.get("numerics")},
-}
-smol["tokens"]["flare_device_fed_cold_and_prefix_hit_equal_torch_replay"] = sfed["all_cold_equal"] and sfed["all_prefix_hit_equal"]
-sc1, sfl = smol["bench_device_fed"]["decode c=1"]["itl_ms_median"], smol["python_floor"]["decode_b1"]
-smol["ratios"] = {"itl_c1_over_back_to_back_replay": round(sc1 / (sfl["replay_alone_us"] / 1000), 3),
-                  "itl_c1_over_python_floor_step": round(sc1 / (sfl["step_us"] / 1000), 3),
-                  "host_gap_us_per_step_c1": round(sc1 * 1000 - sfl["replay_alone_us"], 1)}
+})
 out = {
     "what": "issue 7, H200 session of 2026-12-04: the seeded random ~1.07B Llama prepared and served at 518c5b5 "
             "(flexible-layout attention inputs, 8675905; staged payload upload on the copy stream, 2c960f3), "
