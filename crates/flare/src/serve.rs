@@ -54,9 +54,36 @@ pub(crate) struct RunArgs {
     /// Preparation (tokenization/template) worker threads.
     #[arg(long, default_value_t = 2)]
     prep_threads: usize,
-    /// Seconds running requests may take to finish after SIGINT/SIGTERM before cancellation.
+    /// Seconds running requests may take to finish after SIGINT/SIGTERM before cancellation;
+    /// a second after that, connections still open (clients that stopped reading, partial
+    /// requests) are dropped and the process exits.
     #[arg(long, default_value_t = 10)]
     shutdown_grace_secs: u64,
+    /// Connections served at once. At the cap, the connection idle (or sending its head) the
+    /// longest is closed to make room; when all are serving requests, new ones get 503. Both
+    /// are logged. Default: 2048, less when the open-file limit (raised toward its hard limit
+    /// at startup) leaves less room.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    max_connections: Option<u64>,
+    /// Seconds a connection may take to send a complete request head, from accept or from
+    /// its first byte after keep-alive idling; then it is closed.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    header_read_timeout_secs: u64,
+    /// Seconds a request body may take to arrive in full after its head; then 408 and close.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    body_read_timeout_secs: u64,
+    /// Seconds a keep-alive connection may wait for its next request; then it is closed.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    idle_timeout_secs: u64,
+    /// Seconds a response may wait for a client that stopped reading it; then the connection
+    /// is closed and its request cancelled.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    write_stall_timeout_secs: u64,
+    /// Host names served besides loopback ones (localhost, 127.x.x.x, [::1]), comma separated.
+    /// A server bound to a loopback address answers 403 to any other `Host` (a DNS-rebinding
+    /// guard); `*` serves every host.
+    #[arg(long, value_delimiter = ',')]
+    allowed_hosts: Vec<String>,
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
 }
@@ -137,6 +164,8 @@ pub(crate) fn run(args: RunArgs) -> Result<(), CliError> {
         prep_threads: args.prep_threads,
         prep_queue: args.queue_limit.max(1),
         device_fed_decode: !args.host_fed_decode,
+        // Options without a flag keep the engine's defaults.
+        ..EngineOptions::default()
     };
     let engine = if simulate {
         progress(started, "starting the model thread (simulated executor)");
@@ -153,8 +182,9 @@ pub(crate) fn run(args: RunArgs) -> Result<(), CliError> {
         start_cuda(&manifest, core, frontend, options, reserve_bytes, started)
     }
     .map_err(|e| CliError::Startup(e.to_string()))?;
+    let connection_limits = connection_limits(&args);
     let rt = crate::runtime()?;
-    rt.block_on(async move {
+    let served = rt.block_on(async move {
         let listener =
             tokio::net::TcpListener::bind(addr).await.map_err(|e| CliError::Startup(format!("bind {addr}: {e}")))?;
         let bound = listener.local_addr().map_err(|e| CliError::Startup(e.to_string()))?;
@@ -166,22 +196,102 @@ pub(crate) fn run(args: RunArgs) -> Result<(), CliError> {
             elapsed_ms = started.elapsed().as_millis() as u64,
             "ready: listening on http://{bound}"
         );
-        let app = helios_http::router(engine.clone(), helios_http::HttpOptions::default());
+        let options = helios_http::HttpOptions {
+            host_policy: helios_http::HostPolicy::for_bind(bound.ip(), &args.allowed_hosts),
+            ..helios_http::HttpOptions::default()
+        };
+        let app = helios_http::router(engine.clone(), options);
         let grace = Duration::from_secs(args.shutdown_grace_secs);
         let draining = engine.clone();
+        let (drained_tx, drained_rx) = tokio::sync::oneshot::channel();
         let shutdown = async move {
             wait_for_signal().await;
             tracing::info!("shutdown: admission stopped, draining running requests");
-            tokio::spawn(async move { draining.shutdown(grace).await });
+            // Stop admission, let running requests finish for the grace, then cancel them.
+            tokio::spawn(async move {
+                draining.shutdown(grace).await;
+                let _ = drained_tx.send(());
+            });
         };
-        axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown)
+        let limits = helios_http::ConnectionLimits {
+            // The engine cancels what still runs at `grace`; the margin lets those
+            // cancellations reach clients that read before their connections are dropped.
+            shutdown_grace: grace + CANCEL_MARGIN,
+            ..connection_limits
+        };
+        helios_http::serve(listener, app, limits, shutdown)
             .await
             .map_err(|e| CliError::Startup(format!("server: {e}")))?;
-        engine.shutdown(grace).await;
+        // Normally done already; bounded, as the model thread ends once its requests are
+        // cancelled.
+        let _ = tokio::time::timeout(CANCEL_MARGIN, drained_rx).await;
         tracing::info!("shutdown: complete");
         Ok(())
-    })
+    });
+    // Blocking tasks (the engine's thread join) must not hold the exit past the margin.
+    rt.shutdown_timeout(CANCEL_MARGIN);
+    served
+}
+
+/// How long after the grace connections are dropped, and how long the exit then waits for the
+/// engine's own shutdown.
+const CANCEL_MARGIN: Duration = Duration::from_secs(1);
+
+/// Open files kept out of the connection budget: core and tokenizer files, the listener,
+/// epoll, logs and threads.
+const RESERVED_FDS: u64 = 256;
+
+/// The connection limits from the flags; the cap defaults to 2048 or what the open-file limit
+/// leaves room for. The grace is set where shutdown is wired.
+fn connection_limits(args: &RunArgs) -> helios_http::ConnectionLimits {
+    let wanted = args.max_connections.unwrap_or(2048);
+    let files = raise_open_file_limit(wanted.saturating_add(RESERVED_FDS));
+    let room = files.map(|n| n.saturating_sub(RESERVED_FDS).max(1));
+    let max_connections = match (args.max_connections, room) {
+        (None, Some(room)) => wanted.min(room),
+        (Some(n), Some(room)) if n > room => {
+            tracing::warn!(
+                max_connections = n,
+                open_file_limit = files,
+                "--max-connections leaves too little room under the open-file limit: accepts may fail with EMFILE \
+                 (they are logged and retried)"
+            );
+            n
+        }
+        _ => wanted,
+    };
+    tracing::info!(max_connections, open_file_limit = files, "connection cap");
+    helios_http::ConnectionLimits {
+        header_read_timeout: Duration::from_secs(args.header_read_timeout_secs),
+        body_read_timeout: Duration::from_secs(args.body_read_timeout_secs),
+        idle_timeout: Duration::from_secs(args.idle_timeout_secs),
+        write_stall_timeout: Duration::from_secs(args.write_stall_timeout_secs),
+        max_connections: usize::try_from(max_connections).unwrap_or(usize::MAX),
+        shutdown_grace: Duration::from_secs(args.shutdown_grace_secs),
+    }
+}
+
+/// Raises the soft open-file limit toward `wanted` (never above the hard limit), as many
+/// systems start processes at 1024; returns the soft limit now in force (`None`: unlimited
+/// or unknown).
+#[cfg(unix)]
+fn raise_open_file_limit(wanted: u64) -> Option<u64> {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let limit = getrlimit(Resource::Nofile);
+    let soft = limit.current?;
+    if soft >= wanted {
+        return Some(soft);
+    }
+    let target = limit.maximum.map_or(wanted, |hard| hard.min(wanted));
+    if target > soft && setrlimit(Resource::Nofile, Rlimit { current: Some(target), maximum: limit.maximum }).is_ok() {
+        return Some(target);
+    }
+    Some(soft)
+}
+
+#[cfg(not(unix))]
+fn raise_open_file_limit(_: u64) -> Option<u64> {
+    None
 }
 
 /// The CUDA executor: the core is loaded on the model thread, which owns the context.

@@ -82,3 +82,28 @@ fn copy(from: &std::path::Path, to: &std::path::Path) {
         std::fs::copy(from, to).unwrap();
     }
 }
+
+#[test]
+fn run_help_lists_the_connection_limits() {
+    let out = flare().args(["run", "--help"]).output().unwrap();
+    let help = String::from_utf8(out.stdout).unwrap();
+    assert!(out.status.success(), "{help}");
+    for flag in [
+        "--max-connections",
+        "--header-read-timeout-secs",
+        "--body-read-timeout-secs",
+        "--idle-timeout-secs",
+        "--write-stall-timeout-secs",
+        "--allowed-hosts",
+        "--shutdown-grace-secs",
+    ] {
+        assert!(help.contains(flag), "{flag} missing from:\n{help}");
+    }
+    assert!(
+        help.contains("[default: 10]") && help.contains("[default: 30]") && help.contains("[default: 60]"),
+        "{help}"
+    );
+    // Zero would disable a limit by accident: refused before anything starts.
+    let out = flare().args(["run", "--idle-timeout-secs", "0"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+}

@@ -35,6 +35,12 @@ pub enum TemplateError {
     ContinueWithGenerationPrompt,
     #[error("invalid tokenizer_config.json: {0}")]
     Config(String),
+    /// The render was cancelled (its client left, or the server is shutting down).
+    #[error("rendering was cancelled")]
+    Cancelled,
+    /// The rendered prompt passed the longest text that can fit the context.
+    #[error("the rendered prompt exceeds {max_bytes} bytes, more than the context can hold")]
+    TooLong { max_bytes: usize },
 }
 
 /// Model output did not follow the selected protocol.

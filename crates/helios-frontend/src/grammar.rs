@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use helios_contract::{ReasoningParser, ToolParser};
-use llguidance::api::TopLevelGrammar;
+use llguidance::api::{ParserLimits, TopLevelGrammar};
 use llguidance::toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 use serde_json::Value as Json;
@@ -35,6 +35,58 @@ impl TokenizerEnv for HeliosTokEnv {
     fn tokenize_is_canonical(&self) -> bool {
         true
     }
+}
+
+/// The parser limits every grammar runs under (llguidance's `ParserLimits`). They bound a
+/// grammar's compile and each mask computation by work, not time, so a grammar that would need
+/// unbounded work fails fast with a limit error ([`GrammarError::exceeds_limits`]) instead.
+/// The values are llguidance's defaults (a large real schema, FHIR, compiles within half of
+/// them), fixed here so they are ours; at llguidance's rates one mask costs at most about
+/// 15 ms of lexer work and 2.5 ms of parser items. Errors are terse: no grammar dump.
+pub(crate) fn parser_limits() -> ParserLimits {
+    ParserLimits {
+        // Earley items in one row: the grammar's branching factor at a position.
+        max_items_in_row: 2_000,
+        // Building the initial lexer (compile).
+        initial_lexer_fuel: 1_000_000,
+        // Lexer work for one token mask.
+        step_lexer_fuel: 200_000,
+        // Earley items created for one token mask.
+        step_max_items: 50_000,
+        max_lexer_states: 250_000,
+        // Symbols in the grammar's productions (compile).
+        max_grammar_size: 500_000,
+        precompute_large_lexemes: true,
+        verbose_errors: false,
+    }
+}
+
+/// llguidance's messages for the limits of [`parser_limits`] (compile and per-mask).
+const LIMIT_MESSAGES: &[&str] = &[
+    "items; max is",                    // max_items_in_row
+    "Too many items (limit",            // step_max_items
+    "too many expressions constructed", // step_lexer_fuel
+    "too many states",                  // max_lexer_states
+    "too big (limit",                   // max_grammar_size, initial_lexer_fuel
+    "fuel exhausted",                   // initial_lexer_fuel (lexeme relevance)
+    "relevance check fuel",
+    "lexer precomputation failed",
+];
+
+impl GrammarError {
+    /// Whether the grammar exceeded the parser's limits ([`parser_limits`]), at compile or
+    /// computing a mask: the grammar is too complex to serve, the request's fault. Any other
+    /// matcher failure is not.
+    pub fn exceeds_limits(&self) -> bool {
+        match self {
+            GrammarError::Compile(m) | GrammarError::Matcher(m) => LIMIT_MESSAGES.iter().any(|p| m.contains(p)),
+            _ => false,
+        }
+    }
+}
+
+fn matcher_error(e: impl std::fmt::Display) -> GrammarError {
+    GrammarError::Matcher(first_line(&e))
 }
 
 /// Per-tokenizer grammar machinery; build once and share.
@@ -128,6 +180,7 @@ impl GrammarEnv {
         let env: TokEnv = Arc::new(HeliosTokEnv { tokenizer: tokenizer.clone(), trie });
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| GrammarError::Env(e.to_string()))?;
         factory.quiet();
+        *factory.limits_mut() = parser_limits();
         Ok(GrammarEnv { tokenizer, factory })
     }
 
@@ -171,11 +224,16 @@ impl GrammarEnv {
         Ok(g)
     }
 
-    /// Builds a matcher for one request.
+    /// Builds a matcher for one request. Compiling is bounded by [`parser_limits`]; a grammar
+    /// over them fails with a `Compile` error that [`GrammarError::exceeds_limits`].
     pub fn matcher(&self, format: &AnswerFormat, proto: &OutputProtocol) -> Result<GrammarMatcher, GrammarError> {
         let grammar = TopLevelGrammar::from_lark(self.lark(format, proto)?);
-        let parser = self.factory.create_parser(grammar).map_err(|e| GrammarError::Compile(e.to_string()))?;
-        Ok(GrammarMatcher { matcher: Matcher::new(Ok(parser)), consumed: 0 })
+        let parser = self.factory.create_parser(grammar).map_err(|e| GrammarError::Compile(first_line(&e)))?;
+        let matcher = Matcher::new(Ok(parser)).into_cancellable();
+        if let Some(e) = matcher.get_error() {
+            return Err(GrammarError::Compile(first_line(&e)));
+        }
+        Ok(GrammarMatcher { matcher, consumed: 0 })
     }
 }
 
@@ -185,11 +243,70 @@ impl std::fmt::Debug for GrammarMatcher {
     }
 }
 
+/// llguidance's message without its trailer (state and grammar dump, or `<non-verbose/>`).
+fn first_line(e: &impl std::fmt::Display) -> String {
+    let m = e.to_string();
+    m.split("\n<").next().unwrap_or_default().to_owned()
+}
+
+/// How many tokens of the first mask [`GrammarMatcher::start`] checks one step ahead.
+const START_PROBES: usize = 16;
+
 impl GrammarMatcher {
+    /// The first mask, for the sample that ends the prompt. When it allows few tokens (a JSON
+    /// answer starts with `{`), each of them is also consumed on a copy and its mask computed,
+    /// so a grammar that exceeds the parser's limits at its first token (a schema with
+    /// thousands of optional properties) fails here, before generation, rather than after its
+    /// first token was streamed. Only limit errors of those probes are reported.
+    pub fn start(&mut self) -> Result<TokenMask, GrammarError> {
+        let mask = self.compute_mask()?;
+        if mask.num_allowed() <= START_PROBES && !self.matcher.is_stopped() {
+            for id in mask.0.to_list() {
+                let mut probe = GrammarMatcher { matcher: self.matcher.clone(), consumed: self.consumed };
+                if let Err(e) = probe.consume_token(id).and_then(|()| probe.compute_mask().map(drop))
+                    && e.exceeds_limits()
+                {
+                    return Err(e);
+                }
+            }
+        }
+        Ok(mask)
+    }
+
+    /// One step of a constrained request: consumes the sampled `id`, then computes the mask
+    /// for the next sample. Each part is bounded by [`parser_limits`].
+    pub fn advance(&mut self, id: u32) -> Result<TokenMask, GrammarError> {
+        self.consume_token(id)?;
+        self.compute_mask()
+    }
+
+    /// An independent copy in the same state, for use on another thread: its own lexer caches
+    /// (a plain clone would share them behind a lock) and its own cancellation.
+    pub fn fork(&self) -> GrammarMatcher {
+        GrammarMatcher { matcher: self.matcher.deep_clone(), consumed: self.consumed }
+    }
+
+    /// A function that cancels this matcher from another thread: a computation running on it
+    /// stops early with an error, and every later call fails. Permanent; for abandoning a
+    /// matcher whose work ran past its budget.
+    pub fn canceller(&self) -> impl Fn() + Send + Sync + 'static {
+        let handle = self.matcher.cancellation_handle();
+        move || {
+            if let Some(h) = &handle {
+                h.cancel();
+            }
+        }
+    }
+
+    /// Whether [`canceller`](Self::canceller) was called.
+    pub fn is_cancelled(&self) -> bool {
+        self.matcher.is_cancelled()
+    }
+
     /// Tokens allowed next (EOS is allowed exactly when the grammar accepts; once the
     /// grammar has nothing left to match, only EOS).
     pub fn compute_mask(&mut self) -> Result<TokenMask, GrammarError> {
-        self.matcher.compute_mask_or_eos().map(TokenMask).map_err(|e| GrammarError::Matcher(e.to_string()))
+        self.matcher.compute_mask_or_eos().map(TokenMask).map_err(matcher_error)
     }
 
     /// Advances by one sampled token; a token the grammar forbids is rejected and the
@@ -211,7 +328,7 @@ impl GrammarMatcher {
                 Ok(())
             }
             Ok(_) => Err(GrammarError::Rejected(id)),
-            Err(e) => Err(GrammarError::Matcher(e.to_string())),
+            Err(e) => Err(matcher_error(e)),
         }
     }
 
@@ -220,7 +337,7 @@ impl GrammarMatcher {
         if n > self.consumed {
             return Err(GrammarError::Rollback { requested: n, available: self.consumed });
         }
-        self.matcher.rollback(n).map_err(|e| GrammarError::Matcher(e.to_string()))?;
+        self.matcher.rollback(n).map_err(matcher_error)?;
         self.consumed -= n;
         Ok(())
     }
@@ -321,5 +438,61 @@ mod tests {
         assert!(matches!(m.consume_token(bad), Err(GrammarError::Rejected(_))));
         drive(&e, &mut m, "{\"a\": [1]}").expect("accepted");
         assert!(m.is_accepting());
+    }
+
+    fn plain() -> OutputProtocol {
+        OutputProtocol {
+            reasoning: ReasoningParser::None,
+            tools: ToolParser::None,
+            tools_offered: false,
+            starts_in_reasoning: false,
+        }
+    }
+
+    /// An object with `n` optional string properties: its key position branches `n` ways.
+    fn wide_schema(n: usize) -> Json {
+        let props: serde_json::Map<String, Json> =
+            (0..n).map(|i| (format!("property_{i}"), json!({"type": "string"}))).collect();
+        json!({"type": "object", "properties": props})
+    }
+
+    #[test]
+    fn a_schema_over_the_parser_limits_fails_at_start() {
+        let e = env();
+        // Compiles, but the row after `{` holds more Earley items than `max_items_in_row`.
+        let mut m = e.matcher(&AnswerFormat::JsonSchema(wide_schema(800)), &plain()).expect("compiles");
+        let err = m.start().expect_err("over the limits at the first token");
+        assert!(err.exceeds_limits(), "{err}");
+        assert!(err.to_string().contains("max is 2000"), "{err}");
+        assert!(!err.to_string().contains('\n'), "terse message: {err}");
+        // Within the limits: starts, and forks advance on their own.
+        let mut m = e.matcher(&AnswerFormat::JsonSchema(wide_schema(50)), &plain()).expect("compiles");
+        let first = m.start().expect("starts");
+        let open = e.tokenizer.encode("{", false).expect("enc").ids[0];
+        assert!(first.is_allowed(open));
+        let mut fork = m.fork();
+        let next = fork.advance(open).expect("advances");
+        assert!(!next.is_allowed(open));
+        assert_eq!(m.consumed(), 0, "the original did not move");
+        assert!(m.advance(open).is_ok());
+        // Other failures are not limit failures.
+        assert!(!GrammarError::Matcher("boom".into()).exceeds_limits());
+        assert!(!GrammarError::Rejected(3).exceeds_limits());
+        assert!(
+            GrammarError::Compile("grammar size (number of symbols) too big (limit for this grammar: 9)".into())
+                .exceeds_limits()
+        );
+    }
+
+    #[test]
+    fn a_cancelled_matcher_fails_its_next_computation() {
+        let e = env();
+        let mut m = e.matcher(&AnswerFormat::JsonObject, &plain()).expect("compiles");
+        let cancel = m.canceller();
+        m.compute_mask().expect("computes");
+        std::thread::spawn(cancel).join().expect("cancels from another thread");
+        assert!(m.is_cancelled());
+        let err = m.compute_mask().expect_err("cancelled");
+        assert!(!err.exceeds_limits(), "{err}");
     }
 }

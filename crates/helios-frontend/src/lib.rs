@@ -5,6 +5,7 @@
 //! endpoints, [`GrammarMatcher`] exposes `compute_mask` / `consume_token` / `rollback`.
 
 mod bytelevel;
+mod cancel;
 mod detok;
 mod error;
 mod grammar;
@@ -16,12 +17,16 @@ mod stop;
 mod template;
 mod tokenizer;
 
+pub use cancel::{Cancel, CancelOnDrop};
 pub use detok::IncrementalDecoder;
 pub use error::{FrontendError, GrammarError, OutputError, SamplingError, TemplateError, TokenizerError};
 pub use grammar::{AnswerFormat, GrammarEnv, GrammarMatcher, OutputProtocol, TokenMask};
 pub use parse::{OutputDelta, OutputParser, ParsedOutput, ToolCall, ToolChoice};
 pub use prompt::{Prompt, checkpoint_endpoints};
 pub use sampling::{ResolvedSampling, SamplingRequest, resolve_sampling};
-pub use stop::{StopMatcher, StopOutcome};
-pub use template::{ChatTemplate, RenderInput, Rendered, TemplateConfig};
+pub use stop::{MAX_STOP_BYTES, MAX_STOPS, StopMatcher, StopOutcome, StopSet};
+pub use template::{
+    ChatTemplate, MARK_EXHAUSTIVE, MARK_PROBES, MARK_SPREAD, MARK_TAIL, RenderInput, RenderLimits, Rendered,
+    TemplateConfig, select_probes,
+};
 pub use tokenizer::{Encoded, Tokenizer};

@@ -1,7 +1,8 @@
 //! Full prompt preparation and the shared byte-mark -> token-endpoint mapping.
 
+use crate::cancel::Cancel;
 use crate::error::FrontendError;
-use crate::template::{ChatTemplate, RenderInput};
+use crate::template::{ChatTemplate, RenderInput, RenderLimits};
 use crate::tokenizer::{Encoded, Tokenizer};
 
 /// A rendered, tokenized prompt with the checkpoint endpoints the scheduler consumes.
@@ -21,7 +22,26 @@ impl Prompt {
     /// Renders `input` once (plus prefix renders for marks), encodes it without adding
     /// special tokens (as Transformers does for chat prompts) and maps the marks.
     pub fn prepare(template: &ChatTemplate, tokenizer: &Tokenizer, input: &RenderInput) -> Result<Self, FrontendError> {
-        let rendered = template.render(input)?;
+        Self::prepare_with(template, tokenizer, input, None, &Cancel::default())
+    }
+
+    /// [`prepare`](Self::prepare) bounded by a token limit and a cancellation flag. When
+    /// the tokenizer gives a byte bound for `max_tokens`, a render that passes it stops
+    /// early with `TemplateError::TooLong`, before any mark probe or tokenization; a
+    /// prompt that fits always renders. Cancellation stops the render and its probes.
+    pub fn prepare_with(
+        template: &ChatTemplate,
+        tokenizer: &Tokenizer,
+        input: &RenderInput,
+        max_tokens: Option<usize>,
+        cancel: &Cancel,
+    ) -> Result<Self, FrontendError> {
+        let limits =
+            RenderLimits { cancel: cancel.clone(), max_bytes: max_tokens.and_then(|n| tokenizer.max_text_bytes(n)) };
+        let rendered = template.render_with(input, &limits)?;
+        if cancel.is_cancelled() {
+            return Err(crate::error::TemplateError::Cancelled.into());
+        }
         let enc = tokenizer.encode(&rendered.text, false)?;
         let checkpoints = checkpoint_endpoints(&rendered.message_ends, &enc);
         Ok(Prompt { text: rendered.text, ids: enc.ids, message_ends: rendered.message_ends, checkpoints })

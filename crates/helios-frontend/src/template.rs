@@ -4,6 +4,13 @@
 //! generation prompt; when that text is a byte prefix of the full render, its length is
 //! the end of message `k`. This is exact (no sentinel ever enters the prompt) and
 //! template-agnostic; a prefix that fails to render or diverges simply yields no mark.
+//!
+//! Cost: one full render, then at most [`MARK_PROBES`] prefix renders per call (each
+//! aborted at the first byte that leaves the prompt), so preparation is linear in the
+//! conversation: every pending prefix up to [`MARK_EXHAUSTIVE`] of them, else the last
+//! [`MARK_TAIL`] plus [`MARK_SPREAD`] spread over the rest. Outcomes are remembered, so a
+//! conversation growing turn by turn still gets a mark at every message end. Every mark
+//! returned is exact.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -11,6 +18,7 @@ use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, Error, ErrorKind, State};
 use serde_json::{Map, Value as Json};
 
+use crate::cancel::Cancel;
 use crate::error::TemplateError;
 use crate::jsonfmt::{PyJsonOptions, dumps};
 
@@ -18,6 +26,9 @@ const TEMPLATE_NAME: &str = "chat";
 const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
 const RAISED_PREFIX: &str = "raise_exception: ";
 const REASONING_FIELDS: [&str; 3] = ["reasoning_content", "thinking", "reasoning"];
+/// Room for the markup a template writes after a continued final message, while the
+/// render is bounded by [`RenderLimits::max_bytes`].
+const CONTINUE_SLACK: usize = 64 << 10;
 
 /// Template source plus the special-token strings Transformers passes to it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -69,6 +80,16 @@ pub struct RenderInput {
     pub extra: Map<String, Json>,
     /// Clock for `strftime_now`, seconds since the epoch (UTC). `None`: the system clock.
     pub now_unix: Option<i64>,
+}
+
+/// Bounds on one render, checked while the template writes (before any tokenization).
+#[derive(Clone, Debug, Default)]
+pub struct RenderLimits {
+    /// Stops the render (and its prefix probes) with [`TemplateError::Cancelled`].
+    pub cancel: Cancel,
+    /// Longest prompt text accepted: the render stops with [`TemplateError::TooLong`] as
+    /// soon as its output passes this many bytes. `None`: unbounded.
+    pub max_bytes: Option<usize>,
 }
 
 /// A rendered prompt.
@@ -382,20 +403,38 @@ impl ChatTemplate {
         messages: &[Json],
         input: &RenderInput,
         add_generation_prompt: bool,
+        limits: &RenderLimits,
+        slack: usize,
     ) -> Result<String, TemplateError> {
+        if limits.cancel.is_cancelled() {
+            return Err(TemplateError::Cancelled);
+        }
         let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(|e| map_error(&e))?;
         let msgs: Vec<Value> = messages.iter().map(Value::from_serialize).collect();
         let ctx = Self::context(&self.base_context(input), Value::from(msgs), add_generation_prompt);
-        tmpl.render(ctx).map_err(|e| map_error(&e))
+        let max = limits.max_bytes.map_or(usize::MAX, |m| m.saturating_add(slack));
+        let mut w = BoundedWriter { out: Vec::new(), max, cancel: &limits.cancel, stop: None };
+        let rendered = tmpl.render_captured_to(ctx, &mut w);
+        match (w.stop, rendered) {
+            (Some(TemplateError::TooLong { .. }), _) => Err(TemplateError::TooLong { max_bytes: max - slack }),
+            (Some(stop), _) => Err(stop),
+            (None, Err(e)) => Err(map_error(&e)),
+            (None, Ok(_)) => String::from_utf8(w.out).map_err(|e| TemplateError::Render(e.to_string())),
+        }
     }
 
     /// Renders the prompt text only (no marks).
     pub fn render_text(&self, input: &RenderInput) -> Result<String, TemplateError> {
+        self.render_text_with(input, &RenderLimits::default())
+    }
+
+    /// [`render_text`](Self::render_text) under `limits`.
+    pub fn render_text_with(&self, input: &RenderInput, limits: &RenderLimits) -> Result<String, TemplateError> {
         if input.continue_final_message && input.add_generation_prompt {
             return Err(TemplateError::ContinueWithGenerationPrompt);
         }
         if !input.continue_final_message {
-            return self.render_raw(&alias_reasoning(&input.messages), input, input.add_generation_prompt);
+            return self.render_raw(&alias_reasoning(&input.messages), input, input.add_generation_prompt, limits, 0);
         }
         let mut messages = alias_reasoning(&input.messages).into_owned();
         if !self.reads_content {
@@ -420,16 +459,18 @@ impl ChatTemplate {
             }
             _ => return Err(TemplateError::NothingToContinue),
         };
-        let text = self.render_raw(&messages, input, false)?;
+        // The tag and the template's closing markup after it are cut again: they do not count
+        // against the limit (the exact check follows the cut).
+        let text = self.render_raw(&messages, input, false, limits, CONTINUE_TAG.len() + CONTINUE_SLACK)?;
         let tag = CONTINUE_TAG.trim();
         if !text.contains(final_text.trim()) {
             return Err(TemplateError::ContinuationLost);
         }
         let loc = text.rfind(tag).ok_or(TemplateError::ContinuationLost)?;
-        if text[loc..].starts_with(CONTINUE_TAG) {
-            Ok(text[..loc].to_string())
-        } else {
-            Ok(text[..loc].trim_end().to_string())
+        let text = if text[loc..].starts_with(CONTINUE_TAG) { &text[..loc] } else { text[..loc].trim_end() };
+        match limits.max_bytes {
+            Some(max) if text.len() > max => Err(TemplateError::TooLong { max_bytes: max }),
+            _ => Ok(text.to_string()),
         }
     }
 
@@ -449,8 +490,17 @@ impl ChatTemplate {
     ///   over up to [`MARK_THREADS`] threads.
     ///
     /// Templates that call `strftime_now` without a fixed `now_unix` skip the memo.
+    ///
+    /// Bounded work: prefixes neither remembered nor among the [`MARK_PROBES`] chosen by
+    /// [`select_probes`] are not rendered (and yield no mark in this call).
     pub fn render(&self, input: &RenderInput) -> Result<Rendered, TemplateError> {
-        let text = self.render_text(input)?;
+        self.render_with(input, &RenderLimits::default())
+    }
+
+    /// [`render`](Self::render) under `limits`: the full render stops as soon as it passes
+    /// `max_bytes`, and the render or any prefix probe stops once `cancel` is set.
+    pub fn render_with(&self, input: &RenderInput, limits: &RenderLimits) -> Result<Rendered, TemplateError> {
+        let text = self.render_text_with(input, limits)?;
         let aliased = alias_reasoning(&input.messages);
         let complete = if input.continue_final_message { aliased.len().saturating_sub(1) } else { aliased.len() };
         let memo_on = !(self.reads_clock && input.now_unix.is_none());
@@ -480,11 +530,12 @@ impl ChatTemplate {
                 }
             });
         }
+        let todo = select_probes(&todo);
         let probes = if todo.is_empty() {
             Vec::new()
         } else {
             let messages: Vec<Value> = aliased[..complete].iter().map(Value::from_serialize).collect();
-            self.probe_prefixes(input, &messages, &todo, &text)?
+            self.probe_prefixes(input, &messages, &todo, &text, &limits.cancel)?
         };
         let mut fresh = Vec::with_capacity(probes.len());
         for (k, p) in probes {
@@ -496,7 +547,7 @@ impl ChatTemplate {
         if memo_on && !fresh.is_empty() {
             let lens = fresh.iter().filter_map(|(_, p)| match *p {
                 Probe::Mark(l) | Probe::Diverged(l) => Some(l),
-                Probe::Overlong | Probe::Never => None,
+                Probe::Overlong | Probe::Never | Probe::Cancelled => None,
             });
             let hashes = self.prefix_hashes(text.as_bytes(), lens.collect());
             if let Ok(mut m) = self.memo.lock() {
@@ -508,7 +559,7 @@ impl ChatTemplate {
                         Probe::Mark(len) => hashes.get(&len).map(|&hash| Outcome::Rendered { len, hash }),
                         Probe::Diverged(upto) => hashes.get(&upto).map(|&hash| Outcome::Diverged { upto, hash }),
                         Probe::Never => Some(Outcome::Never),
-                        Probe::Overlong => None,
+                        Probe::Overlong | Probe::Cancelled => None,
                     };
                     if let (Some(o), Some(&key)) = (outcome, keys.get(k)) {
                         m.map.insert(key, o);
@@ -582,12 +633,16 @@ impl ChatTemplate {
         messages: &[Value],
         ks: &[usize],
         text: &str,
+        cancel: &Cancel,
     ) -> Result<Vec<(usize, Probe)>, TemplateError> {
         let base = self.base_context(input);
         let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(|e| map_error(&e))?;
         let probe = |k: usize| -> (usize, Probe) {
+            if cancel.is_cancelled() {
+                return (k, Probe::Cancelled);
+            }
             let ctx = Self::context(&base, Value::from(messages[..k].to_vec()), false);
-            let mut w = PrefixWriter { target: text.as_bytes(), pos: 0, stop: None };
+            let mut w = PrefixWriter { target: text.as_bytes(), pos: 0, stop: None, cancel };
             let ok = tmpl.render_captured_to(ctx, &mut w).is_ok();
             let p = match w.stop {
                 Some(p) => p,
@@ -601,11 +656,24 @@ impl ChatTemplate {
         } else {
             1
         };
-        if threads <= 1 {
-            return Ok(ks.iter().map(|&k| probe(k)).collect());
+        let all: Vec<(usize, Probe)> = if threads <= 1 {
+            ks.iter().map(|&k| probe(k)).collect()
+        } else {
+            Self::probe_threads(ks, threads, &probe)
+        };
+        if all.iter().any(|(_, p)| *p == Probe::Cancelled) {
+            return Err(TemplateError::Cancelled);
         }
+        Ok(all)
+    }
+
+    fn probe_threads(
+        ks: &[usize],
+        threads: usize,
+        probe: &(dyn Fn(usize) -> (usize, Probe) + Sync),
+    ) -> Vec<(usize, Probe)> {
         // Prefix k costs about k; interleave so every thread gets a fair share.
-        Ok(std::thread::scope(|s| {
+        std::thread::scope(|s| {
             let probe = &probe;
             let handles: Vec<_> = (1..threads)
                 .map(|t| s.spawn(move || ks.iter().skip(t).step_by(threads).map(|&k| probe(k)).collect::<Vec<_>>()))
@@ -616,7 +684,7 @@ impl ChatTemplate {
                 all.extend(h.join().unwrap_or_default());
             }
             all
-        }))
+        })
     }
 
     /// The original O(n^2) mark discovery: every prefix rendered to a string through
@@ -669,6 +737,37 @@ impl ChatTemplate {
 /// Most threads one [`ChatTemplate::render`] uses for prefix renders.
 pub(crate) const MARK_THREADS: usize = 4;
 
+/// Up to this many pending prefixes (outcome not remembered), a [`ChatTemplate::render`]
+/// call renders them all: every mark is found, exactly as by rendering every prefix.
+pub const MARK_EXHAUSTIVE: usize = 64;
+
+/// Beyond [`MARK_EXHAUSTIVE`] pending prefixes, a call renders the last `MARK_TAIL` (the
+/// next turn of an agent conversation resumes there) ...
+pub const MARK_TAIL: usize = 8;
+
+/// ... and `MARK_SPREAD` spread evenly over the earlier ones, where the scheduler places
+/// its few checkpoints (at most eight per request) at equal intervals anyway.
+pub const MARK_SPREAD: usize = 8;
+
+/// Most prefix renders one call makes. Each costs at most one render of the prompt, so a
+/// call costs at most `MARK_PROBES + 1` renders whatever the message count.
+pub const MARK_PROBES: usize = MARK_EXHAUSTIVE;
+
+/// The prefixes to render among `todo` (ascending): all of them when at most
+/// [`MARK_EXHAUSTIVE`]; otherwise the last [`MARK_TAIL`] and [`MARK_SPREAD`] evenly spaced
+/// over the rest. Ascending, unique, a subset of `todo`.
+pub fn select_probes(todo: &[usize]) -> Vec<usize> {
+    if todo.len() <= MARK_EXHAUSTIVE {
+        return todo.to_vec();
+    }
+    let (rest, tail) = todo.split_at(todo.len() - MARK_TAIL);
+    let m = MARK_SPREAD;
+    // rest.len() > m, so the midpoints of m equal slices are distinct indices.
+    let mut out: Vec<usize> = (0..m).map(|i| rest[(2 * i + 1) * rest.len() / (2 * m)]).collect();
+    out.extend_from_slice(tail);
+    out
+}
+
 /// How a prefix render relates to the prompt.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Probe {
@@ -680,6 +779,8 @@ enum Probe {
     Overlong,
     /// Fails to render, or renders nothing.
     Never,
+    /// Stopped by cancellation: no outcome.
+    Cancelled,
 }
 
 /// An `io::Write` that accepts output only while it stays a proper prefix of `target`;
@@ -688,10 +789,15 @@ struct PrefixWriter<'a> {
     target: &'a [u8],
     pos: usize,
     stop: Option<Probe>,
+    cancel: &'a Cancel,
 }
 
 impl std::io::Write for PrefixWriter<'_> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.cancel.is_cancelled() {
+            self.stop = Some(Probe::Cancelled);
+            return Err(std::io::Error::other("cancelled"));
+        }
         let end = self.pos + buf.len();
         if end < self.target.len() && &self.target[self.pos..end] == buf {
             self.pos = end;
@@ -703,6 +809,32 @@ impl std::io::Write for PrefixWriter<'_> {
             None => Probe::Overlong,
         });
         Err(std::io::Error::other("prefix render left the prompt"))
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Collects render output up to `max` bytes; aborts the render past it or on cancel.
+struct BoundedWriter<'a> {
+    out: Vec<u8>,
+    max: usize,
+    cancel: &'a Cancel,
+    stop: Option<TemplateError>,
+}
+
+impl std::io::Write for BoundedWriter<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.cancel.is_cancelled() {
+            self.stop = Some(TemplateError::Cancelled);
+        } else if self.out.len() + buf.len() > self.max {
+            self.stop = Some(TemplateError::TooLong { max_bytes: self.max });
+        } else {
+            self.out.extend_from_slice(buf);
+            return Ok(buf.len());
+        }
+        Err(std::io::Error::other("render stopped"))
     }
 
     fn flush(&mut self) -> std::io::Result<()> {
@@ -928,7 +1060,82 @@ mod tests {
         }
         t.clear_mark_cache();
         let input = RenderInput { messages, tools, add_generation_prompt: true, ..Default::default() };
-        assert_eq!(format!("{:?}", t.render(&input)), format!("{:?}", t.render_reference(&input)));
+        let (cold, reference) = (t.render(&input).expect("renders"), t.render_reference(&input).expect("renders"));
+        assert_marks_within_budget(&cold, &reference);
+    }
+
+    /// A cold render of more than `MARK_EXHAUSTIVE` messages: same text, every mark exact
+    /// (one of the reference marks), the marks of the last `MARK_TAIL` messages all present.
+    fn assert_marks_within_budget(fast: &Rendered, reference: &Rendered) {
+        assert_eq!(fast.text, reference.text);
+        assert!(fast.message_ends.iter().all(|m| reference.message_ends.contains(m)), "a mark that is not exact");
+        assert!(fast.message_ends.len() <= MARK_PROBES);
+        let tail = &reference.message_ends[reference.message_ends.len().saturating_sub(MARK_TAIL)..];
+        assert!(tail.iter().all(|m| fast.message_ends.contains(m)), "a tail mark is missing");
+    }
+
+    fn chat(n: usize) -> Vec<Json> {
+        (0..n)
+            .map(
+                |i| json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": format!("m{i} naïve 🚀")}),
+            )
+            .collect()
+    }
+
+    #[test]
+    fn probe_selection_is_a_bounded_spread_subset() {
+        for n in [0, 1, MARK_EXHAUSTIVE, MARK_EXHAUSTIVE + 1, 100, 8_001] {
+            let todo: Vec<usize> = (0..n).map(|k| 2 * k + 1).collect();
+            let picked = select_probes(&todo);
+            let want = if n <= MARK_EXHAUSTIVE { n } else { MARK_TAIL + MARK_SPREAD };
+            assert_eq!(picked.len(), want, "n={n}");
+            assert!(picked.windows(2).all(|w| w[0] < w[1]));
+            assert!(picked.iter().all(|k| todo.contains(k)));
+            if n > MARK_EXHAUSTIVE {
+                assert_eq!(&picked[MARK_SPREAD..], &todo[n - MARK_TAIL..]);
+                // The spread part reaches both halves of the earlier messages.
+                assert!(picked[0] < todo[n / 4] && picked[MARK_SPREAD - 1] > todo[(n - MARK_TAIL) / 2]);
+            }
+        }
+    }
+
+    /// Long conversations: a cold render stays within the probe budget with exact marks;
+    /// a conversation growing a few messages per turn (the agent case) gets every mark,
+    /// exactly the reference's, because earlier probes are remembered.
+    #[test]
+    fn long_conversations_keep_exact_marks_within_the_budget() {
+        let t = tmpl(CHATML);
+        let messages = chat(300);
+        let input = RenderInput { messages: messages.clone(), add_generation_prompt: true, ..Default::default() };
+        assert_marks_within_budget(&t.render(&input).expect("renders"), &t.render_reference(&input).expect("renders"));
+        t.clear_mark_cache();
+        for n in (2..=messages.len()).step_by(7) {
+            let input =
+                RenderInput { messages: messages[..n].to_vec(), add_generation_prompt: true, ..Default::default() };
+            assert_eq!(t.render(&input).expect("renders"), t.render_reference(&input).expect("renders"), "n={n}");
+        }
+    }
+
+    #[test]
+    fn cancelled_and_overlong_renders_stop_with_typed_errors() {
+        let t = tmpl(CHATML);
+        let input = RenderInput { messages: chat(50), add_generation_prompt: true, ..Default::default() };
+        let full = t.render(&input).expect("renders").text;
+        let cancel = Cancel::new();
+        cancel.cancel();
+        let cancelled = RenderLimits { cancel, max_bytes: None };
+        assert!(matches!(t.render_with(&input, &cancelled), Err(TemplateError::Cancelled)));
+        let short = RenderLimits { max_bytes: Some(full.len() - 1), ..Default::default() };
+        assert!(
+            matches!(t.render_with(&input, &short), Err(TemplateError::TooLong { max_bytes }) if max_bytes == full.len() - 1)
+        );
+        let exact = RenderLimits { max_bytes: Some(full.len()), ..Default::default() };
+        assert_eq!(t.render_with(&input, &exact).expect("fits").text, full);
+        // A continued final message: the continuation tag never counts against the limit.
+        let cont = RenderInput { messages: chat(4), continue_final_message: true, ..Default::default() };
+        let text = t.render_text(&cont).expect("renders");
+        let exact = RenderLimits { max_bytes: Some(text.len()), ..Default::default() };
+        assert_eq!(t.render_text_with(&cont, &exact).expect("fits"), text);
     }
 
     proptest::proptest! {

@@ -17,6 +17,8 @@ pub struct Tokenizer {
     fast: Option<crate::bytelevel::ByteLevelFast>,
     /// Most threads one long encode uses (default: available cores, at most `MAX_THREADS`).
     threads: usize,
+    /// Longest `token_bytes` entry: no token of an exact (fast-path) encoding covers more.
+    max_token_bytes: usize,
 }
 
 /// Segment cache bound; the cache is cleared when it fills.
@@ -155,7 +157,8 @@ impl Tokenizer {
             None
         };
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_THREADS);
-        Ok(Tokenizer { inner, token_bytes, special, splitter, fast, threads })
+        let max_token_bytes = token_bytes.iter().map(Vec::len).max().unwrap_or(0);
+        Ok(Tokenizer { inner, token_bytes, special, splitter, fast, threads, max_token_bytes })
     }
 
     fn splitter(inner: &tokenizers::Tokenizer, added: &[tokenizers::AddedToken]) -> Option<Splitter> {
@@ -295,6 +298,14 @@ impl Tokenizer {
         }
     }
 
+    /// The longest text of `max_tokens` tokens, without encoding anything: every token of
+    /// an exact byte-level encoding covers at most the longest token's bytes, so a longer
+    /// text has more tokens. `None` when encodings are not exact byte concatenations (a
+    /// normalizer may fold many input bytes into one token), so no such bound holds.
+    pub fn max_text_bytes(&self, max_tokens: usize) -> Option<usize> {
+        (self.fast.is_some() && self.max_token_bytes > 0).then(|| max_tokens.saturating_mul(self.max_token_bytes))
+    }
+
     /// Number of token ids, including added tokens.
     pub fn vocab_size(&self) -> usize {
         self.token_bytes.len()
@@ -392,6 +403,22 @@ pub(crate) mod tests {
             assert_eq!(w[0].1, w[1].0);
         }
         assert_eq!(t.decode(&e.ids, false).expect("decodes"), text);
+    }
+
+    /// The byte bound never rejects a text that fits: texts of every token count up to the
+    /// bound's own edge encode to at most that many tokens.
+    #[test]
+    fn max_text_bytes_is_a_sound_bound() {
+        let t = smol();
+        let per = t.max_text_bytes(1).expect("SmolLM2 encodes exactly");
+        assert!(per >= 1);
+        for text in ["<|im_start|>user\nHéllo 🌍 wörld  123\n<|im_end|>", "a", "                ", "🚀🚀🚀🚀"]
+        {
+            let text = text.repeat(40);
+            let n = t.encode(&text, false).expect("encodes").ids.len();
+            let bound = t.max_text_bytes(n).expect("bound");
+            assert!(text.len() <= bound, "{} bytes in {n} tokens, bound {bound}", text.len());
+        }
     }
 
     proptest::proptest! {

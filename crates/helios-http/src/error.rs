@@ -1,6 +1,8 @@
 //! API errors: typed codes mapped to status codes and each protocol's error envelope.
 
-use axum::http::{HeaderValue, StatusCode};
+use std::borrow::Cow;
+
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use helios_worker::{ErrorClass, RequestError};
 use serde_json::json;
@@ -10,6 +12,14 @@ use serde_json::json;
 pub enum Flavor {
     OpenAi,
     Anthropic,
+}
+
+impl Flavor {
+    /// The envelope of the API a path belongs to, for errors raised before any route runs
+    /// (wrong method, rejected Host, unknown path): Anthropic under `/v1/messages`.
+    pub fn for_path(path: &str) -> Flavor {
+        if path == "/v1/messages" || path.starts_with("/v1/messages/") { Flavor::Anthropic } else { Flavor::OpenAi }
+    }
 }
 
 /// An error response.
@@ -81,9 +91,13 @@ impl ApiError {
 
     fn anthropic_type(&self) -> &'static str {
         match self.status {
-            StatusCode::BAD_REQUEST | StatusCode::UNSUPPORTED_MEDIA_TYPE | StatusCode::PAYLOAD_TOO_LARGE => {
-                "invalid_request_error"
-            }
+            StatusCode::BAD_REQUEST
+            | StatusCode::UNSUPPORTED_MEDIA_TYPE
+            | StatusCode::PAYLOAD_TOO_LARGE
+            | StatusCode::METHOD_NOT_ALLOWED
+            | StatusCode::REQUEST_TIMEOUT
+            | StatusCode::MISDIRECTED_REQUEST => "invalid_request_error",
+            StatusCode::FORBIDDEN => "permission_error",
             StatusCode::NOT_FOUND => "not_found_error",
             StatusCode::SERVICE_UNAVAILABLE => "overloaded_error",
             _ => "api_error",
@@ -100,17 +114,19 @@ impl ApiError {
         }
     }
 
-    /// Logs the failure with its request id, stage and typed code.
+    /// Logs the failure with its request id, stage and typed code. The message can carry
+    /// client text (a regex, a tool name), so its control characters are escaped: a client
+    /// cannot forge log lines.
     pub fn log(&self, stage: &str) {
         let id = self.request_id.as_deref().unwrap_or("-");
+        let message = escape_for_log(&self.message);
         if self.status.is_server_error() {
             tracing::warn!(
                 request_id = id,
                 stage,
                 code = self.code,
                 status = self.status.as_u16(),
-                "request failed: {}",
-                self.message
+                "request failed: {message}"
             );
         } else {
             tracing::info!(
@@ -118,8 +134,7 @@ impl ApiError {
                 stage,
                 code = self.code,
                 status = self.status.as_u16(),
-                "request rejected: {}",
-                self.message
+                "request rejected: {message}"
             );
         }
     }
@@ -131,12 +146,78 @@ impl From<RequestError> for ApiError {
     }
 }
 
+/// Every 503 tells clients when to retry (capacity frees up within moments, or the server is
+/// going away and a restart takes about that long).
+const RETRY_AFTER_SECS: &str = "1";
+
 impl IntoResponse for ApiError {
+    /// The envelope as JSON, with `x-request-id` when known, `Retry-After` on 503, and
+    /// `Connection: close` on 408 (the rest of an unread body would otherwise be taken for
+    /// the next request).
     fn into_response(self) -> Response {
         let mut r = (self.status, axum::Json(self.body())).into_response();
+        let headers = r.headers_mut();
         if let Some(id) = self.request_id.as_deref().and_then(|id| HeaderValue::from_str(id).ok()) {
-            r.headers_mut().insert("x-request-id", id);
+            headers.insert("x-request-id", id);
+        }
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_SECS));
+        }
+        if self.status == StatusCode::REQUEST_TIMEOUT {
+            headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         r
+    }
+}
+
+/// `text` with control characters (line breaks included), Unicode line separators and
+/// bidirectional overrides escaped (`\n`, `\u{202e}`), so client-derived text stays on one
+/// log line and reads as what it is. Borrowed when there is nothing to escape.
+pub fn escape_for_log(text: &str) -> Cow<'_, str> {
+    fn needs(c: char) -> bool {
+        c.is_control() || matches!(c, '\u{2028}' | '\u{2029}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+    }
+    if !text.chars().any(needs) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if needs(c) {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_text_has_no_raw_control_characters() {
+        assert!(matches!(escape_for_log("plain text, ünïcode"), Cow::Borrowed(_)));
+        let forged = "a\nINFO fake line\r\t\u{1b}[31m\u{202e}x";
+        let escaped = escape_for_log(forged);
+        assert_eq!(escaped, "a\\nINFO fake line\\r\\t\\u{1b}[31m\\u{202e}x");
+        assert!(!escaped.chars().any(char::is_control));
+    }
+
+    #[test]
+    fn every_503_carries_retry_after_and_408_closes() {
+        let r =
+            ApiError::invalid("queue_full", None, "busy").with_status(StatusCode::SERVICE_UNAVAILABLE).into_response();
+        assert_eq!(r.headers().get(header::RETRY_AFTER).map(HeaderValue::as_bytes), Some(&b"1"[..]));
+        let r = ApiError::from_request(&helios_worker::RequestError::Unavailable(helios_worker::Unavailable::Draining))
+            .into_response();
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(r.headers().contains_key(header::RETRY_AFTER));
+        let r =
+            ApiError::invalid("body_timeout", None, "slow").with_status(StatusCode::REQUEST_TIMEOUT).into_response();
+        assert_eq!(r.headers().get(header::CONNECTION).map(HeaderValue::as_bytes), Some(&b"close"[..]));
+        assert!(!r.headers().contains_key(header::RETRY_AFTER));
+        let r = ApiError::invalid("invalid_json", None, "bad").into_response();
+        assert!(!r.headers().contains_key(header::RETRY_AFTER));
     }
 }

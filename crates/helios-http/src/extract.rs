@@ -31,7 +31,7 @@ pub(crate) struct ApiJson<T, F = OpenAiEnvelope>(pub T, pub std::marker::Phantom
 impl<S, T, F> FromRequest<S> for ApiJson<T, F>
 where
     S: Send + Sync,
-    T: DeserializeOwned,
+    T: DeserializeOwned + Send + 'static,
     F: Envelope,
 {
     type Rejection = ApiError;
@@ -52,14 +52,31 @@ where
                 .flavor(F::FLAVOR));
         }
         let bytes = Bytes::from_request(req, state).await.map_err(|e| {
+            if crate::serve::is_body_timeout(&e) {
+                return ApiError::invalid("body_timeout", None, "the request body did not arrive in time")
+                    .with_status(StatusCode::REQUEST_TIMEOUT)
+                    .flavor(F::FLAVOR);
+            }
             let status = e.status();
             let code = if status == StatusCode::PAYLOAD_TOO_LARGE { "body_too_large" } else { "invalid_body" };
             ApiError::invalid(code, None, e.body_text()).with_status(status).flavor(F::FLAVOR)
         })?;
-        let value = serde_json::from_slice::<T>(&bytes).map_err(|e| {
+        // Parsing costs about a millisecond per hundred KB: large bodies parse on a blocking
+        // thread, so a few of them cannot occupy every async worker (and stall `/health`).
+        let parsed = if bytes.len() < BLOCKING_PARSE_BYTES {
+            serde_json::from_slice::<T>(&bytes)
+        } else {
+            tokio::task::spawn_blocking(move || serde_json::from_slice::<T>(&bytes)).await.map_err(|_| {
+                ApiError::invalid("invalid_body", None, "request body parsing was interrupted").flavor(F::FLAVOR)
+            })?
+        };
+        let value = parsed.map_err(|e| {
             let code = if e.is_syntax() || e.is_eof() { "invalid_json" } else { "invalid_field" };
             ApiError::invalid(code, None, format!("invalid request body: {e}")).flavor(F::FLAVOR)
         })?;
         Ok(ApiJson(value, std::marker::PhantomData))
     }
 }
+
+/// Bodies at least this large are parsed off the async worker threads.
+const BLOCKING_PARSE_BYTES: usize = 64 << 10;

@@ -3,28 +3,38 @@
 //! plus `/tokenize`, `/detokenize`, `/health` and `/metrics`.
 //!
 //! Status mapping: request validation 400 (unknown model 404, wrong content type 415,
-//! oversized body 413), capacity or worker unavailable 503, execution failure 500.
+//! oversized body 413, body too slow 408, wrong method 405, rejected `Host` 403), capacity or
+//! worker unavailable 503 (always with `Retry-After`), execution failure 500. Every error
+//! answer carries the route's JSON error envelope.
 //! Generation responses send headers only after scheduler admission and always carry
 //! `x-request-id`; after SSE headers a failure ends the stream with the protocol's
 //! error event and no success marker. Dropping a response (client disconnect) cancels
 //! its requests.
+//!
+//! [`serve`] runs a router on a listener with per-connection timeouts, a connection cap and
+//! a bounded shutdown ([`ConnectionLimits`]).
 
 mod anthropic;
 mod error;
 mod extract;
 mod generate;
+mod host;
 mod misc;
 mod openai;
 mod params;
 mod responses;
+mod serve;
 
 use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
+use axum::http::{Method, StatusCode, Uri};
 use axum::routing::{get, post};
-pub use error::{ApiError, Flavor};
+pub use error::{ApiError, Flavor, escape_for_log};
 use helios_worker::Engine;
+pub use host::HostPolicy;
+pub use serve::{ConnectionLimits, ServeError, serve};
 
 /// Shared handler state.
 #[derive(Clone, Debug)]
@@ -35,22 +45,25 @@ pub struct AppState {
 }
 
 /// Router options.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct HttpOptions {
     /// Largest accepted request body.
     pub max_body_bytes: usize,
+    /// Which `Host` values are served (see [`HostPolicy::for_bind`]).
+    pub host_policy: HostPolicy,
 }
 
 impl Default for HttpOptions {
+    /// 32 MiB bodies, any `Host`.
     fn default() -> Self {
-        HttpOptions { max_body_bytes: 32 << 20 }
+        HttpOptions { max_body_bytes: 32 << 20, host_policy: HostPolicy::Any }
     }
 }
 
 /// All routes over `engine`.
 pub fn router(engine: Arc<Engine>, options: HttpOptions) -> Router {
     let state = AppState { engine, started: generate::unix_now() };
-    Router::new()
+    let router = Router::new()
         .route("/v1/chat/completions", post(openai::chat))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/responses", post(responses::responses))
@@ -60,9 +73,21 @@ pub fn router(engine: Arc<Engine>, options: HttpOptions) -> Router {
         .route("/detokenize", post(misc::detokenize))
         .route("/health", get(misc::health))
         .route("/metrics", get(misc::metrics))
-        .fallback(|| async {
-            ApiError::invalid("not_found", None, "no such route").with_status(axum::http::StatusCode::NOT_FOUND)
+        .fallback(|uri: Uri| async move {
+            ApiError::invalid("not_found", None, "no such route")
+                .with_status(StatusCode::NOT_FOUND)
+                .flavor(Flavor::for_path(uri.path()))
+        })
+        // After the routes: it applies to the routes present. axum adds `Allow`.
+        .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
+            ApiError::invalid("method_not_allowed", None, format!("{method} is not allowed on this route"))
+                .with_status(StatusCode::METHOD_NOT_ALLOWED)
+                .flavor(Flavor::for_path(uri.path()))
         })
         .layer(DefaultBodyLimit::max(options.max_body_bytes))
-        .with_state(state)
+        .with_state(state);
+    match options.host_policy {
+        HostPolicy::Any => router,
+        policy => router.layer(axum::middleware::from_fn_with_state(Arc::new(policy), host::check_host)),
+    }
 }

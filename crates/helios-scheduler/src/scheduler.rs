@@ -15,6 +15,13 @@
 //! - a running request has at most two samples in flight, and consumes at most one token the
 //!   host has not seen yet (a device-fed decode of a sample still in flight).
 //!
+//! Held requests ([`Scheduler::hold`]): the host is still preparing what a request's next
+//! sample needs (a grammar mask computed off the model thread). Nothing that samples for a
+//! held request is planned: no decode row, no prefill chunk that ends its prompt, no admission
+//! (which may resume sampling from a cached prompt). The decoders' lockstep rule ignores held
+//! requests, so one that is slow to come back never stops the others; it rejoins the batch
+//! once [`Scheduler::resume`] releases it.
+//!
 //! Device-fed decode (`SchedulerConfig::device_fed_decode`): a decoder whose one sample is
 //! still in flight may decode again, consuming that sample from device state, so two decode
 //! steps can be in flight. Never for a request that needs host feedback, is cancelling, or
@@ -229,6 +236,8 @@ struct Request {
     finishing: Option<FinishReason>,
     /// Cancelled; finishes once nothing is in flight. Plans nothing meanwhile.
     cancelling: bool,
+    /// Its next sample's host inputs are not ready: nothing that samples is planned.
+    held: bool,
     live: Option<Live>,
 }
 
@@ -341,6 +350,7 @@ impl Scheduler {
             cached_tokens: 0,
             finishing: None,
             cancelling: false,
+            held: false,
             live: None,
             spec,
         };
@@ -361,6 +371,35 @@ impl Scheduler {
             r.cancelling = true;
             self.cancelled.push(id);
         }
+    }
+
+    /// Holds `id`'s sampling until [`Scheduler::resume`]: nothing that samples for it is
+    /// planned (no decode row, no prefill chunk ending its prompt, no admission); samples
+    /// already in flight still complete, and it may still be preempted or cancelled. The
+    /// lockstep rule ignores it, so other decoders keep going.
+    ///
+    /// Returns whether the request will sample again: `false`, holding nothing, when it is
+    /// unknown, finishing (EOS, output limit) or cancelled.
+    pub fn hold(&mut self, id: RequestId) -> bool {
+        match self.requests.get_mut(&id) {
+            Some(r) if r.finishing.is_none() && !r.cancelling => {
+                r.held = true;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Ends a hold; the request is planned again from the next step. No-op when it is not held.
+    pub fn resume(&mut self, id: RequestId) {
+        if let Some(r) = self.requests.get_mut(&id) {
+            r.held = false;
+        }
+    }
+
+    /// Whether `id` is held.
+    pub fn is_held(&self, id: RequestId) -> bool {
+        self.requests.get(&id).is_some_and(|r| r.held)
     }
 
     /// Requests that ended since the last call.
@@ -611,6 +650,8 @@ impl Scheduler {
     /// request left out of one step drifts into alternate steps: on the H200 two requests then
     /// took turns in single-row steps and each one's ITL doubled. Any decoder that needs host
     /// feedback keeps every decoder host-fed (one step in flight), so it is never left out.
+    /// Held requests count for that choice but not for lockstep: they are left out until
+    /// resumed, and must not stop the decoders that are ready.
     fn decode_plan(&self) -> (bool, bool) {
         let decoding = || {
             self.running.iter().filter_map(|id| self.requests.get(id)).filter(|r| {
@@ -619,7 +660,7 @@ impl Scheduler {
         };
         let device_fed = self.config.device_fed_decode && !decoding().any(|r| r.spec.needs_host_feedback);
         let limit = if device_fed { 2 } else { 1 };
-        let lockstep = !decoding().any(|r| r.live.as_ref().is_some_and(|l| l.samples_in_flight >= limit));
+        let lockstep = !decoding().any(|r| !r.held && r.live.as_ref().is_some_and(|l| l.samples_in_flight >= limit));
         (device_fed, lockstep)
     }
 
@@ -717,6 +758,9 @@ impl Scheduler {
             if rows.len() >= max_bucket {
                 continue;
             }
+            if self.requests[&id].held {
+                continue;
+            }
             let Some(input) = self.decode_input(id, device_fed) else { continue };
             let consumed = self.requests[&id].live.as_ref().map_or(0, |l| l.consumed);
             let need = self.scheme.pages_for(u64::from(consumed) + 1) as usize;
@@ -784,6 +828,9 @@ impl Scheduler {
         for id in queue {
             if self.running.len() >= self.config.max_concurrency as usize || self.rows.slots.free_count() == 0 {
                 return;
+            }
+            if self.requests.get(&id).is_some_and(|r| r.held) {
+                continue;
             }
             if self.try_admit(id, fence, ops) {
                 self.waiting.retain(|&r| r != id);
@@ -891,20 +938,31 @@ impl Scheduler {
         true
     }
 
-    /// At most one prefill chunk: the oldest request still consuming its prompt.
+    /// At most one prefill chunk: the oldest request still consuming its prompt (skipping a
+    /// held one whose chunk would end its prompt, since that chunk samples).
     fn plan_prefill(&mut self, fence: Fence, ops: &mut Vec<StepOp>) {
         let max_chunk = self.capacities.max_prefill_chunk();
+        // Where the next chunk stops: the next capture endpoint, the prompt end or the chunk limit.
+        let chunk_stop = |r: &Request, l: &Live| {
+            let stop = l.captures.iter().copied().find(|&e| e > l.consumed).unwrap_or(r.prompt_len);
+            stop.min(r.prompt_len).min(l.consumed + max_chunk)
+        };
         let next = self.running.iter().copied().find(|id| {
             let r = &self.requests[id];
             r.finishing.is_none()
                 && !r.cancelling
-                && r.live.as_ref().is_some_and(|l| l.samples_in_flight == 0 && l.consumed < r.prompt_len)
+                && r.live.as_ref().is_some_and(|l| {
+                    l.samples_in_flight == 0
+                        && l.consumed < r.prompt_len
+                        && !(r.held && chunk_stop(r, l) == r.prompt_len)
+                })
         });
         let Some(id) = next else { return };
+        let Some(stop) = self.requests.get(&id).and_then(|r| r.live.as_ref().map(|l| chunk_stop(r, l))) else {
+            return;
+        };
         let Some(request) = self.requests.get_mut(&id) else { return };
         let Some(live) = request.live.as_mut() else { return };
-        let stop = live.captures.iter().copied().find(|&e| e > live.consumed).unwrap_or(request.prompt_len);
-        let stop = stop.min(request.prompt_len).min(live.consumed + max_chunk);
         let len = stop - live.consumed;
         let Some(capacity) = self.capacities.prefill_capacity_for(len) else { return };
         let ends_prompt = stop == request.prompt_len;

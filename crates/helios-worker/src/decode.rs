@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use helios_frontend::{
-    IncrementalDecoder, OutputDelta, OutputParser, ParsedOutput, StopMatcher, StopOutcome, Tokenizer,
+    IncrementalDecoder, OutputDelta, OutputParser, ParsedOutput, StopMatcher, StopOutcome, StopSet, Tokenizer,
 };
 
 use crate::error::RequestError;
@@ -30,11 +30,11 @@ pub struct ChoiceDecoder {
 }
 
 impl ChoiceDecoder {
-    pub fn new(tokenizer: Arc<Tokenizer>, prompt_tail: &[u32], stop: &[String], parser: OutputParser) -> Self {
+    pub fn new(tokenizer: Arc<Tokenizer>, prompt_tail: &[u32], stop: Arc<StopSet>, parser: OutputParser) -> Self {
         ChoiceDecoder {
             tokenizer,
             detok: IncrementalDecoder::new(prompt_tail, true),
-            stop: StopMatcher::new(stop),
+            stop: StopMatcher::with_set(stop),
             parser,
             stopped: false,
             tokens: 0,

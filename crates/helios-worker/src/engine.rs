@@ -4,6 +4,10 @@
 //! sampling inputs (parameters, grammar masks) → submit → validate completions → apply them
 //! to the scheduler → publish tokens → retire finished requests. The thread never waits on
 //! a consumer: output goes into per-request cells.
+//!
+//! Grammar masks are never computed here: a constrained request's next mask is computed on
+//! the grammar threads while the scheduler holds the request (see `grammar_pool`), so one
+//! slow grammar delays only its own request.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -13,7 +17,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use helios_contract::model::Manifest;
-use helios_frontend::GrammarMatcher;
+use helios_frontend::GrammarError;
 use helios_replay::{Executor, ExecutorError, RowSampling, SamplingParams, StepInputs};
 use helios_scheduler::{
     Completion, FinishReason, FinishedRequest, RequestId, RequestSpec, SampleSpec, SampledToken, Scheduler,
@@ -21,12 +25,21 @@ use helios_scheduler::{
 };
 use tokio::sync::oneshot;
 
-use crate::error::{RequestError, Unavailable};
+use crate::error::{RequestError, Stage, Unavailable};
 use crate::frontend::{Frontend, StartError};
+use crate::grammar_pool::{GrammarOutcome, GrammarWork, ReadyGrammar};
 use crate::metrics::Metrics;
 use crate::output::{ChoiceStream, FinishCause, FinishInfo, OutputCell};
 use crate::prep::PrepPool;
 use crate::request::{GenerationInput, Prepared, prepare};
+use crate::trim::Trimmer;
+
+/// How long shutdown waits for preparation threads once their work is cancelled (they
+/// check their flag between writes; one that is still busy is left behind).
+const PREP_SHUTDOWN_DEADLINE: Duration = Duration::from_secs(2);
+
+/// How often the memory trimmer looks for an idle server after activity.
+const TRIM_PERIOD: Duration = Duration::from_secs(2);
 
 /// Deployment options.
 #[derive(Clone, Debug)]
@@ -42,6 +55,20 @@ pub struct EngineOptions {
     /// Keep up to two decode steps in flight when the executor's graphs keep the pending
     /// token on the device (requests without a grammar).
     pub device_fed_decode: bool,
+    /// Threads that advance grammars (consume a sampled token, compute the next mask) off the
+    /// model thread; the masks of one step are computed in parallel. Default: the available
+    /// cores, 2 to 8.
+    pub grammar_threads: usize,
+    /// Longest one grammar step (consume + mask) may run, timed from when a thread starts it.
+    /// Past it the request fails alone (`grammar_too_complex`) and its computation is
+    /// cancelled. Default 500 ms: far above what the parser's step limits let one mask cost
+    /// (tens of ms), so only a grammar that cannot keep up reaches it.
+    pub grammar_mask_budget: Duration,
+    /// How long the model thread waits for a mask sent out less than this long ago before it
+    /// plans a step without that request. Keeps a constrained request whose masks are quick in
+    /// the same decode batch as the others; bounds what a slow one costs the others to this
+    /// much per constrained token. Default 2 ms (about one decode step on the GPU).
+    pub grammar_join_wait: Duration,
 }
 
 impl Default for EngineOptions {
@@ -53,6 +80,9 @@ impl Default for EngineOptions {
             prep_threads: 2,
             prep_queue: 1024,
             device_fed_decode: true,
+            grammar_threads: std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8)),
+            grammar_mask_budget: Duration::from_millis(500),
+            grammar_join_wait: Duration::from_millis(2),
         }
     }
 }
@@ -101,7 +131,7 @@ pub(crate) enum Command {
     Submit {
         spec: RequestSpec,
         sampling: SamplingParams,
-        grammar: Option<Box<GrammarMatcher>>,
+        grammar: Option<ReadyGrammar>,
         cell: Arc<OutputCell>,
         reply: oneshot::Sender<Result<RequestId, RequestError>>,
     },
@@ -124,6 +154,8 @@ pub struct Engine {
     metrics: Arc<Metrics>,
     thread: Mutex<Option<JoinHandle<()>>>,
     max_concurrency: u32,
+    /// Gives freed heap memory back once load stops (stops with the engine).
+    _trimmer: Trimmer,
 }
 
 impl std::fmt::Debug for Engine {
@@ -166,6 +198,9 @@ impl Engine {
         let health = Arc::new(HealthState::default());
         let metrics = Arc::new(Metrics::default());
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(), String>>();
+        let grammars =
+            GrammarWork::new(options.grammar_threads, options.grammar_mask_budget, options.grammar_join_wait)
+                .map_err(StartError::Thread)?;
         let thread = {
             let health = health.clone();
             let metrics = metrics.clone();
@@ -212,6 +247,7 @@ impl Engine {
                         draining: false,
                         next_fence: 1,
                         vocab,
+                        grammars,
                     }
                     .run();
                 })
@@ -223,7 +259,19 @@ impl Engine {
             Err(_) => return Err(StartError::Executor("the model thread exited during startup".into())),
         }
         let prep = PrepPool::new(options.prep_threads, options.prep_queue).map_err(StartError::Thread)?;
+        let trimmer = {
+            let (jobs, m) = (prep.jobs_counter(), metrics.clone());
+            let activity =
+                move || jobs.load(Ordering::Relaxed).wrapping_add(m.generated_tokens.load(Ordering::Relaxed));
+            let m = metrics.clone();
+            let idle = move || {
+                let o = m.occupancy();
+                o.running == 0 && o.waiting == 0
+            };
+            Trimmer::start(TRIM_PERIOD, activity, idle).map_err(StartError::Thread)?
+        };
         Ok(Arc::new(Engine {
+            _trimmer: trimmer,
             frontend: Arc::new(frontend),
             commands: Mutex::new(tx),
             prep,
@@ -277,13 +325,28 @@ impl Engine {
         f: impl FnOnce(&Frontend) -> T + Send + 'static,
     ) -> Result<T, RequestError> {
         let frontend = self.frontend.clone();
-        Ok(self.prep.run(move || f(&frontend)).await?)
+        Ok(self.prep.run(move |_| f(&frontend)).await?)
     }
 
-    /// Renders, tokenizes and compiles a request on a preparation worker.
+    /// Renders, tokenizes and compiles a request on a preparation worker. The O(1) limits
+    /// (choices, stops, message count, sizes) are checked first, on the caller's thread;
+    /// dropping the future (the client left) stops the work, and so does shutdown.
     pub async fn prepare(&self, input: GenerationInput) -> Result<Prepared, RequestError> {
         self.check_available()?;
-        self.run_prep(move |f| prepare(f, input)).await?
+        crate::request::check_limits(&self.frontend, &input)?;
+        let frontend = self.frontend.clone();
+        match self.prep.run(move |cancel| prepare(&frontend, input, cancel)).await? {
+            Err(RequestError::Frontend(e))
+                if matches!(
+                    *e,
+                    helios_frontend::FrontendError::Template(helios_frontend::TemplateError::Cancelled)
+                ) =>
+            {
+                // Only shutdown cancels work whose caller still waits.
+                Err(Unavailable::Draining.into())
+            }
+            other => other,
+        }
     }
 
     /// Submits choice `index` of a prepared request and waits for scheduler admission.
@@ -299,7 +362,7 @@ impl Engine {
             seed: prepared.seed.wrapping_add(u64::from(index)),
             needs_host_feedback: !prepared.grammars.is_empty(),
         };
-        let grammar = if prepared.grammars.is_empty() { None } else { Some(Box::new(prepared.grammars.remove(0))) };
+        let grammar = if prepared.grammars.is_empty() { None } else { Some(prepared.grammars.remove(0)) };
         let cell = Arc::new(OutputCell::default());
         let (reply, answer) = oneshot::channel();
         let commands = self.sender()?;
@@ -321,6 +384,9 @@ impl Engine {
         if let Ok(s) = self.sender() {
             let _ = s.send(Command::Drain { cancel_running: false });
         }
+        // Nothing prepared from now on could be admitted: stop preparation at once.
+        let engine = self.clone();
+        let prep_closed = tokio::task::spawn_blocking(move || engine.prep.shutdown(PREP_SHUTDOWN_DEADLINE));
         let deadline = Instant::now() + grace;
         while !self.thread_finished() && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -334,9 +400,9 @@ impl Engine {
             if let Some(h) = handle {
                 let _ = h.join();
             }
-            engine.prep.shutdown();
         })
         .await;
+        let _ = prep_closed.await;
     }
 
     fn thread_finished(&self) -> bool {
@@ -346,10 +412,15 @@ impl Engine {
 
 struct Active {
     cell: Arc<OutputCell>,
-    grammar: Option<Box<GrammarMatcher>>,
+    /// Constrained: its matcher with the mask for its next sample; `None` while the grammar
+    /// threads advance it (the request is held then).
+    grammar: Option<ReadyGrammar>,
+    constrained: bool,
     sampling: SamplingParams,
     prompt_tokens: u32,
     stop_requested: bool,
+    /// The scheduler reserved its capacity (its response headers may be out).
+    admitted: bool,
     failure: Option<RequestError>,
     submitted: Instant,
     last_token: Option<Instant>,
@@ -366,6 +437,7 @@ struct ModelLoop<E: Executor> {
     /// Fence of the oldest submitted step whose completion has not arrived.
     next_fence: u64,
     vocab: u32,
+    grammars: GrammarWork,
 }
 
 impl<E: Executor> ModelLoop<E> {
@@ -437,10 +509,12 @@ impl<E: Executor> ModelLoop<E> {
                             id,
                             Active {
                                 cell,
+                                constrained: grammar.is_some(),
                                 grammar,
                                 sampling,
                                 prompt_tokens,
                                 stop_requested: false,
+                                admitted: false,
                                 failure: None,
                                 submitted: Instant::now(),
                                 last_token: None,
@@ -475,9 +549,11 @@ impl<E: Executor> ModelLoop<E> {
     }
 
     fn turn(&mut self) -> Result<(), ExecutorError> {
+        self.collect_grammars(None);
         let step = self.scheduler.schedule();
         for id in self.scheduler.take_admitted() {
-            if let Some(a) = self.active.get(&id) {
+            if let Some(a) = self.active.get_mut(&id) {
+                a.admitted = true;
                 a.cell.admit();
             }
         }
@@ -497,7 +573,10 @@ impl<E: Executor> ModelLoop<E> {
             None => {
                 // The oldest step only: a later one stays in flight while this turn plans.
                 let done = self.executor.wait()?;
-                if done.is_empty() && !self.scheduler.is_idle() {
+                if done.is_empty() && !self.scheduler.is_idle() && !self.grammars.is_empty() {
+                    // Held for masks: wait briefly for one (commands are taken next turn).
+                    self.collect_grammars(Some(Duration::from_millis(1)));
+                } else if done.is_empty() && !self.scheduler.is_idle() {
                     // Nothing runnable (e.g. waiting for pages): wait briefly for a command.
                     match self.rx.recv_timeout(Duration::from_millis(1)) {
                         Ok(cmd) => self.handle(cmd),
@@ -523,6 +602,31 @@ impl<E: Executor> ModelLoop<E> {
         Ok(())
     }
 
+    /// Takes finished grammar work (waiting as `GrammarWork::poll` says): a request whose
+    /// mask is back is resumed; one whose grammar failed or ran past its budget fails alone.
+    fn collect_grammars(&mut self, block: Option<Duration>) {
+        let mut outcomes = Vec::new();
+        self.grammars.poll(block, &mut outcomes);
+        for o in outcomes {
+            match o {
+                GrammarOutcome::Ready(id, ready) => match self.active.get_mut(&id) {
+                    Some(a) => {
+                        a.grammar = Some(ready);
+                        self.scheduler.resume(id);
+                    }
+                    None => self.grammars.dispose(ready.matcher),
+                },
+                GrammarOutcome::Failed(id, e) => {
+                    if let Some(a) = self.active.get_mut(&id) {
+                        tracing::info!(request = id.0, code = e.code(), "grammar failed: {e}");
+                        a.failure.get_or_insert(e);
+                        self.scheduler.cancel(id);
+                    }
+                }
+            }
+        }
+    }
+
     /// Sampling parameters and grammar masks for every request the step samples.
     fn pack(&mut self, step: &Step) -> StepInputs {
         let mut inputs = StepInputs::default();
@@ -537,11 +641,13 @@ impl<E: Executor> ModelLoop<E> {
         }
         for s in sampled {
             let Some(a) = self.active.get_mut(&s.request) else { continue };
-            let mask = match a.grammar.as_mut().map(|g| g.compute_mask()) {
-                None => None,
-                Some(Ok(m)) => Some(Arc::<[u32]>::from(m.words())),
-                Some(Err(e)) => {
-                    a.failure.get_or_insert(RequestError::from(e));
+            let mask = match &a.grammar {
+                Some(g) => Some(g.mask.clone()),
+                None if !a.constrained => None,
+                None => {
+                    // Held while its mask is computed, so never planned: a broken invariant.
+                    let e = GrammarError::Matcher("a constrained request sampled without its mask".into());
+                    a.failure.get_or_insert(RequestError::grammar(e, Stage::Execution));
                     self.scheduler.cancel(s.request);
                     None
                 }
@@ -569,11 +675,14 @@ impl<E: Executor> ModelLoop<E> {
         let now = Instant::now();
         for s in accepted {
             let Some(a) = self.active.get_mut(&s.request) else { continue };
-            if let Some(g) = a.grammar.as_mut()
-                && let Err(e) = g.consume_token(s.token)
-            {
-                a.failure.get_or_insert(RequestError::from(e));
-                self.scheduler.cancel(s.request);
+            // A constrained request that samples again is held until its next mask is back.
+            if let Some(ready) = a.grammar.take() {
+                if !self.scheduler.hold(s.request) {
+                    a.grammar = Some(ready);
+                } else if let Err(e) = self.grammars.dispatch(s.request, ready.matcher, s.token) {
+                    a.failure.get_or_insert(e);
+                    self.scheduler.cancel(s.request);
+                }
             }
             match a.last_token {
                 None => self.metrics.ttft.observe((now - a.submitted).as_secs_f64()),
@@ -586,12 +695,22 @@ impl<E: Executor> ModelLoop<E> {
     }
 
     fn retire(&mut self, f: FinishedRequest) {
+        self.grammars.abandon(f.id);
+        if let Some(g) = self.active.get_mut(&f.id).and_then(|a| a.grammar.take()) {
+            self.grammars.dispose(g.matcher);
+        }
         let Some(a) = self.active.remove(&f.id) else { return };
         self.metrics.prefix_hit_tokens.fetch_add(u64::from(f.cached_tokens), Ordering::Relaxed);
         self.metrics.preemptions.fetch_add(u64::from(f.preemptions), Ordering::Relaxed);
         if let Some(e) = a.failure {
             self.metrics.failed.fetch_add(1, Ordering::Relaxed);
             a.cell.finish(Err(e));
+            return;
+        }
+        if f.reason == FinishReason::Cancelled && !a.admitted && self.draining {
+            // Cancelled by shutdown while queued: no header went out yet, so it is a 503.
+            self.metrics.failed.fetch_add(1, Ordering::Relaxed);
+            a.cell.finish(Err(Unavailable::Draining.into()));
             return;
         }
         let cause = match f.reason {
@@ -612,6 +731,10 @@ impl<E: Executor> ModelLoop<E> {
     }
 
     fn fail_all(&mut self, e: &RequestError) {
+        self.grammars.abandon_all();
+        for g in self.active.values_mut().filter_map(|a| a.grammar.take()) {
+            self.grammars.dispose(g.matcher);
+        }
         for (_, a) in self.active.drain() {
             self.metrics.failed.fetch_add(1, Ordering::Relaxed);
             a.cell.finish(Err(e.clone()));

@@ -63,6 +63,10 @@ pub enum InvalidRequest {
     EmptyPrompt,
     #[error("`{param}`: {reason}")]
     Parameter { param: &'static str, reason: String },
+    #[error("{got} messages cannot fit the context limit of {max} tokens")]
+    TooManyMessages { got: usize, max: usize },
+    #[error("the prompt is longer than the context limit of {limit} tokens")]
+    PromptTooLong { limit: u32 },
 }
 
 /// A request's failure, from validation to output parsing.
@@ -78,8 +82,18 @@ pub enum RequestError {
     Unavailable(#[from] Unavailable),
     #[error("execution failed: {0}")]
     Execution(#[from] ExecutorError),
+    /// A grammar that does not compile (400 `invalid_grammar`), or a matcher failing mid-run
+    /// on its own (500 `grammar_failed`).
     #[error("grammar: {0}")]
     Grammar(Arc<GrammarError>),
+    /// The grammar exceeds the parser's limits (`ParserLimits`: too large, or too many
+    /// alternatives at a position), found at `stage`: 400 `grammar_too_complex`.
+    #[error("the grammar is too complex: {message}")]
+    GrammarTooComplex { message: String, stage: Stage },
+    /// One of the grammar's masks took longer than the engine's per-mask budget
+    /// (`EngineOptions::grammar_mask_budget`): 400 `grammar_too_complex`, like a parser limit.
+    #[error("a grammar mask took {elapsed_ms} ms, over the budget of {budget_ms} ms: the grammar is too complex")]
+    GrammarTooSlow { elapsed_ms: u64, budget_ms: u64 },
     #[error(transparent)]
     Output(#[from] OutputError),
     #[error("the request's output channel closed without a terminal event")]
@@ -93,8 +107,9 @@ impl From<FrontendError> for RequestError {
 }
 
 impl From<GrammarError> for RequestError {
+    /// A grammar failure while preparing: see [`RequestError::grammar`].
     fn from(e: GrammarError) -> Self {
-        RequestError::Grammar(Arc::new(e))
+        RequestError::grammar(e, Stage::Preparation)
     }
 }
 
@@ -117,6 +132,19 @@ impl From<TokenizerError> for RequestError {
 }
 
 impl RequestError {
+    /// Classifies a grammar failure found at `stage`: over the parser's limits, the request's
+    /// fault ([`RequestError::GrammarTooComplex`]); anything else stays a
+    /// [`RequestError::Grammar`] (a compile failure is still the request's fault).
+    pub fn grammar(e: GrammarError, stage: Stage) -> Self {
+        let over_limits = e.exceeds_limits();
+        match e {
+            GrammarError::Compile(message) | GrammarError::Matcher(message) if over_limits => {
+                RequestError::GrammarTooComplex { message, stage }
+            }
+            e => RequestError::Grammar(Arc::new(e)),
+        }
+    }
+
     pub fn class(&self) -> ErrorClass {
         match self {
             RequestError::Invalid(_) | RequestError::Frontend(_) => ErrorClass::InvalidRequest,
@@ -126,6 +154,7 @@ impl RequestError {
             RequestError::Admission(_) => ErrorClass::InvalidRequest,
             // A grammar that does not compile is the request's fault; a matcher failure mid-run is not.
             RequestError::Grammar(g) if matches!(**g, GrammarError::Compile(_)) => ErrorClass::InvalidRequest,
+            RequestError::GrammarTooComplex { .. } | RequestError::GrammarTooSlow { .. } => ErrorClass::InvalidRequest,
             RequestError::Grammar(_) | RequestError::Execution(_) | RequestError::ChannelClosed => {
                 ErrorClass::Execution
             }
@@ -138,6 +167,8 @@ impl RequestError {
             RequestError::Invalid(_) => Stage::Validation,
             RequestError::Frontend(_) => Stage::Preparation,
             RequestError::Grammar(g) if matches!(**g, GrammarError::Compile(_)) => Stage::Preparation,
+            RequestError::GrammarTooComplex { stage, .. } => *stage,
+            RequestError::GrammarTooSlow { .. } => Stage::Execution,
             RequestError::Admission(_) | RequestError::Unavailable(_) => Stage::Admission,
             RequestError::Execution(_) | RequestError::Grammar(_) | RequestError::ChannelClosed => Stage::Execution,
             RequestError::Output(_) => Stage::Output,
@@ -153,6 +184,8 @@ impl RequestError {
                 InvalidRequest::TokenOutOfVocabulary { .. } => "token_out_of_vocabulary",
                 InvalidRequest::EmptyPrompt => "empty_prompt",
                 InvalidRequest::Parameter { .. } => "invalid_parameter",
+                InvalidRequest::TooManyMessages { .. } => "too_many_messages",
+                InvalidRequest::PromptTooLong { .. } => "context_length_exceeded",
             },
             RequestError::Frontend(e) => match &**e {
                 FrontendError::Tokenizer(_) => "tokenization_failed",
@@ -180,6 +213,7 @@ impl RequestError {
             RequestError::Execution(_) => "execution_failed",
             RequestError::Grammar(g) if matches!(**g, GrammarError::Compile(_)) => "invalid_grammar",
             RequestError::Grammar(_) => "grammar_failed",
+            RequestError::GrammarTooComplex { .. } | RequestError::GrammarTooSlow { .. } => "grammar_too_complex",
             RequestError::Output(e) => match e {
                 OutputError::NoRequiredToolCall => "required_tool_call_missing",
                 OutputError::UndeclaredTool { .. } => "undeclared_tool",
@@ -195,6 +229,9 @@ impl RequestError {
             RequestError::Invalid(InvalidRequest::Parameter { param, .. }) => Some(param),
             RequestError::Invalid(InvalidRequest::ChoiceCount { .. }) => Some("n"),
             RequestError::Invalid(InvalidRequest::UnknownToolChoice(_)) => Some("tool_choice"),
+            RequestError::Invalid(InvalidRequest::TooManyMessages { .. } | InvalidRequest::PromptTooLong { .. }) => {
+                Some("messages")
+            }
             RequestError::Frontend(f) => match &**f {
                 FrontendError::Sampling(SamplingError::NonPositiveTemperature(_)) => Some("temperature"),
                 FrontendError::Sampling(SamplingError::ZeroMaxTokens) => Some("max_tokens"),
@@ -204,6 +241,7 @@ impl RequestError {
             RequestError::Admission(AdmissionError::NoOutput) => Some("max_tokens"),
             RequestError::Admission(AdmissionError::ContextLimit { .. }) => Some("messages"),
             RequestError::Grammar(g) if matches!(**g, GrammarError::Compile(_)) => Some("response_format"),
+            RequestError::GrammarTooComplex { .. } | RequestError::GrammarTooSlow { .. } => Some("response_format"),
             _ => None,
         }
     }
@@ -226,5 +264,29 @@ mod tests {
         assert_eq!(exec.class(), ErrorClass::Execution);
         let bad = RequestError::from(SamplingError::NonPositiveTemperature(0.0));
         assert_eq!((bad.class(), bad.param()), (ErrorClass::InvalidRequest, Some("temperature")));
+    }
+
+    #[test]
+    fn grammar_failures_the_client_caused_are_invalid_requests() {
+        let limit = "Parser Error: Current row has 20007 items; max is 2000";
+        let e = RequestError::grammar(GrammarError::Matcher(limit.into()), Stage::Execution);
+        assert_eq!(
+            (e.class(), e.code(), e.stage(), e.param()),
+            (ErrorClass::InvalidRequest, "grammar_too_complex", Stage::Execution, Some("response_format"))
+        );
+        let e = RequestError::from(GrammarError::Compile("grammar size (number of symbols) too big (limit 5)".into()));
+        assert_eq!(
+            (e.class(), e.code(), e.stage()),
+            (ErrorClass::InvalidRequest, "grammar_too_complex", Stage::Preparation)
+        );
+        let e = RequestError::from(GrammarError::Compile("unknown type".into()));
+        assert_eq!((e.class(), e.code()), (ErrorClass::InvalidRequest, "invalid_grammar"));
+        let slow = RequestError::GrammarTooSlow { elapsed_ms: 900, budget_ms: 500 };
+        assert_eq!((slow.class(), slow.code()), (ErrorClass::InvalidRequest, "grammar_too_complex"));
+        // A matcher failing on its own, or rejecting a token its mask allowed: the server's fault.
+        for e in [GrammarError::Matcher("internal".into()), GrammarError::Rejected(5)] {
+            let e = RequestError::grammar(e, Stage::Execution);
+            assert_eq!((e.class(), e.code()), (ErrorClass::Execution, "grammar_failed"));
+        }
     }
 }

@@ -3,7 +3,10 @@
 //! - [`Engine`] owns one model thread that alone touches the [`helios_scheduler::Scheduler`]
 //!   and the [`helios_replay::Executor`]; handlers talk to it through commands.
 //! - Tokenization, template rendering and grammar compilation run on bounded
-//!   preparation workers ([`Engine::prepare`]).
+//!   preparation workers ([`Engine::prepare`]), after O(1) limits ([`check_limits`]); work
+//!   whose client left, or that shutdown cancels, stops at its next check.
+//! - Grammar masks are computed on grammar threads while the scheduler holds the request, so
+//!   a slow grammar delays only its own request; the model thread never computes one.
 //! - Each choice streams through a [`ChoiceStream`] backed by bounded storage: the model
 //!   thread never blocks on a consumer; dropping the stream cancels the request.
 //! - [`ChoiceDecoder`] turns tokens into presented deltas (detokenization, stop strings,
@@ -17,10 +20,12 @@ mod decode;
 mod engine;
 mod error;
 mod frontend;
+mod grammar_pool;
 mod metrics;
 mod output;
 mod prep;
 mod request;
+mod trim;
 
 pub use decode::{ChoiceDecoder, Decoded};
 pub use engine::{Engine, EngineOptions, Health};
@@ -29,4 +34,5 @@ pub use frontend::{Frontend, StartError};
 pub use metrics::Metrics;
 pub use output::{ChoiceEvent, ChoiceStream, FinishCause, FinishInfo};
 pub use prep::PrepPool;
-pub use request::{ChatPrompt, GenerationInput, MAX_CHOICES, Prepared, PromptInput, prepare, tool_name};
+pub use request::{ChatPrompt, GenerationInput, MAX_CHOICES, Prepared, PromptInput, check_limits, prepare, tool_name};
+pub use trim::release_free_memory;

@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use helios_frontend::{
-    AnswerFormat, GrammarMatcher, OutputParser, OutputProtocol, Prompt, RenderInput, ResolvedSampling, SamplingRequest,
-    ToolChoice,
+    AnswerFormat, Cancel, GrammarMatcher, MAX_STOP_BYTES, MAX_STOPS, OutputParser, OutputProtocol, Prompt, RenderInput,
+    ResolvedSampling, SamplingRequest, StopSet, ToolChoice,
 };
 use helios_replay::SamplingParams;
 use serde_json::{Map, Value as Json};
@@ -12,6 +12,8 @@ use serde_json::{Map, Value as Json};
 use crate::decode::ChoiceDecoder;
 use crate::error::{InvalidRequest, RequestError};
 use crate::frontend::Frontend;
+use crate::grammar_pool::ReadyGrammar;
+use helios_frontend::{FrontendError, TemplateError};
 
 /// Most choices one request may ask for.
 pub const MAX_CHOICES: u32 = 16;
@@ -57,7 +59,8 @@ pub struct GenerationInput {
 
 /// A request after rendering, tokenization, sampling resolution and grammar compilation.
 ///
-/// Invariant: `grammars` is empty or holds exactly `n` fresh matchers.
+/// Invariant: `grammars` is empty or holds exactly `n` matchers in their start state, each
+/// with its first mask.
 #[derive(Debug)]
 pub struct Prepared {
     pub request_id: String,
@@ -68,7 +71,8 @@ pub struct Prepared {
     pub sampling: ResolvedSampling,
     pub seed: u64,
     pub n: u32,
-    pub stop: Vec<String>,
+    /// The request's stop strings, compiled once and shared by its choices.
+    pub stop: Arc<StopSet>,
     pub ignore_eos: bool,
     /// Tools the prompt offered (after `tool_choice` filtering).
     pub tools: Vec<Json>,
@@ -76,7 +80,7 @@ pub struct Prepared {
     /// Whether output is parsed for reasoning and tool calls (chat), or is raw text.
     pub chat: bool,
     pub starts_in_reasoning: bool,
-    pub(crate) grammars: Vec<GrammarMatcher>,
+    pub(crate) grammars: Vec<ReadyGrammar>,
 }
 
 impl Prepared {
@@ -101,7 +105,7 @@ impl Prepared {
             OutputParser::new(helios_contract::ReasoningParser::None, helios_contract::ToolParser::None, &[], false)
         };
         let tail_start = self.prompt_ids.len().saturating_sub(4);
-        ChoiceDecoder::new(frontend.tokenizer.clone(), &self.prompt_ids[tail_start..], &self.stop, parser)
+        ChoiceDecoder::new(frontend.tokenizer.clone(), &self.prompt_ids[tail_start..], self.stop.clone(), parser)
     }
 
     /// The names of the tools the request offered.
@@ -115,11 +119,50 @@ pub fn tool_name(t: &Json) -> Option<String> {
     t.get("function").unwrap_or(t).get("name").and_then(Json::as_str).map(str::to_owned)
 }
 
-/// Renders, tokenizes and compiles one request. CPU-heavy: runs on a preparation worker.
-pub fn prepare(frontend: &Frontend, input: GenerationInput) -> Result<Prepared, RequestError> {
+/// The checks that cost O(1) per item, run before anything that renders or encodes:
+/// choice count, stop strings, message count and raw prompt sizes.
+///
+/// Every chat message renders to at least one token in the templates served, so more
+/// messages than the context limit can never fit; a raw text longer than the tokenizer's
+/// byte bound for the context limit cannot either.
+pub fn check_limits(frontend: &Frontend, input: &GenerationInput) -> Result<(), RequestError> {
     if input.n == 0 || input.n > MAX_CHOICES {
         return Err(InvalidRequest::ChoiceCount { got: input.n, max: MAX_CHOICES }.into());
     }
+    if input.stop.len() > MAX_STOPS {
+        return Err(InvalidRequest::Parameter {
+            param: "stop",
+            reason: format!("at most {MAX_STOPS} stop strings, got {}", input.stop.len()),
+        }
+        .into());
+    }
+    if let Some(long) = input.stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(InvalidRequest::Parameter {
+            param: "stop",
+            reason: format!("stop strings are at most {MAX_STOP_BYTES} bytes, got one of {}", long.len()),
+        }
+        .into());
+    }
+    let limit = frontend.context_limit as usize;
+    match &input.prompt {
+        PromptInput::Chat(chat) if chat.messages.len() > limit => {
+            Err(InvalidRequest::TooManyMessages { got: chat.messages.len(), max: limit }.into())
+        }
+        PromptInput::Text(text) if frontend.tokenizer.max_text_bytes(limit).is_some_and(|max| text.len() > max) => {
+            Err(InvalidRequest::PromptTooLong { limit: frontend.context_limit }.into())
+        }
+        PromptInput::Tokens(ids) if ids.len() > limit => {
+            Err(InvalidRequest::PromptTooLong { limit: frontend.context_limit }.into())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Renders, tokenizes and compiles one request. CPU-heavy: runs on a preparation worker.
+/// Rendering stops early once `cancel` is set (its client left) or the prompt passes the
+/// longest text that fits the context.
+pub fn prepare(frontend: &Frontend, input: GenerationInput, cancel: &Cancel) -> Result<Prepared, RequestError> {
+    check_limits(frontend, &input)?;
     let sampling = helios_frontend::resolve_sampling(&frontend.sampling, &input.sampling)?;
     let (prompt_ids, message_endpoints, prompt_text, tools, tool_choice, chat) = match input.prompt {
         PromptInput::Chat(chat) => {
@@ -141,7 +184,14 @@ pub fn prepare(frontend: &Frontend, input: GenerationInput) -> Result<Prepared, 
                 extra: chat.template_kwargs,
                 now_unix: None,
             };
-            let prompt = Prompt::prepare(&frontend.template, &frontend.tokenizer, &render)?;
+            let limit = Some(frontend.context_limit as usize);
+            let prompt = Prompt::prepare_with(&frontend.template, &frontend.tokenizer, &render, limit, cancel)
+                .map_err(|e| match e {
+                    FrontendError::Template(TemplateError::TooLong { .. }) => {
+                        InvalidRequest::PromptTooLong { limit: frontend.context_limit }.into()
+                    }
+                    e => RequestError::from(e),
+                })?;
             let endpoints = prompt.checkpoints.iter().map(|&k| k as u32).collect();
             (prompt.ids, endpoints, prompt.text, offered, chat.tool_choice, true)
         }
@@ -170,7 +220,14 @@ pub fn prepare(frontend: &Frontend, input: GenerationInput) -> Result<Prepared, 
             tools_offered: !tools.is_empty(),
             starts_in_reasoning,
         };
-        (0..input.n).map(|_| frontend.grammar.matcher(&input.answer, &proto)).collect::<Result<Vec<_>, _>>()?
+        // One compile, and the first mask (for the sample that ends the prompt) computed here,
+        // off the model thread; every choice gets its own copy of the matcher and shares it.
+        let mut first: GrammarMatcher = frontend.grammar.matcher(&input.answer, &proto)?;
+        let mask: Arc<[u32]> = first.start()?.words().into();
+        let mut grammars: Vec<ReadyGrammar> =
+            (1..input.n).map(|_| ReadyGrammar { matcher: Box::new(first.fork()), mask: mask.clone() }).collect();
+        grammars.push(ReadyGrammar { matcher: Box::new(first), mask });
+        grammars
     };
     Ok(Prepared {
         request_id: input.request_id,
@@ -180,7 +237,7 @@ pub fn prepare(frontend: &Frontend, input: GenerationInput) -> Result<Prepared, 
         sampling,
         seed: input.seed.unwrap_or_else(fresh_seed),
         n: input.n,
-        stop: input.stop,
+        stop: Arc::new(StopSet::new(&input.stop)),
         ignore_eos: input.ignore_eos,
         tools,
         tool_choice,

@@ -1,9 +1,10 @@
 //! The engine over the simulated executor: streaming, stop strings, grammars, cancellation,
-//! and a failing executor surfacing as worker failure.
+//! hostile input (abandoned heavy preparations, shutdown, O(1) limits, heavy grammars), and a
+//! failing executor surfacing as worker failure.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use helios_contract::fixtures::{Fixture, FixtureSpec};
 use helios_contract::model::Manifest;
@@ -17,7 +18,11 @@ use helios_worker::{
 use serde_json::json;
 
 fn manifest() -> Manifest {
-    let spec = FixtureSpec { vocab_size: 49152, max_kv_pages: 256, context_limit: 4096, ..FixtureSpec::default() };
+    manifest_with(4096, 256)
+}
+
+fn manifest_with(context_limit: u32, max_kv_pages: u32) -> Manifest {
+    let spec = FixtureSpec { vocab_size: 49152, max_kv_pages, context_limit, ..FixtureSpec::default() };
     let mut m = helios_contract::validate(&Fixture::build(&spec).manifest).expect("valid fixture");
     m.frontend.eos_token_ids = vec![2];
     m
@@ -43,10 +48,14 @@ fn sim_engine() -> Arc<Engine> {
 }
 
 fn input(text: &str, max: u32) -> GenerationInput {
+    chat_input(vec![json!({"role": "user", "content": text})], max)
+}
+
+fn chat_input(messages: Vec<serde_json::Value>, max: u32) -> GenerationInput {
     GenerationInput {
         request_id: "t".into(),
         prompt: PromptInput::Chat(ChatPrompt {
-            messages: vec![json!({"role": "user", "content": text})],
+            messages,
             tools: vec![],
             tool_choice: ToolChoice::None,
             continue_final_message: false,
@@ -262,4 +271,304 @@ async fn the_page_pool_is_what_the_executor_backed() {
         assert!(std::time::Instant::now() < deadline, "{}", engine.metrics_text());
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+// --- Grammar work off the model thread -------------------------------------------------------
+
+/// An engine on a core with room for 20 requests at once.
+fn wide_engine(options: EngineOptions) -> Arc<Engine> {
+    let spec = FixtureSpec {
+        vocab_size: 49152,
+        max_kv_pages: 512,
+        context_limit: 4096,
+        request_slots: 20,
+        decode_buckets: vec![1, 2, 4, 8, 16, 20],
+        ..FixtureSpec::default()
+    };
+    let mut m = helios_contract::validate(&Fixture::build(&spec).manifest).expect("valid fixture");
+    m.frontend.eos_token_ids = vec![2];
+    m.frontend.sampling.max_output_tokens = 4000;
+    let (scheme, caps) = (m.cache_scheme.clone(), m.capacities.clone());
+    Engine::start(&m, frontend(&m), options, move || {
+        Ok(SimulatedExecutor::with_completion_lag(&scheme, &caps, 1)
+            .with_model(SimModel::Induction)
+            .with_device_fed_decode())
+    })
+    .expect("starts")
+}
+
+/// An object schema with `n` string properties, all required or all optional.
+fn object_schema(n: usize, required: bool) -> serde_json::Value {
+    let names: Vec<String> = (0..n).map(|i| format!("property_{i}")).collect();
+    let props: serde_json::Map<String, serde_json::Value> =
+        names.iter().map(|k| (k.clone(), json!({"type": "string"}))).collect();
+    if required {
+        json!({"type": "object", "properties": props, "required": names})
+    } else {
+        json!({"type": "object", "properties": props})
+    }
+}
+
+/// Reads a stream to its end (or until `until` turns true after a token event); returns its
+/// token count, the largest gap between token events after the first, and how it ended
+/// (`None`: stopped early).
+async fn timed(
+    mut s: helios_worker::ChoiceStream,
+    until: impl Fn() -> bool,
+) -> (usize, Duration, Option<Result<helios_worker::FinishInfo, RequestError>>) {
+    let (mut tokens, mut gap, mut last) = (0, Duration::ZERO, None::<std::time::Instant>);
+    loop {
+        match s.next().await.expect("terminal event") {
+            ChoiceEvent::Tokens(t) => {
+                let now = std::time::Instant::now();
+                if let Some(l) = last {
+                    gap = gap.max(now - l);
+                }
+                last = Some(now);
+                tokens += t.len();
+                if until() {
+                    return (tokens, gap, None);
+                }
+            }
+            ChoiceEvent::Finished(f) => return (tokens, gap, Some(Ok(f))),
+            ChoiceEvent::Failed(e) => return (tokens, gap, Some(Err(e))),
+        }
+    }
+}
+
+/// The reproduced stall: one request with a 5,000-property schema and n = 16, while an
+/// unrelated stream runs (back to back, from before the heavy request is prepared until its
+/// last choice ended). Masks are computed on the grammar threads and matchers freed there, so
+/// the unrelated stream's largest inter-token gap stays small; the heavy choices finish or
+/// fail alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heavy_grammar_never_stalls_an_unrelated_stream() {
+    use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+    let engine = wide_engine(EngineOptions { max_concurrency: 17, ..EngineOptions::default() });
+    let heavy_done = Arc::new(AtomicBool::new(false));
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+    let plain = {
+        let (engine, done) = (engine.clone(), heavy_done.clone());
+        tokio::spawn(async move {
+            let (mut streams, mut tokens, mut gap) = (0, 0, Duration::ZERO);
+            let mut started = Some(started_tx);
+            while !done.load(Relaxed) {
+                let mut p = engine.prepare(input("a long story about everything", 3500)).await.expect("prepares");
+                let mut s = engine.generate(&mut p, 0).await.expect("admitted");
+                // Gaps count from the first token: the prefill of a fresh stream is not one.
+                assert!(matches!(s.next().await, Some(ChoiceEvent::Tokens(_))));
+                if let Some(tx) = started.take() {
+                    let _ = tx.send(());
+                }
+                let done = done.clone();
+                let (n, g, _) = timed(s, move || done.load(Relaxed)).await;
+                (streams, tokens, gap) = (streams + 1, tokens + n + 1, gap.max(g));
+            }
+            (streams, tokens, gap)
+        })
+    };
+    started_rx.await.expect("the unrelated stream started");
+    let t0 = std::time::Instant::now();
+    let mut req = input("Reply with the JSON object.", 48);
+    req.n = 16;
+    req.ignore_eos = false;
+    req.answer = AnswerFormat::JsonSchema(object_schema(5000, true));
+    let mut heavy = engine.prepare(req).await.expect("prepares");
+    let prepared_in = t0.elapsed();
+    let mut choices = Vec::new();
+    for i in 0..16 {
+        let s = engine.generate(&mut heavy, i).await.expect("admitted");
+        choices.push(tokio::spawn(timed(s, || false)));
+    }
+    let mut heavy_tokens = 0;
+    for c in choices {
+        let (tokens, _, end) = c.await.expect("joins");
+        heavy_tokens += tokens;
+        match end.expect("ran to its end") {
+            Ok(f) => assert!(matches!(f.cause, FinishCause::Eos | FinishCause::Length), "{f:?}"),
+            Err(e) => assert_eq!((e.code(), e.class()), ("grammar_too_complex", ErrorClass::InvalidRequest), "{e}"),
+        }
+    }
+    let heavy_in = t0.elapsed();
+    heavy_done.store(true, Relaxed);
+    let (streams, plain_tokens, gap) = plain.await.expect("joins");
+    eprintln!(
+        "heavy: prepared in {prepared_in:?}, done in {heavy_in:?} ({heavy_tokens} tokens); \
+         unrelated: {plain_tokens} tokens in {streams} streams, largest gap {gap:?}"
+    );
+    assert!(heavy_tokens >= 16, "every heavy choice sampled");
+    assert!(gap < Duration::from_millis(100), "the unrelated stream stalled for {gap:?}");
+}
+
+/// A schema that compiles but exceeds the parser's limits at its first token is the client's
+/// fault: a 400-class `grammar_too_complex` before anything is admitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schema_over_the_parser_limits_is_a_client_error() {
+    let engine = sim_engine();
+    let mut req = input("Reply with JSON.", 16);
+    req.n = 4;
+    req.answer = AnswerFormat::JsonSchema(object_schema(1000, false));
+    let e = engine.prepare(req).await.expect_err("too complex");
+    assert_eq!(
+        (e.class(), e.code(), e.stage(), e.param()),
+        (ErrorClass::InvalidRequest, "grammar_too_complex", helios_worker::Stage::Preparation, Some("response_format"))
+    );
+    assert!(e.to_string().contains("max is 2000"), "{e}");
+    // A schema llguidance rejects outright stays `invalid_grammar`.
+    let mut req = input("Reply with JSON.", 16);
+    req.answer = AnswerFormat::JsonSchema(json!({"type": "object", "properties": 7}));
+    let e = engine.prepare(req).await.expect_err("rejected");
+    assert_eq!((e.class(), e.code()), (ErrorClass::InvalidRequest, "invalid_grammar"), "{e}");
+    let m = engine.metrics_text();
+    assert!(m.contains("flare_requests_admitted_total 0"), "{m}");
+}
+
+/// A grammar step that runs past the budget fails its request alone (typed, 400-class) while
+/// an unrelated stream goes on to its end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grammar_over_its_time_budget_fails_alone() {
+    let options = EngineOptions { grammar_mask_budget: Duration::from_nanos(1), ..EngineOptions::default() };
+    let engine = wide_engine(options);
+    let mut p = engine.prepare(input("hello there", 200)).await.expect("prepares");
+    let plain = engine.generate(&mut p, 0).await.expect("admitted");
+    let plain = tokio::spawn(timed(plain, || false));
+    let mut req = input("Reply with JSON.", 32);
+    req.answer = AnswerFormat::JsonSchema(object_schema(20, true));
+    let mut c = engine.prepare(req).await.expect("prepares");
+    let s = engine.generate(&mut c, 0).await.expect("admitted");
+    let (tokens, _, end) = timed(s, || false).await;
+    let e = end.expect("ended").expect_err("over budget");
+    assert_eq!((e.code(), e.class()), ("grammar_too_complex", ErrorClass::InvalidRequest), "{e}");
+    assert!(matches!(e, RequestError::GrammarTooSlow { budget_ms: 0, .. }), "{e:?}");
+    assert_eq!(tokens, 1, "the first sample used the mask computed in preparation");
+    let (plain_tokens, _, end) = plain.await.expect("joins");
+    assert_eq!((plain_tokens, end.expect("ended").expect("finishes").cause), (200, FinishCause::Length));
+}
+
+// Preparation under hostile input: abandoned heavy conversations stop, shutdown does not
+// wait on them, and the O(1) limits refuse oversized input before any rendering; requests
+// still queued at shutdown are refused as unavailable, not started.
+
+/// A context large enough that 8,001 messages pass the message-count limit, so the heavy
+/// work (render, marks, tokenization) really runs; outputs long enough to hold a slot.
+fn long_context_engine(options: EngineOptions) -> Arc<Engine> {
+    let mut m = manifest_with(16_384, 512);
+    m.frontend.sampling.max_output_tokens = 16_000;
+    let (scheme, caps) = (m.cache_scheme.clone(), m.capacities.clone());
+    Engine::start(&m, frontend(&m), options, move || {
+        Ok(SimulatedExecutor::with_completion_lag(&scheme, &caps, 1).with_model(SimModel::Induction))
+    })
+    .expect("starts")
+}
+
+fn tiny_messages(n: usize) -> Vec<serde_json::Value> {
+    (0..n).map(|i| json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": "hi"})).collect()
+}
+
+/// Prepare, admit and wait for the first token of a one-message request.
+async fn small_request_first_token(engine: &Engine) -> Duration {
+    let t0 = Instant::now();
+    let mut p = engine.prepare(chat_input(tiny_messages(1), 2)).await.expect("prepares");
+    let mut s = engine.generate(&mut p, 0).await.expect("admitted");
+    match s.next().await.expect("event") {
+        ChoiceEvent::Tokens(_) | ChoiceEvent::Finished(_) => t0.elapsed(),
+        ChoiceEvent::Failed(e) => panic!("{e}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abandoned_heavy_preparations_do_not_delay_a_small_request() {
+    let engine = long_context_engine(EngineOptions::default());
+    let warm = small_request_first_token(&engine).await;
+    // Two clients send 8,001-message conversations (as many as there are preparation
+    // threads) and leave while they are being prepared.
+    let heavy: Vec<_> = (0..2)
+        .map(|_| {
+            let engine = engine.clone();
+            tokio::spawn(async move { engine.prepare(chat_input(tiny_messages(8_001), 4)).await.map(|_| ()) })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for h in &heavy {
+        assert!(!h.is_finished(), "the heavy preparation should still be running");
+        h.abort();
+    }
+    let small = small_request_first_token(&engine).await;
+    assert!(small < Duration::from_millis(100), "small request took {small:?} after abandonment (warm: {warm:?})");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_does_not_wait_for_a_heavy_preparation() {
+    let engine = long_context_engine(EngineOptions::default());
+    let heavy = {
+        let engine = engine.clone();
+        tokio::spawn(async move { engine.prepare(chat_input(tiny_messages(8_001), 4)).await.map(|_| ()) })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let t0 = Instant::now();
+    engine.shutdown(Duration::from_millis(50)).await;
+    assert!(t0.elapsed() < Duration::from_secs(3), "shutdown took {:?}", t0.elapsed());
+    let err = heavy.await.expect("joins").expect_err("cancelled by shutdown");
+    assert_eq!((err.class(), err.code()), (ErrorClass::Unavailable, "shutting_down"), "{err}");
+}
+
+fn refused_quickly(engine: &Engine, input: GenerationInput) -> RequestError {
+    let t0 = Instant::now();
+    let err = helios_worker::check_limits(engine.frontend(), &input).expect_err("refused");
+    assert!(t0.elapsed() < Duration::from_millis(100), "{:?}", t0.elapsed());
+    assert_eq!(err.class(), ErrorClass::InvalidRequest);
+    err
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cheap_limits_refuse_before_any_rendering() {
+    let engine = long_context_engine(EngineOptions::default());
+    // More messages than the context has tokens.
+    let err = refused_quickly(&engine, chat_input(tiny_messages(100_001), 4));
+    assert_eq!((err.code(), err.param()), ("too_many_messages", Some("messages")));
+    // 10,000 stop strings of 1 KB.
+    let mut many = chat_input(tiny_messages(1), 4);
+    many.stop = (0..10_000).map(|i| format!("{i:05}{}", "x".repeat(1019))).collect();
+    let err = refused_quickly(&engine, many);
+    assert_eq!((err.code(), err.param()), ("invalid_parameter", Some("stop")));
+    let mut long = chat_input(tiny_messages(1), 4);
+    long.stop = vec!["y".repeat(helios_frontend::MAX_STOP_BYTES + 1)];
+    assert_eq!(refused_quickly(&engine, long).param(), Some("stop"));
+    // A 30 MB completion prompt: refused by the tokenizer's byte bound, never encoded.
+    let mut text = chat_input(vec![], 4);
+    text.prompt = PromptInput::Text("z".repeat(30 << 20));
+    assert_eq!(refused_quickly(&engine, text).code(), "context_length_exceeded");
+    // A chat that renders past the byte bound stops rendering early, with the same code.
+    let big = vec![json!({"role": "user", "content": "w ".repeat(4 << 20)})];
+    let t0 = Instant::now();
+    let err = engine.prepare(chat_input(big, 4)).await.expect_err("too long");
+    assert_eq!(err.code(), "context_length_exceeded", "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    // At the limits, a request is prepared.
+    let mut ok = chat_input(tiny_messages(3), 4);
+    ok.stop = (0..helios_frontend::MAX_STOPS).map(|i| format!("{i}{}", "s".repeat(100))).collect();
+    engine.prepare(ok).await.expect("prepares at the stop limits");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_requests_at_shutdown_are_unavailable_not_started() {
+    let engine = long_context_engine(EngineOptions { max_concurrency: 1, ..EngineOptions::default() });
+    let mut long = engine.prepare(chat_input(tiny_messages(1), 16_000)).await.expect("prepares");
+    let mut running = engine.generate(&mut long, 0).await.expect("admitted");
+    let queued = {
+        let engine = engine.clone();
+        tokio::spawn(async move {
+            let mut p = engine.prepare(chat_input(tiny_messages(3), 4)).await.expect("prepares");
+            engine.generate(&mut p, 0).await.map(|_| ())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    if queued.is_finished() {
+        panic!("the second request should wait for the only slot: {:?}", queued.await.expect("joins").err());
+    }
+    engine.shutdown(Duration::from_millis(50)).await;
+    let err = queued.await.expect("joins").expect_err("refused");
+    assert_eq!((err.class(), err.code()), (ErrorClass::Unavailable, "shutting_down"), "{err}");
+    // The running one was admitted, so it ends in its stream (cancelled after the grace).
+    while let Some(ChoiceEvent::Tokens(_)) = running.next().await {}
 }
