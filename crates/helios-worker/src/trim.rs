@@ -34,6 +34,15 @@ impl Trimmer {
         activity: impl Fn() -> u64 + Send + 'static,
         idle: impl Fn() -> bool + Send + 'static,
     ) -> std::io::Result<Self> {
+        Self::start_with(period, activity, idle, release_free_memory)
+    }
+
+    fn start_with(
+        period: Duration,
+        activity: impl Fn() -> u64 + Send + 'static,
+        idle: impl Fn() -> bool + Send + 'static,
+        trim: impl Fn() + Send + 'static,
+    ) -> std::io::Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
         std::thread::Builder::new().name("helios-trim".into()).spawn(move || {
@@ -42,7 +51,7 @@ impl Trimmer {
                 std::thread::sleep(period);
                 let now = activity();
                 if now != trimmed_at && idle() {
-                    release_free_memory();
+                    trim();
                     trimmed_at = now;
                 }
             }
@@ -54,5 +63,42 @@ impl Trimmer {
 impl Drop for Trimmer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU64;
+
+    /// Trims once after activity, only when idle, and not again until more activity.
+    #[test]
+    fn trims_once_per_burst_when_idle() {
+        let (work, busy, trims) =
+            (Arc::new(AtomicU64::new(0)), Arc::new(AtomicBool::new(true)), Arc::new(AtomicU64::new(0)));
+        let t = {
+            let (w, b, n) = (work.clone(), busy.clone(), trims.clone());
+            Trimmer::start_with(
+                Duration::from_millis(5),
+                move || w.load(Ordering::Relaxed),
+                move || !b.load(Ordering::Relaxed),
+                move || {
+                    n.fetch_add(1, Ordering::Relaxed);
+                },
+            )
+            .expect("thread")
+        };
+        let settle = || std::thread::sleep(Duration::from_millis(60));
+        settle();
+        assert_eq!(trims.load(Ordering::Relaxed), 0, "no activity yet");
+        work.fetch_add(1, Ordering::Relaxed);
+        settle();
+        assert_eq!(trims.load(Ordering::Relaxed), 0, "busy: no trim");
+        busy.store(false, Ordering::Relaxed);
+        settle();
+        assert_eq!(trims.load(Ordering::Relaxed), 1, "idle after a burst: one trim");
+        settle();
+        assert_eq!(trims.load(Ordering::Relaxed), 1, "no new activity: no new trim");
+        drop(t);
     }
 }
