@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Iterator
 
 import anthropic
 import openai
@@ -73,6 +77,62 @@ def oai(base_url: str) -> openai.OpenAI:
 @pytest.fixture(scope="session")
 def claude(base_url: str) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=base_url, api_key="flare-test", max_retries=0, timeout=120)
+
+
+# The key and the extra served name of the keyed server (`keyed_url`).
+API_KEY = "sk-flare-sdk-" + uuid.uuid4().hex
+ALIAS = "flare-sim-alias"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def flare_binary() -> str:
+    """$FLARE_BIN (as scripts/ci-sdk-tests and CI set it), else target/debug/flare."""
+    given = os.environ.get("FLARE_BIN")
+    for path in ([given, os.path.join(ROOT, given)] if given else [os.path.join(ROOT, "target/debug/flare")]):
+        if os.access(path, os.X_OK):
+            return os.path.abspath(path)
+    if given:
+        pytest.fail(f"FLARE_BIN={given} is not an executable")
+    pytest.skip("no flare binary to start a keyed server (set FLARE_BIN or build target/debug/flare)")
+
+
+@pytest.fixture(scope="session")
+def keyed_url() -> Iterator[str]:
+    """A second server, started here: the embedded simulated core behind an API key (given
+    through FLARE_API_KEY) and served as MODEL plus ALIAS."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    log = tempfile.NamedTemporaryFile(prefix="flare-sdk-keyed-", suffix=".log", delete=False)
+    proc = subprocess.Popen(
+        [flare_binary(), "run", "--sim", "--host", "127.0.0.1", "--port", str(port),
+         "--served-model-name", f"flare-sim,{ALIAS}"],
+        env={**os.environ, "FLARE_API_KEY": API_KEY}, stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                with open(log.name) as f:
+                    pytest.fail(f"the keyed flare server did not become healthy; its output:\n{f.read()}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return http(url, "GET", "/health", timeout=2).status == 200
+    except OSError:  # not listening yet
+        return False
 
 
 def nonce() -> str:

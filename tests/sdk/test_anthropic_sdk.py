@@ -219,6 +219,31 @@ def test_streamed_tool_use(claude):
     assert [e for e in events if e.type == "message_delta"][0].delta.stop_reason == "tool_use"
 
 
+# --- count_tokens -----------------------------------------------------------------------------------
+
+
+def test_count_tokens_equals_the_input_tokens_of_a_message(claude):
+    cases = [
+        {"messages": USER},
+        {"system": "You are a weather assistant.", "messages": tool_history(), "tools": [WEATHER, TIME]},
+        {"messages": tool_history(), "tools": [WEATHER, TIME], "tool_choice": {"type": "any"}},
+    ]
+    counts = []
+    for case in cases:
+        counted = claude.messages.count_tokens(model=MODEL, **case)
+        assert isinstance(counted.input_tokens, int) and counted.input_tokens > 0
+        msg = claude.messages.create(model=MODEL, max_tokens=4, **case, extra_body=GREEDY)
+        assert counted.input_tokens == msg.usage.input_tokens, case
+        counts.append(counted.input_tokens)
+    assert len(set(counts)) == len(counts), counts
+
+
+def test_count_tokens_of_an_unknown_model_is_not_found(claude):
+    with pytest.raises(anthropic.NotFoundError) as info:
+        claude.messages.count_tokens(model="no-such-model", messages=USER)
+    assert_anthropic_error(404, info.value.response.json(), "not_found_error")
+
+
 # --- errors -----------------------------------------------------------------------------------------
 
 

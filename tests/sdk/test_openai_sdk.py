@@ -94,6 +94,17 @@ def test_models_lists_flare_sim(oai):
         assert isinstance(m.id, str) and m.id
 
 
+def test_models_retrieve_by_id(oai):
+    model = oai.models.retrieve(MODEL)
+    assert model.id == MODEL
+    assert model.object == "model"
+    assert model.owned_by == "flare"
+    assert model == next(m for m in oai.models.list().data if m.id == MODEL)
+    with pytest.raises(openai.NotFoundError) as info:
+        oai.models.retrieve("no-such-model")
+    assert assert_openai_error(info.value, 404, "not_found_error")["code"] == "model_not_found"
+
+
 # --- chat completions: shapes ------------------------------------------------------------------
 
 

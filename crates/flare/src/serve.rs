@@ -18,6 +18,28 @@ pub(crate) enum LogFormat {
     Json,
 }
 
+/// The most verbose level logged (`--log-level`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum LogLevel {
+    Error,
+    Warn,
+    Info,
+    Debug,
+    Trace,
+}
+
+impl LogLevel {
+    fn directive(self) -> &'static str {
+        match self {
+            LogLevel::Error => "error",
+            LogLevel::Warn => "warn",
+            LogLevel::Info => "info",
+            LogLevel::Debug => "debug",
+            LogLevel::Trace => "trace",
+        }
+    }
+}
+
 #[derive(Debug, clap::Args)]
 pub(crate) struct RunArgs {
     /// Directory of a runtime core. Without one, the embedded simulated core is served.
@@ -38,7 +60,9 @@ pub(crate) struct RunArgs {
     /// Context limit in tokens (at most the core's).
     #[arg(long)]
     max_model_len: Option<u32>,
-    /// Caps every request's output tokens.
+    /// Most output tokens one request may ask for (default: the context limit); a request
+    /// asking more is clamped to it. Requests that do not say get the core's default output
+    /// limit, lowered to this cap. Both are stated in the startup log and `/v1/models`.
     #[arg(long)]
     max_output_tokens: Option<u32>,
     /// GPU memory kept free for other processes, in GiB (applied by the CUDA executor).
@@ -59,9 +83,9 @@ pub(crate) struct RunArgs {
     /// requests) are dropped and the process exits.
     #[arg(long, default_value_t = 10)]
     shutdown_grace_secs: u64,
-    /// Connections served at once. At the cap, the connection idle (or sending its head) the
-    /// longest is closed to make room; when all are serving requests, new ones get 503. Both
-    /// are logged. Default: 2048, less when the open-file limit (raised toward its hard limit
+    /// Connections served at once. At the cap, the connection waiting the longest (idle, else
+    /// sending its head, else sending its body) is closed to make room; when all are serving
+    /// requests, new ones get 503. Both are logged. Default: 2048, less when the open-file limit (raised toward its hard limit
     /// at startup) leaves less room.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     max_connections: Option<u64>,
@@ -84,21 +108,65 @@ pub(crate) struct RunArgs {
     /// guard); `*` serves every host.
     #[arg(long, value_delimiter = ',')]
     allowed_hosts: Vec<String>,
+    /// Require this key on every route but /health and /metrics, sent as
+    /// `Authorization: Bearer KEY` or `x-api-key: KEY`; anything else is answered 401. Without
+    /// the flag, the environment variable FLARE_API_KEY (when set and not empty) is used, which
+    /// keeps the key out of the process list.
+    #[arg(long, value_name = "KEY")]
+    api_key: Option<String>,
+    /// Names the model is served under, space or comma separated (put the core directory
+    /// before this flag): the first is what /v1/models lists and responses report, and every
+    /// one is accepted as `model` in requests. Default: the core's model name.
+    #[arg(long, value_name = "NAME", num_args = 1.., value_delimiter = ',')]
+    served_model_name: Vec<String>,
+    /// Origins browsers may call this server from (CORS), comma separated
+    /// (`https://app.example.com,http://localhost:3000`), or `*` for any. Preflights from them
+    /// are answered and their responses carry Access-Control-Allow-Origin; other origins get
+    /// no CORS headers. Default: none.
+    #[arg(long, value_name = "ORIGINS", value_delimiter = ',')]
+    allowed_origins: Vec<String>,
+    /// Largest request body accepted, in bytes (default: 32 MiB); a larger one is answered 413.
+    #[arg(long, value_name = "BYTES", default_value_t = 32 << 20, value_parser = clap::value_parser!(u64).range(1..))]
+    max_body_bytes: u64,
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+    /// Most verbose level logged. `RUST_LOG`, when set and not empty, takes precedence (it
+    /// takes per-module directives, e.g. `info,helios_http=debug`); an invalid `RUST_LOG` is
+    /// reported and this level used. Every finished generation request logs one line at info
+    /// (warn for a 5xx).
+    #[arg(long, value_enum, default_value_t = LogLevel::Info)]
+    log_level: LogLevel,
 }
 
-fn init_logging(format: LogFormat) {
+/// The log filter: `RUST_LOG` when set (and valid), else `--log-level`; with the reason a
+/// `RUST_LOG` was ignored.
+fn log_filter(level: LogLevel) -> (tracing_subscriber::EnvFilter, Option<String>) {
+    use tracing_subscriber::EnvFilter;
+    match std::env::var("RUST_LOG") {
+        Ok(spec) if !spec.trim().is_empty() => match EnvFilter::try_new(&spec) {
+            Ok(filter) => (filter, None),
+            Err(e) => (EnvFilter::new(level.directive()), Some(format!("RUST_LOG={spec:?} is invalid ({e})"))),
+        },
+        _ => (EnvFilter::new(level.directive()), None),
+    }
+}
+
+fn init_logging(format: LogFormat, level: LogLevel) {
     use std::io::IsTerminal;
+    let (filter, ignored) = log_filter(level);
     let builder = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_target(false)
+        .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal());
     // Timestamps are RFC 3339 in UTC (GMT).
     let _ = match format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().try_init(),
     };
+    if let Some(why) = ignored {
+        tracing::warn!("{why}: logging at --log-level {}", level.directive());
+    }
 }
 
 fn progress(started: Instant, what: &str) {
@@ -106,7 +174,7 @@ fn progress(started: Instant, what: &str) {
 }
 
 pub(crate) fn run(args: RunArgs) -> Result<(), CliError> {
-    init_logging(args.log_format);
+    init_logging(args.log_format, args.log_level);
     let started = Instant::now();
     if !(args.gpu_reserve_gib.is_finite() && args.gpu_reserve_gib >= 0.0) {
         return Err(CliError::Startup("--gpu-reserve-gib must be a non-negative number".into()));
@@ -114,6 +182,7 @@ pub(crate) fn run(args: RunArgs) -> Result<(), CliError> {
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
         .map_err(|e| CliError::Startup(format!("invalid --host/--port: {e}")))?;
+    let access = Access::from_args(&args)?;
     // The embedded core lives in a temporary directory for the life of the server.
     let mut _sim_dir = None;
     let core_dir = match &args.core {
@@ -157,6 +226,10 @@ pub(crate) fn run(args: RunArgs) -> Result<(), CliError> {
     };
     let mut frontend = Frontend::load(&core, template).map_err(|e| CliError::Startup(e.to_string()))?;
     frontend.context_limit = manifest.capacities.context_limit;
+    // The first served name is the model's name everywhere: responses, logs, metric labels.
+    if let Some(name) = access.served_model_names.first() {
+        frontend.model_name.clone_from(name);
+    }
     let options = EngineOptions {
         max_concurrency: args.max_concurrency.unwrap_or(manifest.capacities.request_slots),
         queue_limit: args.queue_limit,
@@ -189,16 +262,34 @@ pub(crate) fn run(args: RunArgs) -> Result<(), CliError> {
             tokio::net::TcpListener::bind(addr).await.map_err(|e| CliError::Startup(format!("bind {addr}: {e}")))?;
         let bound = listener.local_addr().map_err(|e| CliError::Startup(e.to_string()))?;
         let f = engine.frontend();
+        if !bound.ip().is_loopback() && access.api_key.is_none() {
+            tracing::warn!(
+                "listening on the non-loopback address {} without an API key: anyone who can reach it can use \
+                 the server (set --api-key or FLARE_API_KEY)",
+                bound.ip()
+            );
+        }
+        if access.cors == helios_http::CorsPolicy::Any && access.api_key.is_none() {
+            tracing::warn!("--allowed-origins '*' without an API key: any web page a user opens can use the server");
+        }
         tracing::info!(
             model = %f.model_name,
+            aliases = ?access.served_model_names.get(1..).unwrap_or_default(),
+            api_key = access.api_key.is_some(),
+            max_body_bytes = access.max_body_bytes,
             context = f.context_limit,
+            max_output_tokens = f.max_output_tokens,
+            default_output_tokens = f.sampling.max_output_tokens.min(f.max_output_tokens),
             concurrency = engine.max_concurrency(),
             elapsed_ms = started.elapsed().as_millis() as u64,
             "ready: listening on http://{bound}"
         );
         let options = helios_http::HttpOptions {
+            max_body_bytes: access.max_body_bytes,
             host_policy: helios_http::HostPolicy::for_bind(bound.ip(), &args.allowed_hosts),
-            ..helios_http::HttpOptions::default()
+            api_key: access.api_key,
+            cors: access.cors,
+            served_model_names: access.served_model_names,
         };
         let app = helios_http::router(engine.clone(), options);
         let grace = Duration::from_secs(args.shutdown_grace_secs);
@@ -231,6 +322,46 @@ pub(crate) fn run(args: RunArgs) -> Result<(), CliError> {
     // Blocking tasks (the engine's thread join) must not hold the exit past the margin.
     rt.shutdown_timeout(CANCEL_MARGIN);
     served
+}
+
+/// Who may call the server and under which names: `--api-key` (or FLARE_API_KEY),
+/// `--allowed-origins`, `--served-model-name`, `--max-body-bytes`; checked before anything loads.
+struct Access {
+    api_key: Option<helios_http::ApiKey>,
+    cors: helios_http::CorsPolicy,
+    served_model_names: Vec<String>,
+    max_body_bytes: usize,
+}
+
+impl Access {
+    fn from_args(args: &RunArgs) -> Result<Access, CliError> {
+        let api_key = match &args.api_key {
+            Some(key) => Some(key.clone()),
+            None => std::env::var("FLARE_API_KEY").ok().filter(|k| !k.is_empty()),
+        }
+        .map(|key| helios_http::ApiKey::new(&key))
+        .transpose()
+        .map_err(|e| CliError::Startup(format!("--api-key / FLARE_API_KEY: {e}")))?;
+        let cors = helios_http::CorsPolicy::from_list(&args.allowed_origins)
+            .map_err(|e| CliError::Startup(format!("--allowed-origins: {e}")))?;
+        let mut served_model_names: Vec<String> = Vec::new();
+        for name in args.served_model_name.iter().map(|n| n.trim()) {
+            if name.is_empty() {
+                return Err(CliError::Startup("--served-model-name: a name must not be empty".into()));
+            }
+            // `flare run --served-model-name NAME CORE` would take CORE for a second name.
+            if args.core.is_none() && std::path::Path::new(name).join(helios_contract::MANIFEST_FILE).exists() {
+                return Err(CliError::Startup(format!(
+                    "--served-model-name took `{name}`, which is a core directory: give the core before the flag"
+                )));
+            }
+            if !served_model_names.iter().any(|n| n == name) {
+                served_model_names.push(name.to_owned());
+            }
+        }
+        let max_body_bytes = usize::try_from(args.max_body_bytes).unwrap_or(usize::MAX);
+        Ok(Access { api_key, cors, served_model_names, max_body_bytes })
+    }
 }
 
 /// How long after the grace connections are dropped, and how long the exit then waits for the

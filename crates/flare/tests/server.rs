@@ -28,6 +28,8 @@ impl Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_flare"))
             .args(["run", "--port", "0", "--log-format", format])
             .args(extra)
+            // The developer's RUST_LOG would override the level these tests read lines at.
+            .env_remove("RUST_LOG")
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
@@ -83,12 +85,25 @@ impl Server {
         content_type: Option<&str>,
         body: &str,
     ) -> (u16, String, String) {
+        let headers: Vec<(&str, &str)> = content_type.map(|c| ("content-type", c)).into_iter().collect();
+        self.exchange(host, method, path, &headers, body)
+    }
+
+    /// One request on a fresh connection (`connection: close`); (status, head, body).
+    fn exchange(
+        &self,
+        host: &str,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &str,
+    ) -> (u16, String, String) {
         let mut s = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-        let ct = content_type.map(|c| format!("content-type: {c}\r\n")).unwrap_or_default();
+        let extra: String = headers.iter().map(|(k, v)| format!("{k}: {v}\r\n")).collect();
         write!(
             s,
-            "{method} {path} HTTP/1.1\r\nhost: {host}\r\n{ct}content-length: {}\r\nconnection: close\r\n\r\n{body}",
+            "{method} {path} HTTP/1.1\r\nhost: {host}\r\n{extra}content-length: {}\r\nconnection: close\r\n\r\n{body}",
             body.len()
         )
         .unwrap();
@@ -409,20 +424,34 @@ fn the_connection_cap_evicts_idle_refuses_when_busy_and_logs() {
     );
     drop(silent);
 
-    // Every connection serving a request (bodies still arriving): the next one is refused.
+    // Every connection serving a request (long streams, their bodies in): the next one is
+    // refused. (A request whose body is still arriving would be evicted instead.)
+    let stream = chat(
+        json!([{"role": "user", "content": "tell a long story"}]),
+        json!({"stream": true, "max_tokens": 8000, "ignore_eos": true}),
+    )
+    .to_string();
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut busy: Vec<TcpStream> = Vec::new();
     let refused = loop {
         assert!(Instant::now() < deadline, "the cap was never reached");
         let mut s = server.connect();
-        s.write_all(PARTIAL_BODY.as_bytes()).unwrap();
-        std::thread::sleep(Duration::from_millis(100));
-        // The silent connections above may take a moment to be seen closed.
-        let (got, closed) = read_until_closed(&mut s, Instant::now(), Duration::from_millis(200));
-        match closed {
-            None => busy.push(s),
-            Some(_) => break got,
+        // A refusal is written at accept, before any request: look for it before writing one
+        // (writing into a refused, closed socket can reset it and lose the answer).
+        let (got, closed) = read_until_closed(&mut s, Instant::now(), Duration::from_millis(150));
+        if closed.is_some() || !got.is_empty() {
+            break got;
         }
+        write!(
+            s,
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\n\r\n{stream}",
+            stream.len()
+        )
+        .unwrap();
+        // Let its body be read, so it counts as serving a request.
+        std::thread::sleep(Duration::from_millis(100));
+        busy.push(s);
     };
     assert_eq!(busy.len(), 4);
     assert!(refused.starts_with("HTTP/1.1 503"), "{refused}");
@@ -577,8 +606,9 @@ fn thousands_of_long_stop_strings_leave_health_answering() {
         assert_eq!(err["error"]["param"], "stop", "{body}");
     }
     assert!(worst < Duration::from_millis(100), "/health took {worst:?}");
-    // At the limits (128 strings of 1 KB) a streaming request runs, and /health stays fast.
-    let stops: Vec<String> = (0..128).map(|i| format!("{i:03}{}", "q".repeat(1021))).collect();
+    // At the limits (8 KB of stop strings, 1 KB each) a streaming request runs, and /health
+    // stays fast.
+    let stops: Vec<String> = (0..8).map(|i| format!("{i:03}{}", "q".repeat(1021))).collect();
     let body = chat(
         json!([{"role": "user", "content": "tell me a long story"}]),
         json!({"stop": stops, "stream": true, "max_tokens": 400, "ignore_eos": true}),
@@ -591,7 +621,7 @@ fn thousands_of_long_stop_strings_leave_health_answering() {
     let (status, _, text) = streamer.join().unwrap();
     assert_eq!(status, 200);
     assert!(text.contains("[DONE]"), "{text}");
-    assert!(worst < Duration::from_millis(100), "/health took {worst:?} beside a 128-stop stream");
+    assert!(worst < Duration::from_millis(100), "/health took {worst:?} beside a stream at the stop limits");
 }
 
 #[test]
@@ -630,4 +660,852 @@ fn abandoned_long_conversations_do_not_delay_a_small_request() {
     std::thread::sleep(Duration::from_millis(50));
     let after = small();
     assert!(after < Duration::from_millis(100), "small request took {after:?} after abandonment (warm {warm:?})");
+}
+
+#[test]
+fn the_output_cap_is_stated_and_can_exceed_the_core_default() {
+    let server = Server::start(&["--max-output-tokens", "6000"]);
+    let (_, _, models) = server.request("GET", "/v1/models", None, "");
+    let models: Value = serde_json::from_str(&models).unwrap();
+    let m = &models["data"][0];
+    // The embedded core's default output limit is 2,048: the cap is above it.
+    assert_eq!((m["max_output_tokens"].as_u64(), m["default_max_tokens"].as_u64()), (Some(6000), Some(2048)), "{m}");
+    let body = chat(json!([{"role": "user", "content": "count"}]), json!({"max_tokens": 5000, "ignore_eos": true}));
+    let (status, _, text) = server.post("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 5000, "{}", v["usage"]);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    // Asking past the cap is clamped to it (as stated), not silently to the core default.
+    let body = chat(json!([{"role": "user", "content": "count"}]), json!({"max_tokens": 7000, "ignore_eos": true}));
+    let (_, _, text) = server.post("/v1/chat/completions", &body);
+    assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["usage"]["completion_tokens"], 6000);
+    // A cap past the context is a startup error.
+    let out = Command::new(env!("CARGO_BIN_EXE_flare"))
+        .args(["run", "--port", "0", "--max-output-tokens", "100000"])
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("max_output_tokens"));
+}
+
+#[test]
+fn unsupported_parameters_are_refused_not_ignored() {
+    let server = Server::start(&[]);
+    let base = json!([{"role": "user", "content": "hi"}]);
+    for (extra, param) in
+        [(json!({"logit_bias": {"42": 5}}), "logit_bias"), (json!({"top_logprobs": 3}), "top_logprobs")]
+    {
+        let (status, _, text) = server.post("/v1/chat/completions", &chat(base.clone(), extra));
+        assert_eq!(status, 400, "{text}");
+        let e: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            (e["error"]["code"].as_str(), e["error"]["param"].as_str()),
+            (Some("unsupported_parameter"), Some(param))
+        );
+    }
+    let (status, _, text) =
+        server.post("/v1/completions", &json!({"model": "flare-sim", "prompt": "hi", "best_of": 3, "max_tokens": 4}));
+    assert_eq!(status, 400, "{text}");
+    // Their neutral values change nothing and pass.
+    let neutral = json!({"logit_bias": {}, "top_logprobs": 0});
+    assert_eq!(server.post("/v1/chat/completions", &chat(base, neutral)).0, 200);
+    let (status, _, _) =
+        server.post("/v1/completions", &json!({"model": "flare-sim", "prompt": "hi", "best_of": 1, "max_tokens": 4}));
+    assert_eq!(status, 200);
+}
+
+#[test]
+fn identical_seeded_requests_with_a_stop_end_identically() {
+    let server = Server::start(&[]);
+    let messages = json!([{"role": "user", "content": "the quick brown fox jumps over the lazy dog, again and again"}]);
+    let run = |extra: Value| -> Value {
+        let mut body = chat(messages.clone(), json!({"max_tokens": 48, "ignore_eos": true, "seed": 11}));
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let (status, _, text) = server.post("/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{text}");
+        serde_json::from_str(&text).unwrap()
+    };
+    let free = run(json!({}));
+    let content = free["choices"][0]["message"]["content"].as_str().unwrap().to_owned();
+    // A stop string taken from the middle of the free-running output.
+    let chars: Vec<(usize, char)> = content.char_indices().collect();
+    assert!(chars.len() > 12, "{content:?}");
+    let (a, b) = (chars[chars.len() / 2].0, chars.get(chars.len() / 2 + 3).map_or(content.len(), |c| c.0));
+    let stop = content[a..b].to_owned();
+    let shown = &content[..content.find(&stop).unwrap()];
+    let ends: Vec<(String, u64, String)> = (0..5)
+        .map(|_| {
+            let v = run(json!({"stop": ["\u{1F6AB}never", stop]}));
+            let c = &v["choices"][0];
+            (
+                c["finish_reason"].as_str().unwrap().to_owned(),
+                v["usage"]["completion_tokens"].as_u64().unwrap(),
+                c["message"]["content"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    for e in &ends {
+        assert_eq!(e, &ends[0], "{ends:?}");
+    }
+    assert_eq!((ends[0].0.as_str(), ends[0].2.as_str()), ("stop", shown), "stop {stop:?} in {content:?}");
+    assert!(ends[0].1 < 48, "usage counts the tokens up to the stop: {ends:?}");
+
+    // Anthropic names the stop string that matched.
+    let body = json!({"model": "flare-sim", "max_tokens": 48, "messages": messages,
+        "stop_sequences": ["\u{1F6AB}never", "the", "fox", " "]});
+    let (status, _, text) = server.post("/v1/messages", &body);
+    assert_eq!(status, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    if v["stop_reason"] == "stop_sequence" {
+        let seq = v["stop_sequence"].as_str().unwrap();
+        assert!(["the", "fox", " "].contains(&seq), "{v}");
+    } else {
+        assert!(v["stop_sequence"].is_null(), "{v}");
+    }
+}
+
+// ---- Visibility: request ids, the per-request log line, `/metrics` families ----
+
+/// A server started with `env` set (and `RUST_LOG` removed unless `env` sets it) on a free
+/// port, ready once `/health` answers 200: it does not need the ready line, which a log
+/// level may hide.
+fn start_with_env(env: &[(&str, &str)], extra: &[&str]) -> Server {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_flare"));
+    command.args(["run", "--port", &port.to_string()]).args(extra).env_remove("RUST_LOG").stderr(Stdio::piped());
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    let mut child = command.spawn().unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let lines = log.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            lines.lock().unwrap().push(line);
+        }
+    });
+    let server = Server { child, port, log };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() || server.request("GET", "/health", None, "").0 != 200 {
+        assert!(Instant::now() < deadline, "server became ready");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    server
+}
+
+/// A POST with extra request headers; (status, head, body).
+fn post_with(server: &Server, path: &str, headers: &[(&str, &str)], body: &str) -> (u16, String, String) {
+    let mut all = vec![("content-type", "application/json")];
+    all.extend_from_slice(headers);
+    server.exchange("localhost", "POST", path, &all, body)
+}
+
+/// Every `request done` JSON log line whose `request_id` is `id`, parsed.
+fn request_lines(server: &Server, id: &str) -> Vec<Value> {
+    server
+        .log
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["fields"]["request_id"] == id)
+        .filter(|v| v["fields"]["message"].as_str().is_some_and(|m| m.starts_with("request done")))
+        .collect()
+}
+
+/// The one `request done` line of request `id` (waits, bounded, for it to be written).
+fn request_line(server: &Server, id: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let lines = request_lines(server, id);
+        if let Some(first) = lines.first() {
+            // Written once: a moment later there is still exactly one.
+            std::thread::sleep(Duration::from_millis(100));
+            assert_eq!(request_lines(server, id).len(), 1, "one line per request: {lines:?}");
+            return first["fields"].clone();
+        }
+        assert!(Instant::now() < deadline, "no log line for {id}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The samples of `/metrics` whose name is exactly `name`, as (labels, value).
+fn samples(text: &str, name: &str) -> Vec<(String, f64)> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let (n, labels) = series.split_once('{').map_or((series, ""), |(n, rest)| (n, rest.trim_end_matches('}')));
+            (n == name).then(|| (labels.to_owned(), value.parse().unwrap()))
+        })
+        .collect()
+}
+
+#[test]
+fn metrics_expose_vllm_style_families_and_count_failures() {
+    let server = Server::start(&[]);
+    let conversation = json!([
+        {"role": "system", "content": "A system prompt long enough to be cached. ".repeat(10)},
+        {"role": "user", "content": "Name three colors."},
+    ]);
+    for extra in [json!({}), json!({"stream": true}), json!({})] {
+        let (status, _, body) = server.post("/v1/chat/completions", &chat(conversation.clone(), extra));
+        assert_eq!(status, 200, "{body}");
+    }
+    // Failures before admission: validation (400), an unparsable body (400), an unknown model (404).
+    let user = json!([{"role": "user", "content": "hi"}]);
+    assert_eq!(server.post("/v1/chat/completions", &chat(user.clone(), json!({"temperature": 0}))).0, 400);
+    assert_eq!(server.request("POST", "/v1/chat/completions", Some("application/json"), "{bad").0, 400);
+    assert_eq!(server.post("/v1/messages", &json!({"model": "nope", "max_tokens": 4, "messages": user})).0, 404);
+
+    // The model thread publishes occupancy at the end of its turn, just after a response's
+    // last event: wait (bounded) until it shows the server idle.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (status, head, text) = loop {
+        let (status, head, text) = server.request("GET", "/metrics", None, "");
+        let running = samples(&text, "flare_num_requests_running").first().map(|s| s.1);
+        if running == Some(0.0) || Instant::now() >= deadline {
+            break (status, head, text);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status, 200);
+    assert!(head.contains("text/plain"), "{head}");
+    let model = r#"model_name="flare-sim""#;
+    let one = |name: &str| -> f64 {
+        let s = samples(&text, name);
+        assert_eq!(s.len(), 1, "{name}: {s:?}\n{text}");
+        assert_eq!(s[0].0, model, "{name}");
+        s[0].1
+    };
+    for (name, kind) in [
+        ("flare_num_requests_running", "gauge"),
+        ("flare_num_requests_waiting", "gauge"),
+        ("flare_kv_cache_usage_perc", "gauge"),
+        ("flare_prefix_cache_queries_total", "counter"),
+        ("flare_prefix_cache_hits_total", "counter"),
+        ("flare_e2e_request_latency_seconds", "histogram"),
+        ("flare_request_queue_time_seconds", "histogram"),
+        ("flare_request_prefill_time_seconds", "histogram"),
+        ("flare_request_decode_time_seconds", "histogram"),
+        ("flare_request_success_total", "counter"),
+        ("flare_request_failures_total", "counter"),
+    ] {
+        assert!(text.contains(&format!("# TYPE {name} {kind}\n")), "{name} {kind}\n{text}");
+        assert!(text.contains(&format!("# HELP {name} ")), "{name}");
+    }
+    // Idle now: nothing running or waiting, no page held by a request.
+    assert_eq!(one("flare_num_requests_running"), 0.0);
+    assert_eq!(one("flare_num_requests_waiting"), 0.0);
+    let usage = one("flare_kv_cache_usage_perc");
+    assert!((0.0..=1.0).contains(&usage), "{usage}");
+    // The repeats restored the shared prompt from the cache.
+    let (queries, hits) = (one("flare_prefix_cache_queries_total"), one("flare_prefix_cache_hits_total"));
+    assert!(hits > 0.0 && hits <= queries, "hits {hits} of {queries}");
+    // Three requests ran to their end; the failures never reached the scheduler.
+    assert_eq!(one("flare_e2e_request_latency_seconds_count"), 3.0);
+    for phase in ["queue", "prefill", "decode"] {
+        let name = format!("flare_request_{phase}_time_seconds");
+        assert_eq!(one(&format!("{name}_count")), 3.0, "{name}");
+        let buckets = samples(&text, &format!("{name}_bucket"));
+        assert!(buckets.len() > 10 && buckets.iter().all(|(l, _)| l.starts_with(model)), "{buckets:?}");
+        assert_eq!(buckets.last().unwrap(), &(format!(r#"{model},le="+Inf""#), 3.0));
+    }
+    let failures = samples(&text, "flare_request_failures_total");
+    for (status, code) in [(400, "invalid_parameter"), (400, "invalid_json"), (404, "model_not_found")] {
+        let labels = format!(r#"{model},status="{status}",code="{code}""#);
+        assert!(failures.contains(&(labels, 1.0)), "{code}: {failures:?}");
+    }
+    assert_eq!(failures.iter().map(|(_, v)| v).sum::<f64>(), 3.0, "{failures:?}");
+    let successes: f64 = samples(&text, "flare_request_success_total").iter().map(|(_, v)| v).sum();
+    assert_eq!(successes, 3.0);
+    // The original families are still there, and balanced (what `flare load` checks).
+    for name in ["flare_running_requests", "flare_queue_depth", "flare_pages_used", "flare_snapshot_rows_pinned"] {
+        assert_eq!(samples(&text, name), vec![(String::new(), 0.0)], "{name}");
+    }
+    assert_eq!(server.metric("flare_requests_admitted_total"), 3.0);
+    assert_eq!(server.metric("flare_requests_finished_total"), 3.0);
+    assert!(!samples(&text, "flare_time_to_first_token_seconds_bucket").is_empty());
+    // `flare load`'s parser reads the whole exposition, and its drain audit passes.
+    flare_bench::metrics::parse(&text).unwrap();
+    let audit = flare_bench::MetricsSnapshot::from_text(&text).violations();
+    assert!(audit.is_empty(), "{audit:?}");
+
+    // A 503 at admission (the queue takes nothing) is a failure too, by its code.
+    let full = Server::start(&["--queue-limit", "0"]);
+    assert_eq!(full.post("/v1/chat/completions", &chat(user, json!({}))).0, 503);
+    let (_, _, text) = full.request("GET", "/metrics", None, "");
+    assert_eq!(
+        samples(&text, "flare_request_failures_total"),
+        vec![(format!(r#"{model},status="503",code="queue_full""#), 1.0)]
+    );
+    assert_eq!(samples(&text, "flare_e2e_request_latency_seconds_count"), vec![(model.to_owned(), 0.0)]);
+}
+
+#[test]
+fn a_client_request_id_is_kept_in_headers_and_logs() {
+    let server = Server::start(&[]);
+    let body = chat(json!([{"role": "user", "content": "hello"}]), json!({})).to_string();
+    // Kept: the header comes back as sent, the body keeps its own response id.
+    let (status, head, text) =
+        post_with(&server, "/v1/chat/completions", &[("X-Request-Id", "client-42_a.b:c")], &body);
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(request_id(&head), "client-42_a.b:c");
+    let response_id = serde_json::from_str::<Value>(&text).unwrap()["id"].as_str().unwrap().to_owned();
+    assert!(response_id.starts_with("chatcmpl-"), "{response_id}");
+    let line = request_line(&server, "client-42_a.b:c");
+    assert_eq!(line["response_id"], response_id.as_str(), "{line}");
+
+    // Streams, errors before headers, rejected bodies and the Anthropic API keep it too.
+    let streamed = chat(json!([{"role": "user", "content": "hello"}]), json!({"stream": true})).to_string();
+    let (status, head, _) = post_with(&server, "/v1/chat/completions", &[("x-request-id", "stream-1")], &streamed);
+    assert_eq!((status, request_id(&head).as_str()), (200, "stream-1"));
+    let invalid = chat(json!([{"role": "user", "content": "hello"}]), json!({"top_p": 2})).to_string();
+    let (status, head, _) = post_with(&server, "/v1/chat/completions", &[("x-request-id", "bad-1")], &invalid);
+    assert_eq!((status, request_id(&head).as_str()), (400, "bad-1"));
+    let (status, head, _) = post_with(&server, "/v1/completions", &[("x-request-id", "json-1")], "{oops");
+    assert_eq!((status, request_id(&head).as_str()), (400, "json-1"));
+    let messages = json!({"model": "flare-sim", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]});
+    let (status, head, text) =
+        post_with(&server, "/v1/messages", &[("x-request-id", "anthropic-1")], &messages.to_string());
+    assert_eq!((status, request_id(&head).as_str()), (200, "anthropic-1"), "{text}");
+    assert!(serde_json::from_str::<Value>(&text).unwrap()["id"].as_str().unwrap().starts_with("msg_"));
+    for id in ["stream-1", "bad-1", "json-1", "anthropic-1"] {
+        request_line(&server, id);
+    }
+
+    // Not kept (too long, not visible ASCII): a fresh id, as without one.
+    let long = "x".repeat(129);
+    for bad in [long.as_str(), "has space", "tab\there", "caf\u{e9}"] {
+        let (status, head, _) = post_with(&server, "/v1/chat/completions", &[("x-request-id", bad)], &body);
+        assert_eq!(status, 200);
+        let id = request_id(&head);
+        assert!(id.starts_with("chatcmpl-") && id != bad, "{bad:?} -> {id}");
+    }
+    let longest = "y".repeat(128);
+    let (_, head, _) = post_with(&server, "/v1/chat/completions", &[("x-request-id", &longest)], &body);
+    assert_eq!(request_id(&head), longest);
+}
+
+#[test]
+fn every_request_logs_one_line_with_its_fields() {
+    let server = Server::start(&[]);
+    let id = |name: &str| [("x-request-id", name.to_owned())];
+    let post = |name: &str, path: &str, body: &Value| {
+        let headers = id(name);
+        let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        post_with(&server, path, &headers, &body.to_string())
+    };
+    let user = json!([{"role": "user", "content": "Count from one to ten."}]);
+
+    // A whole response with n = 2: one line, output tokens summed, reasons in index order.
+    let (status, _, text) = post("whole", "/v1/chat/completions", &chat(user.clone(), json!({"n": 2})));
+    assert_eq!(status, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let line = request_line(&server, "whole");
+    assert_eq!(
+        (line["api"].as_str(), line["stream"].as_bool(), line["status"].as_u64()),
+        (Some("chat"), Some(false), Some(200))
+    );
+    assert_eq!(line["prompt_tokens"], v["usage"]["prompt_tokens"]);
+    assert_eq!(line["output_tokens"], v["usage"]["completion_tokens"]);
+    assert_eq!(line["cached_tokens"], v["usage"]["prompt_tokens_details"]["cached_tokens"]);
+    let reasons: Vec<&str> =
+        v["choices"].as_array().unwrap().iter().map(|c| c["finish_reason"].as_str().unwrap()).collect();
+    assert_eq!(line["finish_reason"], reasons.join(","));
+    let (ttft, total) = (line["ttft_ms"].as_f64().unwrap(), line["duration_ms"].as_f64().unwrap());
+    assert!(ttft > 0.0 && ttft <= total, "{line}");
+    assert!(line.get("code").is_none() && line.get("response_id").is_some(), "{line}");
+    assert_eq!(line["message"], "request done");
+
+    // A stream: logged when it ends, with its usage.
+    let (status, _, body) = post(
+        "streamed",
+        "/v1/chat/completions",
+        &chat(user.clone(), json!({"stream": true, "stream_options": {"include_usage": true}})),
+    );
+    assert_eq!(status, 200);
+    let events = sse_data(&body);
+    let usage: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    let line = request_line(&server, "streamed");
+    assert_eq!((line["stream"].as_bool(), line["status"].as_u64()), (Some(true), Some(200)));
+    assert_eq!(line["output_tokens"], usage["usage"]["completion_tokens"]);
+    assert!(line["ttft_ms"].as_f64().is_some());
+
+    // A failure after the SSE headers: status 200 was sent, the code says what failed.
+    // (As in `typed_errors_before_headers_and_in_streams`: the copy model answers in text.)
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]);
+    let history = json!([{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hi there."},
+        {"role": "user", "content": "hello"}]);
+    let extra =
+        json!({"stream": true, "tools": tools, "tool_choice": "required", "max_tokens": 32, "temperature": 0.01});
+    let (status, _, body) = post("stream-failed", "/v1/chat/completions", &chat(history, extra));
+    assert_eq!(status, 200);
+    assert!(!sse_data(&body).iter().any(|e| e == "[DONE]"), "{body}");
+    let line = request_line(&server, "stream-failed");
+    assert_eq!(
+        (line["status"].as_u64(), line["code"].as_str()),
+        (Some(200), Some("required_tool_call_missing")),
+        "{line}"
+    );
+    assert_eq!(line["stage"], "output", "{line}");
+
+    // A failure before headers: its status, code, stage and message.
+    let (status, _, _) = post("rejected", "/v1/chat/completions", &chat(user.clone(), json!({"max_tokens": 0})));
+    assert_eq!(status, 400);
+    let line = request_line(&server, "rejected");
+    assert_eq!((line["status"].as_u64(), line["code"].as_str()), (Some(400), Some("invalid_max_tokens")), "{line}");
+    assert_eq!(line["stage"], "validation");
+    assert!(line["message"].as_str().unwrap().starts_with("request done: "), "{line}");
+    assert!(line.get("finish_reason").is_none() && line.get("ttft_ms").is_none(), "{line}");
+
+    // The other APIs log the same fields.
+    let messages = json!({"model": "flare-sim", "max_tokens": 6, "messages": [{"role": "user", "content": "hi"}]});
+    assert_eq!(post("anthropic", "/v1/messages", &messages).0, 200);
+    assert_eq!(request_line(&server, "anthropic")["api"], "messages");
+    let responses = json!({"model": "flare-sim", "input": "hi", "max_output_tokens": 6, "stream": true});
+    assert_eq!(post("responses", "/v1/responses", &responses).0, 200);
+    assert_eq!(request_line(&server, "responses")["api"], "responses");
+    let completion = json!({"model": "flare-sim", "prompt": "Once upon", "max_tokens": 6});
+    let (status, _, text) = post("completion", "/v1/completions", &completion);
+    assert_eq!(status, 200, "{text}");
+    let usage = &serde_json::from_str::<Value>(&text).unwrap()["usage"];
+    assert_eq!(request_line(&server, "completion")["output_tokens"], usage["completion_tokens"]);
+
+    // A client that leaves mid-stream is logged as such, without a failure count.
+    let mut s = server.connect();
+    let body = chat(user, json!({"stream": true, "max_tokens": 8000, "ignore_eos": true})).to_string();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n\
+         x-request-id: leaver\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    read_until(&mut s, "data: ");
+    drop(s);
+    let line = request_line(&server, "leaver");
+    assert_eq!((line["code"].as_str(), line["status"].as_u64()), (Some("client_disconnected"), Some(200)), "{line}");
+    let (_, _, text) = server.request("GET", "/metrics", None, "");
+    let failures: f64 = samples(&text, "flare_request_failures_total").iter().map(|(_, v)| v).sum();
+    assert_eq!(failures, 2.0, "the stream failure and the 400: {text}");
+
+    // The text format: one line, fields as key=value.
+    let text_server = Server::start_logging("text", &[]);
+    let body = chat(json!([{"role": "user", "content": "hi"}]), json!({})).to_string();
+    assert_eq!(post_with(&text_server, "/v1/chat/completions", &[("x-request-id", "text-1")], &body).0, 200);
+    let line = text_server.wait_for_log(r#"request_id="text-1""#, Duration::from_secs(5)).expect("logged");
+    for field in [
+        " INFO request done ",
+        "api=\"chat\"",
+        "status=200",
+        "finish_reason=",
+        "prompt_tokens=",
+        "cached_tokens=",
+        "output_tokens=",
+        "ttft_ms=",
+        "duration_ms=",
+    ] {
+        assert!(line.contains(field), "{field} in {line}");
+    }
+}
+
+#[test]
+fn rust_log_wins_over_log_level_and_log_level_filters() {
+    let user = json!([{"role": "user", "content": "hi"}]);
+    // --log-level warn: request lines at info are gone, a 503 (warn) is logged.
+    let server = start_with_env(&[], &["--log-level", "warn", "--log-format", "json", "--queue-limit", "0"]);
+    assert_eq!(server.post("/v1/chat/completions", &chat(user.clone(), json!({}))).0, 503);
+    let line = server.wait_for_log("queue_full", Duration::from_secs(5)).expect("the 503 is logged at warn");
+    assert!(line.contains(r#""level":"WARN""#) && line.contains("request done"), "{line}");
+    assert!(!server.log.lock().unwrap().iter().any(|l| l.contains(r#""level":"INFO""#)), "no info line");
+    drop(server);
+
+    // RUST_LOG, when set, decides: info for everything but the HTTP layer.
+    let server = start_with_env(&[("RUST_LOG", "info,helios_http=warn")], &["--log-level", "error"]);
+    assert!(server.wait_for_log("ready: listening", Duration::from_secs(5)).is_some());
+    assert_eq!(server.post("/v1/chat/completions", &chat(user.clone(), json!({}))).0, 200);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!server.log.lock().unwrap().iter().any(|l| l.contains("request done")), "helios_http is at warn");
+    drop(server);
+
+    // An invalid RUST_LOG is reported, and --log-level used.
+    let server = start_with_env(&[("RUST_LOG", "info,helios_http=loudest")], &["--log-level", "info"]);
+    assert!(server.wait_for_log("is invalid", Duration::from_secs(5)).is_some());
+    assert_eq!(server.post("/v1/chat/completions", &chat(user, json!({}))).0, 200);
+    assert!(server.wait_for_log("request done", Duration::from_secs(5)).is_some());
+}
+
+#[test]
+fn slow_bodies_filling_the_connection_cap_do_not_lock_out_health() {
+    let server = Server::start(&["--max-connections", "8"]);
+    // One client fills the cap with requests whose body stalls after 1 byte of 100,000 (well
+    // within the 30 s body timeout), and opens another whenever one is closed.
+    let slow_body = || {
+        let mut s = server.connect();
+        s.write_all(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n\
+              content-length: 100000\r\n\r\n{",
+        )
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        s
+    };
+    let mut slow: Vec<TcpStream> = (0..8).map(|_| slow_body()).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    // /health answers at once, each time in place of the oldest slow body.
+    for round in 0..3 {
+        if round > 0 {
+            slow.push(slow_body());
+        }
+        let started = Instant::now();
+        let mut s = server.connect();
+        s.write_all(b"GET /health HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n").unwrap();
+        let (got, _) = read_until_closed(&mut s, started, Duration::from_millis(500));
+        let took = started.elapsed();
+        assert!(got.starts_with("HTTP/1.1 200") && got.ends_with(r#"{"status":"ok"}"#), "{got}");
+        assert!(took < Duration::from_millis(500), "{took:?}");
+        // Its own connection gone before the next round (an idle one would be evicted first).
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // Evicted oldest first, closed unanswered; the others are still open.
+    let closed: Vec<bool> = slow
+        .iter_mut()
+        .map(|s| {
+            let (got, closed) = read_until_closed(s, Instant::now(), Duration::from_millis(100));
+            assert!(got.is_empty(), "an evicted body is not answered: {got}");
+            closed.is_some()
+        })
+        .collect();
+    assert_eq!(closed, [true, true, true, false, false, false, false, false, false, false]);
+    let line =
+        server.wait_for_log("still sending a request body", Duration::from_secs(5)).expect("body evictions logged");
+    assert!(line.contains(r#""max_connections":8"#), "{line}");
+}
+
+// ---- Access and compatibility: API key, served names, CORS, model lookup, count_tokens,
+// body limit, the exposure warning ----
+
+/// A request with extra headers (content type only with a body); (status, head, body).
+fn request_with(
+    server: &Server,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&Value>,
+) -> (u16, String, String) {
+    let body = body.map(Value::to_string).unwrap_or_default();
+    let mut all = headers.to_vec();
+    if !body.is_empty() {
+        all.push(("content-type", "application/json"));
+    }
+    server.exchange("localhost", method, path, &all, &body)
+}
+
+/// The value of response header `name` (case-insensitive), if present.
+fn header(head: &str, name: &str) -> Option<String> {
+    head.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.trim().eq_ignore_ascii_case(name).then(|| v.trim().to_owned())
+    })
+}
+
+fn message(text: &str) -> Value {
+    json!({"model": "flare-sim", "max_tokens": 8, "temperature": 0.5,
+        "messages": [{"role": "user", "content": text}]})
+}
+
+#[test]
+fn an_api_key_guards_every_route_but_health_and_metrics_in_both_envelopes() {
+    let server = Server::start(&["--api-key", "sk-flag-key"]);
+    let chat_body = chat(json!([{"role": "user", "content": "Hello"}]), json!({"max_tokens": 4}));
+    // Open routes.
+    assert_eq!(request_with(&server, "GET", "/health", &[], None).0, 200);
+    assert_eq!(request_with(&server, "GET", "/metrics", &[], None).0, 200);
+    // OpenAI routes: 401 in the OpenAI envelope, missing and wrong keys told apart.
+    for (headers, code) in [
+        (&[][..], "missing_api_key"),
+        (&[("authorization", "Bearer sk-wrong")][..], "invalid_api_key"),
+        (&[("authorization", "Basic c2stZmxhZy1rZXk=")][..], "invalid_api_key"),
+        (&[("x-api-key", "sk-flag-ke")][..], "invalid_api_key"),
+    ] {
+        for (method, path, body) in [
+            ("GET", "/v1/models", None),
+            ("GET", "/v1/models/flare-sim", None),
+            ("POST", "/v1/chat/completions", Some(&chat_body)),
+            ("POST", "/tokenize", Some(&json!({"prompt": "hi"}))),
+            ("GET", "/no/such/route", None),
+        ] {
+            let (status, head, body) = request_with(&server, method, path, headers, body);
+            assert_eq!(status, 401, "{method} {path} {headers:?}: {body}");
+            let v: Value = serde_json::from_str(&body).unwrap();
+            assert_eq!(v["error"]["type"], "invalid_request_error", "{body}");
+            assert_eq!(v["error"]["code"], code, "{body}");
+            assert_eq!(header(&head, "www-authenticate").as_deref(), Some("Bearer"));
+        }
+        // Anthropic routes: the Anthropic envelope.
+        for path in ["/v1/messages", "/v1/messages/count_tokens"] {
+            let (status, _, body) = request_with(&server, "POST", path, headers, Some(&message("Hello")));
+            assert_eq!(status, 401, "{path}: {body}");
+            let v: Value = serde_json::from_str(&body).unwrap();
+            assert_eq!(v["type"], "error", "{body}");
+            assert_eq!(v["error"]["type"], "authentication_error", "{body}");
+            assert_eq!(v["error"]["code"], code, "{body}");
+        }
+    }
+    // The key as a bearer token or as `x-api-key`, on either API.
+    for auth in [("authorization", "Bearer sk-flag-key"), ("x-api-key", "sk-flag-key")] {
+        let (status, _, body) = request_with(&server, "POST", "/v1/chat/completions", &[auth], Some(&chat_body));
+        assert_eq!(status, 200, "{auth:?}: {body}");
+        let (status, _, body) = request_with(&server, "POST", "/v1/messages", &[auth], Some(&message("Hello")));
+        assert_eq!(status, 200, "{auth:?}: {body}");
+        assert_eq!(request_with(&server, "GET", "/v1/models", &[auth], None).0, 200);
+    }
+    // The key never reaches the log.
+    assert!(server.wait_for_log("no valid API key", Duration::from_secs(5)).is_some());
+    assert!(!server.log.lock().unwrap().iter().any(|l| l.contains("sk-flag-key") || l.contains("sk-wrong")));
+
+    // FLARE_API_KEY when the flag is absent; the flag wins over it.
+    let env_only = start_with_env(&[("FLARE_API_KEY", "sk-env-key")], &[]);
+    let bearer = |k: &str| format!("Bearer {k}");
+    let models =
+        |s: &Server, key: &str| request_with(s, "GET", "/v1/models", &[("authorization", &bearer(key))], None).0;
+    assert_eq!(request_with(&env_only, "GET", "/v1/models", &[], None).0, 401);
+    assert_eq!(models(&env_only, "sk-env-key"), 200);
+    drop(env_only);
+    let both = start_with_env(&[("FLARE_API_KEY", "sk-env-key")], &["--api-key", "sk-flag-key"]);
+    assert_eq!(models(&both, "sk-env-key"), 401);
+    assert_eq!(models(&both, "sk-flag-key"), 200);
+}
+
+#[test]
+fn served_model_names_are_aliases_and_the_first_is_listed_and_reported() {
+    let server = Server::start(&["--served-model-name", "primary-name,alias-one", "org/alias-two"]);
+    let (_, _, models) = request_with(&server, "GET", "/v1/models", &[], None);
+    let models: Value = serde_json::from_str(&models).unwrap();
+    assert_eq!(models["data"].as_array().unwrap().len(), 1, "{models}");
+    assert_eq!(models["data"][0]["id"], "primary-name");
+    for name in ["primary-name", "alias-one", "org/alias-two"] {
+        let body = chat(json!([{"role": "user", "content": "Hello"}]), json!({"model": name, "max_tokens": 4}));
+        let (status, _, body) = server.post("/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{name}: {body}");
+        assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["model"], "primary-name");
+        let mut m = message("Hello");
+        m["model"] = json!(name);
+        let (status, _, body) = server.post("/v1/messages", &m);
+        assert_eq!(status, 200, "{name}: {body}");
+        assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["model"], "primary-name");
+        // Each name retrieves the same object, under the first name.
+        let (status, _, body) = request_with(&server, "GET", &format!("/v1/models/{name}"), &[], None);
+        assert_eq!(status, 200, "{name}: {body}");
+        assert_eq!(serde_json::from_str::<Value>(&body).unwrap(), models["data"][0]);
+    }
+    // The core's own name is no longer served.
+    let (status, _, body) =
+        server.post("/v1/chat/completions", &chat(json!([{"role": "user", "content": "Hello"}]), json!({})));
+    assert_eq!(status, 404, "{body}");
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["error"]["code"], "model_not_found");
+    // Logs and metric labels carry the first name.
+    let (_, _, text) = request_with(&server, "GET", "/metrics", &[], None);
+    assert!(text.contains(r#"model_name="primary-name""#), "{text}");
+}
+
+#[test]
+fn models_by_id_are_found_or_404_and_no_cors_headers_by_default() {
+    let server = Server::start(&[]);
+    let (status, _, body) = request_with(&server, "GET", "/v1/models/flare-sim", &[], None);
+    assert_eq!(status, 200, "{body}");
+    let model: Value = serde_json::from_str(&body).unwrap();
+    let (_, _, list) = request_with(&server, "GET", "/v1/models", &[], None);
+    assert_eq!(model, serde_json::from_str::<Value>(&list).unwrap()["data"][0]);
+    assert_eq!((model["id"].as_str(), model["object"].as_str()), (Some("flare-sim"), Some("model")));
+    for missing in ["/v1/models/gpt-4o", "/v1/models/org/flare-sim", "/v1/models/flare-sim%20"] {
+        let (status, _, body) = request_with(&server, "GET", missing, &[], None);
+        assert_eq!(status, 404, "{missing}: {body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            (v["error"]["code"].as_str(), v["error"]["type"].as_str()),
+            (Some("model_not_found"), Some("not_found_error"))
+        );
+    }
+    // Without --allowed-origins: no CORS headers, preflights not answered.
+    let (status, head, _) = request_with(
+        &server,
+        "OPTIONS",
+        "/v1/chat/completions",
+        &[("origin", "http://app.example"), ("access-control-request-method", "POST")],
+        None,
+    );
+    assert_eq!(status, 405);
+    let (_, get_head, _) = request_with(&server, "GET", "/v1/models", &[("origin", "http://app.example")], None);
+    for h in [head, get_head] {
+        assert!(!h.to_ascii_lowercase().contains("access-control-"), "{h}");
+    }
+    // Bound to loopback: no exposure warning.
+    assert!(!server.log.lock().unwrap().iter().any(|l| l.contains("non-loopback")));
+}
+
+#[test]
+fn cors_answers_preflights_and_marks_responses_only_for_allowed_origins() {
+    let server = Server::start(&["--allowed-origins", "http://app.example,http://localhost:5173/", "--api-key", "k-1"]);
+    let preflight = |origin: &str| {
+        request_with(
+            &server,
+            "OPTIONS",
+            "/v1/chat/completions",
+            &[
+                ("origin", origin),
+                ("access-control-request-method", "POST"),
+                ("access-control-request-headers", "authorization, content-type, x-stainless-os"),
+            ],
+            None,
+        )
+    };
+    // Allowed: answered before the key check, the origin echoed.
+    for origin in ["http://app.example", "http://localhost:5173"] {
+        let (status, head, _) = preflight(origin);
+        assert_eq!(status, 204, "{head}");
+        assert_eq!(header(&head, "access-control-allow-origin").as_deref(), Some(origin));
+        let methods = header(&head, "access-control-allow-methods").unwrap();
+        for m in ["GET", "POST", "OPTIONS"] {
+            assert!(methods.contains(m), "{methods}");
+        }
+        let allowed = header(&head, "access-control-allow-headers").unwrap();
+        for h in ["authorization", "x-api-key", "content-type", "x-request-id", "x-stainless-os"] {
+            assert!(allowed.contains(h), "{allowed}");
+        }
+        assert!(header(&head, "vary").is_some_and(|v| v.to_ascii_lowercase().contains("origin")), "{head}");
+    }
+    // Not allowed: no CORS headers (and the key check applies).
+    for origin in ["http://evil.example", "http://app.example.evil.example", "http://localhost:5174"] {
+        let (status, head, _) = preflight(origin);
+        assert_eq!(status, 401, "{head}");
+        assert!(header(&head, "access-control-allow-origin").is_none(), "{head}");
+    }
+    // Actual requests: served for every origin, marked only for allowed ones (errors included).
+    let chat_body = chat(json!([{"role": "user", "content": "Hello"}]), json!({"max_tokens": 4}));
+    for (origin, allowed) in [("http://app.example", true), ("http://evil.example", false)] {
+        let (status, head, _) = request_with(
+            &server,
+            "POST",
+            "/v1/chat/completions",
+            &[("origin", origin), ("authorization", "Bearer k-1")],
+            Some(&chat_body),
+        );
+        assert_eq!(status, 200);
+        assert_eq!(header(&head, "access-control-allow-origin").as_deref(), allowed.then_some(origin), "{head}");
+        if allowed {
+            assert!(header(&head, "access-control-expose-headers").unwrap().contains("x-request-id"));
+        }
+        let (status, head, _) = request_with(&server, "GET", "/v1/models", &[("origin", origin)], None);
+        assert_eq!(status, 401);
+        assert_eq!(header(&head, "access-control-allow-origin").as_deref(), allowed.then_some(origin), "{head}");
+    }
+    drop(server);
+    let any = Server::start(&["--allowed-origins", "*"]);
+    let (status, head, _) = request_with(&any, "GET", "/v1/models", &[("origin", "http://anything.example")], None);
+    assert_eq!(status, 200);
+    assert_eq!(header(&head, "access-control-allow-origin").as_deref(), Some("*"));
+    assert!(any.wait_for_log("without an API key", Duration::from_secs(5)).is_some());
+}
+
+#[test]
+fn count_tokens_equals_the_input_tokens_messages_reports() {
+    let server = Server::start(&[]);
+    let weather = json!({"name": "get_weather", "description": "Current weather for a city.",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}});
+    let time = json!({"name": "get_time", "description": "Local time in a city.",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}});
+    let conversation = json!([
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": [
+            {"type": "text", "text": "Let me check."},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 degrees, sunny"},
+            {"type": "text", "text": "And in Rome?"}]},
+    ]);
+    let cases = [
+        json!({"messages": [{"role": "user", "content": "Hello"}]}),
+        json!({"system": "You are terse.", "messages": conversation}),
+        json!({"system": [{"type": "text", "text": "You are terse."}], "messages": conversation,
+            "tools": [weather, time]}),
+        json!({"messages": conversation, "tools": [weather, time], "tool_choice": {"type": "any"}}),
+        json!({"system": "S.", "messages": conversation, "tools": [weather, time],
+            "tool_choice": {"type": "tool", "name": "get_time"}}),
+        json!({"messages": conversation, "tools": [weather], "tool_choice": {"type": "none"}}),
+    ];
+    let mut counts = Vec::new();
+    for case in cases {
+        let mut body = case.clone();
+        body["model"] = json!("flare-sim");
+        let (status, _, counted) = server.post("/v1/messages/count_tokens", &body);
+        assert_eq!(status, 200, "{case}: {counted}");
+        let counted: Value = serde_json::from_str(&counted).unwrap();
+        assert_eq!(counted.as_object().unwrap().len(), 1, "{counted}");
+        body["max_tokens"] = json!(4);
+        body["temperature"] = json!(0.5);
+        let (status, _, generated) = server.post("/v1/messages", &body);
+        assert_eq!(status, 200, "{case}: {generated}");
+        let generated: Value = serde_json::from_str(&generated).unwrap();
+        assert_eq!(counted["input_tokens"], generated["usage"]["input_tokens"], "{case}");
+        counts.push(counted["input_tokens"].as_u64().unwrap());
+    }
+    assert!(counts.windows(2).all(|w| w[0] != w[1]), "every case renders differently: {counts:?}");
+    // Errors in the Anthropic envelope.
+    for (body, status, code) in [
+        (json!({"model": "nope", "messages": [{"role": "user", "content": "x"}]}), 404, "model_not_found"),
+        (json!({"model": "flare-sim", "messages": []}), 400, "empty_messages"),
+        (json!({"model": "flare-sim"}), 400, "invalid_field"),
+        (
+            json!({"model": "flare-sim", "messages": [{"role": "user", "content": "x"}], "tools": [weather],
+                "tool_choice": {"type": "tool", "name": "get_time"}}),
+            400,
+            "unknown_tool_choice",
+        ),
+    ] {
+        let (got, _, text) = server.post("/v1/messages/count_tokens", &body);
+        assert_eq!(got, status, "{body}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!((v["type"].as_str(), v["error"]["code"].as_str()), (Some("error"), Some(code)), "{text}");
+    }
+}
+
+#[test]
+fn max_body_bytes_bounds_request_bodies_and_is_in_help() {
+    let help = Command::new(env!("CARGO_BIN_EXE_flare")).args(["run", "--help"]).output().unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    for flag in ["--max-body-bytes", "--api-key", "FLARE_API_KEY", "--served-model-name", "--allowed-origins"] {
+        assert!(help.contains(flag), "{flag} in --help: {help}");
+    }
+    let server = Server::start(&["--max-body-bytes", "4096"]);
+    let small = chat(json!([{"role": "user", "content": "x".repeat(1000)}]), json!({"max_tokens": 2}));
+    assert_eq!(server.post("/v1/chat/completions", &small).0, 200);
+    let large = chat(json!([{"role": "user", "content": "x".repeat(5000)}]), json!({"max_tokens": 2}));
+    let (status, _, body) = server.post("/v1/chat/completions", &large);
+    assert_eq!(status, 413, "{body}");
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["error"]["code"], "body_too_large");
+    let mut m = message(&"x".repeat(5000));
+    let (status, _, body) = server.post("/v1/messages", &m);
+    assert_eq!(status, 413, "{body}");
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["type"], "error");
+    m = message("short");
+    assert_eq!(server.post("/v1/messages", &m).0, 200);
+}
+
+#[test]
+fn a_non_loopback_bind_without_a_key_warns() {
+    // Bound to every interface on a free port; the test only connects over 127.0.0.1.
+    let open = start_with_env(&[], &["--host", "0.0.0.0"]);
+    assert!(open.wait_for_log("non-loopback address", Duration::from_secs(5)).is_some());
+    drop(open);
+    let keyed = start_with_env(&[], &["--host", "0.0.0.0", "--api-key", "k"]);
+    assert!(keyed.wait_for_log("listening on", Duration::from_secs(5)).is_some());
+    assert!(!keyed.log.lock().unwrap().iter().any(|l| l.contains("non-loopback")));
 }

@@ -99,4 +99,7 @@ pub enum FrontendError {
     Grammar(#[from] GrammarError),
     #[error(transparent)]
     Sampling(#[from] SamplingError),
+    /// The prompt's tokens leave no room for output under the context limit.
+    #[error("prompt of {tokens} tokens leaves no room under context limit {limit}")]
+    ContextLimit { tokens: usize, limit: usize },
 }

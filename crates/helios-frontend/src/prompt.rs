@@ -25,26 +25,31 @@ impl Prompt {
         Self::prepare_with(template, tokenizer, input, None, &Cancel::default())
     }
 
-    /// [`prepare`](Self::prepare) bounded by a token limit and a cancellation flag. When
-    /// the tokenizer gives a byte bound for `max_tokens`, a render that passes it stops
-    /// early with `TemplateError::TooLong`, before any mark probe or tokenization; a
-    /// prompt that fits always renders. Cancellation stops the render and its probes.
+    /// [`prepare`](Self::prepare) bounded by the context limit `context` and a cancellation
+    /// flag, cheapest check first: the render stops once it passes the tokenizer's byte bound
+    /// for `context` tokens; the text is encoded and refused when it has `context` tokens or
+    /// more (no room for output); only then are checkpoint marks probed. Cancellation stops
+    /// the render and the probes.
     pub fn prepare_with(
         template: &ChatTemplate,
         tokenizer: &Tokenizer,
         input: &RenderInput,
-        max_tokens: Option<usize>,
+        context: Option<usize>,
         cancel: &Cancel,
     ) -> Result<Self, FrontendError> {
         let limits =
-            RenderLimits { cancel: cancel.clone(), max_bytes: max_tokens.and_then(|n| tokenizer.max_text_bytes(n)) };
-        let rendered = template.render_with(input, &limits)?;
+            RenderLimits { cancel: cancel.clone(), max_bytes: context.and_then(|n| tokenizer.max_text_bytes(n)) };
+        let text = template.render_text_with(input, &limits)?;
         if cancel.is_cancelled() {
             return Err(crate::error::TemplateError::Cancelled.into());
         }
-        let enc = tokenizer.encode(&rendered.text, false)?;
-        let checkpoints = checkpoint_endpoints(&rendered.message_ends, &enc);
-        Ok(Prompt { text: rendered.text, ids: enc.ids, message_ends: rendered.message_ends, checkpoints })
+        let enc = tokenizer.encode(&text, false)?;
+        if let Some(limit) = context.filter(|&l| enc.ids.len() >= l) {
+            return Err(FrontendError::ContextLimit { tokens: enc.ids.len(), limit });
+        }
+        let message_ends = template.marks_with(input, &text, cancel)?;
+        let checkpoints = checkpoint_endpoints(&message_ends, &enc);
+        Ok(Prompt { text, ids: enc.ids, message_ends, checkpoints })
     }
 }
 

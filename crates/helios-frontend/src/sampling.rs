@@ -18,7 +18,7 @@ pub struct SamplingRequest {
 }
 
 /// Effective parameters. Invariant: `temperature > 0`, every value finite and inside
-/// the core's range, `1 <= max_output_tokens <= defaults.max_output_tokens`.
+/// the core's range, `1 <= max_output_tokens <= cap` (the deployment's output cap).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ResolvedSampling {
     pub temperature: f64,
@@ -43,8 +43,14 @@ fn pick(name: &'static str, p: &SamplingParameter, v: Option<f64>) -> Result<f64
 }
 
 /// Clamps the request into the core's ranges. A non-positive temperature, requested or
-/// resolved, is rejected: greedy decoding is not offered.
-pub fn resolve_sampling(d: &SamplingDefaults, r: &SamplingRequest) -> Result<ResolvedSampling, SamplingError> {
+/// resolved, is rejected: greedy decoding is not offered. The output limit is the request's,
+/// else the core's default (`d.max_output_tokens`), clamped to `cap`, the deployment's
+/// stated output cap.
+pub fn resolve_sampling(
+    d: &SamplingDefaults,
+    r: &SamplingRequest,
+    cap: u32,
+) -> Result<ResolvedSampling, SamplingError> {
     if let Some(t) = finite("temperature", r.temperature)?
         && t <= 0.0
     {
@@ -56,8 +62,8 @@ pub fn resolve_sampling(d: &SamplingDefaults, r: &SamplingRequest) -> Result<Res
     }
     let max_output_tokens = match r.max_output_tokens {
         Some(0) => return Err(SamplingError::ZeroMaxTokens),
-        Some(n) => n.min(d.max_output_tokens),
-        None => d.max_output_tokens,
+        Some(n) => n.min(cap),
+        None => d.max_output_tokens.min(cap),
     };
     if max_output_tokens == 0 {
         return Err(SamplingError::ZeroMaxTokens);
@@ -99,8 +105,12 @@ mod tests {
     #[test]
     fn defaults_and_clamping() {
         let d = defaults();
-        let r = resolve_sampling(&d, &SamplingRequest::default()).expect("valid");
+        let r = resolve_sampling(&d, &SamplingRequest::default(), 8192).expect("valid");
         assert_eq!((r.temperature, r.top_k, r.top_p, r.max_output_tokens), (0.7, 20, 0.8, 4096));
+        // The core's default applies only when the request is silent; the cap bounds both.
+        let req = SamplingRequest { max_output_tokens: Some(6000), ..Default::default() };
+        assert_eq!(resolve_sampling(&d, &req, 8192).expect("valid").max_output_tokens, 6000);
+        assert_eq!(resolve_sampling(&d, &SamplingRequest::default(), 1000).expect("valid").max_output_tokens, 1000);
         let req = SamplingRequest {
             temperature: Some(5.0),
             top_k: Some(1000.0),
@@ -108,7 +118,7 @@ mod tests {
             max_output_tokens: Some(99_999),
             ..Default::default()
         };
-        let r = resolve_sampling(&d, &req).expect("valid");
+        let r = resolve_sampling(&d, &req, 4096).expect("valid");
         assert_eq!((r.temperature, r.top_k, r.min_p, r.max_output_tokens), (2.0, 100, 0.0, 4096));
     }
 
@@ -116,11 +126,11 @@ mod tests {
     fn zero_temperature_rejected() {
         let d = defaults();
         let req = SamplingRequest { temperature: Some(0.0), ..Default::default() };
-        assert_eq!(resolve_sampling(&d, &req), Err(SamplingError::NonPositiveTemperature(0.0)));
+        assert_eq!(resolve_sampling(&d, &req, 4096), Err(SamplingError::NonPositiveTemperature(0.0)));
         let req = SamplingRequest { top_p: Some(f64::NAN), ..Default::default() };
-        assert_eq!(resolve_sampling(&d, &req), Err(SamplingError::NotFinite { name: "top_p" }));
+        assert_eq!(resolve_sampling(&d, &req, 4096), Err(SamplingError::NotFinite { name: "top_p" }));
         let mut d0 = d;
         d0.temperature = SamplingParameter { default: 0.0, range: None };
-        assert!(resolve_sampling(&d0, &SamplingRequest::default()).is_err());
+        assert!(resolve_sampling(&d0, &SamplingRequest::default(), 4096).is_err());
     }
 }

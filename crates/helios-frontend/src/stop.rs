@@ -17,6 +17,9 @@ use std::sync::Arc;
 pub const MAX_STOPS: usize = 128;
 /// Longest stop string, in bytes.
 pub const MAX_STOP_BYTES: usize = 1024;
+/// Most stop-string bytes in all: the automaton takes about 36 bytes per byte and lives as
+/// long as its request (queue wait included), so this bounds it to about 300 KB.
+pub const MAX_STOP_TOTAL_BYTES: usize = 8 << 10;
 
 /// Result of feeding text.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -212,6 +215,11 @@ impl StopMatcher {
         StopOutcome::Continue(out)
     }
 
+    /// The stop string at `index` of the set, as given (names a `Stopped` match).
+    pub fn stop_string(&self, index: usize) -> Option<&str> {
+        self.set.string(index)
+    }
+
     /// Releases held text at the end of generation.
     pub fn finish(&mut self) -> String {
         self.done = true;
@@ -267,15 +275,18 @@ mod tests {
         assert_eq!(m.finish(), "🚀");
     }
 
-    /// The most and longest stop strings a request may give: one state per byte at most,
-    /// and a text that keeps every string alive is held back, then matched, exactly.
+    /// As many stop bytes as a request may give, in strings of the longest length: one
+    /// state per byte at most, and a text that keeps every string alive is held back, then
+    /// matched, exactly.
     #[test]
     fn many_long_stops_stream_exactly() {
-        let stops: Vec<String> = (0..MAX_STOPS).map(|i| format!("{i:05}{}", "s".repeat(MAX_STOP_BYTES - 5))).collect();
+        let stops: Vec<String> = (0..MAX_STOP_TOTAL_BYTES / MAX_STOP_BYTES)
+            .map(|i| format!("{i:05}{}", "s".repeat(MAX_STOP_BYTES - 5)))
+            .collect();
         let set = Arc::new(StopSet::new(&stops));
         assert!(set.states.len() <= stops.iter().map(String::len).sum::<usize>() + 1);
         let mut m = StopMatcher::with_set(set.clone());
-        let text = "00042".to_string() + &"s".repeat(MAX_STOP_BYTES - 6);
+        let text = "00004".to_string() + &"s".repeat(MAX_STOP_BYTES - 6);
         let mut shown = String::new();
         for c in text.as_bytes().chunks(7) {
             match m.push(std::str::from_utf8(c).expect("ascii")) {
@@ -283,8 +294,8 @@ mod tests {
                 StopOutcome::Stopped { .. } => panic!("one byte short of the stop"),
             }
         }
-        assert!(shown.is_empty(), "the whole text could still begin stop 42");
-        assert_eq!(m.push("s"), StopOutcome::Stopped { text: String::new(), stop_index: 42 });
+        assert!(shown.is_empty(), "the whole text could still begin stop 4");
+        assert_eq!(m.push("s"), StopOutcome::Stopped { text: String::new(), stop_index: 4 });
     }
 
     /// Reference semantics: the first end position of any stop, longest at that end.

@@ -501,6 +501,14 @@ impl ChatTemplate {
     /// `max_bytes`, and the render or any prefix probe stops once `cancel` is set.
     pub fn render_with(&self, input: &RenderInput, limits: &RenderLimits) -> Result<Rendered, TemplateError> {
         let text = self.render_text_with(input, limits)?;
+        let message_ends = self.marks_with(input, &text, &limits.cancel)?;
+        Ok(Rendered { text, message_ends })
+    }
+
+    /// The message ends of `text`, which must be `render_text(input)`: the second half of
+    /// [`render_with`](Self::render_with), so a caller can check the prompt (its token count,
+    /// say) before paying for prefix probes. Sorted, unique, inside `(0, text.len())`.
+    pub fn marks_with(&self, input: &RenderInput, text: &str, cancel: &Cancel) -> Result<Vec<usize>, TemplateError> {
         let aliased = alias_reasoning(&input.messages);
         let complete = if input.continue_final_message { aliased.len().saturating_sub(1) } else { aliased.len() };
         let memo_on = !(self.reads_clock && input.now_unix.is_none());
@@ -535,7 +543,7 @@ impl ChatTemplate {
             Vec::new()
         } else {
             let messages: Vec<Value> = aliased[..complete].iter().map(Value::from_serialize).collect();
-            self.probe_prefixes(input, &messages, &todo, &text, &limits.cancel)?
+            self.probe_prefixes(input, &messages, &todo, text, cancel)?
         };
         let mut fresh = Vec::with_capacity(probes.len());
         for (k, p) in probes {
@@ -570,7 +578,7 @@ impl ChatTemplate {
         let mut message_ends: Vec<usize> = marks.into_iter().flatten().collect();
         message_ends.sort_unstable();
         message_ends.dedup();
-        Ok(Rendered { text, message_ends })
+        Ok(message_ends)
     }
 
     /// Forgets remembered prefix outcomes (results never depend on them).

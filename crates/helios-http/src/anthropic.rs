@@ -3,6 +3,7 @@
 use std::convert::Infallible;
 
 use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, StreamExt};
@@ -14,8 +15,8 @@ use serde_json::{Value as Json, json};
 use crate::AppState;
 use crate::error::{ApiError, Flavor};
 use crate::extract::{AnthropicEnvelope, ApiJson};
-use crate::generate::{ChoiceEnd, Piece, new_id, start};
-use crate::openai::{check_model, merged, with_request_id};
+use crate::generate::{Api, ChoiceEnd, Piece, RequestLog, logged, new_id, start};
+use crate::openai::{check_model, merged};
 use crate::params::{self, RawSampling};
 
 #[derive(Debug, Deserialize)]
@@ -160,10 +161,70 @@ fn convert_tool_choice(v: Option<&Json>, has_tools: bool) -> Result<ToolChoice, 
     Ok(choice)
 }
 
-fn stop_reason(end: &ChoiceEnd, stops: &[String]) -> (&'static str, Option<String>) {
+/// The chat prompt of a Messages request (shared by `/v1/messages` and `count_tokens`).
+fn chat_prompt(
+    system: Option<Json>,
+    messages: Vec<Json>,
+    tools: Option<Vec<Json>>,
+    tool_choice: Option<Json>,
+    thinking: Option<Json>,
+) -> Result<ChatPrompt, ApiError> {
+    let tools = convert_tools(tools)?;
+    let tool_choice = convert_tool_choice(tool_choice.as_ref(), !tools.is_empty())?;
+    let mut kwargs = serde_json::Map::new();
+    if let Some(t) = &thinking {
+        kwargs.insert("enable_thinking".into(), json!(t.get("type").and_then(Json::as_str) == Some("enabled")));
+    }
+    Ok(ChatPrompt {
+        messages: convert_messages(system, messages)?,
+        tools,
+        tool_choice,
+        continue_final_message: false,
+        template_kwargs: kwargs,
+    })
+}
+
+/// `POST /v1/messages/count_tokens` body: a Messages request without the generation fields
+/// (which are ignored when sent).
+#[derive(Debug, Deserialize)]
+pub(crate) struct CountTokensRequest {
+    pub model: String,
+    pub messages: Vec<Json>,
+    pub system: Option<Json>,
+    pub tools: Option<Vec<Json>>,
+    pub tool_choice: Option<Json>,
+    pub thinking: Option<Json>,
+}
+
+/// `POST /v1/messages/count_tokens`: `{"input_tokens": N}`, the prompt tokens a
+/// `/v1/messages` request with this body reports in `usage.input_tokens` (same conversion,
+/// template and tokenizer, on a preparation worker).
+pub(crate) async fn count_tokens(
+    State(state): State<AppState>,
+    body: Result<ApiJson<CountTokensRequest, AnthropicEnvelope>, ApiError>,
+) -> Response {
+    let result: Result<Json, ApiError> = async {
+        let ApiJson(req, _) = body?;
+        check_model(&state, &req.model, Flavor::Anthropic)?;
+        // The worker renders it as generation would (offered tools, `tool_choice` instruction).
+        let chat = chat_prompt(req.system, req.messages, req.tools, req.tool_choice, req.thinking)?;
+        let prompt = PromptInput::Chat(chat);
+        let tokens =
+            state.engine.run_prep(move |f, cancel| helios_worker::tokenize(f, prompt, false, cancel)).await??;
+        Ok(json!({"input_tokens": tokens.len()}))
+    }
+    .await;
+    match result {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.flavor(Flavor::Anthropic).into_response(),
+    }
+}
+
+/// Anthropic `stop_reason` and `stop_sequence` (the string that matched).
+fn stop_reason(end: &ChoiceEnd) -> (&'static str, Option<String>) {
     match end.info.cause {
         FinishCause::Length | FinishCause::PoolExhausted => ("max_tokens", None),
-        FinishCause::Stop => ("stop_sequence", stops.first().cloned()),
+        FinishCause::Stop => ("stop_sequence", end.stop_sequence.clone()),
         _ if !end.parsed.tool_calls.is_empty() => ("tool_use", None),
         _ => ("end_turn", None),
     }
@@ -173,19 +234,28 @@ fn tool_use_id(request_id: &str, i: usize) -> String {
     format!("toolu_{}_{i}", crate::generate::id_suffix(request_id))
 }
 
+/// `POST /v1/messages` (body rejections answered here, in the Anthropic envelope).
 pub(crate) async fn messages(
     State(state): State<AppState>,
-    body: ApiJson<MessagesRequest, AnthropicEnvelope>,
+    headers: HeaderMap,
+    body: Result<ApiJson<MessagesRequest, AnthropicEnvelope>, ApiError>,
 ) -> Response {
     let request_id = new_id("msg_");
-    match messages_inner(state, body.0, request_id.clone()).await {
-        Ok(r) => with_request_id(r, &request_id),
-        Err(e) => e.flavor(Flavor::Anthropic).request_id(&request_id).into_response(),
-    }
+    let log = RequestLog::new(&state.engine, Api::Messages, &headers, &request_id);
+    let result = match body {
+        Ok(ApiJson(req, _)) => messages_inner(state, req, request_id, &log).await,
+        Err(e) => Err(e),
+    };
+    log.respond(result.map_err(|e| e.flavor(Flavor::Anthropic)))
 }
 
-async fn messages_inner(state: AppState, req: MessagesRequest, request_id: String) -> Result<Response, ApiError> {
-    check_model(&state, &req.model, Flavor::Anthropic)?;
+async fn messages_inner(
+    state: AppState,
+    req: MessagesRequest,
+    request_id: String,
+    log: &RequestLog,
+) -> Result<Response, ApiError> {
+    let model = check_model(&state, &req.model, Flavor::Anthropic)?;
     let sampling = RawSampling {
         temperature: req.temperature,
         top_p: req.top_p,
@@ -195,31 +265,18 @@ async fn messages_inner(state: AppState, req: MessagesRequest, request_id: Strin
     }
     .validate("max_tokens")
     .map_err(|e| e.flavor(Flavor::Anthropic))?;
-    let tools = convert_tools(req.tools)?;
-    let tool_choice = convert_tool_choice(req.tool_choice.as_ref(), !tools.is_empty())?;
-    let mut kwargs = serde_json::Map::new();
-    if let Some(t) = &req.thinking {
-        kwargs.insert("enable_thinking".into(), json!(t.get("type").and_then(Json::as_str) == Some("enabled")));
-    }
-    let stops = req.stop_sequences.unwrap_or_default();
     let input = GenerationInput {
         request_id,
-        prompt: PromptInput::Chat(ChatPrompt {
-            messages: convert_messages(req.system, req.messages)?,
-            tools,
-            tool_choice,
-            continue_final_message: false,
-            template_kwargs: kwargs,
-        }),
+        prompt: PromptInput::Chat(chat_prompt(req.system, req.messages, req.tools, req.tool_choice, req.thinking)?),
         sampling,
         seed: None,
         n: 1,
-        stop: stops.clone(),
+        stop: req.stop_sequences.unwrap_or_default(),
         answer: helios_frontend::AnswerFormat::Text,
         ignore_eos: false,
     };
-    let g = start(&state.engine, input, Flavor::Anthropic).await?;
-    let model = req.model;
+    log.set_stream(req.stream);
+    let g = start(&state.engine, input, Flavor::Anthropic, log).await?;
     if !req.stream {
         let Some(choice) = g.choices.into_iter().next() else {
             return Err(ApiError::from_request(&helios_worker::RequestError::ChannelClosed).flavor(Flavor::Anthropic));
@@ -237,7 +294,7 @@ async fn messages_inner(state: AppState, req: MessagesRequest, request_id: Strin
             content
                 .push(json!({"type": "tool_use", "id": tool_use_id(&g.request_id, i), "name": c.name, "input": input}));
         }
-        let (reason, seq) = stop_reason(&end, &stops);
+        let (reason, seq) = stop_reason(&end);
         let body = json!({"id": g.request_id, "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": reason, "stop_sequence": seq,
             "usage": {"input_tokens": end.info.prompt_tokens, "output_tokens": end.info.generated,
@@ -267,7 +324,6 @@ async fn messages_inner(state: AppState, req: MessagesRequest, request_id: Strin
     let request_id = g.request_id.clone();
     let pieces = merged(g.choices);
     let body = stream::unfold((pieces, St { open: Open::None, block: 0, done: false }), move |(mut pieces, mut st)| {
-        let stops = stops.clone();
         let request_id = request_id.clone();
         async move {
             if st.done {
@@ -331,7 +387,7 @@ async fn messages_inner(state: AppState, req: MessagesRequest, request_id: Strin
                             switch(&mut st, &mut out, Open::Text, json!({"type": "text", "text": ""}));
                         }
                         out.push(ev("content_block_stop", json!({"type": "content_block_stop", "index": st.block})));
-                        let (reason, seq) = stop_reason(&end, &stops);
+                        let (reason, seq) = stop_reason(&end);
                         out.push(ev(
                             "message_delta",
                             json!({"type": "message_delta",
@@ -351,6 +407,6 @@ async fn messages_inner(state: AppState, req: MessagesRequest, request_id: Strin
             Some((out, (pieces, st)))
         }
     });
-    let events = stream::iter([start_event]).chain(body.flat_map(stream::iter)).map(Ok::<_, Infallible>);
+    let events = logged(stream::iter([start_event]).chain(body.flat_map(stream::iter)), g.log).map(Ok::<_, Infallible>);
     Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response())
 }

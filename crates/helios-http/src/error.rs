@@ -97,6 +97,7 @@ impl ApiError {
             | StatusCode::METHOD_NOT_ALLOWED
             | StatusCode::REQUEST_TIMEOUT
             | StatusCode::MISDIRECTED_REQUEST => "invalid_request_error",
+            StatusCode::UNAUTHORIZED => "authentication_error",
             StatusCode::FORBIDDEN => "permission_error",
             StatusCode::NOT_FOUND => "not_found_error",
             StatusCode::SERVICE_UNAVAILABLE => "overloaded_error",
@@ -111,31 +112,6 @@ impl ApiError {
                 "message": self.message, "type": self.kind, "param": self.param, "code": self.code}}),
             Flavor::Anthropic => json!({"type": "error", "error": {
                 "type": self.anthropic_type(), "message": self.message, "code": self.code}}),
-        }
-    }
-
-    /// Logs the failure with its request id, stage and typed code. The message can carry
-    /// client text (a regex, a tool name), so its control characters are escaped: a client
-    /// cannot forge log lines.
-    pub fn log(&self, stage: &str) {
-        let id = self.request_id.as_deref().unwrap_or("-");
-        let message = escape_for_log(&self.message);
-        if self.status.is_server_error() {
-            tracing::warn!(
-                request_id = id,
-                stage,
-                code = self.code,
-                status = self.status.as_u16(),
-                "request failed: {message}"
-            );
-        } else {
-            tracing::info!(
-                request_id = id,
-                stage,
-                code = self.code,
-                status = self.status.as_u16(),
-                "request rejected: {message}"
-            );
         }
     }
 }

@@ -1,15 +1,21 @@
 //! The protocol-neutral part of a generation: prepare, admit every choice, and turn each
-//! choice's events into presentation pieces.
+//! choice's events into presentation pieces; and the per-request accounting ([`RequestLog`]):
+//! the request id, the one log line per request and its counts in `/metrics`.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
+
+use axum::http::{HeaderMap, HeaderValue};
+use axum::response::{IntoResponse, Response};
+use futures_util::stream::{self, Stream, StreamExt};
 
 use helios_frontend::{OutputDelta, OutputError, ParsedOutput, ToolChoice};
 use helios_worker::{
     ChoiceDecoder, ChoiceEvent, ChoiceStream, Engine, FinishCause, FinishInfo, GenerationInput, Prepared, RequestError,
-    Unavailable,
+    Stage, StopHit, Unavailable,
 };
 
-use crate::error::{ApiError, Flavor};
+use crate::error::{ApiError, Flavor, escape_for_log};
 
 /// What a client sees of one choice.
 #[derive(Clone, Debug)]
@@ -24,6 +30,8 @@ pub(crate) enum Piece {
 pub(crate) struct ChoiceEnd {
     pub info: FinishInfo,
     pub parsed: ParsedOutput,
+    /// The stop string that ended the choice (then `info.cause` is `Stop`).
+    pub stop_sequence: Option<String>,
 }
 
 impl ChoiceEnd {
@@ -48,13 +56,14 @@ pub(crate) struct ChoiceRun {
     flavor: Flavor,
     request_id: String,
     finished: bool,
+    log: RequestLog,
 }
 
 impl ChoiceRun {
     fn fail(&mut self, e: &RequestError) -> Vec<Piece> {
         self.finished = true;
         let err = ApiError::from_request(e).flavor(self.flavor).request_id(&self.request_id);
-        err.log(e.stage().as_str());
+        self.log.fail(&err, e.stage());
         vec![Piece::Failed(err)]
     }
 
@@ -69,6 +78,9 @@ impl ChoiceRun {
         };
         let named = matches!(self.tool_choice, ToolChoice::Named(_));
         let keep = |d: &OutputDelta| !(named && matches!(d, OutputDelta::Content(_)));
+        if matches!(event, ChoiceEvent::Tokens(_)) {
+            self.log.token_arrived();
+        }
         match event {
             ChoiceEvent::Tokens(ids) => match self.decoder.push(&ids) {
                 Ok(decoded) => {
@@ -82,7 +94,10 @@ impl ChoiceRun {
             ChoiceEvent::Finished(info) if info.cause == FinishCause::Cancelled => {
                 Some(self.fail(&RequestError::Unavailable(Unavailable::Draining)))
             }
-            ChoiceEvent::Finished(info) => {
+            ChoiceEvent::Finished(mut info) => {
+                // A matched stop string ends the choice wherever the scheduler stopped it: its
+                // cancellation may land after the output limit or EOS, and after more tokens.
+                stop_wins(&mut info, self.decoder.stop_hit());
                 // An output limit may cut a tool call or the required call short: that is a
                 // `length` finish with what was parsed, not a malformed output.
                 let truncated = matches!(info.cause, FinishCause::Length | FinishCause::PoolExhausted);
@@ -100,8 +115,13 @@ impl ChoiceRun {
                 if named {
                     parsed.content.clear();
                 }
+                stop_wins(&mut info, self.decoder.stop_hit());
+                let stop_sequence = self.decoder.stop_hit().map(|h| h.string.clone());
                 let mut out: Vec<Piece> = deltas.into_iter().filter(keep).map(Piece::Delta).collect();
-                out.push(Piece::Done(ChoiceEnd { info, parsed }));
+                out.push(Piece::Done(ChoiceEnd { info, parsed, stop_sequence }));
+                if let Some(Piece::Done(end)) = out.last() {
+                    self.log.choice_done(self.index, end);
+                }
                 Some(out)
             }
             ChoiceEvent::Failed(e) => Some(self.fail(&e)),
@@ -123,12 +143,24 @@ impl ChoiceRun {
     }
 }
 
+/// A stop string's match decides the finish: cause `Stop`, output counted up to the token that
+/// completed it, so identical seeded requests report identical ends.
+fn stop_wins(info: &mut FinishInfo, hit: Option<&StopHit>) {
+    if let Some(h) = hit {
+        info.cause = FinishCause::Stop;
+        info.generated = info.generated.min(u32::try_from(h.tokens).unwrap_or(u32::MAX));
+    }
+}
+
 /// A prepared, admitted generation.
 #[derive(Debug)]
 pub(crate) struct Generation {
+    /// The response id (the body's `id`; `x-request-id` is [`RequestLog::id`]).
     pub request_id: String,
     pub prompt_tokens: u32,
     pub choices: Vec<ChoiceRun>,
+    /// The request's accounting; a streamed response holds it through [`logged`].
+    pub log: RequestLog,
 }
 
 /// Prepares `input` and admits all its choices; errors here precede any response header.
@@ -136,14 +168,16 @@ pub(crate) async fn start(
     engine: &Arc<Engine>,
     input: GenerationInput,
     flavor: Flavor,
+    log: &RequestLog,
 ) -> Result<Generation, ApiError> {
     let request_id = input.request_id.clone();
     let fail = |e: RequestError| {
-        let err = ApiError::from_request(&e).flavor(flavor).request_id(&request_id);
-        err.log(e.stage().as_str());
+        let err = ApiError::from_request(&e).flavor(flavor).request_id(log.id());
+        log.fail(&err, e.stage());
         err
     };
     let mut prepared: Prepared = engine.prepare(input).await.map_err(fail)?;
+    log.prepared(prepared.prompt_ids.len() as u32);
     let mut choices = Vec::with_capacity(prepared.n as usize);
     for index in 0..prepared.n {
         let stream = engine.generate(&mut prepared, index).await.map_err(fail)?;
@@ -154,11 +188,13 @@ pub(crate) async fn start(
             tool_choice: prepared.tool_choice.clone(),
             tool_names: prepared.tool_names(),
             flavor,
-            request_id: request_id.clone(),
+            request_id: log.id().to_owned(),
             finished: false,
+            log: log.clone(),
         });
     }
-    Ok(Generation { request_id, prompt_tokens: prepared.prompt_ids.len() as u32, choices })
+    log.admitted();
+    Ok(Generation { request_id, prompt_tokens: prepared.prompt_ids.len() as u32, choices, log: log.clone() })
 }
 
 /// A fresh response id after the protocol's prefix (`chatcmpl-`, `msg_`, …).
@@ -178,4 +214,297 @@ pub(crate) fn id_suffix(id: &str) -> &str {
 /// Seconds since the Unix epoch.
 pub(crate) fn unix_now() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// Longest client `X-Request-Id` kept, in bytes.
+pub(crate) const MAX_CLIENT_REQUEST_ID: usize = 128;
+
+/// The client's `X-Request-Id` when it is 1 to [`MAX_CLIENT_REQUEST_ID`] bytes of visible
+/// ASCII (`!` to `~`); `None` otherwise, and a fresh id is used. Visible ASCII is safe as a
+/// header value and on a log line (no spaces, quotes are escaped in JSON), and the bound keeps
+/// a client from inflating every log line.
+pub(crate) fn client_request_id(headers: &HeaderMap) -> Option<&str> {
+    let v = headers.get("x-request-id")?.to_str().ok()?;
+    (!v.is_empty() && v.len() <= MAX_CLIENT_REQUEST_ID && v.bytes().all(|b| b.is_ascii_graphic())).then_some(v)
+}
+
+/// The API a generation came through: the `api` field of its log line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Api {
+    Chat,
+    Completions,
+    Responses,
+    Messages,
+}
+
+impl Api {
+    fn as_str(self) -> &'static str {
+        match self {
+            Api::Chat => "chat",
+            Api::Completions => "completions",
+            Api::Responses => "responses",
+            Api::Messages => "messages",
+        }
+    }
+}
+
+/// One generation request's accounting, shared (cheap clones) by its handler, its choices and
+/// its response stream. When the last clone drops (the response was built, its stream ended,
+/// or the client left) it writes the request's single log line and counts it in `/metrics`.
+///
+/// The line (`request done`, info; warn when the error is a 5xx) carries `request_id` (the
+/// client's `X-Request-Id` when valid, else the response id), `response_id` (only when it
+/// differs), `api`, `stream`, `status` (the HTTP status sent; absent when the client left
+/// before any), `code` and `stage` of a failure, `finish_reason`, `prompt_tokens`,
+/// `cached_tokens`, `output_tokens`, `ttft_ms` (arrival to the first token, absent without
+/// one) and `duration_ms`. A request with `n` choices logs one line: output tokens summed,
+/// cached tokens the largest of its choices (as `usage` reports them), finish reasons in
+/// index order joined by commas. Finish reasons are OpenAI's (`stop`, `length`,
+/// `tool_calls`) whatever the API, so lines of every API read alike. A client that left
+/// logs `code=client_disconnected` and is not counted as a failure (its choices count as
+/// cancelled in `flare_requests_finished_total`).
+#[derive(Clone, Debug)]
+pub(crate) struct RequestLog(Arc<Shared>);
+
+#[derive(Debug)]
+struct Shared {
+    id: String,
+    record: Mutex<Record>,
+}
+
+#[derive(Debug)]
+struct Record {
+    engine: Arc<Engine>,
+    /// The body's id, when the client's `X-Request-Id` replaced it as the request id.
+    response_id: Option<String>,
+    api: Api,
+    stream: bool,
+    arrived: Instant,
+    first_token: Option<Instant>,
+    /// Every choice was admitted (the generation ran).
+    admitted: bool,
+    /// The status of the response sent, once one was.
+    sent: Option<u16>,
+    prompt_tokens: Option<u32>,
+    cached_tokens: u32,
+    output_tokens: u32,
+    finish_reasons: Vec<(u32, &'static str)>,
+    end: Option<End>,
+}
+
+/// How a request ended on the server's side.
+#[derive(Debug)]
+enum End {
+    /// Answered in full.
+    Answered(Instant),
+    /// The first failure (an error answer, or an error event after the headers).
+    Failed { at: Instant, status: u16, code: &'static str, stage: &'static str, message: String },
+}
+
+impl RequestLog {
+    /// Starts the accounting of a request that arrived now; `response_id` is its body id, and
+    /// its request id too unless the client sent a valid `X-Request-Id`.
+    pub(crate) fn new(engine: &Arc<Engine>, api: Api, headers: &HeaderMap, response_id: &str) -> Self {
+        let (id, response_id) = match client_request_id(headers) {
+            Some(client) => (client.to_owned(), Some(response_id.to_owned())),
+            None => (response_id.to_owned(), None),
+        };
+        let record = Record {
+            engine: engine.clone(),
+            response_id,
+            api,
+            stream: false,
+            arrived: Instant::now(),
+            first_token: None,
+            admitted: false,
+            sent: None,
+            prompt_tokens: None,
+            cached_tokens: 0,
+            output_tokens: 0,
+            finish_reasons: Vec::new(),
+            end: None,
+        };
+        RequestLog(Arc::new(Shared { id, record: Mutex::new(record) }))
+    }
+
+    /// The request id: the `x-request-id` response header and the log's `request_id`.
+    pub(crate) fn id(&self) -> &str {
+        &self.0.id
+    }
+
+    fn with(&self, f: impl FnOnce(&mut Record)) {
+        f(&mut self.0.record.lock().unwrap_or_else(PoisonError::into_inner));
+    }
+
+    /// Marks the response as a stream (its end is the stream's, see [`logged`]).
+    pub(crate) fn set_stream(&self, stream: bool) {
+        self.with(|r| r.stream = stream);
+    }
+
+    fn prepared(&self, prompt_tokens: u32) {
+        self.with(|r| r.prompt_tokens = Some(prompt_tokens));
+    }
+
+    fn admitted(&self) {
+        self.with(|r| r.admitted = true);
+    }
+
+    fn token_arrived(&self) {
+        self.with(|r| {
+            r.first_token.get_or_insert_with(Instant::now);
+        });
+    }
+
+    fn choice_done(&self, index: u32, end: &ChoiceEnd) {
+        self.with(|r| {
+            r.output_tokens += end.info.generated;
+            r.cached_tokens = r.cached_tokens.max(end.info.cached_tokens);
+            r.finish_reasons.push((index, end.finish_reason()));
+        });
+    }
+
+    /// Records a failure; only the first one counts (a later one is its consequence).
+    pub(crate) fn fail(&self, e: &ApiError, stage: Stage) {
+        self.fail_at(e, stage.as_str());
+    }
+
+    fn fail_at(&self, e: &ApiError, stage: &'static str) {
+        self.with(|r| {
+            if r.end.is_none() {
+                r.end = Some(End::Failed {
+                    at: Instant::now(),
+                    status: e.status.as_u16(),
+                    code: e.code,
+                    stage,
+                    message: escape_for_log(&e.message).into_owned(),
+                });
+            }
+        });
+    }
+
+    /// Marks a streamed response as answered in full (no-op after a failure).
+    fn stream_ended(&self) {
+        self.with(|r| {
+            r.end.get_or_insert(End::Answered(Instant::now()));
+        });
+    }
+
+    /// The handler's answer, with `x-request-id` set: a response (a whole one is answered now;
+    /// a stream ends later) or an error before any header. An error not recorded yet (body,
+    /// model or parameter validation) is recorded here, at stage `validation` (`execution` for
+    /// a 5xx).
+    pub(crate) fn respond(&self, result: Result<Response, ApiError>) -> Response {
+        let mut response = match result {
+            Ok(r) => r,
+            Err(e) => {
+                let stage = if e.status.is_server_error() { "execution" } else { "validation" };
+                self.fail_at(&e, stage);
+                e.request_id(self.id()).into_response()
+            }
+        };
+        if let Ok(v) = HeaderValue::from_str(self.id()) {
+            response.headers_mut().insert("x-request-id", v);
+        }
+        let status = response.status().as_u16();
+        self.with(|r| {
+            r.sent = Some(status);
+            if !r.stream {
+                r.end.get_or_insert(End::Answered(Instant::now()));
+            }
+        });
+        response
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        let r = self.record.get_mut().unwrap_or_else(PoisonError::into_inner);
+        let now = Instant::now();
+        let metrics = r.engine.metrics();
+        let ended = match &r.end {
+            Some(End::Answered(at) | End::Failed { at, .. }) => *at,
+            None => now,
+        };
+        let ms = |d: std::time::Duration| d.as_micros() as f64 / 1000.0;
+        let duration_ms = ms(ended.saturating_duration_since(r.arrived));
+        let ttft_ms = r.first_token.map(|t| ms(t.saturating_duration_since(r.arrived)));
+        r.finish_reasons.sort_unstable();
+        for (_, reason) in &r.finish_reasons {
+            metrics.count_success(reason);
+        }
+        let finish_reason = (!r.finish_reasons.is_empty())
+            .then(|| r.finish_reasons.iter().map(|(_, f)| *f).collect::<Vec<_>>().join(","));
+        // Latency is the server's: a request the client left says nothing about it.
+        if r.admitted && r.end.is_some() {
+            metrics.observe_e2e(ended.saturating_duration_since(r.arrived).as_secs_f64());
+        }
+        let (code, stage, message, server_error) = match &r.end {
+            Some(End::Failed { status, code, stage, message, .. }) => {
+                metrics.count_failure(*status, code);
+                (Some(*code), Some(*stage), Some(message.as_str()), *status >= 500)
+            }
+            Some(End::Answered(_)) => (None, None, None, false),
+            None => (Some("client_disconnected"), None, None, false),
+        };
+        macro_rules! line {
+            ($level:ident) => {
+                tracing::$level!(
+                    request_id = self.id.as_str(),
+                    response_id = r.response_id.as_deref(),
+                    api = r.api.as_str(),
+                    stream = r.stream,
+                    status = r.sent,
+                    code,
+                    stage,
+                    finish_reason = finish_reason.as_deref(),
+                    prompt_tokens = r.prompt_tokens,
+                    cached_tokens = r.cached_tokens,
+                    output_tokens = r.output_tokens,
+                    ttft_ms,
+                    duration_ms,
+                    "request done{}{}",
+                    if message.is_some() { ": " } else { "" },
+                    message.unwrap_or_default()
+                )
+            };
+        }
+        if server_error {
+            line!(warn);
+        } else {
+            line!(info);
+        }
+    }
+}
+
+/// `events`, then the request marked as answered in full once they are exhausted. The stream
+/// holds `log` until it is dropped, so a client that leaves first is logged as having left.
+pub(crate) fn logged<S: Stream + Send + 'static>(events: S, log: RequestLog) -> impl Stream<Item = S::Item> + Send {
+    events.chain(stream::poll_fn(move |_| {
+        log.stream_ended();
+        std::task::Poll::Ready(None)
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id_of(value: &[u8]) -> Option<String> {
+        let mut h = HeaderMap::new();
+        h.insert("x-request-id", HeaderValue::from_bytes(value).expect("a header value"));
+        client_request_id(&h).map(str::to_owned)
+    }
+
+    #[test]
+    fn client_request_ids_are_kept_only_when_short_visible_ascii() {
+        assert_eq!(id_of(b"req-42_a.b:c/d").as_deref(), Some("req-42_a.b:c/d"));
+        let longest = "x".repeat(MAX_CLIENT_REQUEST_ID);
+        assert_eq!(id_of(longest.as_bytes()), Some(longest.clone()));
+        assert_eq!(id_of(format!("{longest}x").as_bytes()), None, "too long");
+        assert_eq!(id_of(b"has space"), None);
+        assert_eq!(id_of(b"tab\there"), None);
+        assert_eq!(id_of("caf\u{e9}".as_bytes()), None, "not ASCII");
+        assert_eq!(id_of(b""), None);
+        assert_eq!(client_request_id(&HeaderMap::new()), None);
+    }
 }

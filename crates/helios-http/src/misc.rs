@@ -3,7 +3,7 @@
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use helios_worker::{ChatPrompt, Health};
+use helios_worker::{ChatPrompt, Health, PromptInput};
 use serde::Deserialize;
 use serde_json::{Value as Json, json};
 
@@ -52,9 +52,9 @@ pub(crate) async fn tokenize(State(state): State<AppState>, ApiJson(req, _): Api
         if let Some(m) = &req.model {
             crate::openai::check_model(&state, m, crate::error::Flavor::OpenAi)?;
         }
-        let chat = match (req.prompt, req.messages) {
-            (Some(p), None) => Err(p),
-            (None, Some(m)) => Ok(ChatPrompt {
+        let prompt = match (req.prompt, req.messages) {
+            (Some(p), None) => PromptInput::Text(p),
+            (None, Some(m)) => PromptInput::Chat(ChatPrompt {
                 messages: params::normalize_messages(m)?,
                 tools: params::tools(req.tools)?,
                 tool_choice: helios_frontend::ToolChoice::Auto,
@@ -66,24 +66,8 @@ pub(crate) async fn tokenize(State(state): State<AppState>, ApiJson(req, _): Api
             }
         };
         let add_special = req.add_special_tokens;
-        let tokens = state
-            .engine
-            .run_prep(move |f| -> Result<Vec<u32>, helios_worker::RequestError> {
-                match chat {
-                    Err(text) => Ok(f.tokenizer.encode(&text, add_special)?.ids),
-                    Ok(c) => {
-                        let input = helios_frontend::RenderInput {
-                            messages: c.messages,
-                            tools: (!c.tools.is_empty()).then_some(c.tools),
-                            add_generation_prompt: !c.continue_final_message,
-                            continue_final_message: c.continue_final_message,
-                            ..Default::default()
-                        };
-                        Ok(helios_frontend::Prompt::prepare(&f.template, &f.tokenizer, &input)?.ids)
-                    }
-                }
-            })
-            .await??;
+        let tokens =
+            state.engine.run_prep(move |f, cancel| helios_worker::tokenize(f, prompt, add_special, cancel)).await??;
         let max = state.engine.frontend().context_limit;
         Ok(json!({"count": tokens.len(), "max_model_len": max, "tokens": tokens}))
     }
@@ -116,7 +100,7 @@ pub(crate) async fn detokenize(State(state): State<AppState>, ApiJson(req, _): A
         .into_response();
     }
     let tokens = req.tokens;
-    let r = state.engine.run_prep(move |f| f.tokenizer.decode(&tokens, false)).await;
+    let r = state.engine.run_prep(move |f, _| f.tokenizer.decode(&tokens, false)).await;
     match r {
         Ok(Ok(prompt)) => axum::Json(json!({"prompt": prompt})).into_response(),
         Ok(Err(e)) => ApiError::from_request(&e.into()).into_response(),

@@ -2,8 +2,8 @@
 
 use std::convert::Infallible;
 
-use axum::extract::State;
-use axum::http::HeaderValue;
+use axum::extract::{Path, State};
+use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, BoxStream, StreamExt};
@@ -15,7 +15,7 @@ use serde_json::{Map, Value as Json, json};
 use crate::AppState;
 use crate::error::{ApiError, Flavor};
 use crate::extract::ApiJson;
-use crate::generate::{ChoiceEnd, ChoiceRun, Generation, Piece, new_id, start, unix_now};
+use crate::generate::{Api, ChoiceEnd, ChoiceRun, Generation, Piece, RequestLog, logged, new_id, start, unix_now};
 use crate::params::{self, RawSampling, StopSpec};
 
 #[derive(Debug, Deserialize)]
@@ -76,11 +76,15 @@ pub(crate) struct ChatRequest {
     pub chat_template_kwargs: Option<Map<String, Json>>,
     #[serde(default)]
     pub continue_final_message: bool,
+    #[serde(flatten)]
+    pub unsupported: params::Unsupported,
 }
 
-pub(crate) fn check_model(state: &AppState, model: &str, flavor: Flavor) -> Result<(), ApiError> {
-    if model == state.engine.frontend().model_name {
-        Ok(())
+/// Checks that `model` is one of the served names (`--served-model-name`, aliases included);
+/// returns the name responses report (the first).
+pub(crate) fn check_model(state: &AppState, model: &str, flavor: Flavor) -> Result<String, ApiError> {
+    if state.models.iter().any(|m| m == model) {
+        Ok(state.models[0].clone())
     } else {
         Err(ApiError::model_not_found(model).flavor(flavor))
     }
@@ -91,6 +95,7 @@ impl ChatRequest {
         if self.logprobs {
             return Err(ApiError::invalid("unsupported_parameter", Some("logprobs"), "logprobs are not supported"));
         }
+        self.unsupported.check()?;
         if self.stream_options.is_some() && !self.stream {
             return Err(ApiError::invalid(
                 "invalid_parameter",
@@ -126,13 +131,6 @@ impl ChatRequest {
     }
 }
 
-pub(crate) fn with_request_id(mut r: Response, id: &str) -> Response {
-    if let Ok(v) = HeaderValue::from_str(id) {
-        r.headers_mut().insert("x-request-id", v);
-    }
-    r
-}
-
 fn usage(prompt: u32, completion: u32, cached: u32) -> Json {
     json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached}})
@@ -142,19 +140,32 @@ fn call_id(request_id: &str, choice: u32, index: usize) -> String {
     format!("call_{}_{choice}_{index}", crate::generate::id_suffix(request_id))
 }
 
-pub(crate) async fn chat(State(state): State<AppState>, ApiJson(req, _): ApiJson<ChatRequest>) -> Response {
+/// `POST /v1/chat/completions`. A body the extractor rejects is answered here too, so every
+/// request gets its id, its log line and its count in `/metrics`.
+pub(crate) async fn chat(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<ApiJson<ChatRequest>, ApiError>,
+) -> Response {
     let request_id = new_id("chatcmpl-");
-    match chat_inner(state, req, request_id.clone()).await {
-        Ok(r) => with_request_id(r, &request_id),
-        Err(e) => e.request_id(&request_id).into_response(),
-    }
+    let log = RequestLog::new(&state.engine, Api::Chat, &headers, &request_id);
+    let result = match body {
+        Ok(ApiJson(req, _)) => chat_inner(state, req, request_id, &log).await,
+        Err(e) => Err(e),
+    };
+    log.respond(result)
 }
 
-async fn chat_inner(state: AppState, req: ChatRequest, request_id: String) -> Result<Response, ApiError> {
-    check_model(&state, &req.model, Flavor::OpenAi)?;
-    let model = req.model.clone();
+async fn chat_inner(
+    state: AppState,
+    req: ChatRequest,
+    request_id: String,
+    log: &RequestLog,
+) -> Result<Response, ApiError> {
+    let model = check_model(&state, &req.model, Flavor::OpenAi)?;
     let (input, streaming, include_usage) = req.into_input(request_id)?;
-    let generation = start(&state.engine, input, Flavor::OpenAi).await?;
+    log.set_stream(streaming);
+    let generation = start(&state.engine, input, Flavor::OpenAi, log).await?;
     if streaming {
         Ok(chat_stream(generation, model, include_usage).into_response())
     } else {
@@ -324,7 +335,7 @@ fn chat_stream(g: Generation, model: String, include_usage: bool) -> impl IntoRe
         }
         Some((out, st))
     });
-    let events = stream::iter(first).chain(body.flat_map(stream::iter)).map(Ok::<_, Infallible>);
+    let events = logged(stream::iter(first).chain(body.flat_map(stream::iter)), g.log).map(Ok::<_, Infallible>);
     Sse::new(events).keep_alive(KeepAlive::default())
 }
 
@@ -349,6 +360,8 @@ pub(crate) struct CompletionRequest {
     pub echo: bool,
     pub suffix: Option<String>,
     pub logprobs: Option<Json>,
+    #[serde(flatten)]
+    pub unsupported: params::Unsupported,
 }
 
 fn completion_prompt(v: Json) -> Result<PromptInput, ApiError> {
@@ -371,22 +384,32 @@ fn completion_prompt(v: Json) -> Result<PromptInput, ApiError> {
     }
 }
 
+/// `POST /v1/completions` (body rejections answered here, as for chat).
 pub(crate) async fn completions(
     State(state): State<AppState>,
-    ApiJson(req, _): ApiJson<CompletionRequest>,
+    headers: HeaderMap,
+    body: Result<ApiJson<CompletionRequest>, ApiError>,
 ) -> Response {
     let request_id = new_id("cmpl-");
-    match completions_inner(state, req, request_id.clone()).await {
-        Ok(r) => with_request_id(r, &request_id),
-        Err(e) => e.request_id(&request_id).into_response(),
-    }
+    let log = RequestLog::new(&state.engine, Api::Completions, &headers, &request_id);
+    let result = match body {
+        Ok(ApiJson(req, _)) => completions_inner(state, req, request_id, &log).await,
+        Err(e) => Err(e),
+    };
+    log.respond(result)
 }
 
-async fn completions_inner(state: AppState, req: CompletionRequest, request_id: String) -> Result<Response, ApiError> {
-    check_model(&state, &req.model, Flavor::OpenAi)?;
+async fn completions_inner(
+    state: AppState,
+    req: CompletionRequest,
+    request_id: String,
+    log: &RequestLog,
+) -> Result<Response, ApiError> {
+    let model = check_model(&state, &req.model, Flavor::OpenAi)?;
     if req.echo || req.suffix.is_some() || req.logprobs.as_ref().is_some_and(|l| !l.is_null()) {
         return Err(ApiError::invalid("unsupported_parameter", None, "echo, suffix and logprobs are not supported"));
     }
+    req.unsupported.check()?;
     let sampling = req.sampling.raw(req.max_tokens).validate("max_tokens")?;
     let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
     let input = GenerationInput {
@@ -399,8 +422,8 @@ async fn completions_inner(state: AppState, req: CompletionRequest, request_id: 
         answer: params::answer_format(req.response_format.as_ref())?,
         ignore_eos: req.ignore_eos,
     };
-    let g = start(&state.engine, input, Flavor::OpenAi).await?;
-    let model = req.model;
+    log.set_stream(req.stream);
+    let g = start(&state.engine, input, Flavor::OpenAi, log).await?;
     if !req.stream {
         let id = g.request_id.clone();
         let (ends, usage) = collect_choices(g).await?;
@@ -414,7 +437,7 @@ async fn completions_inner(state: AppState, req: CompletionRequest, request_id: 
             "choices": choices, "usage": usage});
         return Ok(axum::Json(body).into_response());
     }
-    let (id, created, prompt) = (g.request_id.clone(), unix_now(), g.prompt_tokens);
+    let (id, created, prompt, log) = (g.request_id.clone(), unix_now(), g.prompt_tokens, g.log);
     let pieces = merged(g.choices);
     let body = stream::unfold((pieces, 0u32, 0u32, false), move |(mut pieces, mut completion, mut cached, done)| {
         let (id, model) = (id.clone(), model.clone());
@@ -454,13 +477,34 @@ async fn completions_inner(state: AppState, req: CompletionRequest, request_id: 
             Some((out, (pieces, completion, cached, false)))
         }
     });
-    let events = body.flat_map(stream::iter).map(Ok::<_, Infallible>);
+    let events = logged(body.flat_map(stream::iter), log).map(Ok::<_, Infallible>);
     Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response())
 }
 
-pub(crate) async fn models(State(state): State<AppState>) -> Response {
+/// The served model's object, under its first name.
+fn model_object(state: &AppState) -> Json {
     let f = state.engine.frontend();
-    axum::Json(json!({"object": "list", "data": [{"id": f.model_name, "object": "model", "created": state.started,
-        "owned_by": "flare", "max_model_len": f.context_limit}]}))
-    .into_response()
+    // Every cap a request meets is stated: the context, the output cap (requests asking more
+    // are clamped to it) and the output limit of a request that does not say.
+    json!({"id": state.models[0], "object": "model", "created": state.started,
+        "owned_by": "flare", "max_model_len": f.context_limit, "max_output_tokens": f.max_output_tokens,
+        "default_max_tokens": f.sampling.max_output_tokens.min(f.max_output_tokens)})
+}
+
+pub(crate) async fn models(State(state): State<AppState>) -> Response {
+    axum::Json(json!({"object": "list", "data": [model_object(&state)]})).into_response()
+}
+
+/// `GET /v1/models/{id}`: the model object for any served name (an alias gives the same
+/// object, under the first name); 404 `model_not_found` otherwise.
+pub(crate) async fn model(
+    State(state): State<AppState>,
+    id: Result<Path<String>, axum::extract::rejection::PathRejection>,
+) -> Response {
+    // A name that is not valid UTF-8 once percent-decoded names no served model.
+    let id = id.map_or_else(|_| String::from("(invalid name)"), |Path(id)| id);
+    match check_model(&state, &id, Flavor::OpenAi) {
+        Ok(_) => axum::Json(model_object(&state)).into_response(),
+        Err(e) => e.into_response(),
+    }
 }

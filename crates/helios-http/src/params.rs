@@ -90,6 +90,34 @@ impl RawSampling {
     }
 }
 
+/// OpenAI parameters Flare does not implement. Sent with an effect they are refused (400
+/// `unsupported_parameter`), never accepted and silently ignored; their neutral values
+/// (empty `logit_bias`, `best_of` 1, `top_logprobs` 0) pass.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub(crate) struct Unsupported {
+    logit_bias: Option<Map<String, Json>>,
+    best_of: Option<i64>,
+    top_logprobs: Option<i64>,
+}
+
+impl Unsupported {
+    pub(crate) fn check(&self) -> Result<(), ApiError> {
+        let refuse = |name: &'static str, what: &str| {
+            Err(ApiError::invalid("unsupported_parameter", Some(name), format!("`{name}` is not supported: {what}")))
+        };
+        if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
+            return refuse("logit_bias", "sampling has no per-token bias");
+        }
+        if self.best_of.is_some_and(|b| b != 1) {
+            return refuse("best_of", "use `n` for several completions");
+        }
+        if self.top_logprobs.is_some_and(|t| t != 0) {
+            return refuse("top_logprobs", "logprobs are not returned");
+        }
+        Ok(())
+    }
+}
+
 /// `n`.
 pub(crate) fn choices(n: Option<i64>) -> Result<u32, ApiError> {
     match n {

@@ -4,6 +4,7 @@
 use std::convert::Infallible;
 
 use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, StreamExt};
@@ -15,8 +16,8 @@ use serde_json::{Value as Json, json};
 use crate::AppState;
 use crate::error::{ApiError, Flavor};
 use crate::extract::ApiJson;
-use crate::generate::{ChoiceEnd, Piece, new_id, start, unix_now};
-use crate::openai::{check_model, merged, with_request_id};
+use crate::generate::{Api, ChoiceEnd, Piece, RequestLog, logged, new_id, start, unix_now};
+use crate::openai::{check_model, merged};
 use crate::params::{self, RawSampling};
 
 #[derive(Debug, Deserialize)]
@@ -168,16 +169,28 @@ fn short(id: &str) -> &str {
     crate::generate::id_suffix(id)
 }
 
-pub(crate) async fn responses(State(state): State<AppState>, ApiJson(req, _): ApiJson<ResponsesRequest>) -> Response {
+/// `POST /v1/responses` (body rejections answered here, as for chat).
+pub(crate) async fn responses(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<ApiJson<ResponsesRequest>, ApiError>,
+) -> Response {
     let request_id = new_id("resp_");
-    match responses_inner(state, req, request_id.clone()).await {
-        Ok(r) => with_request_id(r, &request_id),
-        Err(e) => e.request_id(&request_id).into_response(),
-    }
+    let log = RequestLog::new(&state.engine, Api::Responses, &headers, &request_id);
+    let result = match body {
+        Ok(ApiJson(req, _)) => responses_inner(state, req, request_id, &log).await,
+        Err(e) => Err(e),
+    };
+    log.respond(result)
 }
 
-async fn responses_inner(state: AppState, req: ResponsesRequest, request_id: String) -> Result<Response, ApiError> {
-    check_model(&state, &req.model, Flavor::OpenAi)?;
+async fn responses_inner(
+    state: AppState,
+    req: ResponsesRequest,
+    request_id: String,
+    log: &RequestLog,
+) -> Result<Response, ApiError> {
+    let model = check_model(&state, &req.model, Flavor::OpenAi)?;
     if req.previous_response_id.is_some() {
         return Err(ApiError::invalid(
             "unsupported_parameter",
@@ -211,8 +224,9 @@ async fn responses_inner(state: AppState, req: ResponsesRequest, request_id: Str
         answer: params::answer_format(format.as_ref())?,
         ignore_eos: false,
     };
-    let g = start(&state.engine, input, Flavor::OpenAi).await?;
-    let (model, created, id) = (req.model, unix_now(), g.request_id.clone());
+    log.set_stream(req.stream);
+    let g = start(&state.engine, input, Flavor::OpenAi, log).await?;
+    let (created, id) = (unix_now(), g.request_id.clone());
     if !req.stream {
         let Some(choice) = g.choices.into_iter().next() else {
             return Err(ApiError::from_request(&helios_worker::RequestError::ChannelClosed));
@@ -339,6 +353,6 @@ async fn responses_inner(state: AppState, req: ResponsesRequest, request_id: Str
             Some((out, (pieces, st)))
         }
     });
-    let events = stream::iter(head).chain(body.flat_map(stream::iter)).map(Ok::<_, Infallible>);
+    let events = logged(stream::iter(head).chain(body.flat_map(stream::iter)), g.log).map(Ok::<_, Infallible>);
     Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response())
 }

@@ -5,9 +5,13 @@
 //!
 //! - *head*: from accept, or from the first byte after an idle keep-alive period, until the
 //!   request head is complete: bounded by [`ConnectionLimits::header_read_timeout`];
-//! - *busy*: a request is being served (its body read, its response written): the body is
-//!   bounded by [`ConnectionLimits::body_read_timeout`] and a write the client does not take by
-//!   [`ConnectionLimits::write_stall_timeout`]; generation itself is not bounded here;
+//! - *body*: the request head is complete but its body has not arrived in full: bounded by
+//!   [`ConnectionLimits::body_read_timeout`] (the handler reading it answers 408). The request
+//!   has not reached its handler's work yet: every body-taking route extracts the whole body
+//!   before it runs, so closing the connection here cancels nothing but the read;
+//! - *busy*: a request is being served (its body read, its response written): a write the
+//!   client does not take is bounded by [`ConnectionLimits::write_stall_timeout`]; generation
+//!   itself is not bounded here. A request without a body goes from *head* straight to *busy*;
 //! - *idle*: keep-alive, waiting for the next request's first byte: bounded by
 //!   [`ConnectionLimits::idle_timeout`].
 //!
@@ -60,12 +64,22 @@ pub struct ConnectionLimits {
     /// that makes no progress). On expiry the connection is closed, which cancels its
     /// request. A client that reads, however slowly, is never cut off by this.
     pub write_stall_timeout: Duration,
-    /// Connections served at once, at most. At the cap a new connection replaces the
-    /// connection that has waited longest without a request in progress (idle, or still
-    /// sending its head), so an idle flood cannot lock out `/health`; when every connection is
-    /// serving a request the new one is answered 503 (`too_many_connections`,
-    /// `Retry-After: 1`) and closed. Evictions and refusals are logged, at most once a second
-    /// each with their count. Keep it under the process's open-file limit.
+    /// Connections served at once, at most. At the cap a new connection replaces one that is
+    /// not serving a request, chosen in this order (the one that has been in its phase longest
+    /// first within a phase):
+    ///
+    /// 1. *idle* keep-alive connections: nothing is lost, clients reopen them;
+    /// 2. connections still sending a request *head*: nothing was read that needs an answer,
+    ///    and a real client sends its head at once, so a long wait is a stalled or hostile one;
+    /// 3. connections still sending a request *body*: the client loses its upload (closed
+    ///    unanswered), but no work has begun for it, and a body that never completes would
+    ///    otherwise hold its slot for the whole body timeout, so a flood of them could lock
+    ///    out `/health`. The oldest is the slowest, and the likeliest to be one of a flood.
+    ///
+    /// Only when every connection is serving a request (its body read) is the new one
+    /// answered 503 (`too_many_connections`, `Retry-After: 1`) and closed. Evictions and
+    /// refusals are logged, at most once a second each with their count. Keep it under the
+    /// process's open-file limit.
     pub max_connections: usize,
     /// After the shutdown future resolves: the listener is closed at once, connections
     /// without a request in progress are closed, and those serving one may finish for this
@@ -228,8 +242,9 @@ impl Ctx {
             tokio::spawn(run_connection(self.clone(), stream, permit, stage));
             return;
         }
-        if self.evict_one() {
-            self.logs.hit(&self.limits, Event::Evicted, None);
+        if let Some(phase) = self.evict_one() {
+            let event = if phase == Phase::Body { Event::EvictedBody } else { Event::Evicted };
+            self.logs.hit(&self.limits, event, None);
             let ctx = self.clone();
             // The evicted connection gives its permit back as soon as its task sees the
             // eviction; each waiter here stands for one such connection.
@@ -244,11 +259,13 @@ impl Ctx {
         }
     }
 
-    /// Marks the connection that has waited longest without a request in progress (idle ones
-    /// first) for closing; false when every connection is serving a request.
-    fn evict_one(&self) -> bool {
+    /// Marks a connection that is not serving a request for closing, in the order
+    /// [`ConnectionLimits::max_connections`] states (idle, then head, then body; the longest in
+    /// its phase first), and returns the phase it was taken from; None when every connection
+    /// is serving a request.
+    fn evict_one(&self) -> Option<Phase> {
         let registry = self.registry();
-        let victim = registry
+        let mut victims: Vec<((u8, Instant), &Arc<Conn>)> = registry
             .conns
             .values()
             .filter_map(|c| {
@@ -256,14 +273,16 @@ impl Ctx {
                 let rank = match s.phase {
                     Phase::Idle => 0,
                     Phase::Head => 1,
+                    Phase::Body => 2,
                     Phase::Busy | Phase::Evicted => return None,
                 };
                 Some(((rank, s.since), c))
             })
-            .min_by_key(|(key, _)| *key)
-            .map(|(_, c)| c.clone());
-        drop(registry);
-        victim.is_some_and(|c| c.try_evict())
+            .collect();
+        victims.sort_unstable_by_key(|(key, _)| *key);
+        // A candidate may have begun serving since the scan: take the next one. (The registry
+        // lock is held throughout; connection locks are only ever taken inside it or alone.)
+        victims.into_iter().find_map(|(_, c)| c.try_evict())
     }
 
     /// Answers a minimal 503 (best effort, never waiting) and closes.
@@ -293,6 +312,8 @@ fn too_many_connections() -> ApiError {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
     Head,
+    /// The head is in, the body is still arriving (ends at [`Conn::body_done`]).
+    Body,
     Busy,
     Idle,
     /// Chosen for closing at the cap; never serves another request.
@@ -307,6 +328,9 @@ struct ConnState {
     /// Requests whose response is not finished (HTTP/1 serves one at a time, but a response
     /// body can outlive the call that made it by a moment).
     in_flight: u32,
+    /// Requests begun on this connection: numbers each, so that a body that ends late (after
+    /// its response) cannot end the body phase of the request after it.
+    requests: u64,
 }
 
 /// One connection's phase and clocks, shared by its socket, its service and its watchdog.
@@ -325,7 +349,7 @@ impl Conn {
     fn new() -> Self {
         let now = Instant::now();
         Conn {
-            state: Mutex::new(ConnState { phase: Phase::Head, since: now, in_flight: 0 }),
+            state: Mutex::new(ConnState { phase: Phase::Head, since: now, in_flight: 0, requests: 0 }),
             wake: Notify::new(),
             accepted: now,
             write_blocked: AtomicU64::new(0),
@@ -346,21 +370,43 @@ impl Conn {
         }
     }
 
-    /// False when the connection was evicted: the request must not be served.
-    fn begin_request(&self) -> bool {
+    /// A request head arrived: the connection reads its body (`has_body`) or serves it.
+    /// Returns the request's number; None when the connection was evicted: the request must
+    /// not be served.
+    fn begin_request(&self, has_body: bool) -> Option<u64> {
         let mut s = self.lock();
         if s.phase == Phase::Evicted {
-            return false;
+            return None;
         }
-        s.phase = Phase::Busy;
+        s.phase = if has_body { Phase::Body } else { Phase::Busy };
+        s.since = Instant::now();
         s.in_flight += 1;
-        true
+        s.requests += 1;
+        Some(s.requests)
+    }
+
+    /// The body of request number `request` was read to its end, failed, or was dropped
+    /// unread: the request is served from now on. False when the connection was evicted (the
+    /// request must not go on).
+    fn body_done(&self, request: u64) -> bool {
+        let mut s = self.lock();
+        match s.phase {
+            Phase::Evicted => false,
+            Phase::Body if s.requests == request => {
+                s.phase = Phase::Busy;
+                s.since = Instant::now();
+                true
+            }
+            // The response finished first, or a later request is under way.
+            Phase::Head | Phase::Body | Phase::Busy | Phase::Idle => true,
+        }
     }
 
     fn end_request(&self) {
         let mut s = self.lock();
         s.in_flight = s.in_flight.saturating_sub(1);
-        if s.in_flight == 0 && s.phase == Phase::Busy {
+        // Body: the response finished while the handler still held an unread body.
+        if s.in_flight == 0 && matches!(s.phase, Phase::Busy | Phase::Body) {
             s.phase = Phase::Idle;
             s.since = Instant::now();
             drop(s);
@@ -368,20 +414,24 @@ impl Conn {
         }
     }
 
-    fn try_evict(&self) -> bool {
+    /// Marks the connection for closing unless it is serving a request; returns the phase it
+    /// was in.
+    fn try_evict(&self) -> Option<Phase> {
         let mut s = self.lock();
-        if matches!(s.phase, Phase::Head | Phase::Idle) {
+        let phase = s.phase;
+        if matches!(phase, Phase::Idle | Phase::Head | Phase::Body) {
             s.phase = Phase::Evicted;
             drop(s);
             self.wake.notify_one();
-            true
+            Some(phase)
         } else {
-            false
+            None
         }
     }
 
-    fn is_busy(&self) -> bool {
-        self.lock().phase == Phase::Busy
+    /// Whether a request is in progress (its body arriving, or being served).
+    fn has_request(&self) -> bool {
+        matches!(self.lock().phase, Phase::Body | Phase::Busy)
     }
 
     fn on_write(&self, progressed: bool) {
@@ -433,7 +483,10 @@ async fn watchdog(conn: &Conn, limits: &ConnectionLimits) -> Closed {
             Phase::Evicted => return Closed::Evicted,
             Phase::Head => Some((since + limits.header_read_timeout, Closed::HeaderTimeout)),
             Phase::Idle => Some((since + limits.idle_timeout, Closed::IdleTimeout)),
-            Phase::Busy => conn.write_blocked_since().map(|t| (t + limits.write_stall_timeout, Closed::WriteStalled)),
+            // The body's own deadline is kept by the handler reading it ([`DeadlineBody`]).
+            Phase::Body | Phase::Busy => {
+                conn.write_blocked_since().map(|t| (t + limits.write_stall_timeout, Closed::WriteStalled))
+            }
         };
         match deadline {
             Some((at, why)) if Instant::now() >= at => return why,
@@ -483,7 +536,7 @@ async fn run_connection(ctx: Arc<Ctx>, stream: TcpStream, permit: OwnedSemaphore
         match now {
             Stage::Aborting => break Closed::Aborted,
             Stage::Draining if !draining => {
-                if !conn.is_busy() {
+                if !conn.has_request() {
                     break Closed::Drained;
                 }
                 // Finish the request in progress, then close.
@@ -553,8 +606,9 @@ impl AsyncWrite for TrackedStream {
     }
 }
 
-/// The router behind one connection: marks the connection busy for each request, bounds the
-/// request body's arrival, and keeps the connection busy until the response body is done.
+/// The router behind one connection: marks the connection as reading a body (then busy) for
+/// each request, bounds the request body's arrival, and keeps the connection busy until the
+/// response body is done.
 #[derive(Clone)]
 struct ConnService {
     router: Router,
@@ -570,15 +624,18 @@ impl hyper::service::Service<hyper::Request<Incoming>> for ConnService {
     type Future = ServiceFuture;
 
     fn call(&self, req: hyper::Request<Incoming>) -> Self::Future {
-        if !self.conn.begin_request() {
+        // hyper gives a request without a body (no length, or length 0) an empty one.
+        let has_body = !req.body().is_end_stream();
+        let Some(request) = self.conn.begin_request(has_body) else {
             // Evicted between its head and this call (a narrow race): answer like a refusal.
             let mut response = too_many_connections().into_response();
             response.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
             return Box::pin(std::future::ready(Ok(response.map(|inner| TrackedBody { inner, _guard: None }))));
-        }
+        };
         let guard = RequestGuard(self.conn.clone());
         let timeout = self.ctx.limits.body_read_timeout;
         let ctx = self.ctx.clone();
+        let conn = self.conn.clone();
         let req = req.map(|inner| {
             Body::new(DeadlineBody {
                 inner,
@@ -586,7 +643,10 @@ impl hyper::service::Service<hyper::Request<Incoming>> for ConnService {
                 timeout,
                 timer: None,
                 ctx,
+                conn,
+                request,
                 expired: false,
+                done: !has_body,
             })
         });
         let mut router = self.router.clone();
@@ -641,9 +701,14 @@ pub(crate) enum BodyReadError {
     TimedOut(Duration),
     #[error("reading the request body: {0}")]
     Read(#[from] hyper::Error),
+    /// The connection was closed for a new one at the connection cap while its body arrived.
+    #[error("the connection was closed at the connection cap")]
+    Evicted,
 }
 
-/// A request body that fails with [`BodyReadError::TimedOut`] once `deadline` passes.
+/// A request body that fails with [`BodyReadError::TimedOut`] once `deadline` passes, and
+/// moves its connection from the body phase to busy when it ends (read in full, failed, or
+/// dropped unread).
 struct DeadlineBody {
     inner: Incoming,
     deadline: Instant,
@@ -651,7 +716,23 @@ struct DeadlineBody {
     /// Made on the first wait, so requests whose body is already there need no timer.
     timer: Option<Pin<Box<Sleep>>>,
     ctx: Arc<Ctx>,
+    conn: Arc<Conn>,
+    /// Its request's number on `conn`.
+    request: u64,
     expired: bool,
+    /// The connection has been told the body is over.
+    done: bool,
+}
+
+impl DeadlineBody {
+    /// Tells the connection (once) that the body is over; false when it was evicted meanwhile.
+    fn finish(&mut self) -> bool {
+        if self.done {
+            return true;
+        }
+        self.done = true;
+        self.conn.body_done(self.request)
+    }
 }
 
 impl HttpBody for DeadlineBody {
@@ -664,12 +745,21 @@ impl HttpBody for DeadlineBody {
             return Poll::Ready(None);
         }
         if let Poll::Ready(frame) = Pin::new(&mut this.inner).poll_frame(cx) {
+            // The end: no more frames, a failure, or the last byte of a known length.
+            let end = !matches!(frame, Some(Ok(_))) || this.inner.is_end_stream();
+            if end && !this.finish() {
+                // Evicted just now: the whole body must not reach the handler's work (the
+                // connection is being closed, so no answer goes out).
+                this.expired = true;
+                return Poll::Ready(Some(Err(BodyReadError::Evicted)));
+            }
             return Poll::Ready(frame.map(|f| f.map_err(BodyReadError::Read)));
         }
         let deadline = this.deadline;
         let timer = this.timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline.into())));
         if timer.as_mut().poll(cx).is_ready() {
             this.expired = true;
+            this.finish();
             this.ctx.logs.hit(&this.ctx.limits, Event::BodyTimeout, None);
             return Poll::Ready(Some(Err(BodyReadError::TimedOut(this.timeout))));
         }
@@ -682,6 +772,14 @@ impl HttpBody for DeadlineBody {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+impl Drop for DeadlineBody {
+    /// A body dropped before its end (a handler that answers without reading it, such as a
+    /// 413 on its stated length, or a 404) leaves the request served, not evictable.
+    fn drop(&mut self) {
+        self.finish();
     }
 }
 
@@ -704,16 +802,20 @@ const LOG_INTERVAL: Duration = Duration::from_secs(1);
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Event {
     Refused,
+    /// An idle connection or one still sending its head, closed at the cap.
     Evicted,
+    /// A connection still sending a request body, closed at the cap.
+    EvictedBody,
     HeaderTimeout,
     BodyTimeout,
     WriteStalled,
     AcceptFailed,
 }
 
-const EVENTS: [Event; 6] = [
+const EVENTS: [Event; 7] = [
     Event::Refused,
     Event::Evicted,
+    Event::EvictedBody,
     Event::HeaderTimeout,
     Event::BodyTimeout,
     Event::WriteStalled,
@@ -784,6 +886,12 @@ fn emit(limits: &ConnectionLimits, event: Event, count: u64, error: Option<&io::
             max_connections,
             "connection cap reached: closed {count} waiting connection(s) (idle or still sending a head) for new ones"
         ),
+        Event::EvictedBody => tracing::warn!(
+            count,
+            max_connections,
+            "connection cap reached: closed {count} connection(s) still sending a request body, unanswered, for new \
+             ones (no idle ones or ones sending a head were left)"
+        ),
         Event::HeaderTimeout => tracing::info!(
             count,
             timeout_ms = limits.header_read_timeout.as_millis() as u64,
@@ -843,6 +951,8 @@ mod tests {
             .route("/health", get(|| async { "ok" }))
             .route("/echo", post(|ApiJson(v, _): ApiJson<serde_json::Value>| async move { v.to_string() }))
             .route("/hang", get(std::future::pending::<&'static str>))
+            // Reads its whole body, then never answers.
+            .route("/slurp", post(|ApiJson(_, _): ApiJson<serde_json::Value>| std::future::pending::<&'static str>()))
             .route(
                 "/flood",
                 get(move || {
@@ -1034,6 +1144,114 @@ mod tests {
             assert!(Instant::now() < deadline, "not served after the busy connections left");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// Sends a head announcing a 100-byte JSON body to `path`, and its first byte only.
+    async fn slow_body(addr: SocketAddr, path: &str) -> TcpStream {
+        let mut s = connect(addr).await;
+        s.write_all(
+            format!(
+                "POST {path} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n\
+                 content-length: 100\r\n\r\n{{"
+            )
+            .as_bytes(),
+        )
+        .await
+        .expect("write");
+        s
+    }
+
+    #[tokio::test]
+    async fn the_cap_evicts_slow_bodies_oldest_first_but_not_requests_whose_body_is_in() {
+        // Long timeouts: anything closed here was evicted, not timed out.
+        let limits = ConnectionLimits {
+            header_read_timeout: Duration::from_secs(20),
+            body_read_timeout: Duration::from_secs(20),
+            max_connections: 3,
+            ..limits()
+        };
+        let server = start(limits).await;
+        // A request being served (its body in), then two bodies that stall after one byte.
+        let mut served = connect(server.addr).await;
+        served
+            .write_all(b"POST /slurp HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+            .await
+            .expect("write");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut older = slow_body(server.addr, "/echo").await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut newer = slow_body(server.addr, "/echo").await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+
+        // At the cap: /health is served at once, in place of the oldest slow body, which is
+        // closed unanswered (its request never reached the handler).
+        let started = Instant::now();
+        assert!(fetch(server.addr, "/health").await.starts_with("HTTP/1.1 200"));
+        assert!(started.elapsed() < Duration::from_secs(1), "{:?}", started.elapsed());
+        let (got, closed) = read_to_close(&mut older, Duration::from_millis(500)).await;
+        assert!(closed.is_some(), "the oldest slow body was evicted");
+        assert_eq!(got, "", "an evicted body is not answered");
+        let (_, closed) = read_to_close(&mut newer, Duration::from_millis(100)).await;
+        assert!(closed.is_none(), "only one connection was evicted");
+
+        // The cap full again: the next oldest slow body goes, never the request being served.
+        // (A moment first, for the /health connection to be gone: idle, it would go first.)
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut newest = slow_body(server.addr, "/echo").await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(fetch(server.addr, "/health").await.starts_with("HTTP/1.1 200"));
+        let (_, closed) = read_to_close(&mut newer, Duration::from_millis(500)).await;
+        assert!(closed.is_some(), "the older remaining slow body was evicted");
+        for s in [&mut newest, &mut served] {
+            let (_, closed) = read_to_close(s, Duration::from_millis(100)).await;
+            assert!(closed.is_none(), "the newest slow body and the request being served stay");
+        }
+        drop(newest);
+
+        // Every connection serving a request whose body is in: refused.
+        let mut busy = Vec::new();
+        for _ in 0..2 {
+            let mut s = connect(server.addr).await;
+            s.write_all(b"POST /slurp HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+                .await
+                .expect("write");
+            busy.push(s);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut refused = connect(server.addr).await;
+        let (got, closed) = read_to_close(&mut refused, Duration::from_secs(5)).await;
+        assert!(closed.is_some());
+        assert!(got.starts_with("HTTP/1.1 503"), "{got}");
+        for s in &mut busy {
+            let (_, closed) = read_to_close(s, Duration::from_millis(50)).await;
+            assert!(closed.is_none(), "still served");
+        }
+    }
+
+    #[test]
+    fn a_body_phase_ends_once_for_its_own_request_and_is_evictable() {
+        let phase = |c: &Conn| c.lock().phase;
+        let conn = Conn::new();
+        // No body: straight to busy, not evictable.
+        let first = conn.begin_request(false).expect("not evicted");
+        assert_eq!(phase(&conn), Phase::Busy);
+        assert_eq!(conn.try_evict(), None);
+        conn.end_request();
+        assert_eq!(phase(&conn), Phase::Idle);
+        // A body: evictable until it ends; a late end of the earlier request changes nothing.
+        let second = conn.begin_request(true).expect("not evicted");
+        assert_eq!(phase(&conn), Phase::Body);
+        assert!(conn.body_done(first));
+        assert_eq!(phase(&conn), Phase::Body);
+        assert!(conn.body_done(second));
+        assert_eq!(phase(&conn), Phase::Busy);
+        assert_eq!(conn.try_evict(), None);
+        conn.end_request();
+        // Evicted while its body arrives: the body's end reports it, and nothing more is served.
+        let third = conn.begin_request(true).expect("not evicted");
+        assert_eq!(conn.try_evict(), Some(Phase::Body));
+        assert!(!conn.body_done(third));
+        assert_eq!(conn.begin_request(false), None);
     }
 
     #[tokio::test]

@@ -18,6 +18,17 @@ pub struct Decoded {
     pub stopped: bool,
 }
 
+/// Where a stop string matched.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StopHit {
+    /// Tokens fed up to and including the one whose text completed the stop string: the
+    /// output length a client is billed, whatever the device generated before the request's
+    /// cancellation landed.
+    pub tokens: usize,
+    /// The stop string that matched, as the request gave it.
+    pub string: String,
+}
+
 /// Per-choice decoder. Feed tokens in order with [`push`](Self::push), then [`finish`](Self::finish).
 #[derive(Debug)]
 pub struct ChoiceDecoder {
@@ -25,7 +36,7 @@ pub struct ChoiceDecoder {
     detok: IncrementalDecoder,
     stop: StopMatcher,
     parser: OutputParser,
-    stopped: bool,
+    stopped: Option<StopHit>,
     tokens: usize,
 }
 
@@ -36,7 +47,7 @@ impl ChoiceDecoder {
             detok: IncrementalDecoder::new(prompt_tail, true),
             stop: StopMatcher::with_set(stop),
             parser,
-            stopped: false,
+            stopped: None,
             tokens: 0,
         }
     }
@@ -47,14 +58,20 @@ impl ChoiceDecoder {
     }
 
     pub fn stopped(&self) -> bool {
-        self.stopped
+        self.stopped.is_some()
+    }
+
+    /// The stop string match, once one happened (its token count and string do not depend on
+    /// how tokens were batched into `push` calls).
+    pub fn stop_hit(&self) -> Option<&StopHit> {
+        self.stopped.as_ref()
     }
 
     pub fn push(&mut self, ids: &[u32]) -> Result<Decoded, RequestError> {
         let mut out = Decoded::default();
         for &id in ids {
             self.tokens += 1;
-            if self.stopped {
+            if self.stopped.is_some() {
                 continue;
             }
             let text = self.detok.push(&self.tokenizer, id)?;
@@ -63,15 +80,16 @@ impl ChoiceDecoder {
             }
             self.present(&text, &mut out)?;
         }
-        out.stopped = self.stopped;
+        out.stopped = self.stopped.is_some();
         Ok(out)
     }
 
     fn present(&mut self, text: &str, out: &mut Decoded) -> Result<(), RequestError> {
         let shown = match self.stop.push(text) {
             StopOutcome::Continue(t) => t,
-            StopOutcome::Stopped { text, .. } => {
-                self.stopped = true;
+            StopOutcome::Stopped { text, stop_index } => {
+                let string = self.stop.stop_string(stop_index).unwrap_or_default().to_owned();
+                self.stopped = Some(StopHit { tokens: self.tokens, string });
                 text
             }
         };
@@ -89,7 +107,7 @@ impl ChoiceDecoder {
     /// Flushes held text and ends parsing; returns the last deltas and the whole output.
     pub fn finish(&mut self) -> Result<(Vec<OutputDelta>, ParsedOutput), RequestError> {
         let mut out = Decoded::default();
-        if !self.stopped {
+        if self.stopped.is_none() {
             let tail = self.detok.finish(&self.tokenizer)?;
             if !tail.is_empty() {
                 self.present(&tail, &mut out)?;

@@ -48,7 +48,8 @@ pub struct EngineOptions {
     pub max_concurrency: u32,
     /// Requests waiting for admission before 503.
     pub queue_limit: usize,
-    /// Caps the core's default output limit.
+    /// Most output tokens one request may ask for (default: the context limit). Requests that
+    /// do not say get the core's default output limit, lowered to this cap.
     pub max_output_tokens: Option<u32>,
     pub prep_threads: usize,
     pub prep_queue: usize,
@@ -178,11 +179,13 @@ impl Engine {
         F: FnOnce() -> Result<E, ExecutorError> + Send + 'static,
     {
         let mut frontend = frontend;
-        if let Some(cap) = options.max_output_tokens {
-            if cap == 0 {
-                return Err(StartError::Option { name: "max_output_tokens", reason: "must be at least 1".into() });
-            }
-            frontend.sampling.max_output_tokens = frontend.sampling.max_output_tokens.min(cap);
+        // The cap may raise the output limit above the core's default, never past the context.
+        frontend.max_output_tokens = options.max_output_tokens.unwrap_or(frontend.context_limit);
+        if !(1..=frontend.context_limit).contains(&frontend.max_output_tokens) {
+            return Err(StartError::Option {
+                name: "max_output_tokens",
+                reason: format!("must be between 1 and the context limit {}", frontend.context_limit),
+            });
         }
         let config = SchedulerConfig {
             max_concurrency: options.max_concurrency,
@@ -197,6 +200,7 @@ impl Engine {
         let (tx, rx) = channel();
         let health = Arc::new(HealthState::default());
         let metrics = Arc::new(Metrics::default());
+        metrics.set_model_name(&frontend.model_name);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(), String>>();
         let grammars =
             GrammarWork::new(options.grammar_threads, options.grammar_mask_budget, options.grammar_join_wait)
@@ -319,13 +323,14 @@ impl Engine {
         }
     }
 
-    /// Runs CPU-bound frontend work on a preparation worker.
+    /// Runs CPU-bound frontend work on a preparation worker. `f` gets the job's cancellation
+    /// flag (set when the returned future is dropped, or at shutdown): long work checks it.
     pub async fn run_prep<T: Send + 'static>(
         &self,
-        f: impl FnOnce(&Frontend) -> T + Send + 'static,
+        f: impl FnOnce(&Frontend, &helios_frontend::Cancel) -> T + Send + 'static,
     ) -> Result<T, RequestError> {
         let frontend = self.frontend.clone();
-        Ok(self.prep.run(move |_| f(&frontend)).await?)
+        Ok(self.prep.run(move |cancel| f(&frontend, cancel)).await?)
     }
 
     /// Renders, tokenizes and compiles a request on a preparation worker. The O(1) limits
@@ -701,6 +706,7 @@ impl<E: Executor> ModelLoop<E> {
         }
         let Some(a) = self.active.remove(&f.id) else { return };
         self.metrics.prefix_hit_tokens.fetch_add(u64::from(f.cached_tokens), Ordering::Relaxed);
+        self.metrics.observe_retired(a.submitted, a.cell.times(), a.prompt_tokens);
         self.metrics.preemptions.fetch_add(u64::from(f.preemptions), Ordering::Relaxed);
         if let Some(e) = a.failure {
             self.metrics.failed.fetch_add(1, Ordering::Relaxed);

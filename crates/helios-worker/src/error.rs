@@ -91,8 +91,10 @@ pub enum RequestError {
     #[error("the grammar is too complex: {message}")]
     GrammarTooComplex { message: String, stage: Stage },
     /// One of the grammar's masks took longer than the engine's per-mask budget
-    /// (`EngineOptions::grammar_mask_budget`): 400 `grammar_too_complex`, like a parser limit.
-    #[error("a grammar mask took {elapsed_ms} ms, over the budget of {budget_ms} ms: the grammar is too complex")]
+    /// (`EngineOptions::grammar_mask_budget`): 503 `grammar_too_slow`. Wall-clock time also
+    /// measures the server's load, and the parser's limits already refuse (400) grammars whose
+    /// steps are too costly by construction, so this is not the client's fault.
+    #[error("a grammar mask took {elapsed_ms} ms, over the budget of {budget_ms} ms")]
     GrammarTooSlow { elapsed_ms: u64, budget_ms: u64 },
     #[error(transparent)]
     Output(#[from] OutputError),
@@ -154,7 +156,8 @@ impl RequestError {
             RequestError::Admission(_) => ErrorClass::InvalidRequest,
             // A grammar that does not compile is the request's fault; a matcher failure mid-run is not.
             RequestError::Grammar(g) if matches!(**g, GrammarError::Compile(_)) => ErrorClass::InvalidRequest,
-            RequestError::GrammarTooComplex { .. } | RequestError::GrammarTooSlow { .. } => ErrorClass::InvalidRequest,
+            RequestError::GrammarTooComplex { .. } => ErrorClass::InvalidRequest,
+            RequestError::GrammarTooSlow { .. } => ErrorClass::Unavailable,
             RequestError::Grammar(_) | RequestError::Execution(_) | RequestError::ChannelClosed => {
                 ErrorClass::Execution
             }
@@ -213,7 +216,8 @@ impl RequestError {
             RequestError::Execution(_) => "execution_failed",
             RequestError::Grammar(g) if matches!(**g, GrammarError::Compile(_)) => "invalid_grammar",
             RequestError::Grammar(_) => "grammar_failed",
-            RequestError::GrammarTooComplex { .. } | RequestError::GrammarTooSlow { .. } => "grammar_too_complex",
+            RequestError::GrammarTooComplex { .. } => "grammar_too_complex",
+            RequestError::GrammarTooSlow { .. } => "grammar_too_slow",
             RequestError::Output(e) => match e {
                 OutputError::NoRequiredToolCall => "required_tool_call_missing",
                 OutputError::UndeclaredTool { .. } => "undeclared_tool",
@@ -282,7 +286,7 @@ mod tests {
         let e = RequestError::from(GrammarError::Compile("unknown type".into()));
         assert_eq!((e.class(), e.code()), (ErrorClass::InvalidRequest, "invalid_grammar"));
         let slow = RequestError::GrammarTooSlow { elapsed_ms: 900, budget_ms: 500 };
-        assert_eq!((slow.class(), slow.code()), (ErrorClass::InvalidRequest, "grammar_too_complex"));
+        assert_eq!((slow.class(), slow.code()), (ErrorClass::Unavailable, "grammar_too_slow"));
         // A matcher failing on its own, or rejecting a token its mask allowed: the server's fault.
         for e in [GrammarError::Matcher("internal".into()), GrammarError::Rejected(5)] {
             let e = RequestError::grammar(e, Stage::Execution);

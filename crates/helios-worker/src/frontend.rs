@@ -41,6 +41,10 @@ pub struct Frontend {
     pub model_name: String,
     pub vocab_size: u32,
     pub context_limit: u32,
+    /// Most output tokens one request may ask for (requests asking more are clamped to it);
+    /// `sampling.max_output_tokens` is the default when a request does not say. Stated in the
+    /// startup log and `/v1/models`.
+    pub max_output_tokens: u32,
 }
 
 impl std::fmt::Debug for Frontend {
@@ -82,6 +86,7 @@ impl Frontend {
             model_name: m.frontend.served_model_name.clone(),
             vocab_size: m.capacities.vocab_size,
             context_limit: m.capacities.context_limit,
+            max_output_tokens: m.capacities.context_limit,
         })
     }
 }

@@ -27,12 +27,14 @@ mod prep;
 mod request;
 mod trim;
 
-pub use decode::{ChoiceDecoder, Decoded};
+pub use decode::{ChoiceDecoder, Decoded, StopHit};
 pub use engine::{Engine, EngineOptions, Health};
 pub use error::{ErrorClass, InvalidRequest, RequestError, Stage, Unavailable};
 pub use frontend::{Frontend, StartError};
 pub use metrics::Metrics;
 pub use output::{ChoiceEvent, ChoiceStream, FinishCause, FinishInfo};
 pub use prep::PrepPool;
-pub use request::{ChatPrompt, GenerationInput, MAX_CHOICES, Prepared, PromptInput, check_limits, prepare, tool_name};
+pub use request::{
+    ChatPrompt, GenerationInput, MAX_CHOICES, Prepared, PromptInput, check_limits, prepare, tokenize, tool_name,
+};
 pub use trim::release_free_memory;

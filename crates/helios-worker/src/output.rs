@@ -4,6 +4,7 @@
 
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use helios_scheduler::RequestId;
 use tokio::sync::Notify;
@@ -60,6 +61,16 @@ struct CellState {
     admitted: bool,
     tokens: Vec<u32>,
     terminal: Option<Result<FinishInfo, RequestError>>,
+    times: CellTimes,
+}
+
+/// When a request reached the phases the metrics time (queue, prefill, decode).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct CellTimes {
+    /// First admission by the scheduler (a preempted request keeps its first).
+    pub admitted: Option<Instant>,
+    /// First token pushed.
+    pub first_token: Option<Instant>,
 }
 
 /// Shared between the model thread (producer) and one consumer.
@@ -80,11 +91,22 @@ impl OutputCell {
     }
 
     pub(crate) fn admit(&self) {
-        self.update(|s| s.admitted = true);
+        self.update(|s| {
+            s.admitted = true;
+            s.times.admitted.get_or_insert_with(Instant::now);
+        });
     }
 
     pub(crate) fn push(&self, token: u32) {
-        self.update(|s| s.tokens.push(token));
+        self.update(|s| {
+            s.times.first_token.get_or_insert_with(Instant::now);
+            s.tokens.push(token);
+        });
+    }
+
+    /// The phase instants so far (for the metrics, when the request retires).
+    pub(crate) fn times(&self) -> CellTimes {
+        self.state.lock().map(|s| s.times).unwrap_or_default()
     }
 
     pub(crate) fn finish(&self, result: Result<FinishInfo, RequestError>) {

@@ -48,7 +48,9 @@ impl PrepPool {
                     match job {
                         Ok(job) => {
                             jobs.fetch_add(1, Ordering::Relaxed);
-                            job()
+                            // A panicking job loses only its own result (its caller gets an
+                            // error), never the thread: the pool keeps its size.
+                            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
                         }
                         Err(_) => return,
                     }
@@ -148,6 +150,10 @@ mod tests {
         block_tx.send(()).expect("unblocks");
         assert_eq!(first.await.expect("joins"), Ok(true));
         assert_eq!(second.await.expect("joins"), Ok(2));
+        // A panicking job fails alone; the single thread still serves the next one.
+        let panicked = pool.run(|_| -> u32 { panic!("a bug on an input path") }).await;
+        assert!(matches!(panicked, Err(Unavailable::Failed(_))), "{panicked:?}");
+        assert_eq!(pool.run(|_| 5).await, Ok(5));
         pool.shutdown(std::time::Duration::from_secs(5));
         assert_eq!(pool.run(|_| 4).await, Err(Unavailable::Draining));
     }

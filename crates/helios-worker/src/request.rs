@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use helios_frontend::{
-    AnswerFormat, Cancel, GrammarMatcher, MAX_STOP_BYTES, MAX_STOPS, OutputParser, OutputProtocol, Prompt, RenderInput,
-    ResolvedSampling, SamplingRequest, StopSet, ToolChoice,
+    AnswerFormat, Cancel, GrammarMatcher, MAX_STOP_BYTES, MAX_STOP_TOTAL_BYTES, MAX_STOPS, OutputParser,
+    OutputProtocol, Prompt, RenderInput, ResolvedSampling, SamplingRequest, StopSet, ToolChoice,
 };
 use helios_replay::SamplingParams;
 use serde_json::{Map, Value as Json};
@@ -13,7 +13,7 @@ use crate::decode::ChoiceDecoder;
 use crate::error::{InvalidRequest, RequestError};
 use crate::frontend::Frontend;
 use crate::grammar_pool::ReadyGrammar;
-use helios_frontend::{FrontendError, TemplateError};
+use helios_frontend::{FrontendError, RenderLimits, TemplateError};
 
 /// Most choices one request may ask for.
 pub const MAX_CHOICES: u32 = 16;
@@ -44,7 +44,8 @@ pub enum PromptInput {
 /// A validated, protocol-neutral generation request.
 #[derive(Clone, Debug)]
 pub struct GenerationInput {
-    /// Stable id used in responses, the `x-request-id` header and logs.
+    /// Stable id used in logs and the `x-request-id` response header: the client's
+    /// `X-Request-Id` when it sent a valid one, else a fresh one.
     pub request_id: String,
     pub prompt: PromptInput,
     pub sampling: SamplingRequest,
@@ -143,6 +144,14 @@ pub fn check_limits(frontend: &Frontend, input: &GenerationInput) -> Result<(), 
         }
         .into());
     }
+    let total: usize = input.stop.iter().map(String::len).sum();
+    if total > MAX_STOP_TOTAL_BYTES {
+        return Err(InvalidRequest::Parameter {
+            param: "stop",
+            reason: format!("stop strings are at most {MAX_STOP_TOTAL_BYTES} bytes in all, got {total}"),
+        }
+        .into());
+    }
     let limit = frontend.context_limit as usize;
     match &input.prompt {
         PromptInput::Chat(chat) if chat.messages.len() > limit => {
@@ -158,42 +167,95 @@ pub fn check_limits(frontend: &Frontend, input: &GenerationInput) -> Result<(), 
     }
 }
 
+/// Token ids of a prompt as `/tokenize` and `count_tokens` report them: the generation path's
+/// render (tool filtering and instruction included) and bounds (a prompt past the context
+/// limit's byte bound, or with more messages than context tokens, is refused), without
+/// checkpoint marks; the render stops once `cancel` is set. Chat prompts are encoded without
+/// added special tokens, as for generation.
+pub fn tokenize(
+    frontend: &Frontend,
+    prompt: PromptInput,
+    add_special_tokens: bool,
+    cancel: &Cancel,
+) -> Result<Vec<u32>, RequestError> {
+    let limit = frontend.context_limit as usize;
+    let max_bytes = frontend.tokenizer.max_text_bytes(limit);
+    match prompt {
+        PromptInput::Text(text) => {
+            if max_bytes.is_some_and(|max| text.len() > max) {
+                return Err(InvalidRequest::PromptTooLong { limit: frontend.context_limit }.into());
+            }
+            Ok(frontend.tokenizer.encode(&text, add_special_tokens)?.ids)
+        }
+        PromptInput::Chat(chat) => {
+            if chat.messages.len() > limit {
+                return Err(InvalidRequest::TooManyMessages { got: chat.messages.len(), max: limit }.into());
+            }
+            let (render, _) = render_input(chat)?;
+            let limits = RenderLimits { cancel: cancel.clone(), max_bytes };
+            let text = frontend
+                .template
+                .render_text_with(&render, &limits)
+                .map_err(|e| context_error(frontend, FrontendError::Template(e)))?;
+            Ok(frontend.tokenizer.encode(&text, false)?.ids)
+        }
+        PromptInput::Tokens(ids) => Ok(ids),
+    }
+}
+
+/// What the template renders for a chat, and the tools it offers: only the tools
+/// `tool_choice` allows, and the system instruction it adds. Generation and token counts
+/// (`/tokenize`, Anthropic `count_tokens`) render the same prompt.
+fn render_input(chat: ChatPrompt) -> Result<(RenderInput, Vec<Json>), RequestError> {
+    if let ToolChoice::Named(name) = &chat.tool_choice
+        && !chat.tools.iter().any(|t| tool_name(t).as_deref() == Some(name))
+    {
+        return Err(InvalidRequest::UnknownToolChoice(name.clone()).into());
+    }
+    let offered = chat.tool_choice.offered_tools(&chat.tools);
+    let mut messages = chat.messages;
+    if let Some(instruction) = chat.tool_choice.instruction() {
+        add_system_instruction(&mut messages, instruction);
+    }
+    let render = RenderInput {
+        messages,
+        tools: (!offered.is_empty()).then(|| offered.clone()),
+        add_generation_prompt: !chat.continue_final_message,
+        continue_final_message: chat.continue_final_message,
+        extra: chat.template_kwargs,
+        now_unix: None,
+    };
+    Ok((render, offered))
+}
+
+/// A prompt found too long during preparation is refused like admission refuses one.
+fn context_error(frontend: &Frontend, e: FrontendError) -> RequestError {
+    match e {
+        FrontendError::Template(TemplateError::TooLong { .. }) => {
+            InvalidRequest::PromptTooLong { limit: frontend.context_limit }.into()
+        }
+        FrontendError::ContextLimit { tokens, .. } => {
+            helios_scheduler::AdmissionError::ContextLimit { tokens, limit: frontend.context_limit }.into()
+        }
+        e => e.into(),
+    }
+}
+
 /// Renders, tokenizes and compiles one request. CPU-heavy: runs on a preparation worker.
 /// Rendering stops early once `cancel` is set (its client left) or the prompt passes the
 /// longest text that fits the context.
 pub fn prepare(frontend: &Frontend, input: GenerationInput, cancel: &Cancel) -> Result<Prepared, RequestError> {
     check_limits(frontend, &input)?;
-    let sampling = helios_frontend::resolve_sampling(&frontend.sampling, &input.sampling)?;
+    let sampling = helios_frontend::resolve_sampling(&frontend.sampling, &input.sampling, frontend.max_output_tokens)?;
     let (prompt_ids, message_endpoints, prompt_text, tools, tool_choice, chat) = match input.prompt {
         PromptInput::Chat(chat) => {
-            if let ToolChoice::Named(name) = &chat.tool_choice
-                && !chat.tools.iter().any(|t| tool_name(t).as_deref() == Some(name))
-            {
-                return Err(InvalidRequest::UnknownToolChoice(name.clone()).into());
-            }
-            let offered = chat.tool_choice.offered_tools(&chat.tools);
-            let mut messages = chat.messages;
-            if let Some(instruction) = chat.tool_choice.instruction() {
-                add_system_instruction(&mut messages, instruction);
-            }
-            let render = RenderInput {
-                messages,
-                tools: (!offered.is_empty()).then(|| offered.clone()),
-                add_generation_prompt: !chat.continue_final_message,
-                continue_final_message: chat.continue_final_message,
-                extra: chat.template_kwargs,
-                now_unix: None,
-            };
+            let tool_choice = chat.tool_choice.clone();
+            let (render, offered) = render_input(chat)?;
             let limit = Some(frontend.context_limit as usize);
             let prompt = Prompt::prepare_with(&frontend.template, &frontend.tokenizer, &render, limit, cancel)
-                .map_err(|e| match e {
-                    FrontendError::Template(TemplateError::TooLong { .. }) => {
-                        InvalidRequest::PromptTooLong { limit: frontend.context_limit }.into()
-                    }
-                    e => RequestError::from(e),
-                })?;
+                .map_err(|e| context_error(frontend, e))?;
             let endpoints = prompt.checkpoints.iter().map(|&k| k as u32).collect();
-            (prompt.ids, endpoints, prompt.text, offered, chat.tool_choice, true)
+            (prompt.ids, endpoints, prompt.text, offered, tool_choice, true)
         }
         PromptInput::Text(text) => {
             let ids = frontend.tokenizer.encode(&text, false)?.ids;

@@ -386,7 +386,11 @@ async fn a_heavy_grammar_never_stalls_an_unrelated_stream() {
         heavy_tokens += tokens;
         match end.expect("ran to its end") {
             Ok(f) => assert!(matches!(f.cause, FinishCause::Eos | FinishCause::Length), "{f:?}"),
-            Err(e) => assert_eq!((e.code(), e.class()), ("grammar_too_complex", ErrorClass::InvalidRequest), "{e}"),
+            Err(e) => assert!(
+                [("grammar_too_complex", ErrorClass::InvalidRequest), ("grammar_too_slow", ErrorClass::Unavailable)]
+                    .contains(&(e.code(), e.class())),
+                "{e}"
+            ),
         }
     }
     let heavy_in = t0.elapsed();
@@ -438,7 +442,7 @@ async fn a_grammar_over_its_time_budget_fails_alone() {
     let s = engine.generate(&mut c, 0).await.expect("admitted");
     let (tokens, _, end) = timed(s, || false).await;
     let e = end.expect("ended").expect_err("over budget");
-    assert_eq!((e.code(), e.class()), ("grammar_too_complex", ErrorClass::InvalidRequest), "{e}");
+    assert_eq!((e.code(), e.class()), ("grammar_too_slow", ErrorClass::Unavailable), "{e}");
     assert!(matches!(e, RequestError::GrammarTooSlow { budget_ms: 0, .. }), "{e:?}");
     assert_eq!(tokens, 1, "the first sample used the mask computed in preparation");
     let (plain_tokens, _, end) = plain.await.expect("joins");
@@ -449,10 +453,10 @@ async fn a_grammar_over_its_time_budget_fails_alone() {
 // wait on them, and the O(1) limits refuse oversized input before any rendering; requests
 // still queued at shutdown are refused as unavailable, not started.
 
-/// A context large enough that 8,001 messages pass the message-count limit, so the heavy
+/// A context large enough that 8,001 messages fit (message count and tokens), so the heavy
 /// work (render, marks, tokenization) really runs; outputs long enough to hold a slot.
 fn long_context_engine(options: EngineOptions) -> Arc<Engine> {
-    let mut m = manifest_with(16_384, 512);
+    let mut m = manifest_with(65_536, 1_100);
     m.frontend.sampling.max_output_tokens = 16_000;
     let (scheme, caps) = (m.cache_scheme.clone(), m.capacities.clone());
     Engine::start(&m, frontend(&m), options, move || {
@@ -534,6 +538,10 @@ async fn cheap_limits_refuse_before_any_rendering() {
     let mut long = chat_input(tiny_messages(1), 4);
     long.stop = vec!["y".repeat(helios_frontend::MAX_STOP_BYTES + 1)];
     assert_eq!(refused_quickly(&engine, long).param(), Some("stop"));
+    // Strings each within bounds, too many bytes in all.
+    let mut total = chat_input(tiny_messages(1), 4);
+    total.stop = (0..9).map(|i| format!("{i}{}", "t".repeat(helios_frontend::MAX_STOP_BYTES - 1))).collect();
+    assert_eq!(refused_quickly(&engine, total).param(), Some("stop"));
     // A 30 MB completion prompt: refused by the tokenizer's byte bound, never encoded.
     let mut text = chat_input(vec![], 4);
     text.prompt = PromptInput::Text("z".repeat(30 << 20));
@@ -546,7 +554,8 @@ async fn cheap_limits_refuse_before_any_rendering() {
     assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
     // At the limits, a request is prepared.
     let mut ok = chat_input(tiny_messages(3), 4);
-    ok.stop = (0..helios_frontend::MAX_STOPS).map(|i| format!("{i}{}", "s".repeat(100))).collect();
+    ok.stop = (0..helios_frontend::MAX_STOPS).map(|i| format!("{i:03}{}", "s".repeat(60))).collect();
+    assert!(ok.stop.iter().map(String::len).sum::<usize>() <= helios_frontend::MAX_STOP_TOTAL_BYTES);
     engine.prepare(ok).await.expect("prepares at the stop limits");
 }
 
@@ -571,4 +580,34 @@ async fn queued_requests_at_shutdown_are_unavailable_not_started() {
     assert_eq!((err.class(), err.code()), (ErrorClass::Unavailable, "shutting_down"), "{err}");
     // The running one was admitted, so it ends in its stream (cancelled after the grace).
     while let Some(ChoiceEvent::Tokens(_)) = running.next().await {}
+}
+
+/// `/tokenize` goes through the same bounds and cancellation as generation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_is_bounded_and_cancellable() {
+    let engine = sim_engine();
+    let f = engine.frontend();
+    let never = helios_frontend::Cancel::default();
+    let t0 = Instant::now();
+    let err = helios_worker::tokenize(f, PromptInput::Text("z".repeat(30 << 20)), false, &never).expect_err("too long");
+    assert_eq!(err.code(), "context_length_exceeded");
+    assert!(t0.elapsed() < Duration::from_millis(100), "{:?}", t0.elapsed());
+    let chat = |n: usize| {
+        PromptInput::Chat(ChatPrompt {
+            messages: tiny_messages(n),
+            tools: vec![],
+            tool_choice: ToolChoice::Auto,
+            continue_final_message: false,
+            template_kwargs: Default::default(),
+        })
+    };
+    let err = helios_worker::tokenize(f, chat(5_000), false, &never).expect_err("too many messages");
+    assert_eq!(err.code(), "too_many_messages");
+    let cancelled = helios_frontend::Cancel::new();
+    cancelled.cancel();
+    assert!(helios_worker::tokenize(f, chat(3), false, &cancelled).is_err());
+    let ids = helios_worker::tokenize(f, chat(3), false, &never).expect("tokenizes");
+    let mut p = engine.prepare(chat_input(tiny_messages(3), 4)).await.expect("prepares");
+    assert_eq!(ids, p.prompt_ids.to_vec(), "the same tokens generation would use");
+    drop(engine.generate(&mut p, 0).await.expect("admitted"));
 }
