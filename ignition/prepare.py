@@ -10,6 +10,7 @@ process. Capacities that do not fit fail with a typed error; nothing is silently
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -51,8 +52,14 @@ class Capacities:
     max_kv_pages: int
 
 
-def plan_capacities(config: LlamaFamilyConfig, decode_buckets: str, prefill_chunk: int | None,
-                    context_limit: int | None, kv_pages: int | None, page_tokens: int = 64) -> Capacities:  # fmt: skip
+def plan_capacities(
+    config: LlamaFamilyConfig,
+    decode_buckets: str,
+    prefill_chunk: int | None,
+    context_limit: int | None,
+    kv_pages: int | None,
+    page_tokens: int = 64,
+) -> Capacities:
     try:
         buckets = [int(x) for x in decode_buckets.split(",") if x.strip()]
     except ValueError as e:
@@ -117,8 +124,15 @@ def _sampling(card: str, vocab: int) -> dict[str, Any]:
 
     d = cards.SMOLLM2_135M_INSTRUCT if card == "smollm2-135m-instruct" else cards.NEUTRAL
     out: dict[str, Any] = {}
-    for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty"):  # fmt: skip
+    for name in (
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+    ):
         p = getattr(d, name)
         entry: dict[str, Any] = {"default": p.default}
         if p.range is not None:
@@ -141,14 +155,27 @@ def check_device() -> dict[str, Any]:
     return {"name": p.name, "compute_capability": f"{p.major}.{p.minor}", "free_bytes": free, "total_bytes": total}
 
 
-def prepare(model: Path, out: Path, decode_buckets: str = "1,2,4,8", prefill_chunk: int | None = None,
-            context_limit: int | None = None, kv_pages: int | None = None, compile_graphs: bool = True,
-            check: bool = True, core_replay: Path | None = None, card: str = "auto", attention_kernel: bool = True,
-            served_name: str | None = None, reference_prompts: Path | None = None,
-            dump_io: bool = False) -> dict[str, Any]:  # fmt: skip
+def prepare(
+    model: Path,
+    out: Path,
+    decode_buckets: str = "1,2,4,8",
+    prefill_chunk: int | None = None,
+    context_limit: int | None = None,
+    kv_pages: int | None = None,
+    compile_graphs: bool = True,
+    check: bool = True,
+    core_replay: Path | None = None,
+    card: str = "auto",
+    attention_kernel: bool = True,
+    served_name: str | None = None,
+    reference_prompts: Path | None = None,
+    dump_io: bool = False,
+) -> dict[str, Any]:
     if not compile_graphs:
-        raise CapacityError("--no-compile", "graphs without torch.compile would launch library kernels "
-                                            "(cuBLAS), which a core cannot carry; refusing")
+        raise CapacityError(
+            "--no-compile",
+            "graphs without torch.compile would launch library kernels (cuBLAS), which a core cannot carry; refusing",
+        )
     t_all = time.time()
     report: dict[str, Any] = {"command": " ".join(sys.argv), "model": str(model)}
     work = out.parent / (out.name + ".work")
@@ -168,8 +195,12 @@ def prepare(model: Path, out: Path, decode_buckets: str = "1,2,4,8", prefill_chu
         template = _chat_template(model)
         tokenizer = (model / "tokenizer.json").read_bytes()
         if card == "auto":
-            card = "smollm2-135m-instruct" if "SmolLM2" in json.dumps(config.raw) or (
-                config.hidden_size, config.num_hidden_layers, config.vocab_size) == (576, 30, 49152) else "neutral"
+            card = (
+                "smollm2-135m-instruct"
+                if "SmolLM2" in json.dumps(config.raw)
+                or (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (576, 30, 49152)
+                else "neutral"
+            )
         note(f"{config.architecture}: {len(ckpt.tensors)} tensors, {mapping.summary()}; capacities {caps}")
         device = check_device()
         note(f"device {device['name']} ({device['free_bytes'] / 2**30:.1f} GiB free)")
@@ -182,21 +213,30 @@ def prepare(model: Path, out: Path, decode_buckets: str = "1,2,4,8", prefill_chu
 
     # One code object (decode, prefill) is compiled once per captured shape.
     for key, value in (("cache_size_limit", 256), ("recompile_limit", 256), ("accumulated_recompile_limit", 4096)):
-        try:
+        with contextlib.suppress(AttributeError):
             setattr(torch._dynamo.config, key, value)
-        except AttributeError:
-            pass
-    geo = Geometry.from_recipe(config, tuple(eos), context_limit=caps.context_limit, request_slots=caps.request_slots,
-                               snapshot_rows=caps.snapshot_rows, max_kv_pages=caps.max_kv_pages)  # fmt: skip
+    geo = Geometry.from_recipe(
+        config,
+        tuple(eos),
+        context_limit=caps.context_limit,
+        request_slots=caps.request_slots,
+        snapshot_rows=caps.snapshot_rows,
+        max_kv_pages=caps.max_kv_pages,
+    )
     weight_bytes = sum(math.prod(d.shape) * 2 for d in mapping.destinations.values())
-    state_bytes = (caps.max_kv_pages + 1) * geo.bytes_per_page + geo.total_rows * geo.hidden * 2 + (
-        1 + geo.request_slots) * (geo.vocab + 1) * 4  # histograms and pending tokens
+    state_bytes = (
+        (caps.max_kv_pages + 1) * geo.bytes_per_page
+        + geo.total_rows * geo.hidden * 2
+        + (1 + geo.request_slots) * (geo.vocab + 1) * 4
+    )  # histograms and pending tokens
     pool_bytes = (256 << 20) + caps.prefill_chunks[-1] * (geo.ffn * 2 + geo.vocab) * 4 * 4
     # One pool per graph: decode buckets, prefill chunks, resume and four maintenance graphs.
     arena_bytes = weight_bytes + state_bytes + pool_bytes * (len(caps.decode_buckets) + len(caps.prefill_chunks) + 5)
     if arena_bytes > device["free_bytes"] - (2 << 30):
-        raise CapacityError("--kv-pages", f"the arena needs {arena_bytes / 2**30:.1f} GiB; "
-                                          f"{device['free_bytes'] / 2**30:.1f} GiB are free")  # fmt: skip
+        raise CapacityError(
+            "--kv-pages",
+            f"the arena needs {arena_bytes / 2**30:.1f} GiB; {device['free_bytes'] / 2**30:.1f} GiB are free",
+        )
     report["capacities"] = vars(caps)
     report["memory_plan"] = {"weights": weight_bytes, "state": state_bytes, "arena_mapped": arena_bytes}
 
@@ -211,9 +251,14 @@ def prepare(model: Path, out: Path, decode_buckets: str = "1,2,4,8", prefill_chu
 
     describe = CoreDescription(
         model_config={k: v for k, v in config.raw.items() if isinstance(v, (int, float, str, bool, list))},
-        served_model_name=served_name or model.name, tokenizer_json=tokenizer, chat_template=template,
-        eos_token_ids=eos, sampling=_sampling(card, config.vocab_size), decode_buckets=caps.decode_buckets,
-        prefill_chunks=caps.prefill_chunks)  # fmt: skip
+        served_model_name=served_name or model.name,
+        tokenizer_json=tokenizer,
+        chat_template=template,
+        eos_token_ids=eos,
+        sampling=_sampling(card, config.vocab_size),
+        decode_buckets=caps.decode_buckets,
+        prefill_chunks=caps.prefill_chunks,
+    )
     rec = Recorder(work, build, describe, arena_bytes)
     stage = "prepare"
     try:
@@ -263,8 +308,16 @@ def _torch_dtype(name: str) -> Any:
     return {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[name]
 
 
-def _check(rec: Any, model: Path, core: Path, work: Path, core_replay: Path | None, report: dict[str, Any],
-           reference_prompts: Path | None, dump_io: bool = False) -> None:  # fmt: skip
+def _check(
+    rec: Any,
+    model: Path,
+    core: Path,
+    work: Path,
+    core_replay: Path | None,
+    report: dict[str, Any],
+    reference_prompts: Path | None,
+    dump_io: bool = False,
+) -> None:
     import torch
 
     from ignition.capture.numerics import teacher_forced, transformers_reference
@@ -274,8 +327,10 @@ def _check(rec: Any, model: Path, core: Path, work: Path, core_replay: Path | No
     with phase("teacher-forced logits against Transformers"):
         hf, ref = transformers_reference(str(model))
         report["numerics"] = teacher_forced(runner, ref)
-        note(f"worst rel L2 {report['numerics']['worst_rel_l2']:.4f}, "
-             f"min top-10 overlap {report['numerics']['min_top10_overlap']:.2f}")  # fmt: skip
+        note(
+            f"worst rel L2 {report['numerics']['worst_rel_l2']:.4f}, "
+            f"min top-10 overlap {report['numerics']['min_top10_overlap']:.2f}"
+        )
         del hf
         torch.cuda.empty_cache()
     if reference_prompts is not None:
@@ -320,8 +375,9 @@ def make_random_checkpoint(config: dict[str, Any], out: Path, seed: int, tokeniz
     import transformers
 
     out.mkdir(parents=True, exist_ok=True)
-    cfg = transformers.AutoConfig.for_model(config.get("model_type", "llama"),
-                                            **{k: v for k, v in config.items() if k != "model_type"})  # fmt: skip
+    cfg = transformers.AutoConfig.for_model(
+        config.get("model_type", "llama"), **{k: v for k, v in config.items() if k != "model_type"}
+    )
     torch.manual_seed(seed)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(dev):

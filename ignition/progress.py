@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TextIO
-from collections.abc import Iterator
 
 _stream: TextIO = sys.stderr
 

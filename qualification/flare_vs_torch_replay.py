@@ -18,9 +18,10 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 
-def post(url: str, body: dict) -> dict:
+def post(url: str, body: dict[str, Any]) -> Any:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
         return json.loads(r.read())
@@ -48,7 +49,7 @@ def main() -> int:
     cmd = [args.flare, "run", str(args.core), "--port", str(args.port), *args.run_arg]
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{args.port}"
-    report: dict = {"command": " ".join(cmd)}
+    report: dict[str, Any] = {"command": " ".join(cmd)}
     try:
         while True:
             if server.poll() is not None:
@@ -66,18 +67,31 @@ def main() -> int:
         results = []
         for g in gens:
             ids = post(base + "/tokenize", {"model": model, "prompt": g["text"], "add_special_tokens": False})["tokens"]
-            body = {"model": model, "prompt": g["text"], "max_tokens": g["max_tokens"], "seed": g["seed"],
-                    **g.get("params", {})}  # fmt: skip
+            body = {
+                "model": model,
+                "prompt": g["text"],
+                "max_tokens": g["max_tokens"],
+                "seed": g["seed"],
+                **g.get("params", {}),
+            }
             ref = [t for t in g["tokens"] if t not in g["eos"]]
             want = {tok.decode(ref, skip_special_tokens=False), tok.decode(ref, skip_special_tokens=True)}
-            entry = {"text": g["text"][:60], "prompt_ids_equal": ids == g["prompt_ids"], "reference_tokens": len(g["tokens"])}
+            entry = {
+                "text": g["text"][:60],
+                "prompt_ids_equal": ids == g["prompt_ids"],
+                "reference_tokens": len(g["tokens"]),
+            }
             for attempt in ("cold", "prefix_hit"):
                 t1 = time.time()
                 r = post(base + "/v1/completions", body)
                 text = r["choices"][0]["text"]
-                entry[attempt] = {"text_equal": text in want, "completion_tokens": r["usage"]["completion_tokens"],
-                                  "cached_tokens": r["usage"].get("prompt_tokens_details", {}).get("cached_tokens"),
-                                  "finish_reason": r["choices"][0]["finish_reason"], "wall_s": round(time.time() - t1, 4)}  # fmt: skip
+                entry[attempt] = {
+                    "text_equal": text in want,
+                    "completion_tokens": r["usage"]["completion_tokens"],
+                    "cached_tokens": r["usage"].get("prompt_tokens_details", {}).get("cached_tokens"),
+                    "finish_reason": r["choices"][0]["finish_reason"],
+                    "wall_s": round(time.time() - t1, 4),
+                }
                 if text not in want:
                     entry[attempt]["got"] = text[:200]
                     entry[attempt]["want"] = sorted(want)[0][:200]
@@ -88,9 +102,24 @@ def main() -> int:
         if args.bench:
             t1 = time.time()
             try:
-                p = subprocess.run([args.flare, "bench", "--url", base, "--json", "--cold-requests", "2",
-                                    "--agent-turns", "4", "--decode-rounds", "1"], capture_output=True, text=True,
-                                   timeout=args.bench_timeout)  # fmt: skip
+                p = subprocess.run(
+                    [
+                        args.flare,
+                        "bench",
+                        "--url",
+                        base,
+                        "--json",
+                        "--cold-requests",
+                        "2",
+                        "--agent-turns",
+                        "4",
+                        "--decode-rounds",
+                        "1",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=args.bench_timeout,
+                )
                 report["bench_wall_s"] = round(time.time() - t1, 1)
                 try:
                     report["bench"] = json.loads(p.stdout)

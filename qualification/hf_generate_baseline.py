@@ -13,6 +13,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -29,14 +30,16 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).to(dev).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
+    # PreTrainedModel.to is declared `@wraps(torch.nn.Module.to)`, which mypy does not bind as a method.
+    model = model.to(dev).eval()  # type: ignore[arg-type]
     if args.compile:
         # reduce-overhead replays CUDA graphs whose outputs the next replay overwrites; the static
         # cache's counters are such outputs, so each forward starts a new cudagraph step (without
         # this, transformers 5.17 failed on the H200: "cumulative_length ... overwritten").
         compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
 
-        def forward(*a, **k):  # type: ignore[no-untyped-def]
+        def forward(*a: Any, **k: Any) -> Any:
             torch.compiler.cudagraph_mark_step_begin()
             return compiled(*a, **k)
 
@@ -62,11 +65,20 @@ def main() -> int:
     per_token = (full - one) / max(args.tokens - 1, 1)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bound = weight_bytes / (args.hbm_gbps * 1e9)
-    report = {"model": args.model, "device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu",
-              "torch": torch.__version__, "transformers": transformers.__version__, "compile": args.compile,
-              "tokens": args.tokens, "generate_s": full, "first_token_s": one, "decode_ms_per_token": per_token * 1e3,
-              "weight_bytes": weight_bytes, "hbm_bound_ms_per_token": bound * 1e3,
-              "fraction_of_hbm_bound": bound / per_token if per_token > 0 else None}  # fmt: skip
+    report = {
+        "model": args.model,
+        "device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "compile": args.compile,
+        "tokens": args.tokens,
+        "generate_s": full,
+        "first_token_s": one,
+        "decode_ms_per_token": per_token * 1e3,
+        "weight_bytes": weight_bytes,
+        "hbm_bound_ms_per_token": bound * 1e3,
+        "fraction_of_hbm_bound": bound / per_token if per_token > 0 else None,
+    }
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report))
     return 0

@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from ignition.replay.core import CoreFiles
 
@@ -27,15 +28,24 @@ def main() -> int:
     args = ap.parse_args()
     core = CoreFiles(args.core)
     kv = next(b for b in core.m.buffers if b.name == "kv_pages" or b.role == 5)
-    free_mib = int(subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
-                                  capture_output=True, text=True, check=True).stdout.split()[0])  # fmt: skip
+    free_mib = int(
+        subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()[0]
+    )
     # Usable after the reserve: the arena without half of the KV buffer (plus pinned staging slack).
     usable = core.m.arena.byte_size - kv.byte_size // 2 + (64 << 20) + (256 << 20)
     reserve_gib = max(0.0, (free_mib * 2**20 - usable) / 2**30)
     log = Path("/tmp/partial_kv_flare.log")  # its tail goes into the report
-    server = subprocess.Popen([args.flare, "run", str(args.core), "--port", str(args.port), "--gpu-reserve-gib",
-                               f"{reserve_gib:.3f}"], stdout=log.open("w"), stderr=subprocess.STDOUT)  # fmt: skip
-    report: dict = {"reserve_gib": round(reserve_gib, 3), "prepared_pages": core.m.capacities.max_kv_pages}
+    server = subprocess.Popen(
+        [args.flare, "run", str(args.core), "--port", str(args.port), "--gpu-reserve-gib", f"{reserve_gib:.3f}"],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    report: dict[str, Any] = {"reserve_gib": round(reserve_gib, 3), "prepared_pages": core.m.capacities.max_kv_pages}
     try:
         base = f"http://127.0.0.1:{args.port}"
         t0 = time.time()
@@ -55,8 +65,9 @@ def main() -> int:
             # The API requires the served model's name (the 2026-12-03 run sent none: 400).
             with urllib.request.urlopen(base + "/v1/models", timeout=5) as r:
                 model = json.loads(r.read())["data"][0]["id"]
-            body = json.dumps({"model": model, "prompt": "The three primary colors are", "max_tokens": 16,
-                               "seed": 1}).encode()  # fmt: skip
+            body = json.dumps(
+                {"model": model, "prompt": "The three primary colors are", "max_tokens": 16, "seed": 1}
+            ).encode()
             req = urllib.request.Request(base + "/v1/completions", body, {"content-type": "application/json"})
             try:
                 with urllib.request.urlopen(req, timeout=60) as r:
@@ -66,7 +77,9 @@ def main() -> int:
                 report["completion_error"] = {"status": e.code, "body": e.read().decode(errors="replace")[:1000]}
             with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
                 metrics = r.read().decode()
-            report["pages_total_metric"] = next((ln for ln in metrics.splitlines() if ln.startswith("flare_pages_total")), None)
+            report["pages_total_metric"] = next(
+                (ln for ln in metrics.splitlines() if ln.startswith("flare_pages_total")), None
+            )
         report["log_tail"] = text[-1500:]
     finally:
         server.terminate()

@@ -14,10 +14,22 @@ import json
 import sys
 from pathlib import Path
 
-TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-        "vocab_size": 2048, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-        "rope_theta": 10000.0, "eos_token_id": 1}  # fmt: skip
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 2048,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "rope_theta": 10000.0,
+    "eos_token_id": 1,
+}
 TOKENIZER = '{"version":"1.0","model":{"type":"WordLevel","vocab":{"<unk>":0,"<eos>":1},"unk_token":"<unk>"}}'
 
 
@@ -35,8 +47,15 @@ def main() -> int:
     (tok / "tokenizer.json").write_text(TOKENIZER)
     (tok / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
     ckpt = make_random_checkpoint(TINY, args.out / "checkpoint", 0, tok)
-    report = prepare(ckpt, args.out / "core", decode_buckets="1,4", prefill_chunk=128, context_limit=256,
-                     core_replay=args.core_replay, served_name="tiny-llama-paged")  # fmt: skip
+    report = prepare(
+        ckpt,
+        args.out / "core",
+        decode_buckets="1,4",
+        prefill_chunk=128,
+        context_limit=256,
+        core_replay=args.core_replay,
+        served_name="tiny-llama-paged",
+    )
     print(json.dumps({k: report.get(k) for k in ("timings", "export", "bitwise_equal_all")}, default=str))
     return 0 if report.get("bitwise_equal_all", args.core_replay is None) else 1
 

@@ -14,6 +14,10 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_BASE = 0x7E00_0000_0000
 GIB = 1 << 30
@@ -33,8 +37,19 @@ def build_allocator(build_dir: Path) -> Path:
     so = build_dir / "libflare_arena.so"
     nvcc = _nvcc()
     cuda = Path(nvcc).resolve().parent.parent
-    cmd = [nvcc, "-shared", "-O2", "-Xcompiler", "-fPIC", "-o", str(so), str(SOURCE),
-           f"-L{cuda}/lib64/stubs", f"-L{cuda}/lib64", "-lcuda"]  # fmt: skip
+    cmd = [
+        nvcc,
+        "-shared",
+        "-O2",
+        "-Xcompiler",
+        "-fPIC",
+        "-o",
+        str(so),
+        str(SOURCE),
+        f"-L{cuda}/lib64/stubs",
+        f"-L{cuda}/lib64",
+        "-lcuda",
+    ]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return so
 
@@ -49,8 +64,9 @@ class Segment:
 class FixedArena:
     """One reserved range at `base` (whole GiB), `mapped` bytes backed, bump-allocated."""
 
-    def __init__(self, so: Path, base: int = DEFAULT_BASE, reserve: int = GIB, mapped: int = GIB // 2,
-                 device: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self, so: Path, base: int = DEFAULT_BASE, reserve: int = GIB, mapped: int = GIB // 2, device: int = 0
+    ) -> None:
         import torch
 
         torch.cuda.init()
@@ -63,8 +79,9 @@ class FixedArena:
             getattr(self.lib, f).restype = C.c_size_t
         got = C.c_uint64(0)
         reserve = -(-reserve // GIB) * GIB
-        r = self.lib.flare_arena_init(C.c_uint64(base), C.c_size_t(reserve), C.c_size_t(mapped), C.c_int(device),
-                                      C.byref(got))  # fmt: skip
+        r = self.lib.flare_arena_init(
+            C.c_uint64(base), C.c_size_t(reserve), C.c_size_t(mapped), C.c_int(device), C.byref(got)
+        )
         if r != 0:
             raise RuntimeError(f"flare_arena_init failed with CUresult {r}")
         self.requested_base = base
@@ -73,7 +90,7 @@ class FixedArena:
         self.mapped = int(self.lib.flare_arena_mapped())
         self.allocator = torch.cuda.memory.CUDAPluggableAllocator(str(so), "flare_arena_alloc", "flare_arena_free")
 
-    def pool(self):  # type: ignore[no-untyped-def]
+    def pool(self) -> torch.cuda.MemPool:
         import torch
 
         return torch.cuda.MemPool(self.allocator.allocator())

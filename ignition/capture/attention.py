@@ -11,8 +11,12 @@ never used.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from torch._library.custom_ops import CustomOpDef
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -22,8 +26,15 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos[:, None, :] + rot * sin[:, None, :]
 
 
-def attend_gather(q: torch.Tensor, kv: torch.Tensor, layer: int, pages: torch.Tensor, req: torch.Tensor,
-                  pos: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+def attend_gather(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    layer: int,
+    pages: torch.Tensor,
+    req: torch.Tensor,
+    pos: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """q [N, H, D] bf16; pages [R, P] (>= 0); req [N] row of each token; pos [N]. -> [N, H*D]."""
     n, h, d = q.shape
     kvh, t = kv.shape[4], kv.shape[3]
@@ -56,17 +67,46 @@ def pages_per_split(tokens: int, pages: int) -> int:
 
 
 @functools.cache
-def _kernel():  # type: ignore[no-untyped-def]
+def _kernel() -> Any:  # a triton.JITFunction (Triton ships no type information)
     import triton
     import triton.language as tl
 
+    # Triton reads a kernel's parameter annotations to specialize it (tl.constexpr, dtype names), so
+    # the kernels' pointer and stride parameters stay unannotated: the one exemption from typing.
     @triton.jit
-    def paged_attention_kernel(Q, COS, SIN, KV, PT, REQ, POS, PACC, PM, PL, O, layer, q_row, q_head, s_page, s_layer,
-                               s_sel, s_tok, s_head, pt_stride, SCALE: tl.constexpr, H: tl.constexpr,
-                               G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
-                               SPLITS: tl.constexpr, PPS: tl.constexpr, ROPE: tl.constexpr):  # fmt: skip
+    def paged_attention_kernel(  # type: ignore[no-untyped-def]
+        Q,
+        COS,
+        SIN,
+        KV,
+        PT,
+        REQ,
+        POS,
+        PACC,
+        PM,
+        PL,
+        OUT,
+        layer,
+        q_row,
+        q_head,
+        s_page,
+        s_layer,
+        s_sel,
+        s_tok,
+        s_head,
+        pt_stride,
+        SCALE: tl.constexpr,
+        H: tl.constexpr,
+        G: tl.constexpr,
+        GP: tl.constexpr,
+        D: tl.constexpr,
+        T: tl.constexpr,
+        SPLITS: tl.constexpr,
+        PPS: tl.constexpr,
+        ROPE: tl.constexpr,
+    ):
         """One (token, KV head, page group): the group's unnormalized softmax state (m, l, acc);
-        with a single group, the normalized output itself (into O). `ROPE`: q is rotated here
+        with a single group, the normalized output itself (into OUT). `ROPE`: q is rotated here
         (rotate-half with the token's cos/sin), so no kernel materializes it first."""
         n = tl.program_id(0)
         kh = tl.program_id(1)
@@ -109,7 +149,7 @@ def _kernel():  # type: ignore[no-untyped-def]
         if SPLITS == 1:
             # Page 0 is always walked, so lsum > 0.
             out = acc / lsum[:, None]
-            tl.store(O + (n * H + head[:, None]) * D + di[None, :], out.to(O.dtype.element_ty), mask=qmask[:, None])
+            tl.store(OUT + (n * H + head[:, None]) * D + di[None, :], out.to(OUT.dtype.element_ty), mask=qmask[:, None])
         else:
             at = (n * SPLITS + sp) * H + head
             tl.store(PM + at, m, mask=qmask)
@@ -120,13 +160,14 @@ def _kernel():  # type: ignore[no-untyped-def]
 
 
 @functools.cache
-def _combine_kernel():  # type: ignore[no-untyped-def]
+def _combine_kernel() -> Any:  # a triton.JITFunction (Triton ships no type information)
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def paged_attention_combine(PACC, PM, PL, O, H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-                                SP: tl.constexpr):  # fmt: skip
+    @triton.jit  # parameters unannotated: see paged_attention_kernel
+    def paged_attention_combine(  # type: ignore[no-untyped-def]
+        PACC, PM, PL, OUT, H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr
+    ):
         """One (token, head): the page groups' states rescaled to their common max and normalized.
         Group 0 always holds the token's first page, so the max is finite."""
         n = tl.program_id(0)
@@ -141,19 +182,38 @@ def _combine_kernel():  # type: ignore[no-untyped-def]
         w = tl.where(smask, tl.exp(m - mx), 0.0)
         acc = tl.load(PACC + at[:, None] * D + di[None, :], mask=smask[:, None], other=0.0)
         out = tl.sum(acc * w[:, None], 0) / tl.sum(lsum * w, 0)
-        tl.store(O + (n * H + h) * D + di, out.to(O.dtype.element_ty))
+        tl.store(OUT + (n * H + h) * D + di, out.to(OUT.dtype.element_ty))
 
     return paged_attention_combine
 
 
 @functools.cache
-def _write_kernel():  # type: ignore[no-untyped-def]
+def _write_kernel() -> Any:  # a triton.JITFunction (Triton ships no type information)
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def kv_write_kernel(K, V, COS, SIN, KV, SLOT, layer, k_row, k_head, v_row, v_head, s_page, s_layer, s_sel,
-                        s_tok, s_head, D: tl.constexpr, T: tl.constexpr, ROPE: tl.constexpr):  # fmt: skip
+    @triton.jit  # parameters unannotated: see paged_attention_kernel
+    def kv_write_kernel(  # type: ignore[no-untyped-def]
+        K,
+        V,
+        COS,
+        SIN,
+        KV,
+        SLOT,
+        layer,
+        k_row,
+        k_head,
+        v_row,
+        v_head,
+        s_page,
+        s_layer,
+        s_sel,
+        s_tok,
+        s_head,
+        D: tl.constexpr,
+        T: tl.constexpr,
+        ROPE: tl.constexpr,
+    ):
         """One (token, KV head): K (rotated here when `ROPE`) and V into the token's slot."""
         n = tl.program_id(0)
         h = tl.program_id(1)
@@ -180,27 +240,69 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _launch_write(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, layer: int,
-                  cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> None:  # fmt: skip
+def _rope_inputs(
+    cos: torch.Tensor | None, sin: torch.Tensor | None, absent: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(cos, sin, True) made dense when both are given, else `absent` twice (never read) and False."""
+    if cos is not None and sin is not None:
+        return cos.contiguous(), sin.contiguous(), True
+    return absent, absent, False
+
+
+def _launch_write(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: torch.Tensor,
+    slots: torch.Tensor,
+    layer: int,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+) -> None:
     """K/V [N, KVH, D] into their slots; with cos/sin [N, D], K rotated on the way."""
     k, v = _rows(k), _rows(v)
     n, kvh, d = k.shape
     st = kv.stride()
-    rope = cos is not None and sin is not None
-    c, s = (cos.contiguous(), sin.contiguous()) if rope else (k, k)  # type: ignore[union-attr]
-    _write_kernel()[(n, kvh)](k, v, c, s, kv, slots, layer, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                              st[0], st[1], st[2], st[3], st[4], D=d, T=kv.shape[3], ROPE=rope)  # fmt: skip
+    c, s, rope = _rope_inputs(cos, sin, k)
+    _write_kernel()[(n, kvh)](
+        k,
+        v,
+        c,
+        s,
+        kv,
+        slots,
+        layer,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        st[0],
+        st[1],
+        st[2],
+        st[3],
+        st[4],
+        D=d,
+        T=kv.shape[3],
+        ROPE=rope,
+    )
 
 
-def _launch_attention(q: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor, req: torch.Tensor,
-                      pos: torch.Tensor, layer: int, scale: float, pps: int | None = None,
-                      cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def _launch_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    pages: torch.Tensor,
+    req: torch.Tensor,
+    pos: torch.Tensor,
+    layer: int,
+    scale: float,
+    pps: int | None = None,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Paged attention of q [N, H, D] (rotated first when cos/sin [N, D] are given) over `pages`
     [R, P]: page groups of `pps` pages (default `pages_per_split`) in parallel, then combined;
     one group stores its output directly."""
     q = _rows(q)
-    rope = cos is not None and sin is not None
-    c, s = (cos.contiguous(), sin.contiguous()) if rope else (q, q)  # type: ignore[union-attr]
+    c, s, rope = _rope_inputs(cos, sin, q)
     n, h, d = q.shape
     kvh, t = kv.shape[4], kv.shape[3]
     g = h // kvh
@@ -214,18 +316,46 @@ def _launch_attention(q: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor, re
         part_m = torch.empty((n, splits, h), dtype=torch.float32, device=q.device)
         part_l = torch.empty((n, splits, h), dtype=torch.float32, device=q.device)
     st = kv.stride()
-    _kernel()[(n, kvh, splits)](q, c, s, kv, pages, req, pos, part_acc, part_m, part_l, out, layer, q.stride(0),
-                                q.stride(1), st[0], st[1], st[2], st[3], st[4], pages.stride(0), SCALE=scale, H=h,
-                                G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, T=t, SPLITS=splits, PPS=pps,
-                                ROPE=rope)  # fmt: skip
+    _kernel()[(n, kvh, splits)](
+        q,
+        c,
+        s,
+        kv,
+        pages,
+        req,
+        pos,
+        part_acc,
+        part_m,
+        part_l,
+        out,
+        layer,
+        q.stride(0),
+        q.stride(1),
+        st[0],
+        st[1],
+        st[2],
+        st[3],
+        st[4],
+        pages.stride(0),
+        SCALE=scale,
+        H=h,
+        G=g,
+        GP=max(16, 1 << (g - 1).bit_length()),
+        D=d,
+        T=t,
+        SPLITS=splits,
+        PPS=pps,
+        ROPE=rope,
+    )
     if splits > 1:
-        _combine_kernel()[(n, h)](part_acc, part_m, part_l, out, H=h, D=d, SPLITS=splits,
-                                  SP=max(2, 1 << (splits - 1).bit_length()))  # fmt: skip
+        _combine_kernel()[(n, h)](
+            part_acc, part_m, part_l, out, H=h, D=d, SPLITS=splits, SP=max(2, 1 << (splits - 1).bit_length())
+        )
     return out
 
 
 @functools.cache
-def write_attend_op():  # type: ignore[no-untyped-def]
+def write_attend_op() -> CustomOpDef:
     """`flare::write_attend`: one layer's RoPE, slot-mapping K/V write (a negative slot writes
     nothing) and paged attention over the pages just written, as one opaque op. q/k/v may be
     strided views of the fused QKV projection: rotating inside the kernels means no kernel
@@ -252,15 +382,39 @@ def write_attend_op():  # type: ignore[no-untyped-def]
     flexible = getattr(torch.Tag, "flexible_layout", None)
 
     @custom_op("flare::write_attend", mutates_args=(), tags=(flexible,) if flexible is not None else ())
-    def write_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     kv: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor, req: torch.Tensor, pos: torch.Tensor,
-                     layer: int, scale: float) -> torch.Tensor:  # fmt: skip
+    def write_attend(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: torch.Tensor,
+        slots: torch.Tensor,
+        pages: torch.Tensor,
+        req: torch.Tensor,
+        pos: torch.Tensor,
+        layer: int,
+        scale: float,
+    ) -> torch.Tensor:
         cos, sin, slots, pages, req, pos = (t.contiguous() for t in (cos, sin, slots, pages, req, pos))
         _launch_write(k, v, kv, slots, layer, cos, sin)
         return _launch_attention(q, kv, pages, req, pos, layer, scale, cos=cos, sin=sin)
 
     @write_attend.register_fake
-    def _(q, k, v, cos, sin, kv, slots, pages, req, pos, layer, scale):  # type: ignore[no-untyped-def]
+    def _(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: torch.Tensor,
+        slots: torch.Tensor,
+        pages: torch.Tensor,
+        req: torch.Tensor,
+        pos: torch.Tensor,
+        layer: int,
+        scale: float,
+    ) -> torch.Tensor:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
     return write_attend

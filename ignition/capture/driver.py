@@ -35,27 +35,72 @@ def call(name: str, *args: object) -> None:
 
 # The node parameter structs are shared with the torch-free core replay (ignition.replay.cuda).
 class KernelNodeParams(C.Structure):  # CUDA_KERNEL_NODE_PARAMS_v2
-    _fields_ = [("func", vp), ("gx", u32), ("gy", u32), ("gz", u32), ("bx", u32), ("by", u32), ("bz", u32),
-                ("smem", u32), ("kernelParams", vp), ("extra", vp), ("kern", vp), ("ctx", vp)]  # fmt: skip
+    _fields_ = [
+        ("func", vp),
+        ("gx", u32),
+        ("gy", u32),
+        ("gz", u32),
+        ("bx", u32),
+        ("by", u32),
+        ("bz", u32),
+        ("smem", u32),
+        ("kernelParams", vp),
+        ("extra", vp),
+        ("kern", vp),
+        ("ctx", vp),
+    ]
 
 
 class Memcpy3D(C.Structure):  # CUDA_MEMCPY3D
-    _fields_ = [("srcXInBytes", sz), ("srcY", sz), ("srcZ", sz), ("srcLOD", sz),
-                ("srcMemoryType", C.c_int), ("srcHost", vp), ("srcDevice", u64), ("srcArray", vp),
-                ("reserved0", vp), ("srcPitch", sz), ("srcHeight", sz),
-                ("dstXInBytes", sz), ("dstY", sz), ("dstZ", sz), ("dstLOD", sz),
-                ("dstMemoryType", C.c_int), ("dstHost", vp), ("dstDevice", u64), ("dstArray", vp),
-                ("reserved1", vp), ("dstPitch", sz), ("dstHeight", sz),
-                ("WidthInBytes", sz), ("Height", sz), ("Depth", sz)]  # fmt: skip
+    _fields_ = [
+        ("srcXInBytes", sz),
+        ("srcY", sz),
+        ("srcZ", sz),
+        ("srcLOD", sz),
+        ("srcMemoryType", C.c_int),
+        ("srcHost", vp),
+        ("srcDevice", u64),
+        ("srcArray", vp),
+        ("reserved0", vp),
+        ("srcPitch", sz),
+        ("srcHeight", sz),
+        ("dstXInBytes", sz),
+        ("dstY", sz),
+        ("dstZ", sz),
+        ("dstLOD", sz),
+        ("dstMemoryType", C.c_int),
+        ("dstHost", vp),
+        ("dstDevice", u64),
+        ("dstArray", vp),
+        ("reserved1", vp),
+        ("dstPitch", sz),
+        ("dstHeight", sz),
+        ("WidthInBytes", sz),
+        ("Height", sz),
+        ("Depth", sz),
+    ]
 
 
 class MemsetNodeParams(C.Structure):  # CUDA_MEMSET_NODE_PARAMS
     _fields_ = [("dst", u64), ("pitch", sz), ("value", u32), ("elementSize", u32), ("width", sz), ("height", sz)]
 
 
-NODE_KINDS = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "empty", 6: "event_wait",
-              7: "event_record", 8: "ext_sema_signal", 9: "ext_sema_wait", 10: "mem_alloc", 11: "mem_free",
-              12: "batch_mem_op", 13: "conditional"}  # fmt: skip
+NODE_KINDS = {
+    0: "kernel",
+    1: "memcpy",
+    2: "memset",
+    3: "host",
+    4: "graph",
+    5: "empty",
+    6: "event_wait",
+    7: "event_record",
+    8: "ext_sema_signal",
+    9: "ext_sema_wait",
+    10: "mem_alloc",
+    11: "mem_free",
+    12: "batch_mem_op",
+    13: "conditional",
+}
 CU_MEMORYTYPE_DEVICE = 2
 FUNC_ATTR_MAX_DYNAMIC_SHARED = 8
 FUNC_ATTR_SHARED_SIZE = 1
@@ -114,7 +159,7 @@ def function_attribute(func: int, attr: int) -> int:
 
 
 def param_layout(func: int) -> list[tuple[int, int]]:
-    out = []
+    out: list[tuple[int, int]] = []
     while True:
         off, size = sz(), sz()
         if lib().cuFuncGetParamInfo(vp(func), sz(len(out)), C.byref(off), C.byref(size)) != 0:

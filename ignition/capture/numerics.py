@@ -23,13 +23,21 @@ def compare_logits(ours: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     lp, lq = torch.log_softmax(b, -1), torch.log_softmax(a, -1)
     kl = (lp.exp() * (lp - lq)).sum(-1)
     top1 = (a.argmax(-1) == b.argmax(-1)).float()
-    return {"tokens": int(a.shape[0]), "rel_l2_mean": rel.mean().item(), "rel_l2_max": rel.max().item(),
-            "top10_overlap_mean": overlap.mean().item(), "top10_overlap_min": overlap.min().item(),
-            "kl_mean": kl.mean().item(), "kl_max": kl.max().item(), "top1_agreement": top1.mean().item()}  # fmt: skip
+    return {
+        "tokens": int(a.shape[0]),
+        "rel_l2_mean": rel.mean().item(),
+        "rel_l2_max": rel.max().item(),
+        "top10_overlap_mean": overlap.mean().item(),
+        "top10_overlap_min": overlap.min().item(),
+        "kl_mean": kl.mean().item(),
+        "kl_max": kl.max().item(),
+        "top1_agreement": top1.mean().item(),
+    }
 
 
-def teacher_forced(runner: GraphRunner, reference_logits: Any, prompt_len: int = 300, decode_steps: int = 6,
-                   seed: int = 0) -> dict[str, Any]:  # fmt: skip
+def teacher_forced(
+    runner: GraphRunner, reference_logits: Any, prompt_len: int = 300, decode_steps: int = 6, seed: int = 0
+) -> dict[str, Any]:
     """`reference_logits(ids) -> [len(ids), V]` (position i predicts token i + 1)."""
     geo = runner.p.geo
     rng = random.Random(seed)
@@ -92,10 +100,13 @@ def transformers_reference(model_dir: str, device: str = "cuda") -> Any:
     """The canonical forward of the checkpoint (bf16, sdpa), as a `reference_logits` callable."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    # PreTrainedModel.to is declared `@wraps(torch.nn.Module.to)`, which mypy does not bind as a method.
+    model = model.to(device).eval()  # type: ignore[arg-type]
 
     @torch.no_grad()
     def logits(ids: list[int]) -> torch.Tensor:
-        return model(torch.tensor([ids], device=device)).logits[0]
+        out: torch.Tensor = model(torch.tensor([ids], device=device)).logits[0]
+        return out
 
     return model, logits

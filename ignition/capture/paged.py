@@ -25,6 +25,7 @@ State and its invariants (row indices follow the cache scheme: row 0 is the null
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,9 @@ import torch.nn.functional as F
 from ignition.capture.attention import attend_gather, rotate, write_attend_op
 from ignition.capture.sampling import M32, sample
 from ignition.core.stepping import FLAG_EOS, FLAG_GRAMMAR_EXHAUSTED, FLAG_SAMPLED
+
+if TYPE_CHECKING:
+    from ignition.recipes.llama import LlamaFamilyConfig
 
 RECORD_MAGIC = 0x464C_5243
 # Decode buckets and single-row projections run their GEMMs over at least this many rows (padding
@@ -88,28 +92,41 @@ class Geometry:
         """With the trash page."""
         return (self.max_kv_pages + 1, self.layers, 2, self.page_tokens, self.kv_heads, self.head_dim)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_recipe(cls, config, eos: tuple[int, ...], **capacity: int) -> Geometry:  # type: ignore[no-untyped-def]
+    def from_recipe(cls, config: LlamaFamilyConfig, eos: tuple[int, ...], **capacity: int) -> Geometry:
         raw = config.raw
-        return cls(layers=config.num_hidden_layers, hidden=config.hidden_size, heads=config.num_attention_heads,
-                   kv_heads=config.num_key_value_heads, head_dim=config.head_dim, ffn=config.intermediate_size,
-                   vocab=config.vocab_size, eps=float(raw.get("rms_norm_eps", 1e-6)),
-                   tie_embeddings=config.tie_word_embeddings, attention_bias=config.attention_bias,
-                   mlp_bias=config.mlp_bias, qk_norm=config.qk_norm, eos_token_ids=eos, **capacity)  # fmt: skip
+        return cls(
+            layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            heads=config.num_attention_heads,
+            kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            ffn=config.intermediate_size,
+            vocab=config.vocab_size,
+            eps=float(raw.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=config.tie_word_embeddings,
+            attention_bias=config.attention_bias,
+            mlp_bias=config.mlp_bias,
+            qk_norm=config.qk_norm,
+            eos_token_ids=eos,
+            **capacity,
+        )
 
 
-def rope_parameters(raw_config: dict, device: torch.device | str = "cpu") -> tuple[torch.Tensor, float]:
+def rope_parameters(raw_config: dict[str, Any], device: torch.device | str = "cpu") -> tuple[torch.Tensor, float]:
     """(inv_freq [D/2] float32, attention scaling) exactly as Transformers computes them."""
     import transformers
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    cfg = transformers.AutoConfig.for_model(raw_config.get("model_type", "llama"), **{
-        k: v for k, v in raw_config.items() if k not in ("model_type", "transformers_version")})  # fmt: skip
+    cfg = transformers.AutoConfig.for_model(
+        raw_config.get("model_type", "llama"),
+        **{k: v for k, v in raw_config.items() if k not in ("model_type", "transformers_version")},
+    )
     params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    kind = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
+    kind = str(params.get("rope_type", params.get("type", "default"))) if isinstance(params, dict) else "default"
     if kind == "default":
         base = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)) if isinstance(params, dict) else 10000.0
         dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -132,8 +149,14 @@ class PagedLlama:
     prefill: [T, H]; resume: [1, H]).
     """
 
-    def __init__(self, geo: Geometry, weights: dict[str, torch.Tensor], inv_freq: torch.Tensor, rope_scaling: float,
-                 attention_kernel: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        geo: Geometry,
+        weights: dict[str, torch.Tensor],
+        inv_freq: torch.Tensor,
+        rope_scaling: float,
+        attention_kernel: bool,
+    ) -> None:
         self.geo = geo
         self.w = weights
         self.inv_freq = inv_freq
@@ -150,8 +173,15 @@ class PagedLlama:
         return self.w.get(name)
 
     # -- the forward -----------------------------------------------------------------------
-    def hidden(self, tok: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,
-               req: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def hidden(
+        self,
+        tok: torch.Tensor,
+        pos: torch.Tensor,
+        slots: torch.Tensor,
+        page_table: torch.Tensor,
+        req: torch.Tensor,
+        kv: torch.Tensor,
+    ) -> torch.Tensor:
         """tok/pos [N]; slots [N] int64 KV slot (negative: no write); page_table [R, P] int32;
         req [N] page-table row of each token."""
         g, w = self.geo, self.w
@@ -198,23 +228,45 @@ class PagedLlama:
         return F.linear(h, self.head())
 
     # -- sampling and records ----------------------------------------------------------------
-    def _sample_and_record(self, h: torch.Tensor, slots: torch.Tensor, wants: torch.Tensor, consumed: torch.Tensor,
-                           s: dict[str, torch.Tensor], hist: torch.Tensor, records: torch.Tensor,
-                           pending: torch.Tensor) -> None:  # fmt: skip
+    def _sample_and_record(
+        self,
+        h: torch.Tensor,
+        slots: torch.Tensor,
+        wants: torch.Tensor,
+        consumed: torch.Tensor,
+        s: dict[str, torch.Tensor],
+        hist: torch.Tensor,
+        records: torch.Tensor,
+        pending: torch.Tensor,
+    ) -> None:
         """h [B, H]; slots [B] live rows (negative: padding); wants [B] bool (the row samples)."""
         g = self.geo
         b = h.shape[0]
         live = (slots >= 0) & (slots <= g.request_slots)
         hrow = torch.where(live, slots, 0).long()
-        tok, allowed = sample(self.logits(h), hist[hrow], s["temperature"], s["top_k"], s["top_p"], s["min_p"],
-                              s["repetition_penalty"], s["presence_penalty"], s["frequency_penalty"],
-                              s["rng_seed"], s["rng_counter"], s.get("grammar_mask"))  # fmt: skip
+        tok, allowed = sample(
+            self.logits(h),
+            hist[hrow],
+            s["temperature"],
+            s["top_k"],
+            s["top_p"],
+            s["min_p"],
+            s["repetition_penalty"],
+            s["presence_penalty"],
+            s["frequency_penalty"],
+            s["rng_seed"],
+            s["rng_counter"],
+            s.get("grammar_mask"),
+        )
         sampled = wants & live & allowed
         eos = torch.zeros_like(sampled)
         for e in g.eos_token_ids:
             eos = eos | (tok == e)
-        flags = (sampled.int() * FLAG_SAMPLED + (sampled & eos).int() * FLAG_EOS
-                 + (wants & live & ~allowed).int() * FLAG_GRAMMAR_EXHAUSTED)  # fmt: skip
+        flags = (
+            sampled.int() * FLAG_SAMPLED
+            + (sampled & eos).int() * FLAG_EOS
+            + (wants & live & ~allowed).int() * FLAG_GRAMMAR_EXHAUSTED
+        )
         z = torch.zeros(b, dtype=torch.int32, device=h.device)
         counter_low = (s["rng_counter"].long() & M32).to(torch.int32)
         cols = [z + RECORD_MAGIC, slots.int(), flags.int(), sampled.int(), consumed.int(), counter_low, z, z]
@@ -232,8 +284,15 @@ class PagedLlama:
         rows[torch.where(live, slots, 0).long()] = h.to(rows.dtype)
 
     # -- step programs -----------------------------------------------------------------------
-    def decode(self, v: dict[str, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, hist: torch.Tensor,
-               records: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def decode(
+        self,
+        v: dict[str, torch.Tensor],
+        kv: torch.Tensor,
+        rows: torch.Tensor,
+        hist: torch.Tensor,
+        records: torch.Tensor,
+        pending: torch.Tensor,
+    ) -> torch.Tensor:
         """One token per request row; its KV slot follows from its position and page table."""
         g = self.geo
         slots = v["request_slots"].long()
@@ -251,8 +310,14 @@ class PagedLlama:
         m = max(b, MIN_GEMM_ROWS)
         if m > b:  # inert rows: no KV write, page table -1 (reads page 0), position 0
             tok = F.pad(tok, (0, m - b))
-            h = self.hidden(tok, F.pad(v["positions"], (0, m - b)), F.pad(slot, (0, m - b), value=-1),
-                            F.pad(table, (0, 0, 0, m - b), value=-1), torch.arange(m, device=pos.device), kv)[:b]  # fmt: skip
+            h = self.hidden(
+                tok,
+                F.pad(v["positions"], (0, m - b)),
+                F.pad(slot, (0, m - b), value=-1),
+                F.pad(table, (0, 0, 0, m - b), value=-1),
+                torch.arange(m, device=pos.device),
+                kv,
+            )[:b]
         else:
             h = self.hidden(tok, v["positions"], slot, table, rowsel, kv)
         self._store_rows(rows, torch.where(valid, slots, -1), h)
@@ -260,8 +325,15 @@ class PagedLlama:
         self._sample_and_record(h, torch.where(valid, slots, -1), wants, pos + 1, v, hist, records, pending)
         return h
 
-    def prefill(self, v: dict[str, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, hist: torch.Tensor,
-                records: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def prefill(
+        self,
+        v: dict[str, torch.Tensor],
+        kv: torch.Tensor,
+        rows: torch.Tensor,
+        hist: torch.Tensor,
+        records: torch.Tensor,
+        pending: torch.Tensor,
+    ) -> torch.Tensor:
         """One request's chunk; the row keeps the hidden vector of its last real token."""
         t = v["token_ids"].shape[0]
         req = torch.zeros(t, dtype=torch.int32, device=v["token_ids"].device)
@@ -275,8 +347,15 @@ class PagedLlama:
         self._sample_and_record(h_last, slots, wants, v["positions"].long()[last] + 1, v, hist, records, pending)
         return h
 
-    def resume(self, v: dict[str, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, hist: torch.Tensor,
-               records: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def resume(
+        self,
+        v: dict[str, torch.Tensor],
+        kv: torch.Tensor,
+        rows: torch.Tensor,
+        hist: torch.Tensor,
+        records: torch.Tensor,
+        pending: torch.Tensor,
+    ) -> torch.Tensor:
         """Samples from a restored row's saved hidden vector; nothing is consumed."""
         src = v["state_row_indices"].long()
         h = rows[src.clamp(0, rows.shape[0] - 1)]
@@ -285,16 +364,30 @@ class PagedLlama:
         self._sample_and_record(h, slots, wants, v["context_lengths"].long(), v, hist, records, pending)
         return h
 
-    def initialize(self, v: dict[str, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, hist: torch.Tensor,
-                   records: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def initialize(
+        self,
+        v: dict[str, torch.Tensor],
+        kv: torch.Tensor,
+        rows: torch.Tensor,
+        hist: torch.Tensor,
+        records: torch.Tensor,
+        pending: torch.Tensor,
+    ) -> torch.Tensor:
         dst = v["destination_rows"].long().clamp(0, rows.shape[0] - 1)
         rows[dst] = torch.zeros_like(rows[dst])
         hd = torch.where(dst <= self.geo.request_slots, dst, 0)
         hist[hd] = torch.zeros_like(hist[hd])
         return rows[dst]
 
-    def restore(self, v: dict[str, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, hist: torch.Tensor,
-                records: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def restore(
+        self,
+        v: dict[str, torch.Tensor],
+        kv: torch.Tensor,
+        rows: torch.Tensor,
+        hist: torch.Tensor,
+        records: torch.Tensor,
+        pending: torch.Tensor,
+    ) -> torch.Tensor:
         src = v["source_rows"].long().clamp(0, rows.shape[0] - 1)
         dst = v["destination_rows"].long().clamp(0, rows.shape[0] - 1)
         rows[dst] = rows[src].clone()
@@ -302,8 +395,15 @@ class PagedLlama:
         hist[hd] = torch.zeros_like(hist[hd])
         return rows[dst]
 
-    def admit_histogram(self, v: dict[str, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, hist: torch.Tensor,
-                        records: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def admit_histogram(
+        self,
+        v: dict[str, torch.Tensor],
+        kv: torch.Tensor,
+        rows: torch.Tensor,
+        hist: torch.Tensor,
+        records: torch.Tensor,
+        pending: torch.Tensor,
+    ) -> torch.Tensor:
         """Adds one chunk of a request's prompt to its live row's penalty histogram (negative ids
         are padding; the row was cleared by initialize or restore)."""
         g = self.geo
@@ -315,8 +415,15 @@ class PagedLlama:
         hist.index_put_((target, ids.clamp(0, g.vocab - 1)), ok.int(), accumulate=True)
         return hist[torch.where(live, row, 0)]
 
-    def snapshot(self, v: dict[str, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, hist: torch.Tensor,
-                 records: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def snapshot(
+        self,
+        v: dict[str, torch.Tensor],
+        kv: torch.Tensor,
+        rows: torch.Tensor,
+        hist: torch.Tensor,
+        records: torch.Tensor,
+        pending: torch.Tensor,
+    ) -> torch.Tensor:
         src = v["source_rows"].long().clamp(0, rows.shape[0] - 1)
         dst = v["destination_rows"].long().clamp(0, rows.shape[0] - 1)
         rows[dst] = rows[src].clone()

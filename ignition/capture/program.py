@@ -8,6 +8,7 @@ region (the executor packs only the graph it is about to replay).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,19 +21,41 @@ STAGING_ALIGN = 256
 
 # value kind -> (torch dtype, manifest dtype)
 VALUE_DTYPES: dict[str, tuple[torch.dtype, str]] = {
-    "token_ids": (torch.int32, "i32"), "positions": (torch.int32, "i32"), "slot_mapping": (torch.int64, "i64"),
-    "page_table": (torch.int32, "i32"), "request_slots": (torch.int32, "i32"),
-    "query_lengths": (torch.int32, "i32"), "context_lengths": (torch.int32, "i32"),
-    "state_row_indices": (torch.int32, "i32"), "temperature": (torch.float32, "f32"),
-    "top_k": (torch.int32, "i32"), "top_p": (torch.float32, "f32"), "min_p": (torch.float32, "f32"),
-    "repetition_penalty": (torch.float32, "f32"), "presence_penalty": (torch.float32, "f32"),
-    "frequency_penalty": (torch.float32, "f32"), "rng_seed": (torch.int64, "u64"),
-    "rng_counter": (torch.int64, "u64"), "sample_flags": (torch.int32, "u32"),
-    "grammar_mask": (torch.int32, "u32"), "source_rows": (torch.int32, "i32"),
-    "destination_rows": (torch.int32, "i32"), "expected_consumed": (torch.int32, "i32"),
-}  # fmt: skip
-SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-            "frequency_penalty", "rng_seed", "rng_counter", "sample_flags")  # fmt: skip
+    "token_ids": (torch.int32, "i32"),
+    "positions": (torch.int32, "i32"),
+    "slot_mapping": (torch.int64, "i64"),
+    "page_table": (torch.int32, "i32"),
+    "request_slots": (torch.int32, "i32"),
+    "query_lengths": (torch.int32, "i32"),
+    "context_lengths": (torch.int32, "i32"),
+    "state_row_indices": (torch.int32, "i32"),
+    "temperature": (torch.float32, "f32"),
+    "top_k": (torch.int32, "i32"),
+    "top_p": (torch.float32, "f32"),
+    "min_p": (torch.float32, "f32"),
+    "repetition_penalty": (torch.float32, "f32"),
+    "presence_penalty": (torch.float32, "f32"),
+    "frequency_penalty": (torch.float32, "f32"),
+    "rng_seed": (torch.int64, "u64"),
+    "rng_counter": (torch.int64, "u64"),
+    "sample_flags": (torch.int32, "u32"),
+    "grammar_mask": (torch.int32, "u32"),
+    "source_rows": (torch.int32, "i32"),
+    "destination_rows": (torch.int32, "i32"),
+    "expected_consumed": (torch.int32, "i32"),
+}
+SAMPLING = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "rng_seed",
+    "rng_counter",
+    "sample_flags",
+)
 
 
 @dataclass
@@ -60,22 +83,80 @@ def catalog(geo: Geometry, decode_buckets: list[int], prefill_chunks: list[int])
 
     out = []
     for b in decode_buckets:
-        out.append(GraphSpec(f"decode_b{b}", "decode", "decode", b, b, {
-            "token_ids": (b,), "positions": (b,), "request_slots": (b,), "page_table": (b, p), **sampling(b)}))
+        out.append(
+            GraphSpec(
+                f"decode_b{b}",
+                "decode",
+                "decode",
+                b,
+                b,
+                {"token_ids": (b,), "positions": (b,), "request_slots": (b,), "page_table": (b, p), **sampling(b)},
+            )
+        )
     for t in prefill_chunks:
-        out.append(GraphSpec(f"prefill_t{t}", "prefill", "prefill", 1, t, {
-            "token_ids": (t,), "positions": (t,), "slot_mapping": (t,), "page_table": (1, p),
-            "request_slots": (1,), "query_lengths": (1,), **sampling(1)}))
-    out.append(GraphSpec("resume_b1", "resume_sampling", "resume", 1, 0, {
-        "request_slots": (1,), "state_row_indices": (1,), "context_lengths": (1,), **sampling(1)}))
-    out.append(GraphSpec("initialize", "state_maintenance", "initialize", 1, 0, {"destination_rows": (1,)},
-                         maintenance_op="initialize"))
+        out.append(
+            GraphSpec(
+                f"prefill_t{t}",
+                "prefill",
+                "prefill",
+                1,
+                t,
+                {
+                    "token_ids": (t,),
+                    "positions": (t,),
+                    "slot_mapping": (t,),
+                    "page_table": (1, p),
+                    "request_slots": (1,),
+                    "query_lengths": (1,),
+                    **sampling(1),
+                },
+            )
+        )
+    out.append(
+        GraphSpec(
+            "resume_b1",
+            "resume_sampling",
+            "resume",
+            1,
+            0,
+            {"request_slots": (1,), "state_row_indices": (1,), "context_lengths": (1,), **sampling(1)},
+        )
+    )
+    out.append(
+        GraphSpec(
+            "initialize",
+            "state_maintenance",
+            "initialize",
+            1,
+            0,
+            {"destination_rows": (1,)},
+            maintenance_op="initialize",
+        )
+    )
     t = max(prefill_chunks)
-    out.append(GraphSpec("admit_histogram", "state_maintenance", "admit_histogram", 1, t,
-                         {"request_slots": (1,), "token_ids": (t,)}, maintenance_op="admit_histogram"))
+    out.append(
+        GraphSpec(
+            "admit_histogram",
+            "state_maintenance",
+            "admit_histogram",
+            1,
+            t,
+            {"request_slots": (1,), "token_ids": (t,)},
+            maintenance_op="admit_histogram",
+        )
+    )
     for op in ("restore", "snapshot"):
-        out.append(GraphSpec(op, "state_maintenance", op, 1, 0, {
-            "source_rows": (1,), "destination_rows": (1,), "expected_consumed": (1,)}, maintenance_op=op))
+        out.append(
+            GraphSpec(
+                op,
+                "state_maintenance",
+                op,
+                1,
+                0,
+                {"source_rows": (1,), "destination_rows": (1,), "expected_consumed": (1,)},
+                maintenance_op=op,
+            )
+        )
     return out
 
 
@@ -119,13 +200,29 @@ class Program:
             spec.records = self.records[: spec.request_count]
 
     def state(self) -> dict[str, torch.Tensor]:
-        return {"kv_pages": self.kv, "continuation_rows": self.rows, "penalty_histogram": self.hist,
-                "pending_tokens": self.pending, "completion_records": self.records,
-                "staging": self.staging}  # fmt: skip
+        return {
+            "kv_pages": self.kv,
+            "continuation_rows": self.rows,
+            "penalty_histogram": self.hist,
+            "pending_tokens": self.pending,
+            "completion_records": self.records,
+            "staging": self.staging,
+        }
 
-    def call(self, spec: GraphSpec, fn: Any, state: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        s = state or {"kv": self.kv_all, "rows": self.rows, "hist": self.hist, "records": spec.records,
-                      "pending": self.pending}  # fmt: skip
+    def call(
+        self, spec: GraphSpec, fn: Callable[..., torch.Tensor], state: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        s = state
+        if not s:
+            if spec.records is None:
+                raise RuntimeError(f"graph {spec.name} has no completion-records view")
+            s = {
+                "kv": self.kv_all,
+                "rows": self.rows,
+                "hist": self.hist,
+                "records": spec.records,
+                "pending": self.pending,
+            }
         return fn(spec.inputs, s["kv"], s["rows"], s["hist"], s["records"], s["pending"])
 
     def method(self, spec: GraphSpec) -> Any:

@@ -18,7 +18,8 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,19 +28,30 @@ import torch
 from ignition.capture import driver as D
 from ignition.capture.arena import DEFAULT_BASE, FixedArena, build_allocator
 from ignition.capture.paged import HEADER_WORDS
-from ignition.capture.program import COMPLETION_TOKENS, VALUE_DTYPES, GraphSpec
+from ignition.capture.program import COMPLETION_TOKENS, VALUE_DTYPES, GraphSpec, Program
 from ignition.core import safetensors_io as st
 from ignition.core.manifest import Dtype
 
 RECORDING_FORMAT = "flare-recorded-graphs/1"
 ARENA_ALIGNMENT = 1 << 16
-TORCH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32", torch.int32: "i32",
-                torch.int64: "i64", torch.uint8: "u8", torch.bool: "bool"}  # fmt: skip
+TORCH_DTYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "f16",
+    torch.float32: "f32",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.uint8: "u8",
+    torch.bool: "bool",
+}
 # State tensor -> (role, dtype in the manifest, init).
-STATE_ROLES = {"kv_pages": ("kv_pages", "bf16", "zero"), "continuation_rows": ("continuation_rows", "bf16", "zero"),
-               "penalty_histogram": ("request_state", "i32", "zero"),
-               "pending_tokens": ("request_state", "i32", "zero"),
-               "completion_records": ("completion_records", "u32", "zero"), "staging": ("staging_inputs", "u8", "zero")}  # fmt: skip
+STATE_ROLES = {
+    "kv_pages": ("kv_pages", "bf16", "zero"),
+    "continuation_rows": ("continuation_rows", "bf16", "zero"),
+    "penalty_histogram": ("request_state", "i32", "zero"),
+    "pending_tokens": ("request_state", "i32", "zero"),
+    "completion_records": ("completion_records", "u32", "zero"),
+    "staging": ("staging_inputs", "u8", "zero"),
+}
 # How each sampling graph binds the pending tokens: all store what they sample, decode also reads.
 PENDING_DIRECTION = {"decode": "state_read_write", "prefill": "state_write", "resume_sampling": "state_write"}
 
@@ -55,7 +67,7 @@ class ImageHook:
 
         triton.knobs.runtime.kernel_load_end_hook.add(self._on_load)
 
-    def _on_load(self, module: Any, function: Any, name: Any, metadata_group: Any, hash: Any) -> None:  # noqa: A002
+    def _on_load(self, module: Any, function: Any, name: Any, metadata_group: Any, hash: Any) -> None:
         self.loads += 1
         group = dict(metadata_group or {})
         cubins = [p for k, p in group.items() if str(k).endswith(".cubin")]
@@ -70,8 +82,11 @@ def configure_inductor() -> dict[str, Any]:
     ic.max_autotune_gemm_backends = "TRITON"  # GEMMs as Triton templates: no cuBLAS in the graph
     ic.use_static_cuda_launcher = False  # with it, Triton's load hook never fires
     ic.fallback_random = False
-    out: dict[str, Any] = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "TRITON",
-                           "use_static_cuda_launcher": False}  # fmt: skip
+    out: dict[str, Any] = {
+        "max_autotune_gemm": True,
+        "max_autotune_gemm_backends": "TRITON",
+        "use_static_cuda_launcher": False,
+    }
     # Shorter GEMM benchmarking (ms per choice; the defaults are 25 and 100): compile time on the
     # H200 was dominated by autotuning ~20 Triton configs per shape. Set where this torch has them.
     for key, value in (("inductor_default_autotune_warmup", 5), ("inductor_default_autotune_rep", 25)):
@@ -106,8 +121,14 @@ class Recorder:
     `build(device)` is called inside the arena's state pool and returns the Program, so every
     state tensor the graphs touch lies in the arena."""
 
-    def __init__(self, out: Path, build: Any, describe: CoreDescription, arena_bytes: int,
-                 base: int = DEFAULT_BASE) -> None:  # fmt: skip
+    def __init__(
+        self,
+        out: Path,
+        build: Callable[[torch.device], Program],
+        describe: CoreDescription,
+        arena_bytes: int,
+        base: int = DEFAULT_BASE,
+    ) -> None:
         self.out = out
         self.build = build
         self.describe = describe
@@ -130,9 +151,13 @@ class Recorder:
         mapped = -(-self.arena_bytes // (2 << 20)) * (2 << 20)
         self.arena = FixedArena(so, base=self.base_request, reserve=-(-mapped // gib) * gib, mapped=mapped)
         self._t("allocator_build_s", t0)
-        self.report["arena"] = {"requested_base": hex(self.arena.requested_base), "base": hex(self.arena.base),
-                                "reserved": self.arena.reserved, "mapped": self.arena.mapped,
-                                "at_requested_base": self.arena.base == self.arena.requested_base}  # fmt: skip
+        self.report["arena"] = {
+            "requested_base": hex(self.arena.requested_base),
+            "base": hex(self.arena.base),
+            "reserved": self.arena.reserved,
+            "mapped": self.arena.mapped,
+            "at_requested_base": self.arena.base == self.arena.requested_base,
+        }
         self.hook = ImageHook()
         self.report["inductor"] = configure_inductor()
         t0 = time.time()
@@ -144,7 +169,7 @@ class Recorder:
         self._t("weights_to_device_s", t0)
         self.report["geometry"] = self.program.geo.as_dict()
 
-    def _call(self, g: GraphSpec, fn: Any) -> torch.Tensor:
+    def _call(self, g: GraphSpec, fn: Callable[..., torch.Tensor]) -> torch.Tensor:
         return self.program.call(g, fn)
 
     # -- compile and capture -------------------------------------------------------------
@@ -178,12 +203,19 @@ class Recorder:
         # A compiled graph that functionalized a KV write holds a copy of the whole cache in its
         # pool and copies it every replay (see attention.write_attend_op). Find any such block.
         kv_bytes = self.program.kv_all.numel() * self.program.kv_all.element_size()
-        big = [size for seg in self._segments()[0] if seg["pool"] == "graph" for _, size, _ in seg["blocks"]
-               if size >= kv_bytes]  # fmt: skip
+        big = [
+            size
+            for seg in self._segments()[0]
+            if seg["pool"] == "graph"
+            for _, size, _ in seg["blocks"]
+            if size >= kv_bytes
+        ]
         self.report["kv_sized_graph_pool_blocks"] = big
         if big:
-            progress(f"WARNING: graph pools hold {len(big)} KV-sized blocks ({kv_bytes} B each or more): "
-                     "a graph copies the KV cache")  # fmt: skip
+            progress(
+                f"WARNING: graph pools hold {len(big)} KV-sized blocks ({kv_bytes} B each or more): "
+                "a graph copies the KV cache"
+            )
 
     # -- memory map ----------------------------------------------------------------------
     def _named(self) -> dict[str, tuple[torch.Tensor, str, Any, str]]:
@@ -228,7 +260,9 @@ class Recorder:
             for sg in self.arena.segments():
                 if not sg.freed:
                     a = self.arena.base + sg.offset
-                    inside.append({"address": a, "size": sg.size, "pool": "unknown", "blocks": [(a, sg.size, "inactive")]})
+                    inside.append(
+                        {"address": a, "size": sg.size, "pool": "unknown", "blocks": [(a, sg.size, "inactive")]}
+                    )
         return inside, foreign
 
     def allocations(self) -> tuple[list[dict[str, Any]], list[list[str]], dict[str, st.TensorBytes], dict[str, Any]]:
@@ -242,21 +276,43 @@ class Recorder:
             if not self.arena.contains(a):
                 raise RuntimeError(f"tensor {name} at {a:#x} is outside the arena")
             nbytes = t.numel() * t.element_size()
-            allocs.append({"name": name, "role": role, "offset": a - base, "byte_size": nbytes,
-                           "alignment": _align_of(a - base), "dtype": dt, "shape": list(t.shape), "init": init})  # fmt: skip
+            allocs.append(
+                {
+                    "name": name,
+                    "role": role,
+                    "offset": a - base,
+                    "byte_size": nbytes,
+                    "alignment": _align_of(a - base),
+                    "dtype": dt,
+                    "shape": list(t.shape),
+                    "init": init,
+                }
+            )
             covered.append((a, a + nbytes))
             if isinstance(init, dict):
                 tensors[name] = st.TensorBytes(Dtype[dt.upper()], tuple(t.shape), _bytes(t))
         covered.sort()
         segments, foreign = self._segments()
-        stats = {"segments": len(segments), "constants": 0, "constant_bytes": 0, "scratch": 0, "graph_pool": 0,
-                 "pools": sorted({s["pool"] for s in segments})}  # fmt: skip
+        stats: dict[str, Any] = {
+            "segments": len(segments),
+            "constants": 0,
+            "constant_bytes": 0,
+            "scratch": 0,
+            "graph_pool": 0,
+            "pools": sorted({s["pool"] for s in segments}),
+        }
         for si, s in enumerate(segments):
             for bi, (addr, size, state) in enumerate(s["blocks"]):
                 for gi, (lo, hi) in enumerate(_gaps(addr, addr + size, covered)):
                     name = f"arena.s{si}.b{bi}.{gi}"
-                    entry = {"name": name, "offset": lo - base, "byte_size": hi - lo, "alignment": _align_of(lo - base),
-                             "dtype": "u8", "shape": [hi - lo]}  # fmt: skip
+                    entry = {
+                        "name": name,
+                        "offset": lo - base,
+                        "byte_size": hi - lo,
+                        "alignment": _align_of(lo - base),
+                        "dtype": "u8",
+                        "shape": [hi - lo],
+                    }
                     if s["pool"] == "graph":
                         entry.update(role="graph_pool", init="uninitialized")
                         stats["graph_pool"] += 1
@@ -283,7 +339,9 @@ class Recorder:
             raw = int(g.graph.raw_cuda_graph())
             nodes = D.graph_nodes(raw)
             ids = {n: i + 1 for i, n in enumerate(nodes)}
-            rec_nodes, kinds, library = [], {}, []
+            rec_nodes: list[dict[str, Any]] = []
+            kinds: dict[str, int] = {}
+            library: list[str] = []
             for n in nodes:
                 kind = D.node_kind(n)
                 kinds[kind] = kinds.get(kind, 0) + 1
@@ -293,16 +351,38 @@ class Recorder:
                     key = self._kernel_entry(k, kernels, images_dir)
                     if kernels[k.function]["origin"] != "triton":
                         library.append(k.name)
-                    rec_nodes.append({"id": nid, "kernel": {
-                        "key": key, "grid": list(k.grid), "block": list(k.block),
-                        "dynamic_shared_memory": k.dynamic_shared_memory, "param_bytes": k.param_bytes.hex()}})  # fmt: skip
+                    rec_nodes.append(
+                        {
+                            "id": nid,
+                            "kernel": {
+                                "key": key,
+                                "grid": list(k.grid),
+                                "block": list(k.block),
+                                "dynamic_shared_memory": k.dynamic_shared_memory,
+                                "param_bytes": k.param_bytes.hex(),
+                            },
+                        }
+                    )
                 elif kind == "memcpy":
                     m = D.memcpy(n)
-                    rec_nodes.append({"id": nid, "memcpy": {"src": hex(m.src), "dst": hex(m.dst), "byte_count": m.byte_count}})
+                    rec_nodes.append(
+                        {"id": nid, "memcpy": {"src": hex(m.src), "dst": hex(m.dst), "byte_count": m.byte_count}}
+                    )
                 elif kind == "memset":
-                    m = D.memset(n)
-                    rec_nodes.append({"id": nid, "memset": {"dst": hex(m.dst), "value": m.value, "element_size": m.element_size,
-                                                            "width": m.width, "height": m.height, "pitch": m.pitch}})  # fmt: skip
+                    fill = D.memset(n)
+                    rec_nodes.append(
+                        {
+                            "id": nid,
+                            "memset": {
+                                "dst": hex(fill.dst),
+                                "value": fill.value,
+                                "element_size": fill.element_size,
+                                "width": fill.width,
+                                "height": fill.height,
+                                "pitch": fill.pitch,
+                            },
+                        }
+                    )
                 elif kind == "empty":
                     rec_nodes.append({"id": nid, "empty": {}})
                 else:
@@ -310,24 +390,54 @@ class Recorder:
             edges = [[ids[a], ids[b]] for a, b in D.graph_edges(raw)]
             bindings = []
             for value, t in g.inputs.items():
-                bindings.append({"value": value, "address": hex(t.data_ptr()), "dtype": VALUE_DTYPES[value][1],
-                                 "shape": list(t.shape)})  # fmt: skip
+                bindings.append(
+                    {
+                        "value": value,
+                        "address": hex(t.data_ptr()),
+                        "dtype": VALUE_DTYPES[value][1],
+                        "shape": list(t.shape),
+                    }
+                )
             if g.kind != "state_maintenance":
                 assert g.records is not None
-                bindings.append({"value": "completion_records", "address": hex(g.records.data_ptr()), "dtype": "u32",
-                                 "shape": list(g.records.shape)})  # fmt: skip
+                bindings.append(
+                    {
+                        "value": "completion_records",
+                        "address": hex(g.records.data_ptr()),
+                        "dtype": "u32",
+                        "shape": list(g.records.shape),
+                    }
+                )
                 pending = self.program.pending
-                bindings.append({"value": "pending_tokens", "address": hex(pending.data_ptr()), "dtype": "i32",
-                                 "shape": list(pending.shape), "direction": PENDING_DIRECTION[g.kind]})  # fmt: skip
-            graphs.append({
-                "name": g.name, "kind": g.kind,
-                "capacity": {"request_count": g.request_count, "token_capacity": g.token_capacity},
-                "event_count": 0, "completion_token_capacity": COMPLETION_TOKENS, "continuation_rows_per_request": 1,
-                "nodes": rec_nodes, "edges": edges, "bindings": bindings,
-                **({"maintenance_op": g.maintenance_op} if g.maintenance_op else {}),
-            })  # fmt: skip
-            self.report["graphs"][g.name] = {"nodes": len(nodes), "kinds": kinds, "edges": len(edges),
-                                             "library_kernels": sorted(set(library))}  # fmt: skip
+                bindings.append(
+                    {
+                        "value": "pending_tokens",
+                        "address": hex(pending.data_ptr()),
+                        "dtype": "i32",
+                        "shape": list(pending.shape),
+                        "direction": PENDING_DIRECTION[g.kind],
+                    }
+                )
+            graphs.append(
+                {
+                    "name": g.name,
+                    "kind": g.kind,
+                    "capacity": {"request_count": g.request_count, "token_capacity": g.token_capacity},
+                    "event_count": 0,
+                    "completion_token_capacity": COMPLETION_TOKENS,
+                    "continuation_rows_per_request": 1,
+                    "nodes": rec_nodes,
+                    "edges": edges,
+                    "bindings": bindings,
+                    **({"maintenance_op": g.maintenance_op} if g.maintenance_op else {}),
+                }
+            )
+            self.report["graphs"][g.name] = {
+                "nodes": len(nodes),
+                "kinds": kinds,
+                "edges": len(edges),
+                "library_kernels": sorted(set(library)),
+            }
         return graphs
 
     def _kernel_entry(self, k: D.KernelLaunch, kernels: dict[int, dict[str, Any]], images_dir: Path) -> str:
@@ -335,8 +445,14 @@ class Recorder:
         if e is None:
             hooked = self.hook.by_function.get(k.function)
             key = f"f{k.function:x}"
-            e = {"key": key, "function_name": k.name, "params": [list(p) for p in k.params], "format": "cubin",
-                 "max_dynamic_shared_memory": 0, "required_threads_per_block": 0}  # fmt: skip
+            e = {
+                "key": key,
+                "function_name": k.name,
+                "params": [list(p) for p in k.params],
+                "format": "cubin",
+                "max_dynamic_shared_memory": 0,
+                "required_threads_per_block": 0,
+            }
             if hooked is not None:
                 digest = hashlib.sha256(hooked[1]).hexdigest()[:16]
                 rel = f"kernels/{k.name[:80]}-{digest}.cubin"
@@ -349,7 +465,8 @@ class Recorder:
                 e["function_attributes"] = {
                     "max_dynamic_shared_size": D.function_attribute(k.function, D.FUNC_ATTR_MAX_DYNAMIC_SHARED),
                     "static_shared_size": D.function_attribute(k.function, D.FUNC_ATTR_SHARED_SIZE),
-                    "registers": D.function_attribute(k.function, D.FUNC_ATTR_NUM_REGS)}  # fmt: skip
+                    "registers": D.function_attribute(k.function, D.FUNC_ATTR_NUM_REGS),
+                }
             kernels[k.function] = e
         # The loader sets the function's dynamic shared memory limit to what its launches need.
         e["max_dynamic_shared_memory"] = max(e["max_dynamic_shared_memory"], k.dynamic_shared_memory)
@@ -374,49 +491,77 @@ class Recorder:
         recording = {
             "format": RECORDING_FORMAT,
             "identity": {
-                "device": {"name": props.name, "compute_capability": [props.major, props.minor],
-                           "sm_count": props.multi_processor_count, "total_memory_bytes": props.total_memory},
-                "cuda_driver_version": D.driver_version(), "cuda_toolkit_version": major * 1000 + minor * 10,
+                "device": {
+                    "name": props.name,
+                    "compute_capability": [props.major, props.minor],
+                    "sm_count": props.multi_processor_count,
+                    "total_memory_bytes": props.total_memory,
+                },
+                "cuda_driver_version": D.driver_version(),
+                "cuda_toolkit_version": major * 1000 + minor * 10,
                 "producer": f"ignition prepare (torch {torch.__version__})",
                 "model_config": d.model_config,
             },
-            "arena": {"base_address": hex(self.arena.base), "byte_size": -(-self.arena.used // (2 << 20)) * (2 << 20),
-                      "alignment": ARENA_ALIGNMENT},
+            "arena": {
+                "base_address": hex(self.arena.base),
+                "byte_size": -(-self.arena.used // (2 << 20)) * (2 << 20),
+                "alignment": ARENA_ALIGNMENT,
+            },
             "foreign_ranges": foreign,
             "tensor_source": "weights.safetensors",
             "allocations": allocs,
             "kernels": list(kernels.values()),
             "cache_scheme": {
                 "page_tokens": c.page_tokens,
-                "page_regions": [{"name": f"layer{i}.{kv}", "bytes_per_page": c.region_bytes}
-                                 for i in range(c.layers) for kv in ("k", "v")],
+                "page_regions": [
+                    {"name": f"layer{i}.{kv}", "bytes_per_page": c.region_bytes}
+                    for i in range(c.layers)
+                    for kv in ("k", "v")
+                ],
                 "continuation_row_bytes": c.hidden * 2,
-                "row_layout": [{"name": "final_hidden", "kind": "hidden_vector", "offset": 0, "byte_size": c.hidden * 2}],
-                "live_rows_per_slot": 1, "verification_width": 1, "padding_slot": -1,
+                "row_layout": [
+                    {"name": "final_hidden", "kind": "hidden_vector", "offset": 0, "byte_size": c.hidden * 2}
+                ],
+                "live_rows_per_slot": 1,
+                "verification_width": 1,
+                "padding_slot": -1,
             },
             "capacities": {
-                "context_limit": c.context_limit, "decode_request_buckets": d.decode_buckets,
-                "prefill_chunk_capacities": d.prefill_chunks, "request_slots": c.request_slots,
-                "snapshot_rows": c.snapshot_rows, "max_kv_pages": c.max_kv_pages, "vocab_size": c.vocab,
+                "context_limit": c.context_limit,
+                "decode_request_buckets": d.decode_buckets,
+                "prefill_chunk_capacities": d.prefill_chunks,
+                "request_slots": c.request_slots,
+                "snapshot_rows": c.snapshot_rows,
+                "max_kv_pages": c.max_kv_pages,
+                "vocab_size": c.vocab,
                 "completion_record_header_words": HEADER_WORDS,
             },
-            "frontend": {"tokenizer": "tokenizer.json", "chat_template": "chat_template.jinja",
-                         "eos_token_ids": d.eos_token_ids, "sampling": d.sampling, "reasoning_parser": "none",
-                         "tool_parser": "none", "served_model_name": d.served_model_name},  # fmt: skip
+            "frontend": {
+                "tokenizer": "tokenizer.json",
+                "chat_template": "chat_template.jinja",
+                "eos_token_ids": d.eos_token_ids,
+                "sampling": d.sampling,
+                "reasoning_parser": "none",
+                "tool_parser": "none",
+                "served_model_name": d.served_model_name,
+            },
             "graphs": graphs,
-        }  # fmt: skip
+        }
         path = rec_dir / "recorded_graph.json"
         path.write_text(json.dumps(recording, indent=1) + "\n")
         self._t("record_s", t0)
-        self.report["kernels"] = {"distinct_functions": len(kernels),
-                                  "with_image": sum(1 for e in kernels.values() if e["origin"] == "triton"),
-                                  "hook_loads": self.hook.loads}  # fmt: skip
+        self.report["kernels"] = {
+            "distinct_functions": len(kernels),
+            "with_image": sum(1 for e in kernels.values() if e["origin"] == "triton"),
+            "hook_loads": self.hook.loads,
+        }
         self.report["memory_map"] = stats
         return path
 
     # -- reference -----------------------------------------------------------------------
-    def reference(self, io_dir: Path, timed: int = 200, full_io_dir: Path | None = None,
-                  graphs: list[str] | None = None) -> None:  # fmt: skip
+    def reference(
+        self, io_dir: Path, timed: int = 200, full_io_dir: Path | None = None, graphs: list[str] | None = None
+    ) -> None:
         """Per graph: inputs set, their bytes saved, torch replays once, the outputs' bytes saved;
         also torch's own determinism (replay again, replay over a poisoned pool) and graph vs eager."""
         self.report["torch_replay"] = {}
@@ -425,8 +570,14 @@ class Recorder:
             prog.set_inputs(g, gi)
             torch.cuda.synchronize()
             written = dict(prog.state())
-            eager_state = {"kv": prog.kv_all.clone(), "rows": prog.rows.clone(), "hist": prog.hist.clone(),
-                           "records": g.records.clone(), "pending": prog.pending.clone()}  # fmt: skip
+            assert g.records is not None  # set_inputs placed the graph's records view
+            eager_state = {
+                "kv": prog.kv_all.clone(),
+                "rows": prog.rows.clone(),
+                "hist": prog.hist.clone(),
+                "records": g.records.clone(),
+                "pending": prog.pending.clone(),
+            }
             eager = prog.call(g, prog.method(g), eager_state)
             dump = graphs is None or g.name in graphs
             d = io_dir / g.name
@@ -447,9 +598,14 @@ class Recorder:
             g.graph.replay()
             torch.cuda.synchronize()
             assert g.output is not None
-            read = {"kv_pages": prog.kv, "continuation_rows": prog.rows, "penalty_histogram": prog.hist,
-                    "pending_tokens": prog.pending, "completion_records": prog.records,
-                    f"{g.name}.output": g.output}  # fmt: skip
+            read = {
+                "kv_pages": prog.kv,
+                "continuation_rows": prog.rows,
+                "penalty_histogram": prog.hist,
+                "pending_tokens": prog.pending,
+                "completion_records": prog.records,
+                f"{g.name}.output": g.output,
+            }
             if dump:
                 for name, t in read.items():
                     (d / f"out.{name}.bin").write_bytes(_bytes(t))
@@ -479,10 +635,14 @@ class Recorder:
             torch.cuda.synchronize()
             us = (time.time() - t0) / max(timed, 1) * 1e6
             self.report["torch_replay"][g.name] = {
-                "replay_us": round(us, 2), "rel_l2_graph_vs_eager": rel, "records_equal_eager": records_equal,
+                "replay_us": round(us, 2),
+                "rel_l2_graph_vs_eager": rel,
+                "records_equal_eager": records_equal,
                 "pending_tokens_equal_eager": pending_equal,
-                "second_replay_bitwise_equal": again, "poisoned_pool_replay_bitwise_equal": poisoned,
-                "io_dumped": dump}  # fmt: skip
+                "second_replay_bitwise_equal": again,
+                "poisoned_pool_replay_bitwise_equal": poisoned,
+                "io_dumped": dump,
+            }
 
 
 def _align_of(offset: int) -> int:

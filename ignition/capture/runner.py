@@ -65,8 +65,14 @@ class GraphRunner:
 
     def maintenance(self, name: str, destination: int, source: int | None = None) -> None:
         g = self.by_name[name]
-        fill(g, {"destination_rows": [destination], "source_rows": [] if source is None else [source],
-                       "expected_consumed": [-1]})  # fmt: skip
+        fill(
+            g,
+            {
+                "destination_rows": [destination],
+                "source_rows": [] if source is None else [source],
+                "expected_consumed": [-1],
+            },
+        )
         g.graph.replay()
         _sync(self.p)
 
@@ -96,8 +102,16 @@ class GraphRunner:
     def decode_step(self, rows: list[Row]) -> list[list[int]]:
         return self.replay(self.decode_graph(len(rows)), rows)[1]
 
-    def generate(self, prompt: list[int], seed: int, params: Sampling, max_tokens: int, live_row: int = 1,
-                 chunk: int | None = None, device_fed: bool = False) -> list[int]:  # fmt: skip
+    def generate(
+        self,
+        prompt: list[int],
+        seed: int,
+        params: Sampling,
+        max_tokens: int,
+        live_row: int = 1,
+        chunk: int | None = None,
+        device_fed: bool = False,
+    ) -> list[int]:
         """One request, alone: prefill in chunks of the largest graph, then decode_b1 (its input
         token from the device's pending token with `device_fed`)."""
         return _generate(self, prompt, seed, params, max_tokens, self.p.geo.eos_token_ids, live_row, chunk, device_fed)

@@ -19,11 +19,19 @@ def _compare(a: bytes, b: bytes, elem: int) -> dict[str, Any]:
     y = np.frombuffer(b, dtype=np.uint8, count=n)
     diff = x != y
     diff_elems = int(diff.reshape(-1, elem).any(1).sum()) if n else 0
-    return {"bytes": len(a), "rust_bytes": len(b), "equal": a == b, "differing_bytes": int(diff.sum()),
-            "elements": n // elem, "differing_elements": diff_elems}  # fmt: skip
+    return {
+        "bytes": len(a),
+        "rust_bytes": len(b),
+        "equal": a == b,
+        "differing_bytes": int(diff.sum()),
+        "elements": n // elem,
+        "differing_elements": diff_elems,
+    }
 
 
-def replay_in_rust(binary: Path, core: Path, io: Path, out: Path, graph: str, repeat: int, relocate: bool) -> dict[str, Any]:
+def replay_in_rust(
+    binary: Path, core: Path, io: Path, out: Path, graph: str, repeat: int, relocate: bool
+) -> dict[str, Any]:
     gdir = io / graph
     rdir = out / ("rust_reloc" if relocate else "rust") / graph
     rdir.mkdir(parents=True, exist_ok=True)
@@ -37,8 +45,12 @@ def replay_in_rust(binary: Path, core: Path, io: Path, out: Path, graph: str, re
         cmd.append("--relocate")
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True)
-    res: dict[str, Any] = {"command": " ".join(cmd[:4]) + " ... (" + str(len(cmd)) + " args)", "rc": p.returncode,
-                           "wall_s": round(time.time() - t0, 3), "stderr": p.stderr[-2000:]}  # fmt: skip
+    res: dict[str, Any] = {
+        "command": " ".join(cmd[:4]) + " ... (" + str(len(cmd)) + " args)",
+        "rc": p.returncode,
+        "wall_s": round(time.time() - t0, 3),
+        "stderr": p.stderr[-2000:],
+    }
     try:
         res["report"] = json.loads(p.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):

@@ -49,8 +49,9 @@ def uniform(seed: torch.Tensor, counter: torch.Tensor, vocab: int) -> torch.Tens
     return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
-def _largest_threshold(key: torch.Tensor, weight: torch.Tensor | None, target: torch.Tensor,
-                       bits: int = RADIX_BITS) -> torch.Tensor:  # fmt: skip
+def _largest_threshold(
+    key: torch.Tensor, weight: torch.Tensor | None, target: torch.Tensor, bits: int = RADIX_BITS
+) -> torch.Tensor:
     """Per row, the largest t in [0, 2^32) with S(t) >= target, where S(t) counts (or sums
     `weight` over) the entries with key >= t. S is non-increasing and S(0) covers the row,
     so 32 / bits passes of 2^bits - 1 candidates find t exactly."""
@@ -73,12 +74,22 @@ def expand_mask(words: torch.Tensor, vocab: int) -> torch.Tensor:
     return ((w >> (idx & 31).to(w.dtype)[None, :]) & 1) != 0
 
 
-def sample(logits: torch.Tensor, histogram: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-           top_p: torch.Tensor, min_p: torch.Tensor, repetition: torch.Tensor, presence: torch.Tensor,
-           frequency: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor,
-           grammar: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def sample(
+    logits: torch.Tensor,
+    histogram: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    seed: torch.Tensor,
+    counter: torch.Tensor,
+    grammar: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (tokens [B] int64, allowed [B] bool). `histogram` [B, V] counts earlier tokens."""
-    b, v = logits.shape
+    v = logits.shape[1]
     x = logits.float()
     counts = histogram.float()
     seen = histogram > 0

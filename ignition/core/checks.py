@@ -7,13 +7,23 @@ instead of later in `flare check`. Each failure is a `ManifestError` naming the 
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
 from ignition.core.contract import expected_view, required_values
 from ignition.core.manifest import (
-    BufferRole, Direction, GraphKind, KernelNode, RuntimeCore, SamplingParameter, ValueKind, ZeroFill,
-)  # fmt: skip
+    Buffer,
+    BufferRole,
+    Direction,
+    GraphKind,
+    KernelImage,
+    KernelNode,
+    RuntimeCore,
+    SamplingParameter,
+    ValueKind,
+    ZeroFill,
+)
 
 
 @dataclass(eq=False)
@@ -69,7 +79,7 @@ def check_core(core: RuntimeCore) -> None:
         if b.shape and math.prod(b.shape) * b.dtype.size != b.byte_size:
             raise ManifestError(f"{f}.shape", f"{list(b.shape)} x {b.dtype.name} != {b.byte_size} bytes")
     ordered = sorted(core.buffers, key=lambda b: b.offset)
-    for x, y in zip(ordered, ordered[1:], strict=False):
+    for x, y in itertools.pairwise(ordered):
         if x.end > y.offset:
             raise ManifestError(f"buffers[{y.name}].offset", f"overlaps buffer {x.name}")
     by_id = {b.id: b for b in core.buffers}
@@ -150,7 +160,13 @@ def _check_pending_tokens(core: RuntimeCore) -> None:
         raise ManifestError("graphs.bindings[PENDING_TOKENS]", f"views in several buffers: {views}")
 
 
-def _check_graph_kernels(core, graph, nodes, kernels, by_id) -> None:  # type: ignore[no-untyped-def]
+def _check_graph_kernels(
+    core: RuntimeCore,
+    graph: str,
+    nodes: list[KernelNode],
+    kernels: dict[int, KernelImage],
+    by_id: dict[int, Buffer],
+) -> None:
     base = core.arena.base_address
     for k in nodes:
         image = kernels.get(k.kernel_id)
@@ -158,7 +174,9 @@ def _check_graph_kernels(core, graph, nodes, kernels, by_id) -> None:  # type: i
         if image is None:
             raise ManifestError(f, "unknown kernel id")
         if len(k.param_bytes) != image.param_buffer_size:
-            raise ManifestError(f"{f}.param_bytes", f"{len(k.param_bytes)} bytes, layout needs {image.param_buffer_size}")
+            raise ManifestError(
+                f"{f}.param_bytes", f"{len(k.param_bytes)} bytes, layout needs {image.param_buffer_size}"
+            )
         covered = set()
         for r in k.relocations:
             at = image.params[r.param_index].offset + r.byte_offset

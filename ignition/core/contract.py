@@ -8,8 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ignition.core.manifest import Capacities, CacheScheme, Direction, Dtype, GraphCapacity, GraphKind
-from ignition.core.manifest import MaintenanceOp, ValueKind
+from ignition.core.manifest import (
+    CacheScheme,
+    Capacities,
+    Direction,
+    Dtype,
+    GraphCapacity,
+    GraphKind,
+    MaintenanceOp,
+    ValueKind,
+)
 
 V = ValueKind
 
@@ -22,16 +30,29 @@ class ExpectedView:
     direction: Direction
 
     def matches(self, shape: tuple[int, ...]) -> bool:
-        return len(shape) == len(self.shape) and all(w is None or w == g for w, g in zip(self.shape, shape, strict=True))
+        return len(shape) == len(self.shape) and all(
+            w is None or w == g for w, g in zip(self.shape, shape, strict=True)
+        )
 
 
 _PER_REQUEST_I32 = {
-    V.REQUEST_SLOTS, V.QUERY_LENGTHS, V.CONTEXT_LENGTHS, V.STATE_ROW_INDICES,
-    V.SOURCE_ROWS, V.DESTINATION_ROWS, V.EXPECTED_CONSUMED, V.TOP_K,
-}  # fmt: skip
+    V.REQUEST_SLOTS,
+    V.QUERY_LENGTHS,
+    V.CONTEXT_LENGTHS,
+    V.STATE_ROW_INDICES,
+    V.SOURCE_ROWS,
+    V.DESTINATION_ROWS,
+    V.EXPECTED_CONSUMED,
+    V.TOP_K,
+}
 _PER_REQUEST_F32 = {
-    V.TEMPERATURE, V.TOP_P, V.MIN_P, V.REPETITION_PENALTY, V.PRESENCE_PENALTY, V.FREQUENCY_PENALTY,
-}  # fmt: skip
+    V.TEMPERATURE,
+    V.TOP_P,
+    V.MIN_P,
+    V.REPETITION_PENALTY,
+    V.PRESENCE_PENALTY,
+    V.FREQUENCY_PENALTY,
+}
 
 
 # Persistent request state a graph kind binds, and how: sampling graphs store every sampled
@@ -85,8 +106,15 @@ def expected_view(
 
 def required_values(kind: GraphKind, op: MaintenanceOp | None) -> tuple[ValueKind, ...]:
     if kind is GraphKind.PREFILL:
-        return (V.TOKEN_IDS, V.POSITIONS, V.SLOT_MAPPING, V.PAGE_TABLE, V.REQUEST_SLOTS, V.QUERY_LENGTHS,
-                V.COMPLETION_RECORDS)  # fmt: skip
+        return (
+            V.TOKEN_IDS,
+            V.POSITIONS,
+            V.SLOT_MAPPING,
+            V.PAGE_TABLE,
+            V.REQUEST_SLOTS,
+            V.QUERY_LENGTHS,
+            V.COMPLETION_RECORDS,
+        )
     if kind is GraphKind.DECODE:
         return (V.REQUEST_SLOTS, V.PAGE_TABLE, V.COMPLETION_RECORDS)
     if kind is GraphKind.RESUME_SAMPLING:

@@ -64,10 +64,22 @@ class Dtype(IntEnum):
 
 
 _DTYPE_SIZE = {
-    Dtype.BF16: 2, Dtype.F16: 2, Dtype.F32: 4, Dtype.F64: 8, Dtype.I8: 1, Dtype.U8: 1,
-    Dtype.I16: 2, Dtype.I32: 4, Dtype.I64: 8, Dtype.U32: 4, Dtype.U64: 8, Dtype.BOOL: 1,
-    Dtype.F8_E4M3: 1, Dtype.F8_E5M2: 1, Dtype.BYTES: 1,
-}  # fmt: skip
+    Dtype.BF16: 2,
+    Dtype.F16: 2,
+    Dtype.F32: 4,
+    Dtype.F64: 8,
+    Dtype.I8: 1,
+    Dtype.U8: 1,
+    Dtype.I16: 2,
+    Dtype.I32: 4,
+    Dtype.I64: 8,
+    Dtype.U32: 4,
+    Dtype.U64: 8,
+    Dtype.BOOL: 1,
+    Dtype.F8_E4M3: 1,
+    Dtype.F8_E5M2: 1,
+    Dtype.BYTES: 1,
+}
 
 
 class ImageFormat(IntEnum):
@@ -555,7 +567,8 @@ class RuntimeCore:
 
     def encode(self) -> bytes:
         """The binary `manifest.pb`. Deterministic for equal manifests."""
-        return self.to_proto().SerializeToString(deterministic=True)
+        data: bytes = self.to_proto().SerializeToString(deterministic=True)
+        return data
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ PROTO_RELATIVE = "flare/core/v1/runtime_core.proto"
 ROOT_MESSAGE = "RuntimeCore"
 
 _F = descriptor_pb2.FieldDescriptorProto
-_SCALARS: dict[str, int] = {
+_SCALARS: dict[str, descriptor_pb2.FieldDescriptorProto.Type.ValueType] = {
     "double": _F.TYPE_DOUBLE,
     "float": _F.TYPE_FLOAT,
     "int64": _F.TYPE_INT64,
@@ -117,7 +117,13 @@ def _skip_statement(t: _Tokens) -> None:
         pass
 
 
-def _parse_field(t: _Tokens, label_word: str | None, scope: str, pending: list[_PendingField], field: descriptor_pb2.FieldDescriptorProto) -> descriptor_pb2.FieldDescriptorProto:
+def _parse_field(
+    t: _Tokens,
+    label_word: str | None,
+    scope: str,
+    pending: list[_PendingField],
+    field: descriptor_pb2.FieldDescriptorProto,
+) -> descriptor_pb2.FieldDescriptorProto:
     """Fills `field` (already added to its message: protobuf containers copy on append)."""
     type_word = t.next()
     if type_word == "map" or t.peek() == "<":
@@ -245,7 +251,7 @@ def parse_proto(text: str, path: str = PROTO_RELATIVE) -> descriptor_pb2.FileDes
         else:
             raise t.error(f"unsupported top-level statement {tok!r}")
     if fdp.syntax != "proto3":
-        raise SchemaError(path, 1, "missing `syntax = \"proto3\";`")
+        raise SchemaError(path, 1, 'missing `syntax = "proto3";`')
     for p in pending:
         if p.type_name is None:
             continue
@@ -264,7 +270,8 @@ class Schema:
     def __init__(self, fdp: descriptor_pb2.FileDescriptorProto) -> None:
         self.file_proto = fdp
         self.pool = descriptor_pool.DescriptorPool()
-        self.file = self.pool.Add(fdp)
+        self.pool.Add(fdp)
+        self.file = self.pool.FindFileByName(fdp.name)
         self.package = fdp.package
 
     def message(self, name: str) -> type[Any]:

@@ -7,17 +7,35 @@ the same padding after the last real row, the same page arithmetic.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 # Padding of every lane after the real rows (slots and rows -1, so padded rows write nothing).
 PAD: dict[str, Any] = {
-    "token_ids": 0, "positions": 0, "slot_mapping": -1, "page_table": -1, "request_slots": -1,
-    "query_lengths": 0, "context_lengths": 0, "state_row_indices": -1, "temperature": 1.0, "top_k": 0,
-    "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
-    "frequency_penalty": 0.0, "rng_seed": 0, "rng_counter": 0, "sample_flags": 0, "grammar_mask": -1,
-    "source_rows": -1, "destination_rows": -1, "expected_consumed": -1,
-}  # fmt: skip
+    "token_ids": 0,
+    "positions": 0,
+    "slot_mapping": -1,
+    "page_table": -1,
+    "request_slots": -1,
+    "query_lengths": 0,
+    "context_lengths": 0,
+    "state_row_indices": -1,
+    "temperature": 1.0,
+    "top_k": 0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "rng_seed": 0,
+    "rng_counter": 0,
+    "sample_flags": 0,
+    "grammar_mask": -1,
+    "source_rows": -1,
+    "destination_rows": -1,
+    "expected_consumed": -1,
+}
 
 # Completion record flags (helios_contract::record).
 FLAG_SAMPLED, FLAG_EOS, FLAG_GRAMMAR_EXHAUSTED = 1, 2, 4
@@ -47,8 +65,9 @@ class Row:
     params: Sampling = Sampling()
 
 
-def pack_rows(page_tokens: int, pages_per_request: int, rows: list[Row],
-              grammar_mask_words: int | None = None) -> dict[str, list[Any]]:  # fmt: skip
+def pack_rows(
+    page_tokens: int, pages_per_request: int, rows: list[Row], grammar_mask_words: int | None = None
+) -> dict[str, list[Any]]:
     """The values Helios' GraphExecutor packs for these rows (padding is the caller's `PAD`).
 
     `grammar_mask_words`: the graph's mask length when it has one (all bits set: no grammar)."""
@@ -103,7 +122,10 @@ class Stepper(Protocol):
         ...
 
 
-def smallest_holding(graphs: list[Any], size: Any, need: int, what: str) -> Any:
+G = TypeVar("G")
+
+
+def smallest_holding(graphs: list[G], size: Callable[[G], int], need: int, what: str) -> G:
     """The first of `graphs` (ascending by `size`) whose `size(g)` holds `need`."""
     for g in graphs:
         if size(g) >= need:
@@ -126,8 +148,15 @@ def sampled_token(record: list[int], header_words: int) -> int:
     return record[header_words]
 
 
-def admit(s: Stepper, live_row: int, pages: list[int], prompt: list[int], seed: int, params: Sampling,
-          chunk: int | None = None) -> int:  # fmt: skip
+def admit(
+    s: Stepper,
+    live_row: int,
+    pages: list[int],
+    prompt: list[int],
+    seed: int,
+    params: Sampling,
+    chunk: int | None = None,
+) -> int:
     """initialize + admit_histogram + the prompt in prefill chunks, sampling after the last one;
     returns the first token."""
     if not prompt:
@@ -149,8 +178,17 @@ def admit(s: Stepper, live_row: int, pages: list[int], prompt: list[int], seed: 
 DEVICE_FED_TOKEN = -1
 
 
-def generate(s: Stepper, prompt: list[int], seed: int, params: Sampling, max_tokens: int, eos: tuple[int, ...],
-             live_row: int = 1, chunk: int | None = None, device_fed: bool = False) -> list[int]:  # fmt: skip
+def generate(
+    s: Stepper,
+    prompt: list[int],
+    seed: int,
+    params: Sampling,
+    max_tokens: int,
+    eos: tuple[int, ...],
+    live_row: int = 1,
+    chunk: int | None = None,
+    device_fed: bool = False,
+) -> list[int]:
     """One request alone on pages 0.., prefill then the batch-1 decode bucket: the reference
     sequence both Python replays run and the Rust replay is compared with.
 

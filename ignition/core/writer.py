@@ -26,7 +26,12 @@ def sha256_hex(data: bytes) -> str:
 
 def _safe(relative: str) -> str:
     p = PurePosixPath(relative)
-    if not relative or p.is_absolute() or "\\" in relative or any(part in ("", ".", "..") for part in relative.split("/")):
+    if (
+        not relative
+        or p.is_absolute()
+        or "\\" in relative
+        or any(part in ("", ".", "..") for part in relative.split("/"))
+    ):
         raise CorePathError(relative, "must be relative, '/'-separated, without '.' or '..'")
     return relative
 

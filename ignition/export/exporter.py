@@ -15,26 +15,70 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable
 
 from ignition.core import safetensors_io as st
 from ignition.core.manifest import (
-    Arena, AssetFile, Buffer, BufferRole, CacheScheme, Capacities, ClusterDim, Cooperative, Dim3, Direction,
-    Dtype, Edge, EmptyNode, EventRecordNode, EventWaitNode, Frontend, Graph, GraphCapacity, GraphKind, Identity,
-    ImageFormat, KernelImage, KernelNode, LaunchAttribute, MaintenanceOp, MemcpyNode, MemsetNode, Node,
-    PageRegion, ParamSlot, PayloadFile, PreparingDevice, Priority, Range, ReasoningParser, RowRegion,
-    RowRegionKind, RuntimeCore, SafetensorsPayload, SamplingDefaults, SamplingParameter, ToolParser,
-    Uninitialized, ValueBinding, ValueKind, ZeroFill,
-)  # fmt: skip
+    Arena,
+    AssetFile,
+    Buffer,
+    BufferRole,
+    CacheScheme,
+    Capacities,
+    ClusterDim,
+    Cooperative,
+    Dim3,
+    Direction,
+    Dtype,
+    Edge,
+    EmptyNode,
+    EventRecordNode,
+    EventWaitNode,
+    Frontend,
+    Graph,
+    GraphCapacity,
+    GraphKind,
+    Identity,
+    ImageFormat,
+    KernelImage,
+    KernelNode,
+    LaunchAttribute,
+    MaintenanceOp,
+    MemcpyNode,
+    MemsetNode,
+    Node,
+    PageRegion,
+    ParamSlot,
+    PayloadFile,
+    PreparingDevice,
+    Priority,
+    Range,
+    ReasoningParser,
+    RowRegion,
+    RowRegionKind,
+    RuntimeCore,
+    SafetensorsPayload,
+    SamplingDefaults,
+    SamplingParameter,
+    ToolParser,
+    Uninitialized,
+    ValueBinding,
+    ValueKind,
+    ZeroFill,
+)
 from ignition.core.writer import CoreDirectory, sha256_hex
 from ignition.export.errors import (
-    ForeignPointerError, LibraryKernelError, MissingKernelImageError, RecordingError, UnresolvedAddressError,
+    ForeignPointerError,
+    LibraryKernelError,
+    MissingKernelImageError,
+    RecordingError,
+    UnresolvedAddressError,
     UnresolvedPointerError,
-)  # fmt: skip
-from ignition.export.resolve import AddressMap, classify, library_kernel_reason, pointer_words
+)
+from ignition.export.resolve import AddressMap, BufferRange, classify, library_kernel_reason, pointer_words
 
 RECORDING_FORMAT = "flare-recorded-graphs/1"
 PAYLOAD_FILE = "payloads/weights.safetensors"
@@ -95,7 +139,7 @@ def _sampling(d: dict[str, Any], field: str) -> SamplingDefaults:
 def _launch_attribute(d: dict[str, Any], field: str) -> LaunchAttribute:
     if len(d) != 1:
         raise RecordingError(field, "a launch attribute has exactly one key")
-    (key, v), = d.items()
+    ((key, v),) = d.items()
     if key == "cluster_dim":
         return ClusterDim(_dim3(v, field))
     if key == "priority":
@@ -122,8 +166,11 @@ class RecordingExporter:
     # -- storage ---------------------------------------------------------------------------
     def _arena(self) -> Arena:
         a = _get(self.r, "arena", "recording")
-        return Arena(_int(a["base_address"], "arena.base_address"), _int(a["byte_size"], "arena.byte_size"),
-                     _int(a["alignment"], "arena.alignment"))  # fmt: skip
+        return Arena(
+            _int(a["base_address"], "arena.base_address"),
+            _int(a["byte_size"], "arena.byte_size"),
+            _int(a["alignment"], "arena.alignment"),
+        )
 
     def _buffers(self, tensors: dict[str, st.TensorBytes]) -> list[Buffer]:
         out = []
@@ -147,12 +194,22 @@ class RecordingExporter:
                 tensors[name] = st.TensorBytes(Dtype.from_safetensors(info.dtype), info.shape, data)
                 payload = SafetensorsPayload(0, name)
             else:
-                raise RecordingError(f"{f}.init", f"expected 'zero', 'uninitialized' or {{'tensor': ...}}, got {init!r}")
-            out.append(Buffer(
-                id=i + 1, name=_get(a, "name", f), role=_enum(BufferRole, _get(a, "role", f), f"{f}.role"),
-                offset=_int(_get(a, "offset", f), f"{f}.offset"), byte_size=_int(_get(a, "byte_size", f), f"{f}.byte_size"),
-                alignment=_int(a.get("alignment", 256), f"{f}.alignment"), dtype=dtype, payload=payload, shape=shape,
-            ))  # fmt: skip
+                raise RecordingError(
+                    f"{f}.init", f"expected 'zero', 'uninitialized' or {{'tensor': ...}}, got {init!r}"
+                )
+            out.append(
+                Buffer(
+                    id=i + 1,
+                    name=_get(a, "name", f),
+                    role=_enum(BufferRole, _get(a, "role", f), f"{f}.role"),
+                    offset=_int(_get(a, "offset", f), f"{f}.offset"),
+                    byte_size=_int(_get(a, "byte_size", f), f"{f}.byte_size"),
+                    alignment=_int(a.get("alignment", 256), f"{f}.alignment"),
+                    dtype=dtype,
+                    payload=payload,
+                    shape=shape,
+                )
+            )
         return out
 
     def _tensor_source(self) -> dict[str, st.TensorInfo]:
@@ -188,17 +245,31 @@ class RecordingExporter:
             rel = f"kernels/k{kid}-{digest[:16]}.{fmt.name.lower()}"
             core.add_file(rel, data)
             image = KernelImage(
-                id=kid, file=rel, sha256=digest, format=fmt, function_name=name, params=params,
+                id=kid,
+                file=rel,
+                sha256=digest,
+                format=fmt,
+                function_name=name,
+                params=params,
                 max_dynamic_shared_memory=_int(k.get("max_dynamic_shared_memory", 0), f"{f}.max_dynamic_shared_memory"),
-                required_threads_per_block=_int(k.get("required_threads_per_block", 0), f"{f}.required_threads_per_block"),
-            )  # fmt: skip
+                required_threads_per_block=_int(
+                    k.get("required_threads_per_block", 0), f"{f}.required_threads_per_block"
+                ),
+            )
             by_digest[(digest, name)] = image
             images[key] = image
         return _Kernels(images, origins)
 
     # -- graphs ----------------------------------------------------------------------------
-    def _kernel_node(self, graph: str, nid: int, k: dict[str, Any], kernels: _Kernels, amap: AddressMap,
-                     foreign: list[tuple[int, int]]) -> KernelNode:  # fmt: skip
+    def _kernel_node(
+        self,
+        graph: str,
+        nid: int,
+        k: dict[str, Any],
+        kernels: _Kernels,
+        amap: AddressMap,
+        foreign: list[tuple[int, int]],
+    ) -> KernelNode:
         f = f"graphs[{graph}].nodes[{nid}].kernel"
         key = _get(k, "key", f)
         image = kernels.images.get(key)
@@ -209,7 +280,9 @@ class RecordingExporter:
             raise LibraryKernelError(graph, nid, image.function_name, reason)
         param_bytes = bytes.fromhex(_get(k, "param_bytes", f))
         if len(param_bytes) != image.param_buffer_size:
-            raise RecordingError(f"{f}.param_bytes", f"{len(param_bytes)} bytes, layout needs {image.param_buffer_size}")
+            raise RecordingError(
+                f"{f}.param_bytes", f"{len(param_bytes)} bytes, layout needs {image.param_buffer_size}"
+            )
         relocations = []
         for w in pointer_words(param_bytes, image.params):
             c = classify(w, amap, foreign)
@@ -220,21 +293,27 @@ class RecordingExporter:
             if c.relocation is not None:
                 relocations.append(c.relocation)
         return KernelNode(
-            kernel_id=image.id, grid=_dim3(_get(k, "grid", f), f"{f}.grid"), block=_dim3(_get(k, "block", f), f"{f}.block"),
-            param_bytes=param_bytes, relocations=tuple(relocations),
+            kernel_id=image.id,
+            grid=_dim3(_get(k, "grid", f), f"{f}.grid"),
+            block=_dim3(_get(k, "block", f), f"{f}.block"),
+            param_bytes=param_bytes,
+            relocations=tuple(relocations),
             dynamic_shared_memory=_int(k.get("dynamic_shared_memory", 0), f"{f}.dynamic_shared_memory"),
-            launch_attributes=tuple(_launch_attribute(a, f"{f}.launch_attributes") for a in k.get("launch_attributes", [])),
-        )  # fmt: skip
+            launch_attributes=tuple(
+                _launch_attribute(a, f"{f}.launch_attributes") for a in k.get("launch_attributes", [])
+            ),
+        )
 
-    def _range(self, graph: str, where: str, address: Any, count: int, amap: AddressMap):  # type: ignore[no-untyped-def]
+    def _range(self, graph: str, where: str, address: Any, count: int, amap: AddressMap) -> BufferRange:
         a = _int(address, where)
         r = amap.find(a, count)
         if r is None:
             raise UnresolvedAddressError(graph, where, a, count)
         return r
 
-    def _graph(self, gid: int, g: dict[str, Any], kernels: _Kernels, amap: AddressMap,
-               foreign: list[tuple[int, int]]) -> Graph:  # fmt: skip
+    def _graph(
+        self, gid: int, g: dict[str, Any], kernels: _Kernels, amap: AddressMap, foreign: list[tuple[int, int]]
+    ) -> Graph:
         name = _get(g, "name", f"graphs[{gid}]")
         f = f"graphs[{name}]"
         nodes = []
@@ -246,15 +325,24 @@ class RecordingExporter:
             elif "memcpy" in n:
                 m = n["memcpy"]
                 count = _int(m["byte_count"], f"{nf}.byte_count")
-                op = MemcpyNode(self._range(name, f"node {nid} memcpy src", m["src"], count, amap),
-                                self._range(name, f"node {nid} memcpy dst", m["dst"], count, amap), count)  # fmt: skip
+                op = MemcpyNode(
+                    self._range(name, f"node {nid} memcpy src", m["src"], count, amap),
+                    self._range(name, f"node {nid} memcpy dst", m["dst"], count, amap),
+                    count,
+                )
             elif "memset" in n:
                 m = n["memset"]
                 es, w = _int(m["element_size"], nf), _int(m["width"], nf)
                 h, pitch = _int(m.get("height", 1), nf), _int(m.get("pitch", 0), nf)
                 extent = pitch * (h - 1) + w * es
-                op = MemsetNode(self._range(name, f"node {nid} memset dst", m["dst"], extent, amap),
-                                _int(m["value"], nf), es, w, h, pitch)  # fmt: skip
+                op = MemsetNode(
+                    self._range(name, f"node {nid} memset dst", m["dst"], extent, amap),
+                    _int(m["value"], nf),
+                    es,
+                    w,
+                    h,
+                    pitch,
+                )
             elif "event_record" in n:
                 op = EventRecordNode(_int(n["event_record"], nf))
             elif "event_wait" in n:
@@ -280,35 +368,53 @@ class RecordingExporter:
         c = _get(g, "capacity", f)
         op_name = g.get("maintenance_op")
         return Graph(
-            id=gid, name=name, kind=_enum(GraphKind, _get(g, "kind", f), f"{f}.kind"),
-            capacity=GraphCapacity(*(_int(c.get(k, 0), f"{f}.capacity.{k}") for k in
-                                     ("request_count", "token_capacity", "proposal_depth", "patch_capacity"))),
-            nodes=tuple(nodes), edges=tuple(Edge(_int(a, f), _int(b, f)) for a, b in g.get("edges", [])),
+            id=gid,
+            name=name,
+            kind=_enum(GraphKind, _get(g, "kind", f), f"{f}.kind"),
+            capacity=GraphCapacity(
+                *(
+                    _int(c.get(k, 0), f"{f}.capacity.{k}")
+                    for k in ("request_count", "token_capacity", "proposal_depth", "patch_capacity")
+                )
+            ),
+            nodes=tuple(nodes),
+            edges=tuple(Edge(_int(a, f), _int(b, f)) for a, b in g.get("edges", [])),
             bindings=tuple(bindings),
             maintenance_op=_enum(MaintenanceOp, op_name, f"{f}.maintenance_op") if op_name else None,
             event_count=_int(g.get("event_count", 0), f"{f}.event_count"),
             completion_token_capacity=_int(g.get("completion_token_capacity", 8), f),
             continuation_rows_per_request=_int(g.get("continuation_rows_per_request", 1), f),
-        )  # fmt: skip
+        )
 
     # -- the rest --------------------------------------------------------------------------
     def _scheme(self) -> CacheScheme:
         s = _get(self.r, "cache_scheme", "recording")
         return CacheScheme(
             page_tokens=_int(s["page_tokens"], "cache_scheme.page_tokens"),
-            page_regions=tuple(PageRegion(r["name"], _int(r["bytes_per_page"], "page_regions")) for r in s["page_regions"]),
+            page_regions=tuple(
+                PageRegion(r["name"], _int(r["bytes_per_page"], "page_regions")) for r in s["page_regions"]
+            ),
             continuation_row_bytes=_int(s.get("continuation_row_bytes", 0), "cache_scheme.continuation_row_bytes"),
-            row_layout=tuple(RowRegion(r["name"], _enum(RowRegionKind, r["kind"], "row_layout.kind"),
-                                       _int(r["offset"], "row_layout"), _int(r["byte_size"], "row_layout"))
-                             for r in s.get("row_layout", [])),
+            row_layout=tuple(
+                RowRegion(
+                    r["name"],
+                    _enum(RowRegionKind, r["kind"], "row_layout.kind"),
+                    _int(r["offset"], "row_layout"),
+                    _int(r["byte_size"], "row_layout"),
+                )
+                for r in s.get("row_layout", [])
+            ),
             live_rows_per_slot=_int(s.get("live_rows_per_slot", 1), "cache_scheme.live_rows_per_slot"),
             verification_width=_int(s.get("verification_width", 1), "cache_scheme.verification_width"),
             padding_slot=_int(s.get("padding_slot", -1), "cache_scheme.padding_slot"),
-        )  # fmt: skip
+        )
 
     def _capacities(self) -> Capacities:
         c = _get(self.r, "capacities", "recording")
-        ints = lambda k: tuple(_int(x, f"capacities.{k}") for x in c.get(k, []))  # noqa: E731
+
+        def ints(k: str) -> tuple[int, ...]:
+            return tuple(_int(x, f"capacities.{k}") for x in c.get(k, []))
+
         return Capacities(
             context_limit=_int(c["context_limit"], "capacities.context_limit"),
             decode_request_buckets=ints("decode_request_buckets"),
@@ -330,13 +436,14 @@ class RecordingExporter:
                 raise RecordingError(f"frontend.{key}", f"{src} is missing")
             assets[key] = AssetFile(dest, core.add_file(dest, src.read_bytes()))
         return Frontend(
-            tokenizer=assets["tokenizer"], chat_template=assets["chat_template"],
+            tokenizer=assets["tokenizer"],
+            chat_template=assets["chat_template"],
             eos_token_ids=tuple(_int(t, "frontend.eos_token_ids") for t in fe["eos_token_ids"]),
             sampling=_sampling(_get(fe, "sampling", "frontend"), "frontend.sampling"),
             reasoning_parser=_enum(ReasoningParser, fe.get("reasoning_parser", "none"), "frontend.reasoning_parser"),
             tool_parser=_enum(ToolParser, fe.get("tool_parser", "none"), "frontend.tool_parser"),
             served_model_name=_get(fe, "served_model_name", "frontend"),
-        )  # fmt: skip
+        )
 
     def _identity(self, tensors: dict[str, st.TensorBytes]) -> Identity:
         i = _get(self.r, "identity", "recording")
@@ -345,12 +452,17 @@ class RecordingExporter:
         fingerprint = sha256_hex((headers + json.dumps(i.get("model_config", {}), sort_keys=True)).encode())
         return Identity(
             model_fingerprint=fingerprint,
-            device=PreparingDevice(d["name"], _int(d["compute_capability"][0], "cc"), _int(d["compute_capability"][1], "cc"),
-                                   _int(d["sm_count"], "sm_count"), _int(d["total_memory_bytes"], "total_memory")),
+            device=PreparingDevice(
+                d["name"],
+                _int(d["compute_capability"][0], "cc"),
+                _int(d["compute_capability"][1], "cc"),
+                _int(d["sm_count"], "sm_count"),
+                _int(d["total_memory_bytes"], "total_memory"),
+            ),
             cuda_driver_version=_int(i["cuda_driver_version"], "identity.cuda_driver_version"),
             cuda_toolkit_version=_int(i["cuda_toolkit_version"], "identity.cuda_toolkit_version"),
             producer=str(i.get("producer", "ignition dry-run exporter")),
-        )  # fmt: skip
+        )
 
     def export(self, out: Path) -> RuntimeCore:
         """Resolves everything first; only then writes files. Raises ExportError on any defect."""
@@ -359,7 +471,9 @@ class RecordingExporter:
         self.progress("buffers: resolving allocations")
         buffers = self._buffers(tensors)
         amap = AddressMap(arena, buffers)
-        foreign = [(_int(lo, "foreign_ranges"), _int(hi, "foreign_ranges")) for lo, hi in self.r.get("foreign_ranges", [])]
+        foreign = [
+            (_int(lo, "foreign_ranges"), _int(hi, "foreign_ranges")) for lo, hi in self.r.get("foreign_ranges", [])
+        ]
         staging = CoreDirectory(out)
         kernels = self._kernels(staging)
         graphs = []
@@ -374,11 +488,16 @@ class RecordingExporter:
         digest = staging.add_file(PAYLOAD_FILE, payload)
         self.progress(f"payload: {len(tensors)} tensors, {len(payload)} bytes")
         core = RuntimeCore(
-            identity=self._identity(tensors), arena=arena, buffers=tuple(buffers),
-            payload_files=(PayloadFile(PAYLOAD_FILE, digest, len(payload)),), kernels=tuple(images),
-            graphs=tuple(graphs), cache_scheme=self._scheme(), capacities=self._capacities(),
+            identity=self._identity(tensors),
+            arena=arena,
+            buffers=tuple(buffers),
+            payload_files=(PayloadFile(PAYLOAD_FILE, digest, len(payload)),),
+            kernels=tuple(images),
+            graphs=tuple(graphs),
+            cache_scheme=self._scheme(),
+            capacities=self._capacities(),
             frontend=self._frontend(staging),
-        )  # fmt: skip
+        )
         staging.write_manifest(core)
         self.progress(f"core written to {out}")
         return core

@@ -10,10 +10,33 @@ from ignition.core.manifest import Arena, Buffer, BufferRange, ParamSlot, Reloca
 # Name prefixes of kernels that live only inside shared libraries (no recoverable image). Triton
 # and Inductor kernels are extern "C" with their own names; a mangled C++ name is a library's.
 LIBRARY_KERNEL_PREFIXES: tuple[str, ...] = (
-    "cublas", "cublasLt", "cutlass", "nvjet", "gemv", "gemmk", "gemmSN", "splitKreduce",
-    "sm50_", "sm60_", "sm70_", "sm75_", "sm80_", "sm86_", "sm89_", "sm90_", "sm100_", "sm120_",
-    "ampere_", "volta_", "turing_", "hopper_", "cudnn", "_ZN", "void at::", "at::native",
-)  # fmt: skip
+    "cublas",
+    "cublasLt",
+    "cutlass",
+    "nvjet",
+    "gemv",
+    "gemmk",
+    "gemmSN",
+    "splitKreduce",
+    "sm50_",
+    "sm60_",
+    "sm70_",
+    "sm75_",
+    "sm80_",
+    "sm86_",
+    "sm89_",
+    "sm90_",
+    "sm100_",
+    "sm120_",
+    "ampere_",
+    "volta_",
+    "turing_",
+    "hopper_",
+    "cudnn",
+    "_ZN",
+    "void at::",
+    "at::native",
+)
 # Recorded origins whose image was captured at load time (Triton's load hook, Inductor's
 # static launcher records, an image-delivering provider).
 IMAGE_ORIGINS: frozenset[str] = frozenset({"triton", "inductor_static_launcher", "provider"})

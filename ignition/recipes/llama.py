@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import Iterator
 
 from ignition.core import safetensors_io as st
 from ignition.core.manifest import Dtype
@@ -141,9 +141,10 @@ def build_meta_model(config: LlamaFamilyConfig) -> Any:
     import torch
     import transformers
 
-    cfg = transformers.AutoConfig.for_model(ARCHITECTURES[config.architecture], **{
-        k: v for k, v in config.raw.items() if k not in ("model_type", "transformers_version")
-    })  # fmt: skip
+    cfg = transformers.AutoConfig.for_model(
+        ARCHITECTURES[config.architecture],
+        **{k: v for k, v in config.raw.items() if k not in ("model_type", "transformers_version")},
+    )
     model_cls = getattr(transformers, config.architecture)
     with torch.device("meta"):
         model = model_cls(cfg)
@@ -204,7 +205,9 @@ class WeightMapping:
         return kinds
 
 
-def _layout(config: LlamaFamilyConfig) -> tuple[list[tuple[str, list[tuple[str, tuple[int, ...]]]]], dict[str, Disposition]]:
+def _layout(
+    config: LlamaFamilyConfig,
+) -> tuple[list[tuple[str, list[tuple[str, tuple[int, ...]]]]], dict[str, Disposition]]:
     """Execution destinations (with their ordered sources and shapes) and the tied/ignored rules."""
     h, q = config.hidden_size, config.num_attention_heads * config.head_dim
     kv, inter, v = config.num_key_value_heads * config.head_dim, config.intermediate_size, config.vocab_size
@@ -215,11 +218,19 @@ def _layout(config: LlamaFamilyConfig) -> tuple[list[tuple[str, list[tuple[str, 
         p, d = f"model.layers.{i}", f"layers.{i}"
         a = f"{p}.self_attn"
         dests.append((f"{d}.input_norm", [(f"{p}.input_layernorm.weight", (h,))]))
-        dests.append((f"{d}.qkv", [(f"{a}.q_proj.weight", (q, h)), (f"{a}.k_proj.weight", (kv, h)),
-                                   (f"{a}.v_proj.weight", (kv, h))]))  # fmt: skip
+        dests.append(
+            (
+                f"{d}.qkv",
+                [(f"{a}.q_proj.weight", (q, h)), (f"{a}.k_proj.weight", (kv, h)), (f"{a}.v_proj.weight", (kv, h))],
+            )
+        )
         if config.attention_bias:
-            dests.append((f"{d}.qkv_bias", [(f"{a}.q_proj.bias", (q,)), (f"{a}.k_proj.bias", (kv,)),
-                                            (f"{a}.v_proj.bias", (kv,))]))  # fmt: skip
+            dests.append(
+                (
+                    f"{d}.qkv_bias",
+                    [(f"{a}.q_proj.bias", (q,)), (f"{a}.k_proj.bias", (kv,)), (f"{a}.v_proj.bias", (kv,))],
+                )
+            )
         if config.qk_norm:
             dests.append((f"{d}.q_norm", [(f"{a}.q_norm.weight", (config.head_dim,))]))
             dests.append((f"{d}.k_norm", [(f"{a}.k_norm.weight", (config.head_dim,))]))
@@ -236,7 +247,9 @@ def _layout(config: LlamaFamilyConfig) -> tuple[list[tuple[str, list[tuple[str, 
     dests.append(("final_norm", [("model.norm.weight", (h,))]))
     rules: dict[str, Disposition] = {}
     if config.tie_word_embeddings:
-        rules["lm_head.weight"] = Tied("model.embed_tokens.weight", "tie_word_embeddings: the LM head reads embed_tokens")
+        rules["lm_head.weight"] = Tied(
+            "model.embed_tokens.weight", "tie_word_embeddings: the LM head reads embed_tokens"
+        )
     else:
         dests.append(("lm_head", [("lm_head.weight", (v, h))]))
     return dests, rules
@@ -251,8 +264,9 @@ def expected_checkpoint_shapes(config: LlamaFamilyConfig) -> dict[str, tuple[int
     return {name: shape for _, sources in dests for name, shape in sources}
 
 
-def plan_weight_mapping(config: LlamaFamilyConfig, checkpoint: dict[str, st.TensorInfo],
-                        files: dict[str, str] | None = None) -> WeightMapping:  # fmt: skip
+def plan_weight_mapping(
+    config: LlamaFamilyConfig, checkpoint: dict[str, st.TensorInfo], files: dict[str, str] | None = None
+) -> WeightMapping:
     """Accounts for every checkpoint tensor; raises on unknown, missing or mis-shaped ones."""
     dests, rules = _layout(config)
     entries: dict[str, Disposition] = {}

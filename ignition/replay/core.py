@@ -13,14 +13,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ignition.core.safetensors_io import read_header, read_tensor
-from ignition.core.schema import load_schema
+from ignition.core.safetensors_io import TensorInfo, read_header, read_tensor
+from ignition.core.schema import Schema, load_schema
 from ignition.core.stepping import PAD
 
 # Dtype enum name -> (struct code, bytes). Only what bindings use; weights travel as bytes.
-_CODES = {"DTYPE_I32": ("i", 4), "DTYPE_I64": ("q", 8), "DTYPE_F32": ("f", 4), "DTYPE_U32": ("I", 4),
-          "DTYPE_U64": ("Q", 8), "DTYPE_I16": ("h", 2), "DTYPE_U8": ("B", 1), "DTYPE_I8": ("b", 1),
-          "DTYPE_F64": ("d", 8), "DTYPE_BOOL": ("?", 1)}  # fmt: skip
+_CODES = {
+    "DTYPE_I32": ("i", 4),
+    "DTYPE_I64": ("q", 8),
+    "DTYPE_F32": ("f", 4),
+    "DTYPE_U32": ("I", 4),
+    "DTYPE_U64": ("Q", 8),
+    "DTYPE_I16": ("h", 2),
+    "DTYPE_U8": ("B", 1),
+    "DTYPE_I8": ("b", 1),
+    "DTYPE_F64": ("d", 8),
+    "DTYPE_BOOL": ("?", 1),
+}
 
 
 class CoreReadError(Exception):
@@ -89,7 +98,7 @@ class GraphInfo:
         return self.kind == "decode" and v is not None and v.direction in ("state_read", "state_read_write")
 
 
-def _enum_suffix(schema: Any, enum: str, number: int, prefix: str) -> str:
+def _enum_suffix(schema: Schema, enum: str, number: int, prefix: str) -> str:
     for name, n in schema.enum_values(enum).items():
         if n == number:
             return name.removeprefix(prefix).lower()
@@ -141,9 +150,20 @@ class CoreFiles:
                 else:
                     raise CoreReadError(f"graph {g.name}", f"binding {value} has direction {direction}")
             op = _enum_suffix(schema, "MaintenanceOp", g.maintenance_op, "MAINTENANCE_OP_")
-            self.graphs.append(GraphInfo(g.id, g.name, _enum_suffix(schema, "GraphKind", g.kind, "GRAPH_KIND_"),
-                                         "" if op == "unspecified" else op, g.capacity.request_count,
-                                         g.capacity.token_capacity, inputs, outputs, state, g))  # fmt: skip
+            self.graphs.append(
+                GraphInfo(
+                    g.id,
+                    g.name,
+                    _enum_suffix(schema, "GraphKind", g.kind, "GRAPH_KIND_"),
+                    "" if op == "unspecified" else op,
+                    g.capacity.request_count,
+                    g.capacity.token_capacity,
+                    inputs,
+                    outputs,
+                    state,
+                    g,
+                )
+            )
         staging = {v.buffer for g in self.graphs for v in g.inputs.values()}
         if len(staging) != 1:
             raise CoreReadError("staging", f"inputs live in {len(staging)} buffers; one staging buffer is supported")
@@ -152,19 +172,19 @@ class CoreFiles:
     # -- geometry ------------------------------------------------------------------------------
     @property
     def page_tokens(self) -> int:
-        return self.m.cache_scheme.page_tokens
+        return int(self.m.cache_scheme.page_tokens)
 
     @property
     def pages_per_request(self) -> int:
-        return self.m.capacities.context_limit // self.page_tokens
+        return int(self.m.capacities.context_limit) // self.page_tokens
 
     @property
     def context_limit(self) -> int:
-        return self.m.capacities.context_limit
+        return int(self.m.capacities.context_limit)
 
     @property
     def header_words(self) -> int:
-        return self.m.capacities.completion_record_header_words
+        return int(self.m.capacities.completion_record_header_words)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -195,17 +215,19 @@ class CoreFiles:
             raise CoreReadError(f"buffer {buffer.name}", f"{path.name} has no tensor {p.tensor!r}")
         data = read_tensor(path, header[p.tensor])
         if len(data) > buffer.byte_size:
-            raise CoreReadError(f"buffer {buffer.name}", f"payload {len(data)} B exceeds the buffer's {buffer.byte_size} B")
+            raise CoreReadError(
+                f"buffer {buffer.name}", f"payload {len(data)} B exceeds the buffer's {buffer.byte_size} B"
+            )
         return data
 
-    def _headers(self, path: Path) -> dict[str, Any]:
-        cache = self.__dict__.setdefault("_header_cache", {})
+    def _headers(self, path: Path) -> dict[str, TensorInfo]:
+        cache: dict[Path, dict[str, TensorInfo]] = self.__dict__.setdefault("_header_cache", {})
         if path not in cache:
             cache[path] = read_header(path)
         return cache[path]
 
     def kernel_image(self, kernel: Any) -> bytes:
-        data = (self.root / kernel.file).read_bytes()
+        data = (self.root / str(kernel.file)).read_bytes()
         if kernel.format == self.schema.enum_values("ImageFormat")["IMAGE_FORMAT_PTX"] and not data.endswith(b"\0"):
             data += b"\0"
         return data
@@ -214,7 +236,7 @@ class CoreFiles:
         b = self.buffers.get(buffer_id)
         if b is None:
             raise CoreReadError("address", f"buffer {buffer_id} does not exist")
-        return base + b.offset + offset
+        return base + int(b.offset) + offset
 
     def kernel_params(self, node: Any, base: int) -> bytes:
         """The node's parameter bytes with every relocation written for arena `base`.
@@ -260,8 +282,9 @@ def topological(g: Any) -> list[int]:
     return out
 
 
-def pack_graph(core: CoreFiles, g: GraphInfo, values: dict[str, list[Any]], mirror: bytearray,
-               pad: dict[str, Any] | None = None) -> None:  # fmt: skip
+def pack_graph(
+    core: CoreFiles, g: GraphInfo, values: dict[str, list[Any]], mirror: bytearray, pad: dict[str, Any] | None = None
+) -> None:
     """Writes this graph's input views into the staging mirror, padding every lane after the values."""
     base = core.buffers[core.staging]
     pad = pad or PAD

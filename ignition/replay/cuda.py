@@ -12,11 +12,17 @@ from __future__ import annotations
 
 import ctypes as C
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from ignition.capture.driver import CU_MEMORYTYPE_DEVICE, FUNC_ATTR_MAX_DYNAMIC_SHARED, KernelNodeParams, Memcpy3D
-from ignition.capture.driver import MemsetNodeParams
+from ignition.capture.driver import (
+    CU_MEMORYTYPE_DEVICE,
+    FUNC_ATTR_MAX_DYNAMIC_SHARED,
+    KernelNodeParams,
+    Memcpy3D,
+    MemsetNodeParams,
+)
 from ignition.replay.core import CoreFiles, GraphInfo, topological
 
 GIB = 1 << 30
@@ -26,8 +32,13 @@ u32, u64, sz, vp = C.c_uint, C.c_uint64, C.c_size_t, C.c_void_p
 CU_MEM_ALLOCATION_TYPE_PINNED, CU_MEM_LOCATION_TYPE_DEVICE, CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 1, 1, 3
 CU_EVENT_DISABLE_TIMING = 2
 CU_STREAM_NON_BLOCKING = 1
-LAUNCH_ATTRIBUTE_IDS = {"cooperative": 2, "cluster_dim": 4, "cluster_scheduling_policy": 5, "priority": 8,
-                        "mem_sync_domain": 10}  # fmt: skip
+LAUNCH_ATTRIBUTE_IDS = {
+    "cooperative": 2,
+    "cluster_dim": 4,
+    "cluster_scheduling_policy": 5,
+    "priority": 8,
+    "mem_sync_domain": 10,
+}
 LAUNCH_PARAM_END, LAUNCH_PARAM_BUFFER_POINTER, LAUNCH_PARAM_BUFFER_SIZE = 0, 1, 2
 
 
@@ -36,13 +47,22 @@ class MemLocation(C.Structure):
 
 
 class AllocFlags(C.Structure):
-    _fields_ = [("compressionType", C.c_ubyte), ("gpuDirectRDMACapable", C.c_ubyte), ("usage", C.c_ushort),
-                ("reserved", C.c_ubyte * 4)]  # fmt: skip
+    _fields_ = [
+        ("compressionType", C.c_ubyte),
+        ("gpuDirectRDMACapable", C.c_ubyte),
+        ("usage", C.c_ushort),
+        ("reserved", C.c_ubyte * 4),
+    ]
 
 
 class AllocProp(C.Structure):  # CUmemAllocationProp
-    _fields_ = [("type", C.c_int), ("requestedHandleTypes", C.c_int), ("location", MemLocation),
-                ("win32HandleMetaData", vp), ("allocFlags", AllocFlags)]  # fmt: skip
+    _fields_ = [
+        ("type", C.c_int),
+        ("requestedHandleTypes", C.c_int),
+        ("location", MemLocation),
+        ("win32HandleMetaData", vp),
+        ("allocFlags", AllocFlags),
+    ]
 
 
 class AccessDesc(C.Structure):  # CUmemAccessDesc
@@ -88,8 +108,13 @@ class LoadReport:
 class DeviceCore:
     """One core mapped, uploaded and instantiated on device 0; `launch(graph)` enqueues a replay."""
 
-    def __init__(self, core: CoreFiles, device: int = 0, relocate: bool = False,
-                 progress: Callable[[str], None] = lambda _m: None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        core: CoreFiles,
+        device: int = 0,
+        relocate: bool = False,
+        progress: Callable[[str], None] = lambda _m: None,
+    ) -> None:
         self.core = core
         self.lib = _driver()
         self.report = LoadReport()
@@ -98,7 +123,7 @@ class DeviceCore:
         self.graph_handles: list[int] = []
         self.events: list[int] = []
         self.base = 0
-        self._handle = None
+        self._handle: C.c_uint64 | None = None
         self.stream = vp()
         self._pinned, self._pinned_len = vp(), 0
         t = time.perf_counter()
@@ -158,7 +183,11 @@ class DeviceCore:
         self._handle = h
         self.call("cuMemMap", u64(self.base), sz(size), sz(0), h, u64(0))
         acc = AccessDesc()
-        acc.location.type, acc.location.id, acc.flags = CU_MEM_LOCATION_TYPE_DEVICE, device, CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        acc.location.type, acc.location.id, acc.flags = (
+            CU_MEM_LOCATION_TYPE_DEVICE,
+            device,
+            CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        )
         self.call("cuMemSetAccess", u64(self.base), sz(size), C.byref(acc), sz(1))
         self.report.recorded_base, self.report.base, self.report.arena_bytes = arena.base_address, self.base, size
 
@@ -191,8 +220,9 @@ class DeviceCore:
             f = vp()
             self.call("cuModuleGetFunction", C.byref(f), module, k.function_name.encode())
             if k.max_dynamic_shared_memory:
-                self.call("cuFuncSetAttribute", f, C.c_int(FUNC_ATTR_MAX_DYNAMIC_SHARED),
-                          C.c_int(k.max_dynamic_shared_memory))  # fmt: skip
+                self.call(
+                    "cuFuncSetAttribute", f, C.c_int(FUNC_ATTR_MAX_DYNAMIC_SHARED), C.c_int(k.max_dynamic_shared_memory)
+                )
             functions[k.id] = f.value or 0
         self.report.kernels = len(functions)
         return functions
@@ -224,8 +254,13 @@ class DeviceCore:
                 k = n.kernel
                 params = C.create_string_buffer(self.core.kernel_params(n, self.base), len(k.param_bytes))
                 size = sz(len(k.param_bytes))
-                extra = (vp * 5)(LAUNCH_PARAM_BUFFER_POINTER, C.addressof(params), LAUNCH_PARAM_BUFFER_SIZE,
-                                 C.addressof(size), LAUNCH_PARAM_END)  # fmt: skip
+                extra = (vp * 5)(
+                    LAUNCH_PARAM_BUFFER_POINTER,
+                    C.addressof(params),
+                    LAUNCH_PARAM_BUFFER_SIZE,
+                    C.addressof(size),
+                    LAUNCH_PARAM_END,
+                )
                 p = KernelNodeParams()
                 p.func = functions[k.kernel_id]
                 p.gx, p.gy, p.gz = k.grid.x, k.grid.y, k.grid.z
@@ -246,8 +281,14 @@ class DeviceCore:
                 self.call("cuGraphAddMemcpyNode", C.byref(h), graph, deparr, nd, C.byref(m), self.ctx)
             elif op == "memset":
                 s = n.memset
-                p2 = MemsetNodeParams(self.core.address(self.base, s.dst.buffer_id, s.dst.offset), s.pitch, s.value,
-                                      s.element_size, s.width, s.height)  # fmt: skip
+                p2 = MemsetNodeParams(
+                    self.core.address(self.base, s.dst.buffer_id, s.dst.offset),
+                    s.pitch,
+                    s.value,
+                    s.element_size,
+                    s.width,
+                    s.height,
+                )
                 self.call("cuGraphAddMemsetNode", C.byref(h), graph, deparr, nd, C.byref(p2), self.ctx)
             elif op == "empty":
                 self.call("cuGraphAddEmptyNode", C.byref(h), graph, deparr, nd)

@@ -19,7 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from ignition.core.stepping import (
-    Row, Sampling, StepError, admit, generate, histogram_chunks, pack_rows, sampled_token, smallest_holding,
+    Row,
+    Sampling,
+    StepError,
+    admit,
+    generate,
+    histogram_chunks,
+    pack_rows,
+    sampled_token,
+    smallest_holding,
 )
 from ignition.replay.core import CoreFiles, CoreReadError, GraphInfo, pack_graph
 from ignition.replay.cuda import DeviceCore
@@ -40,7 +48,9 @@ class CoreReplay:
         staging = core.buffers[core.staging]
         self.mirror = bytearray(staging.byte_size)
         self.staging_addr = core.address(device.base, core.staging)
-        records = max(g.outputs["completion_records"].byte_len for g in core.graphs if "completion_records" in g.outputs)
+        records = max(
+            g.outputs["completion_records"].byte_len for g in core.graphs if "completion_records" in g.outputs
+        )
         self.host = device.pinned(len(self.mirror) + records)
         self.steps = 0
         self.page_tokens, self.pages_per_request = core.page_tokens, core.pages_per_request
@@ -76,8 +86,14 @@ class CoreReplay:
         g = self.core.maintenance(op)
         if g is None:
             raise ReplayError(f"the core has no {op} graph")
-        self._step(g, {"destination_rows": [destination], "source_rows": [] if source is None else [source],
-                       "expected_consumed": [-1]})  # fmt: skip
+        self._step(
+            g,
+            {
+                "destination_rows": [destination],
+                "source_rows": [] if source is None else [source],
+                "expected_consumed": [-1],
+            },
+        )
 
     def prefill_graph(self, tokens: int) -> GraphInfo:
         return smallest_holding(self.prefill, lambda g: g.token_capacity, tokens, "prefill")
@@ -111,9 +127,16 @@ class CoreReplay:
     def decode_step(self, rows: list[Row]) -> list[list[int]]:
         return self.rows_step(self.decode_graph(len(rows)), rows)
 
-    def generate(self, prompt: list[int], seed: int, params: Sampling, max_tokens: int,
-                 eos: tuple[int, ...] | None = None, live_row: int = 1,
-                 device_fed: bool = False) -> list[int]:  # fmt: skip
+    def generate(
+        self,
+        prompt: list[int],
+        seed: int,
+        params: Sampling,
+        max_tokens: int,
+        eos: tuple[int, ...] | None = None,
+        live_row: int = 1,
+        device_fed: bool = False,
+    ) -> list[int]:
         """One request alone, exactly as `GraphRunner.generate` (the torch replay) runs it."""
         if device_fed and not self.core.device_fed:
             raise ReplayError("the core's decode graphs do not read pending tokens: no device-fed decode")
@@ -128,19 +151,19 @@ class CoreReplay:
         if rows > slots:
             raise ReplayError(f"{rows} rows exceed {slots} request slots")
         g = self.decode_graph(rows)
-        reqs = []
+        reqs: list[tuple[int, list[int], list[int]]] = []  # (row, pages, tokens so far)
         for j in range(rows):
             prompt = [(7 + 13 * j + 5 * i) % 1000 + 10 for i in range(prompt_len)]
             pages = self.pages_for(j, prompt_len + tokens + 1)
             first = admit(self, j + 1, pages, prompt, 99 + j, Sampling())
-            reqs.append([j + 1, pages, [first]])
+            reqs.append((j + 1, pages, [first]))
         step_us = []
         for _ in range(tokens):
             batch = [Row(r, p, prompt_len + len(t) - 1, [t[-1]], (99 + r, len(t))) for r, p, t in reqs]
             t0 = time.perf_counter()
             rec = self.rows_step(g, batch)
             step_us.append((time.perf_counter() - t0) * 1e6)
-            for (_, _, t), r in zip(reqs, rec):
+            for (_, _, t), r in zip(reqs, rec, strict=False):  # rec has a row per bucket slot
                 t.append(sampled_token(r, self.header_words))
         n = 100
         t0 = time.perf_counter()
@@ -149,11 +172,16 @@ class CoreReplay:
         self.dev.synchronize()
         replay_us = (time.perf_counter() - t0) / n * 1e6
         step_us.sort()
-        return {"graph": g.name, "rows": rows, "steps": tokens, "step_us_median": round(statistics.median(step_us), 1),
-                "step_us_p99": round(step_us[int(0.99 * (len(step_us) - 1))], 1),
-                "tokens_per_s": round(rows * 1e6 / statistics.median(step_us), 1),
-                "back_to_back_replay_us": round(replay_us, 1),
-                "host_overhead_us": round(statistics.median(step_us) - replay_us, 1)}  # fmt: skip
+        return {
+            "graph": g.name,
+            "rows": rows,
+            "steps": tokens,
+            "step_us_median": round(statistics.median(step_us), 1),
+            "step_us_p99": round(step_us[int(0.99 * (len(step_us) - 1))], 1),
+            "tokens_per_s": round(rows * 1e6 / statistics.median(step_us), 1),
+            "back_to_back_replay_us": round(replay_us, 1),
+            "host_overhead_us": round(statistics.median(step_us) - replay_us, 1),
+        }
 
     def bench_prefill(self, repeats: int = 5) -> dict[str, Any]:
         """One full chunk of the largest prefill graph per step, fresh request each time."""
@@ -168,8 +196,12 @@ class CoreReplay:
             self.rows_step(g, [Row(1, pages, 0, prompt, None)])
             times.append(time.perf_counter() - t0)
         best = min(times)
-        return {"graph": g.name, "tokens": cap, "step_ms_min": round(best * 1e3, 3),
-                "tokens_per_s": round(cap / best, 1)}  # fmt: skip
+        return {
+            "graph": g.name,
+            "tokens": cap,
+            "step_ms_min": round(best * 1e3, 3),
+            "tokens_per_s": round(cap / best, 1),
+        }
 
 
 def _params(p: dict[str, Any]) -> Sampling:
@@ -180,17 +212,29 @@ def _params(p: dict[str, Any]) -> Sampling:
     return Sampling(**p)
 
 
-def run(core_dir: Path, prompts: Path | None, reference: Path | None, out: Path | None, bench: bool,
-        relocate: bool, decode_tokens: int, note: Any = print) -> dict[str, Any]:  # fmt: skip
+def run(
+    core_dir: Path,
+    prompts: Path | None,
+    reference: Path | None,
+    out: Path | None,
+    bench: bool,
+    relocate: bool,
+    decode_tokens: int,
+    note: Any = print,
+) -> dict[str, Any]:
     """Loads the core, replays the prompts (and the floor with `bench`), writes the report."""
     t0 = time.perf_counter()
     core = CoreFiles(core_dir)
     dev = DeviceCore(core, relocate=relocate, progress=lambda m: note(f"load: {m}"))
-    report: dict[str, Any] = {"core": str(core_dir), "load": {**asdict(dev.report),
-                              "fixed_address_honoured": dev.report.fixed_address_honoured},
-                              "load_s": round(time.perf_counter() - t0, 3)}  # fmt: skip
-    note(f"loaded in {report['load_s']} s: {dev.report.graphs} graphs, {dev.report.nodes} nodes, "
-         f"{dev.report.kernels} kernels, base {dev.report.base:#x} (recorded {dev.report.recorded_base:#x})")
+    report: dict[str, Any] = {
+        "core": str(core_dir),
+        "load": {**asdict(dev.report), "fixed_address_honoured": dev.report.fixed_address_honoured},
+        "load_s": round(time.perf_counter() - t0, 3),
+    }
+    note(
+        f"loaded in {report['load_s']} s: {dev.report.graphs} graphs, {dev.report.nodes} nodes, "
+        f"{dev.report.kernels} kernels, base {dev.report.base:#x} (recorded {dev.report.recorded_base:#x})"
+    )
     try:
         replay = CoreReplay(core, dev)
         if reference is not None and prompts is None:
@@ -201,14 +245,22 @@ def run(core_dir: Path, prompts: Path | None, reference: Path | None, out: Path 
             for i, p in enumerate(json.loads(prompts.read_text())):
                 t = time.perf_counter()
                 eos = tuple(p["eos"]) if "eos" in p else None
-                toks = replay.generate(p["prompt_ids"], p["seed"], _params(p.get("params", {})), p["max_tokens"], eos=eos)
-                entry: dict[str, Any] = {"seed": p["seed"], "prompt_tokens": len(p["prompt_ids"]), "tokens": toks,
-                                         "wall_s": round(time.perf_counter() - t, 4)}  # fmt: skip
+                toks = replay.generate(
+                    p["prompt_ids"], p["seed"], _params(p.get("params", {})), p["max_tokens"], eos=eos
+                )
+                entry: dict[str, Any] = {
+                    "seed": p["seed"],
+                    "prompt_tokens": len(p["prompt_ids"]),
+                    "tokens": toks,
+                    "wall_s": round(time.perf_counter() - t, 4),
+                }
                 if refs is not None:
                     entry["identical_to_reference"] = toks == refs[i]["tokens"]
                 gens.append(entry)
-                note(f"prompt {i}: {len(toks)} tokens" + (f", identical: {entry['identical_to_reference']}"
-                                                          if refs is not None else ""))  # fmt: skip
+                note(
+                    f"prompt {i}: {len(toks)} tokens"
+                    + (f", identical: {entry['identical_to_reference']}" if refs is not None else "")
+                )
             report["generations"] = gens
             if refs is not None:
                 report["identical_to_reference"] = f"{sum(g['identical_to_reference'] for g in gens)}/{len(gens)}"
@@ -219,8 +271,9 @@ def run(core_dir: Path, prompts: Path | None, reference: Path | None, out: Path 
             for i, p in reversed(list(enumerate(json.loads(prompts.read_text())))):
                 eos = tuple(p["eos"]) if "eos" in p else None
                 row = slots - i % slots
-                toks = replay.generate(p["prompt_ids"], p["seed"], _params(p.get("params", {})), p["max_tokens"],
-                                       eos=eos, live_row=row)  # fmt: skip
+                toks = replay.generate(
+                    p["prompt_ids"], p["seed"], _params(p.get("params", {})), p["max_tokens"], eos=eos, live_row=row
+                )
                 again.append(toks == gens[i]["tokens"])
             report["identical_reversed_on_other_rows"] = f"{sum(again)}/{len(again)}"
             note(f"reversed order on other rows: identical {report['identical_reversed_on_other_rows']}")
@@ -229,8 +282,14 @@ def run(core_dir: Path, prompts: Path | None, reference: Path | None, out: Path 
                 fed = []
                 for i, p in enumerate(json.loads(prompts.read_text())):
                     eos = tuple(p["eos"]) if "eos" in p else None
-                    toks = replay.generate(p["prompt_ids"], p["seed"], _params(p.get("params", {})), p["max_tokens"],
-                                           eos=eos, device_fed=True)  # fmt: skip
+                    toks = replay.generate(
+                        p["prompt_ids"],
+                        p["seed"],
+                        _params(p.get("params", {})),
+                        p["max_tokens"],
+                        eos=eos,
+                        device_fed=True,
+                    )
                     fed.append(toks == gens[i]["tokens"])
                 report["device_fed_identical"] = f"{sum(fed)}/{len(fed)}"
                 note(f"device-fed decode: identical {report['device_fed_identical']}")
@@ -241,8 +300,10 @@ def run(core_dir: Path, prompts: Path | None, reference: Path | None, out: Path 
                 if rows > core.m.capacities.request_slots:
                     continue
                 r = replay.bench_decode(rows, decode_tokens)
-                note(f"decode {r['graph']}: {r['step_us_median']} us/step (p99 {r['step_us_p99']}), "
-                     f"replay alone {r['back_to_back_replay_us']} us")
+                note(
+                    f"decode {r['graph']}: {r['step_us_median']} us/step (p99 {r['step_us_p99']}), "
+                    f"replay alone {r['back_to_back_replay_us']} us"
+                )
                 report["decode"].append(r)
             report["prefill"] = replay.bench_prefill()
             note(f"prefill {report['prefill']['graph']}: {report['prefill']['tokens_per_s']} tok/s")

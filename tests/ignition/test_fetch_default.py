@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, require_torch
+from tests.ignition.conftest import REPO, require_torch
 
 pytestmark = pytest.mark.skipif(os.environ.get("IGNITION_FETCH_TEST") != "1", reason="set IGNITION_FETCH_TEST=1")
 
@@ -38,7 +38,14 @@ def test_fetch_default_converts_and_checks(tmp_path: Path) -> None:
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
     expected = json.loads((REPO / "tests/fixtures/ignition/configs/smollm2-135m-instruct.json").read_text())
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "intermediate_size", "vocab_size", "tie_word_embeddings"):  # fmt: skip
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "vocab_size",
+        "tie_word_embeddings",
+    ):
         assert config[key] == expected[key], key
     assert "<|im_start|>" in (out / "chat_template.jinja").read_text()

@@ -7,24 +7,44 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from conftest import FIXTURES, REPO, require_torch
 from ignition.core import safetensors_io as st
 from ignition.core.manifest import Dtype
 from ignition.recipes.llama import (
-    Checkpoint, Ignored, LlamaFamilyConfig, MissingTensorError, Placement, Tied, TensorShapeError,
-    UnknownTensorError, UnsupportedArchitectureError, build_meta_model, expected_checkpoint_shapes,
-    meta_parameter_shapes, plan_weight_mapping, stream_execution_layout,
-)  # fmt: skip
+    Checkpoint,
+    Ignored,
+    LlamaFamilyConfig,
+    MissingTensorError,
+    Placement,
+    TensorShapeError,
+    Tied,
+    UnknownTensorError,
+    UnsupportedArchitectureError,
+    build_meta_model,
+    expected_checkpoint_shapes,
+    meta_parameter_shapes,
+    plan_weight_mapping,
+    stream_execution_layout,
+)
+from tests.ignition.conftest import FIXTURES, REPO, require_torch
 
 CONFIGS = FIXTURES / "configs"
-TINY = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 16, "intermediate_size": 40,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 96,
-    "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-}  # fmt: skip
+TINY: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 16,
+    "intermediate_size": 40,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 96,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
 
 
 def config(name: str) -> LlamaFamilyConfig:
@@ -35,7 +55,9 @@ def headers(shapes: dict[str, tuple[int, ...]], dtype: str = "BF16") -> dict[str
     return {n: st.TensorInfo(n, dtype, s, (0, 0)) for n, s in shapes.items()}
 
 
-def write_random_checkpoint(root: Path, cfg: dict, seed: int, extra: dict[str, tuple[int, ...]] | None = None) -> None:
+def write_random_checkpoint(
+    root: Path, cfg: dict[str, Any], seed: int, extra: dict[str, tuple[int, ...]] | None = None
+) -> None:
     """A seeded random-weight checkpoint (bf16 bytes), torch-free, split over two shards."""
     rng = random.Random(seed)
     shapes = expected_checkpoint_shapes(LlamaFamilyConfig.from_dict(cfg)) | (extra or {})
@@ -115,20 +137,29 @@ def test_random_checkpoint_streams_into_execution_layout(tmp_path: Path) -> None
     qkv = out["layers.1.qkv"]
     a = "model.layers.1.self_attn"
     assert qkv.shape == (16 + 8 + 8, 16)
-    assert qkv.data == ckpt.read(f"{a}.q_proj.weight") + ckpt.read(f"{a}.k_proj.weight") + ckpt.read(f"{a}.v_proj.weight")
+    assert qkv.data == ckpt.read(f"{a}.q_proj.weight") + ckpt.read(f"{a}.k_proj.weight") + ckpt.read(
+        f"{a}.v_proj.weight"
+    )
     placed = sum(1 for e in mapping.entries.values() if isinstance(e, Placement))
     assert placed == len(ckpt.tensors) - 1
 
 
 def test_cli_map_weights(tmp_path: Path) -> None:
     write_random_checkpoint(tmp_path, TINY, seed=7)
-    proc = subprocess.run([sys.executable, "-m", "ignition", "map-weights", "--model", str(tmp_path), "--json"],
-                          capture_output=True, text=True, cwd=REPO)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "ignition", "map-weights", "--model", str(tmp_path), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
     assert rows["model.layers.1.mlp.up_proj.weight"] == {
-        "kind": "Placement", "destination": "layers.1.gate_up", "row_start": 40, "row_end": 80,
-    }  # fmt: skip
+        "kind": "Placement",
+        "destination": "layers.1.gate_up",
+        "row_start": 40,
+        "row_end": 80,
+    }
 
 
 # -- torch: canonical modules on the meta device -------------------------------------------------
@@ -136,7 +167,9 @@ def test_cli_map_weights(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "qwen3-0.6b"])
 def test_meta_model_matches_the_mapping(name: str) -> None:
-    torch = require_torch()
+    require_torch()
+    import torch
+
     c = config(name)
     model = build_meta_model(c)
     assert all(p.device.type == "meta" for p in model.parameters())
@@ -151,7 +184,8 @@ def test_meta_model_matches_the_mapping(name: str) -> None:
 
 def test_transformers_random_checkpoint_maps_completely(tmp_path: Path) -> None:
     """A seeded random-weight checkpoint serialized by Transformers itself (its own key names)."""
-    torch = require_torch()
+    require_torch()
+    import torch
     import transformers
 
     torch.manual_seed(0)

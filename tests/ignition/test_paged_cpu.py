@@ -5,30 +5,67 @@ state maintenance. The captured graphs of the same programs are qualified on the
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from tests.ignition.conftest import require_torch
 
-TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "vocab_size": 300, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
-        "rope_theta": 10000.0, "eos_token_id": 2}  # fmt: skip
-QWEN3 = {**TINY, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "tie_word_embeddings": False,
-         "rope_theta": 1000000.0}  # fmt: skip
-LLAMA3_ROPE = {**TINY, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 128}}  # fmt: skip
+if TYPE_CHECKING:
+    import torch
+    import transformers
+
+    from ignition.capture.paged import PagedLlama
+    from ignition.capture.program import GraphSpec, Program
+    from ignition.capture.runner import Row
+
+TINY: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 300,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+    "rope_theta": 10000.0,
+    "eos_token_id": 2,
+}
+QWEN3 = {
+    **TINY,
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "tie_word_embeddings": False,
+    "rope_theta": 1000000.0,
+}
+LLAMA3_ROPE = {
+    **TINY,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 128,
+    },
+}
 
 
-def _checkpoint(tmp: Path, cfg: dict, seed: int = 0):  # type: ignore[no-untyped-def]
-    torch = require_torch()
+def _checkpoint(tmp: Path, cfg: dict[str, Any], seed: int = 0) -> transformers.PreTrainedModel:
+    require_torch()
+    import torch
     import transformers
 
     torch.manual_seed(seed)
     hf_cfg = transformers.AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
-    model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16).eval()
+    model: transformers.PreTrainedModel = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16)
+    model.eval()
     with torch.no_grad():  # norms away from 1 so a misplaced weight shows
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -37,8 +74,10 @@ def _checkpoint(tmp: Path, cfg: dict, seed: int = 0):  # type: ignore[no-untyped
     return model
 
 
-def _paged(tmp: Path, cfg: dict, **caps: int):  # type: ignore[no-untyped-def]
-    torch = require_torch()
+def _paged(tmp: Path, cfg: dict[str, Any], **caps: int) -> PagedLlama:
+    require_torch()
+    import torch
+
     from ignition.capture.paged import Geometry, PagedLlama, rope_parameters
     from ignition.recipes.llama import Checkpoint, LlamaFamilyConfig, plan_weight_mapping, stream_execution_layout
 
@@ -49,42 +88,51 @@ def _paged(tmp: Path, cfg: dict, **caps: int):  # type: ignore[no-untyped-def]
     for name, tb in stream_execution_layout(mapping, ckpt):
         dt = {"BF16": torch.bfloat16, "F32": torch.float32}[tb.dtype.name]
         weights[name] = torch.frombuffer(bytearray(tb.data), dtype=dt).view(tb.shape).to(torch.bfloat16)
-    geo = Geometry.from_recipe(config, (2,), **{"context_limit": 256, "request_slots": 4, "snapshot_rows": 4,
-                                                "max_kv_pages": 24, **caps})  # fmt: skip
+    geo = Geometry.from_recipe(
+        config, (2,), **{"context_limit": 256, "request_slots": 4, "snapshot_rows": 4, "max_kv_pages": 24, **caps}
+    )
     inv, scaling = rope_parameters(config.raw)
     return PagedLlama(geo, weights, inv, scaling, attention_kernel=False)
 
 
-def _program(model, buckets=(1, 4), chunks=(128,)):  # type: ignore[no-untyped-def]
+def _program(model: PagedLlama, buckets: tuple[int, ...] = (1, 4), chunks: tuple[int, ...] = (128,)) -> Program:
     from ignition.capture.program import Program, catalog
 
     return Program(model, catalog(model.geo, list(buckets), list(chunks)))
 
 
-def _stats(ours, ref):  # type: ignore[no-untyped-def]
+def _stats(ours: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
     from ignition.capture.numerics import compare_logits
 
     return compare_logits(ours, ref)
 
 
-def _fill(prog, spec, rows):  # type: ignore[no-untyped-def]
+def _fill(prog: Program, spec: GraphSpec, rows: list[Row]) -> None:
     """Pack rows the way the executor does, into the graph's staging views."""
     from ignition.capture.runner import fill, pack_rows
 
     fill(spec, pack_rows(prog.geo, spec, rows))
 
 
-def _run(prog, name, rows):  # type: ignore[no-untyped-def]
+def _records(spec: GraphSpec) -> torch.Tensor:
+    """The graph's completion-records view (every graph of a built Program has one)."""
+    assert spec.records is not None
+    return spec.records
+
+
+def _run(prog: Program, name: str, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
     spec = next(g for g in prog.graphs if g.name == name)
     _fill(prog, spec, rows)
-    spec.records.zero_()
+    _records(spec).zero_()
     h = prog.call(spec, prog.method(spec))
-    return h, spec.records.clone()
+    return h, _records(spec).clone()
 
 
 @pytest.mark.parametrize("cfg", [TINY, QWEN3, LLAMA3_ROPE], ids=["llama", "qwen3", "llama3-rope"])
-def test_prefill_and_decode_match_transformers(tmp_path: Path, cfg: dict) -> None:
-    torch = require_torch()
+def test_prefill_and_decode_match_transformers(tmp_path: Path, cfg: dict[str, Any]) -> None:
+    require_torch()
+    import torch
+
     from ignition.capture.runner import Row
 
     hf = _checkpoint(tmp_path, cfg)
@@ -110,7 +158,9 @@ def test_prefill_and_decode_match_transformers(tmp_path: Path, cfg: dict) -> Non
 
 
 def test_batched_decode_rows_and_padding_are_independent(tmp_path: Path) -> None:
-    torch = require_torch()
+    require_torch()
+    import torch
+
     from ignition.capture.runner import Row
 
     _checkpoint(tmp_path, TINY)
@@ -128,7 +178,9 @@ def test_batched_decode_rows_and_padding_are_independent(tmp_path: Path) -> None
     prog.kv.copy_(kv_before)
     prog.rows.copy_(rows_before)
     prog.hist.zero_()
-    h_swapped, rec_swapped = _run(prog, "decode_b4", [Row(3, b, 70, [ids[70]], (12, 0)), Row(1, a, 70, [ids[70]], (11, 0))])
+    h_swapped, rec_swapped = _run(
+        prog, "decode_b4", [Row(3, b, 70, [ids[70]], (12, 0)), Row(1, a, 70, [ids[70]], (11, 0))]
+    )
     assert torch.equal(h[0], h_swapped[1]) and torch.equal(h[1], h_swapped[0])
     assert rec[0, 8] == rec_swapped[1, 8] and rec[1, 8] == rec_swapped[0, 8]
     # Padded lanes write no page and no row, and their records are not sampled.
@@ -141,7 +193,9 @@ def test_batched_decode_rows_and_padding_are_independent(tmp_path: Path) -> None
 
 
 def test_records_histograms_and_maintenance(tmp_path: Path) -> None:
-    torch = require_torch()
+    require_torch()
+    import torch
+
     from ignition.capture.paged import FLAG_SAMPLED, RECORD_MAGIC
     from ignition.capture.runner import Row
 
@@ -180,16 +234,16 @@ def test_records_histograms_and_maintenance(tmp_path: Path) -> None:
     # Resume sampling from the restored row equals sampling after the prefill that wrote it.
     spec = next(g for g in prog.graphs if g.name == "resume_b1")
     _fill(prog, spec, [Row(4, pages, 60, [], (9, 3))])
-    spec.records.zero_()
+    _records(spec).zero_()
     h = prog.call(spec, prog.method(spec))
-    assert torch.equal(h[0], prog.rows[snap]) and spec.records[0, 4] == 60 and spec.records[0, 5] == 3
+    assert torch.equal(h[0], prog.rows[snap]) and _records(spec)[0, 4] == 60 and _records(spec)[0, 5] == 3
 
 
-def _state(prog):  # type: ignore[no-untyped-def]
+def _state(prog: Program) -> list[torch.Tensor]:
     return [t.clone() for t in (prog.kv_all, prog.rows, prog.hist, prog.pending)]
 
 
-def _set_state(prog, state) -> None:  # type: ignore[no-untyped-def]
+def _set_state(prog: Program, state: list[torch.Tensor]) -> None:
     for t, saved in zip((prog.kv_all, prog.rows, prog.hist, prog.pending), state, strict=True):
         t.copy_(saved)
 
@@ -197,7 +251,9 @@ def _set_state(prog, state) -> None:  # type: ignore[no-untyped-def]
 def test_a_device_fed_decode_equals_the_host_fed_one(tmp_path: Path) -> None:
     """A decode lane packed with token id -1 consumes the token its row's last sampling step
     stored: bitwise the same step as packing that token, in every lane and every state tensor."""
-    torch = require_torch()
+    require_torch()
+    import torch
+
     from ignition.capture.runner import Row
 
     _checkpoint(tmp_path, TINY)
@@ -225,16 +281,18 @@ def test_a_device_fed_decode_equals_the_host_fed_one(tmp_path: Path) -> None:
     spec = next(g for g in prog.graphs if g.name == "decode_b4")
     _fill(prog, spec, [Row(1, a, 70, [-1], (11, 1)), Row(3, b, 60, [-1], (12, 1))])
     spec.inputs["token_ids"].fill_(-1)
-    spec.records.zero_()
+    _records(spec).zero_()
     h_all = prog.call(spec, prog.method(spec))
-    assert torch.equal(h_all[:2], h_host[:2]) and torch.equal(spec.records, rec_host)
+    assert torch.equal(h_all[:2], h_host[:2]) and torch.equal(_records(spec), rec_host)
     kv, rows, hist, pending = _state(prog)
     assert torch.equal(kv, after_host[0]) and torch.equal(hist, after_host[2]) and torch.equal(pending, after_host[3])
     assert torch.equal(rows[1:], after_host[1][1:])  # row 0 holds padding's hidden vectors either way
 
 
 def test_pending_tokens_are_written_only_by_sampling_rows(tmp_path: Path) -> None:
-    torch = require_torch()
+    require_torch()
+    import torch
+
     from ignition.capture.runner import Row
 
     _checkpoint(tmp_path, TINY)
@@ -248,15 +306,18 @@ def test_pending_tokens_are_written_only_by_sampling_rows(tmp_path: Path) -> Non
     spec = next(g for g in prog.graphs if g.name == "prefill_t128")
     _fill(prog, spec, [Row(2, pages, 50, list(range(60, 70)), (5, 0))])
     spec.inputs["grammar_mask"].zero_()
-    spec.records.zero_()
+    _records(spec).zero_()
     prog.call(spec, prog.method(spec))
-    assert spec.records[0, 2] == 4 and prog.pending.tolist() == [0, 11, 22, 33, 44]
+    assert _records(spec)[0, 2] == 4 and prog.pending.tolist() == [0, 11, 22, 33, 44]
     _, rec = _run(prog, "prefill_t128", [Row(2, pages, 50, list(range(60, 70)), (5, 0))])
     tok = int(rec[0, 8])
     assert prog.pending.tolist() == [0, 11, tok, 33, 44]
     # Maintenance leaves pending tokens alone; resume stores its sample at its live row.
-    for name, src, dst in (("snapshot", 2, prog.geo.request_slots + 2), ("restore", prog.geo.request_slots + 2, 4),
-                           ("initialize", None, 3)):  # fmt: skip
+    for name, src, dst in (
+        ("snapshot", 2, prog.geo.request_slots + 2),
+        ("restore", prog.geo.request_slots + 2, 4),
+        ("initialize", None, 3),
+    ):
         spec = next(g for g in prog.graphs if g.name == name)
         spec.inputs["destination_rows"].fill_(dst)
         if src is not None:
@@ -265,41 +326,67 @@ def test_pending_tokens_are_written_only_by_sampling_rows(tmp_path: Path) -> Non
     assert prog.pending.tolist() == [0, 11, tok, 33, 44]
     spec = next(g for g in prog.graphs if g.name == "resume_b1")
     _fill(prog, spec, [Row(4, pages, 60, [], (9, 3))])
-    spec.records.zero_()
+    _records(spec).zero_()
     prog.call(spec, prog.method(spec))
-    resumed = int(spec.records[0, 8])
+    resumed = int(_records(spec)[0, 8])
     assert prog.pending.tolist() == [0, 11, tok, 33, resumed]
     # A decode bucket of padded lanes only (device-fed: they read entry 0) stores nothing.
     spec = next(g for g in prog.graphs if g.name == "decode_b4")
     _fill(prog, spec, [])
     spec.inputs["token_ids"].fill_(-1)
-    spec.records.zero_()
+    _records(spec).zero_()
     prog.call(spec, prog.method(spec))
-    assert spec.records[:, 2].sum() == 0 and prog.pending.tolist() == [0, 11, tok, 33, resumed]
+    assert _records(spec)[:, 2].sum() == 0 and prog.pending.tolist() == [0, 11, tok, 33, resumed]
 
 
-def _sampler_inputs(torch, b, v, **over):  # type: ignore[no-untyped-def]
-    base = {"temperature": torch.full((b,), 1.0), "top_k": torch.zeros(b, dtype=torch.int32),
-            "top_p": torch.ones(b), "min_p": torch.zeros(b), "repetition": torch.ones(b),
-            "presence": torch.zeros(b), "frequency": torch.zeros(b),
-            "seed": torch.arange(b, dtype=torch.int64) + 7, "counter": torch.zeros(b, dtype=torch.int64),
-            "grammar": None}  # fmt: skip
+def _sampler_inputs(b: int, v: int, **over: torch.Tensor) -> dict[str, torch.Tensor]:
+    import torch
+
+    base = {
+        "temperature": torch.full((b,), 1.0),
+        "top_k": torch.zeros(b, dtype=torch.int32),
+        "top_p": torch.ones(b),
+        "min_p": torch.zeros(b),
+        "repetition": torch.ones(b),
+        "presence": torch.zeros(b),
+        "frequency": torch.zeros(b),
+        "seed": torch.arange(b, dtype=torch.int64) + 7,
+        "counter": torch.zeros(b, dtype=torch.int64),
+    }
     base.update(over)
     return base
 
 
-def _sample(torch, logits, hist=None, **kw):  # type: ignore[no-untyped-def]
+def _sample(
+    logits: torch.Tensor, hist: torch.Tensor | None = None, grammar: torch.Tensor | None = None, **kw: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
     from ignition.capture.sampling import sample
 
     b, v = logits.shape
-    a = _sampler_inputs(torch, b, v, **kw)
+    a = _sampler_inputs(b, v, **kw)
     hist = hist if hist is not None else torch.zeros(b, v, dtype=torch.int32)
-    return sample(logits, hist, a["temperature"], a["top_k"], a["top_p"], a["min_p"], a["repetition"],
-                  a["presence"], a["frequency"], a["seed"], a["counter"], a["grammar"])  # fmt: skip
+    return sample(
+        logits,
+        hist,
+        a["temperature"],
+        a["top_k"],
+        a["top_p"],
+        a["min_p"],
+        a["repetition"],
+        a["presence"],
+        a["frequency"],
+        a["seed"],
+        a["counter"],
+        grammar,
+    )
 
 
 def test_sampler_thresholds_are_exact_against_a_sort() -> None:
-    torch = require_torch()
+    require_torch()
+    import torch
+
     from ignition.capture.sampling import _largest_threshold
 
     g = torch.Generator().manual_seed(3)
@@ -327,29 +414,31 @@ def test_sampler_thresholds_are_exact_against_a_sort() -> None:
 
 
 def test_sampler_filters_masks_penalties_and_stream_invariance() -> None:
-    torch = require_torch()
+    require_torch()
+    import torch
+
     from ignition.capture.sampling import uniform
 
     g = torch.Generator().manual_seed(4)
     v = 300
     logits = torch.randn(4, v, generator=g) * 3
     top1 = logits.argmax(-1)
-    tok, ok = _sample(torch, logits, top_k=torch.ones(4, dtype=torch.int32))
+    tok, ok = _sample(logits, top_k=torch.ones(4, dtype=torch.int32))
     assert torch.equal(tok, top1) and ok.all()
-    tok, _ = _sample(torch, logits, top_p=torch.full((4,), 1e-6))
+    tok, _ = _sample(logits, top_p=torch.full((4,), 1e-6))
     assert torch.equal(tok, top1)
-    tok, _ = _sample(torch, logits, min_p=torch.full((4,), 1.0))
+    tok, _ = _sample(logits, min_p=torch.full((4,), 1.0))
     assert torch.equal(tok, top1)
     # Grammar: only ids 33 and 290 allowed; an all-zero mask is reported, not sampled.
     words = torch.zeros(4, (v + 31) // 32, dtype=torch.int32)
     words[:3, 1] = 1 << 1
     words[:3, 9] = 1 << 2
-    tok, ok = _sample(torch, logits, grammar=words)
+    tok, ok = _sample(logits, grammar=words)
     assert all(t in (33, 290) for t in tok[:3].tolist()) and ok.tolist() == [True, True, True, False]
     # A huge frequency penalty on the argmax moves the sample off it.
     hist = torch.zeros(4, v, dtype=torch.int32)
     hist[torch.arange(4), top1] = 3
-    tok, _ = _sample(torch, logits, hist=hist, top_k=torch.ones(4, dtype=torch.int32), frequency=torch.full((4,), 100.0))
+    tok, _ = _sample(logits, hist=hist, top_k=torch.ones(4, dtype=torch.int32), frequency=torch.full((4,), 100.0))
     assert not (tok == top1).any()
     # Streams depend on (seed, counter) only: same row content in another batch row, same draw.
     u = uniform(torch.tensor([5, 9, 5]), torch.tensor([2, 2, 3]), v)
@@ -359,18 +448,23 @@ def test_sampler_filters_masks_penalties_and_stream_invariance() -> None:
 
 
 def test_sampler_draws_follow_the_distribution() -> None:
-    torch = require_torch()
+    require_torch()
+    import torch
+
     v = 5
     p = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
     logits = torch.log(p).clamp(min=-1e9).repeat(4000, 1)
     n = logits.shape[0]
-    tok, _ = _sample(torch, logits, seed=torch.full((n,), 42, dtype=torch.int64),
-                     counter=torch.arange(n, dtype=torch.int64))  # fmt: skip
+    tok, _ = _sample(logits, seed=torch.full((n,), 42, dtype=torch.int64), counter=torch.arange(n, dtype=torch.int64))
     freq = torch.bincount(tok, minlength=v).float() / n
     assert (freq - p).abs().max() < 0.03, freq
     # top_p 0.7 keeps {0.5, 0.25} (the smallest set reaching 0.7), renormalized to 2/3, 1/3.
-    tok, _ = _sample(torch, logits, top_p=torch.full((n,), 0.7), seed=torch.full((n,), 1, dtype=torch.int64),
-                     counter=torch.arange(n, dtype=torch.int64))  # fmt: skip
+    tok, _ = _sample(
+        logits,
+        top_p=torch.full((n,), 0.7),
+        seed=torch.full((n,), 1, dtype=torch.int64),
+        counter=torch.arange(n, dtype=torch.int64),
+    )
     freq = torch.bincount(tok, minlength=v).float() / n
     assert freq[2:].sum() == 0 and abs(freq[0] - 2 / 3) < 0.03, freq
 
@@ -384,13 +478,26 @@ def test_program_staging_is_one_buffer_with_a_region_per_value(tmp_path: Path) -
     for g in prog.graphs:
         for value, t in g.inputs.items():
             lo = t.data_ptr() - base
-            assert lo == prog.offsets[value] and t.untyped_storage().data_ptr() == prog.staging.untyped_storage().data_ptr()
+            assert (
+                lo == prog.offsets[value]
+                and t.untyped_storage().data_ptr() == prog.staging.untyped_storage().data_ptr()
+            )
             spans[value] = (lo, max(spans.get(value, (lo, lo))[1], lo + t.numel() * t.element_size()))
     ordered = sorted(spans.values())
-    assert all(a[1] <= b[0] for a, b in zip(ordered, ordered[1:], strict=False))
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(ordered))
     names = [g.name for g in prog.graphs]
-    assert names == ["decode_b1", "decode_b2", "decode_b4", "prefill_t128", "prefill_t256", "resume_b1",
-                     "initialize", "admit_histogram", "restore", "snapshot"]  # fmt: skip
+    assert names == [
+        "decode_b1",
+        "decode_b2",
+        "decode_b4",
+        "prefill_t128",
+        "prefill_t256",
+        "resume_b1",
+        "initialize",
+        "admit_histogram",
+        "restore",
+        "snapshot",
+    ]
 
 
 def test_capacity_plan_refuses_what_does_not_fit() -> None:
@@ -401,12 +508,18 @@ def test_capacity_plan_refuses_what_does_not_fit() -> None:
     caps = plan_capacities(cfg, "1,2,4,8", 512, 512, None)
     assert caps.prefill_chunks == [128, 256, 512] and caps.request_slots == 8 and caps.max_kv_pages == 8 * 8 * 2
     assert caps.snapshot_rows == caps.max_kv_pages  # rows are a hidden vector each: as many as pages
-    for args, option in [(("4,2", None, None, None), "--decode-buckets"), (("1", None, 1024, None), "--context-limit"),
-                         (("1", None, 500, None), "--context-limit"), (("1", 300, 512, None), "--prefill-chunk-size"),
-                         (("1", 64, 512, None), "--prefill-chunk-size"), (("1", None, 512, 3), "--kv-pages"),
-                         (("x", None, None, None), "--decode-buckets")]:  # fmt: skip
+    refusals: list[tuple[tuple[str, int | None, int | None, int | None], str]] = [
+        (("4,2", None, None, None), "--decode-buckets"),
+        (("1", None, 1024, None), "--context-limit"),
+        (("1", None, 500, None), "--context-limit"),
+        (("1", 300, 512, None), "--prefill-chunk-size"),
+        (("1", 64, 512, None), "--prefill-chunk-size"),
+        (("1", None, 512, 3), "--kv-pages"),
+        (("x", None, None, None), "--decode-buckets"),
+    ]
+    for args, option in refusals:
         with pytest.raises(CapacityError) as e:
-            plan_capacities(cfg, *args)  # type: ignore[arg-type]
+            plan_capacities(cfg, *args)
         assert e.value.option == option
     json.dumps(vars(caps))
 
@@ -414,7 +527,9 @@ def test_capacity_plan_refuses_what_does_not_fit() -> None:
 def test_every_graph_runs_on_its_replay_check_inputs(tmp_path: Path) -> None:
     """The contents `Program.set_inputs` gives each graph (the GPU replay checks) are valid
     steps: each eager step runs, samples where it should, and writes records for real rows."""
-    torch = require_torch()
+    require_torch()
+    import torch
+
     from ignition.capture.paged import FLAG_SAMPLED
 
     _checkpoint(tmp_path, TINY)
@@ -425,7 +540,7 @@ def test_every_graph_runs_on_its_replay_check_inputs(tmp_path: Path) -> None:
         out = prog.call(spec, prog.method(spec))
         assert torch.isfinite(out.float()).all(), spec.name
         if spec.kind in ("decode", "prefill", "resume_sampling"):
-            rec = spec.records
+            rec = _records(spec)
             real = [r for r in range(spec.request_count) if int(spec.inputs["request_slots"][r]) >= 0]
             assert real and all(int(rec[r, 2]) & FLAG_SAMPLED for r in real), (spec.name, rec)
             for r in real:
@@ -438,7 +553,9 @@ def test_every_graph_runs_on_its_replay_check_inputs(tmp_path: Path) -> None:
 
 
 def test_prepare_refuses_without_a_gpu_or_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    torch = require_torch()
+    require_torch()
+    import torch
+
     from ignition.__main__ import main
 
     assert main(["prepare", "--model", str(tmp_path / "missing"), "--out", str(tmp_path / "core")]) == 2
@@ -455,7 +572,7 @@ def test_prepare_refuses_without_a_gpu_or_a_checkpoint(tmp_path: Path, capsys: p
 class _EagerGraph:
     """Stands in for a captured CUDA graph on CPU: replay runs the eager step into the output."""
 
-    def __init__(self, prog, spec) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, prog: Program, spec: GraphSpec) -> None:
         self.prog, self.spec = prog, spec
 
     def replay(self) -> None:
@@ -469,7 +586,9 @@ class _EagerGraph:
 def test_runner_numerics_and_generation_on_cpu(tmp_path: Path) -> None:
     """The qualification harness (GraphRunner packing, teacher-forced numerics, generation) over
     eager steps: what the GPU run does with captured graphs."""
-    torch = require_torch()
+    require_torch()
+    import torch
+
     from ignition.capture.numerics import teacher_forced
     from ignition.capture.runner import GraphRunner, Sampling
 
@@ -479,9 +598,10 @@ def test_runner_numerics_and_generation_on_cpu(tmp_path: Path) -> None:
         spec.graph = _EagerGraph(prog, spec)
     runner = GraphRunner(prog)
 
-    def ref(ids):  # type: ignore[no-untyped-def]
+    def ref(ids: list[int]) -> torch.Tensor:
         with torch.no_grad():
-            return hf(torch.tensor([ids])).logits[0]
+            logits: torch.Tensor = hf(torch.tensor([ids])).logits[0]
+        return logits
 
     out = teacher_forced(runner, ref, prompt_len=200, decode_steps=4)
     assert set(out) >= {"prefill_t128", "decode_b1", "decode_b4"}
@@ -500,7 +620,9 @@ def test_runner_numerics_and_generation_on_cpu(tmp_path: Path) -> None:
 def test_a_decode_row_is_bitwise_the_same_in_every_bucket(tmp_path: Path) -> None:
     """Buckets share one GEMM shape (MIN_GEMM_ROWS), so a row's hidden vector and token do not
     depend on the bucket or the neighbours it was packed with."""
-    torch = require_torch()
+    require_torch()
+    import torch
+
     from ignition.capture.runner import Row
 
     _checkpoint(tmp_path, TINY)
@@ -519,7 +641,9 @@ def test_a_decode_row_is_bitwise_the_same_in_every_bucket(tmp_path: Path) -> Non
 
 
 def test_admission_counts_the_prompt_once_and_sampling_adds_to_it(tmp_path: Path) -> None:
-    torch = require_torch()
+    require_torch()
+    import torch
+
     from ignition.capture.runner import Row
 
     _checkpoint(tmp_path, TINY)
@@ -544,7 +668,7 @@ def test_admission_counts_the_prompt_once_and_sampling_adds_to_it(tmp_path: Path
     assert prog.hist[0].sum() == 0 and torch.equal(prog.hist[3], want)
 
 
-def _interpreted(script: str, timeout: int) -> dict:  # type: ignore[type-arg]
+def _interpreted(script: str, timeout: int) -> dict[str, Any]:
     """Runs tests/ignition/scripts/SCRIPT under Triton's CPU interpreter in a fresh process (the
     interpreter switch is read when kernels are defined); returns its last JSON line."""
     require_torch()
@@ -555,10 +679,16 @@ def _interpreted(script: str, timeout: int) -> dict:  # type: ignore[type-arg]
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    p = subprocess.run([sys.executable, str(Path(__file__).parent / "scripts" / script)], env=env,
-                       capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "scripts" / script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    report: dict[str, Any] = json.loads(p.stdout.strip().splitlines()[-1])
+    return report
 
 
 def test_triton_kernels_match_the_reference_under_the_interpreter() -> None:

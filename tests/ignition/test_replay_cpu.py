@@ -4,18 +4,21 @@ machine (qualification/*.json, `ignition replay` against the torch replay and `f
 
 from __future__ import annotations
 
+import ctypes
 import os
 import struct
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from conftest import FIXTURES, REPO, with_pending_tokens
 from ignition.core.stepping import PAD, Row, Sampling, pack_rows
 from ignition.export.exporter import RecordingExporter, export_recording
 from ignition.replay.core import CoreFiles, CoreReadError, pack_graph, topological
+from tests.ignition.conftest import FIXTURES, REPO, with_pending_tokens
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +149,9 @@ def test_replay_imports_no_torch_and_fails_cleanly_without_a_driver(core: CoreFi
     code = "import sys, ignition.replay.harness; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
     env = {**os.environ, "LD_LIBRARY_PATH": ""}
-    proc = subprocess.run([sys.executable, "-m", "ignition", "replay", str(core.root)], cwd=REPO, env=env,
-                          capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "ignition", "replay", str(core.root)], cwd=REPO, env=env, capture_output=True, text=True
+    )
     if proc.returncode == 0:
         pytest.skip("this machine has a CUDA device: the replay ran")
     assert proc.returncode == 2, proc.stderr
@@ -160,7 +164,7 @@ class _FakeStepper:
     page_tokens, pages_per_request, context_limit, header_words, largest_chunk = 64, 8, 512, 8, 128
 
     def __init__(self) -> None:
-        self.calls: list[tuple] = []
+        self.calls: list[tuple[Any, ...]] = []
 
     def initialize(self, live_row: int) -> None:
         self.calls.append(("initialize", live_row))
@@ -190,13 +194,21 @@ def test_generate_drives_admission_chunks_and_decode_like_the_executor() -> None
     # 300 prompt tokens in 128-token chunks; only the last samples, with counter 0.
     assert s.calls[2:5] == [("prefill", 0, 128, None), ("prefill", 128, 128, None), ("prefill", 256, 44, (9, 0))]
     # Each decode step feeds the previous token at the next position with the next counter.
-    assert s.calls[5:] == [("decode", 300, [100], (9, 1)), ("decode", 301, [101], (9, 2)), ("decode", 302, [102], (9, 3))]
+    assert s.calls[5:] == [
+        ("decode", 300, [100], (9, 1)),
+        ("decode", 301, [101], (9, 2)),
+        ("decode", 302, [102], (9, 3)),
+    ]
     assert generate(_FakeStepper(), [1, 2], 9, Sampling(), 2, eos=()) == [100, 101]
     # Device-fed: every decode packs -1 (its row's pending token) where it packed the last token.
     fed = _FakeStepper()
     assert generate(fed, list(range(300)), 9, Sampling(), 10, eos=(103,), live_row=2, device_fed=True) == out
     assert fed.calls[:5] == s.calls[:5]
-    assert fed.calls[5:] == [("decode", 300, [-1], (9, 1)), ("decode", 301, [-1], (9, 2)), ("decode", 302, [-1], (9, 3))]
+    assert fed.calls[5:] == [
+        ("decode", 300, [-1], (9, 1)),
+        ("decode", 301, [-1], (9, 2)),
+        ("decode", 302, [-1], (9, 3)),
+    ]
     with pytest.raises(StepError, match="context limit"):
         generate(_FakeStepper(), list(range(500)), 9, Sampling(), 13, eos=())
     assert histogram_chunks([1, 2, 3], 2) == [[1, 2], [3, -1]]
@@ -212,22 +224,23 @@ class _FakeDriver:
         import ctypes as C
 
         self.C = C
-        self.calls: list[tuple] = []
+        self.calls: list[tuple[Any, ...]] = []
         self.next_handle = 0x1000
-        self.nodes: dict[int, tuple] = {}
+        self.nodes: dict[int, tuple[Any, ...]] = {}
         self.host: list[object] = []
 
     def _handle(self) -> int:
         self.next_handle += 1
         return self.next_handle
 
-    def _out(self, ref, value) -> None:  # type: ignore[no-untyped-def]
+    def _out(self, ref: Any, value: int) -> None:
+        """Writes `value` through `ref`, a ctypes byref() of an output scalar."""
         ref._obj.value = value
 
-    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+    def __getattr__(self, name: str) -> Callable[..., int]:
         C = self.C
 
-        def call(*args):  # type: ignore[no-untyped-def]
+        def call(*args: Any) -> int:  # ctypes arguments, as DeviceCore passes them
             self.calls.append((name, args))
             if name == "cuMemGetAllocationGranularity":
                 self._out(args[0], 2 << 20)
@@ -235,8 +248,16 @@ class _FakeDriver:
                 self._out(args[0], args[3].value or self.RELOCATED_BASE)
             elif name in ("cuDeviceGet",):
                 self._out(args[0], 0)
-            elif name in ("cuDevicePrimaryCtxRetain", "cuStreamCreate", "cuMemCreate", "cuModuleLoadData",
-                          "cuModuleGetFunction", "cuGraphCreate", "cuEventCreate", "cuGraphInstantiateWithFlags"):  # fmt: skip
+            elif name in (
+                "cuDevicePrimaryCtxRetain",
+                "cuStreamCreate",
+                "cuMemCreate",
+                "cuModuleLoadData",
+                "cuModuleGetFunction",
+                "cuGraphCreate",
+                "cuEventCreate",
+                "cuGraphInstantiateWithFlags",
+            ):
                 self._out(args[0], self._handle())
             elif name == "cuMemAllocHost_v2":
                 buf = C.create_string_buffer(args[1].value)
@@ -246,7 +267,7 @@ class _FakeDriver:
                 h = self._handle()
                 self._out(args[0], h)
                 deps = [int(args[2][i] or 0) for i in range(args[3].value)]
-                info: tuple = (name, deps)
+                info: tuple[Any, ...] = (name, deps)
                 if name == "cuGraphAddKernelNode_v2":
                     p = args[4]._obj
                     extra = (C.c_void_p * 5).from_address(p.extra)
@@ -284,17 +305,28 @@ def test_the_loader_rebuilds_every_graph_relocated(core: CoreFiles, monkeypatch:
     # Nodes: dependencies are exactly the recorded edges, parameters relocated to the new base.
     kernel_nodes = [v for v in fake.nodes.values() if v[0] == "cuGraphAddKernelNode_v2"]
     assert len(kernel_nodes) == sum(1 for g in core.graphs for n in g.message.nodes if n.WhichOneof("op") == "kernel")
-    expected = {core.kernel_params(n, dev.base) for g in core.graphs for n in g.message.nodes if n.WhichOneof("op") == "kernel"}
+    expected = {
+        core.kernel_params(n, dev.base) for g in core.graphs for n in g.message.nodes if n.WhichOneof("op") == "kernel"
+    }
     assert {v[3] for v in kernel_nodes} == expected
     assert sum(len(v[1]) for v in fake.nodes.values()) == sum(len(g.message.edges) for g in core.graphs)
-    assert dev.report.relocated_words == sum(len(n.kernel.relocations) for g in core.graphs for n in g.message.nodes
-                                             if n.WhichOneof("op") == "kernel")  # fmt: skip
+    assert dev.report.relocated_words == sum(
+        len(n.kernel.relocations) for g in core.graphs for n in g.message.nodes if n.WhichOneof("op") == "kernel"
+    )
     start = len(fake.calls)
     dev.close()
     # Teardown drains first, then graphs, modules and memory, and releases the context last.
     down = [c[0] for c in fake.calls[start:]]
-    order = ["cuStreamSynchronize", "cuGraphExecDestroy", "cuGraphDestroy", "cuModuleUnload", "cuMemUnmap",
-             "cuMemRelease", "cuMemAddressFree", "cuDevicePrimaryCtxRelease_v2"]  # fmt: skip
+    order = [
+        "cuStreamSynchronize",
+        "cuGraphExecDestroy",
+        "cuGraphDestroy",
+        "cuModuleUnload",
+        "cuMemUnmap",
+        "cuMemRelease",
+        "cuMemAddressFree",
+        "cuDevicePrimaryCtxRelease_v2",
+    ]
     assert [down.index(n) for n in order] == sorted(down.index(n) for n in order), down
 
 
@@ -335,12 +367,12 @@ class _Sampling5(_FakeDriver):
         rec = next(g.outputs["completion_records"] for g in core.graphs if "completion_records" in g.outputs)
         self.width, self.header = rec.shape[-1], core.header_words
 
-    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+    def __getattr__(self, name: str) -> Callable[..., int]:
         if name != "cuMemcpyDtoHAsync_v2":
             return super().__getattr__(name)
         C, width, header = self.C, self.width, self.header
 
-        def read(host, src, length, stream):  # type: ignore[no-untyped-def]
+        def read(host: ctypes.c_void_p, src: ctypes.c_uint64, length: ctypes.c_size_t, stream: Any) -> int:
             words = (C.c_int32 * (length.value // 4)).from_address(host.value)
             for r in range(length.value // 4 // width):
                 words[r * width + 2], words[r * width + header] = 1, 5
@@ -362,8 +394,10 @@ def test_run_replays_references_reversed_and_benches_over_the_fake_driver(
     from ignition.replay.harness import CoreReplay
 
     monkeypatch.setattr(CoreReplay, "initialize", lambda self, live_row: None)
-    refs = [{"prompt_ids": [3, 4, 5], "seed": 1, "max_tokens": 3, "params": {"temperature": 0.7}, "tokens": [5, 5, 5]},
-            {"prompt_ids": list(range(10, 150)), "seed": 2, "max_tokens": 2, "tokens": [5, 6]}]  # fmt: skip
+    refs = [
+        {"prompt_ids": [3, 4, 5], "seed": 1, "max_tokens": 3, "params": {"temperature": 0.7}, "tokens": [5, 5, 5]},
+        {"prompt_ids": list(range(10, 150)), "seed": 2, "max_tokens": 2, "tokens": [5, 6]},
+    ]
     (tmp_path / "refs.json").write_text(json.dumps(refs))
     out = tmp_path / "report.json"
     report = run(core.root, None, tmp_path / "refs.json", out, True, False, 4, lambda _m: None)
@@ -385,8 +419,10 @@ def test_run_compares_device_fed_decode_where_the_core_reads_pending_tokens(
     fake = _Sampling5(fed_core)
     monkeypatch.setattr(cuda, "_driver", lambda: fake)
     monkeypatch.setattr(CoreReplay, "initialize", lambda self, live_row: None)
-    refs = [{"prompt_ids": [3, 4, 5], "seed": 1, "max_tokens": 3, "tokens": [5, 5, 5]},
-            {"prompt_ids": list(range(10, 150)), "seed": 2, "max_tokens": 2, "tokens": [5, 5]}]  # fmt: skip
+    refs = [
+        {"prompt_ids": [3, 4, 5], "seed": 1, "max_tokens": 3, "tokens": [5, 5, 5]},
+        {"prompt_ids": list(range(10, 150)), "seed": 2, "max_tokens": 2, "tokens": [5, 5]},
+    ]
     (tmp_path / "refs.json").write_text(json.dumps(refs))
     report = run(fed_core.root, None, tmp_path / "refs.json", None, False, False, 4, lambda _m: None)
     assert report["identical_to_reference"] == "2/2" and report["device_fed_identical"] == "2/2"

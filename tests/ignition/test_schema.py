@@ -61,8 +61,10 @@ def test_matches_protoc_when_available(tmp_path: Path) -> None:
 
     out = tmp_path / "d.pb"
     root = proto_path().parents[3]
-    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{root}", f"--descriptor_set_out={out}",
-                    str(proto_path())], check=True)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "grpc_tools.protoc", f"-I{root}", f"--descriptor_set_out={out}", str(proto_path())],
+        check=True,
+    )
     fds = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
     ref = fds.file[0]
     for m in ref.message_type:

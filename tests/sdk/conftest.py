@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import anthropic
 import openai
@@ -88,7 +89,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def flare_binary() -> str:
     """$FLARE_BIN (as scripts/ci-sdk-tests and CI set it), else target/debug/flare."""
     given = os.environ.get("FLARE_BIN")
-    for path in ([given, os.path.join(ROOT, given)] if given else [os.path.join(ROOT, "target/debug/flare")]):
+    for path in [given, os.path.join(ROOT, given)] if given else [os.path.join(ROOT, "target/debug/flare")]:
         if os.access(path, os.X_OK):
             return os.path.abspath(path)
     if given:
@@ -104,28 +105,27 @@ def keyed_url() -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    log = tempfile.NamedTemporaryFile(prefix="flare-sdk-keyed-", suffix=".log", delete=False)
-    proc = subprocess.Popen(
-        [flare_binary(), "run", "--sim", "--host", "127.0.0.1", "--port", str(port),
-         "--served-model-name", f"flare-sim,{ALIAS}"],
-        env={**os.environ, "FLARE_API_KEY": API_KEY}, stdout=log, stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                with open(log.name) as f:
-                    pytest.fail(f"the keyed flare server did not become healthy; its output:\n{f.read()}")
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
+    argv = [flare_binary(), "run", "--sim", "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--served-model-name", f"flare-sim,{ALIAS}"]
+    with tempfile.NamedTemporaryFile(prefix="flare-sdk-keyed-", suffix=".log", delete=False) as log:
+        proc = subprocess.Popen(
+            argv, env={**os.environ, "FLARE_API_KEY": API_KEY}, stdout=log, stderr=subprocess.STDOUT
+        )
         try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+            deadline = time.monotonic() + 60
+            while not _healthy(url):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    with open(log.name) as f:
+                        pytest.fail(f"the keyed flare server did not become healthy; its output:\n{f.read()}")
+                time.sleep(0.2)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def _healthy(url: str) -> bool:
@@ -146,12 +146,19 @@ class RawResponse:
         self.headers = headers
         self.body = body
 
-    def json(self):
+    def json(self) -> Any:
         return json.loads(self.body)
 
 
-def http(base_url: str, method: str, path: str, body: bytes | None = None, content_type: str | None = None,
-         headers: dict[str, str] | None = None, timeout: float = 60) -> RawResponse:
+def http(
+    base_url: str,
+    method: str,
+    path: str,
+    body: bytes | None = None,
+    content_type: str | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 60,
+) -> RawResponse:
     """A plain HTTP request (no SDK), returning status, lower-cased headers and body."""
     req = urllib.request.Request(base_url + path, data=body, method=method)
     if content_type is not None:
@@ -165,7 +172,7 @@ def http(base_url: str, method: str, path: str, body: bytes | None = None, conte
         return RawResponse(e.code, {k.lower(): v for k, v in e.headers.items()}, e.read())
 
 
-def post_json(base_url: str, path: str, payload, **kw) -> RawResponse:
+def post_json(base_url: str, path: str, payload: Any, **kw: Any) -> RawResponse:
     return http(base_url, "POST", path, json.dumps(payload).encode(), "application/json", **kw)
 
 
@@ -178,7 +185,7 @@ def parse_metrics(text: str) -> dict[str, float]:
             continue
         if "{" in line:
             name = line[: line.index("{")]
-            rest = line[line.rindex("}") + 1:]
+            rest = line[line.rindex("}") + 1 :]
         else:
             name, _, rest = line.partition(" ")
         value = rest.split()[0]
@@ -205,12 +212,12 @@ def wait_until_idle(base_url: str, timeout: float = 5.0) -> dict[str, float]:
         time.sleep(0.1)
 
 
-def assert_openai_error(err: openai.APIStatusError, status: int, error_type: str | None = None) -> dict:
+def assert_openai_error(err: openai.APIStatusError, status: int, error_type: str | None = None) -> dict[str, Any]:
     """The response is `status` with the OpenAI error object {"error": {message, type, param, code}}."""
     assert err.status_code == status, f"expected HTTP {status}, got {err.status_code}: {err.response.text[:300]}"
     body = err.response.json()
     assert isinstance(body, dict) and isinstance(body.get("error"), dict), f"not an OpenAI error object: {body}"
-    e = body["error"]
+    e: dict[str, Any] = body["error"]
     for key in ("message", "type", "param", "code"):
         assert key in e, f"error object lacks {key!r}: {body}"
     assert isinstance(e["message"], str) and e["message"], body
@@ -221,7 +228,7 @@ def assert_openai_error(err: openai.APIStatusError, status: int, error_type: str
     return e
 
 
-def tool_history(question: str = "What is the weather in Paris?", tool: str = "get_weather") -> list[dict]:
+def tool_history(question: str = "What is the weather in Paris?", tool: str = "get_weather") -> list[dict[str, Any]]:
     """A conversation in which the assistant already answered `question` with a call to `tool`,
     got the tool result, replied, and is asked the same question again. A copy model continues
     the new assistant turn the way the earlier one went: with the same tool call."""
@@ -232,7 +239,11 @@ def tool_history(question: str = "What is the weather in Paris?", tool: str = "g
             "role": "assistant",
             "content": None,
             "tool_calls": [
-                {"id": "call_0", "type": "function", "function": {"name": tool, "arguments": json.dumps({"city": "Paris"})}}
+                {
+                    "id": "call_0",
+                    "type": "function",
+                    "function": {"name": tool, "arguments": json.dumps({"city": "Paris"})},
+                }
             ],
         },
         {"role": "tool", "tool_call_id": "call_0", "content": json.dumps({"city": "Paris", "value": 18})},
@@ -241,7 +252,7 @@ def tool_history(question: str = "What is the weather in Paris?", tool: str = "g
     ]
 
 
-def text_history(question: str = "What is the weather in Paris?") -> list[dict]:
+def text_history(question: str = "What is the weather in Paris?") -> list[dict[str, Any]]:
     """The assistant answered `question` in plain text before; the question comes again."""
     return [
         {"role": "system", "content": "You are a weather assistant."},
@@ -258,7 +269,7 @@ ECHO_TEXT = (
 )
 
 
-def echo_history(text: str = ECHO_TEXT) -> list[dict]:
+def echo_history(text: str = ECHO_TEXT) -> list[dict[str, Any]]:
     """The user asked for `text` to be repeated, the assistant repeated it, and the user asks again.
     A copy model answers with `text` once more: a long, deterministic continuation that ends
     with EOS, without needing `ignore_eos`."""
@@ -277,5 +288,5 @@ def stop_string(full: str) -> tuple[str, str]:
     start = len(full) // 2
     while start < len(full) - 3 and (full[start].isspace() or full[start + 2].isspace()):
         start += 1
-    stop = full[start:start + 3]
+    stop = full[start : start + 3]
     return stop, full[: full.index(stop)]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+from typing import Any
 
 import anthropic
 import pytest
-
 from conftest import ECHO_TEXT, MODEL, echo_history, http, nonce, post_json, stop_string, wait_until_idle
 
 USER = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]
@@ -47,7 +48,7 @@ def check_message(msg, max_tokens: int) -> None:
         assert msg.usage.output_tokens == max_tokens
 
 
-def tool_history(question: str = "What is the weather in Paris?", tool: str = "get_weather") -> list[dict]:
+def tool_history(question: str = "What is the weather in Paris?", tool: str = "get_weather") -> list[dict[str, Any]]:
     """The assistant already answered `question` with a call to `tool`; the question comes again."""
     return [
         {"role": "user", "content": question},
@@ -66,7 +67,7 @@ def tool_history(question: str = "What is the weather in Paris?", tool: str = "g
     ]
 
 
-def check_tool_use(msg, allowed=NAMES) -> list:
+def check_tool_use(msg, allowed=NAMES) -> list[Any]:
     uses = [b for b in msg.content if b.type == "tool_use"]
     assert uses, f"no tool_use block (stop_reason {msg.stop_reason}, content {msg.content})"
     assert msg.stop_reason == "tool_use"
@@ -101,7 +102,9 @@ def test_system_prompt_counts_as_input(claude):
     check_message(with_system, 4)
     assert with_system.usage.input_tokens > plain.usage.input_tokens
     blocks = claude.messages.create(
-        model=MODEL, max_tokens=4, messages=USER,
+        model=MODEL,
+        max_tokens=4,
+        messages=USER,
         system=[{"type": "text", "text": "You are a poet who writes about the sea and ships."}],
     )
     assert blocks.usage.input_tokens == with_system.usage.input_tokens
@@ -169,13 +172,21 @@ def test_tool_use_repeats_the_earlier_call(claude):
 
 def test_tool_choice_any_and_named(claude):
     msg = claude.messages.create(
-        model=MODEL, max_tokens=64, tools=[WEATHER, TIME], tool_choice={"type": "any"}, messages=tool_history(),
+        model=MODEL,
+        max_tokens=64,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "any"},
+        messages=tool_history(),
         extra_body=GREEDY,
     )
     check_tool_use(msg)
     named = claude.messages.create(
-        model=MODEL, max_tokens=64, tools=[WEATHER, TIME], tool_choice={"type": "tool", "name": "get_time"},
-        messages=tool_history(tool="get_time"), extra_body=GREEDY,
+        model=MODEL,
+        max_tokens=64,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "tool", "name": "get_time"},
+        messages=tool_history(tool="get_time"),
+        extra_body=GREEDY,
     )
     uses = check_tool_use(named, allowed={"get_time"})
     assert all(u.name == "get_time" for u in uses)
@@ -187,7 +198,11 @@ def test_tool_results_across_turns(claude):
     inputs = []
     for turn in range(3):
         msg = claude.messages.create(
-            model=MODEL, max_tokens=64, tools=[WEATHER, TIME], tool_choice={"type": "any"}, messages=messages,
+            model=MODEL,
+            max_tokens=64,
+            tools=[WEATHER, TIME],
+            tool_choice={"type": "any"},
+            messages=messages,
             extra_body=GREEDY,
         )
         uses = check_tool_use(msg)
@@ -198,32 +213,42 @@ def test_tool_results_across_turns(claude):
             for u in uses
         ]
         # Ask again: the copy model answers the way the question was answered last time.
-        messages.append({"role": "user", "content": results + [{"type": "text", "text": "What is the weather in Paris?"}]})
-    assert all(a < b for a, b in zip(inputs, inputs[1:])), inputs
+        messages.append(
+            {"role": "user", "content": [*results, {"type": "text", "text": "What is the weather in Paris?"}]}
+        )
+    assert all(a < b for a, b in itertools.pairwise(inputs)), inputs
 
 
 def test_streamed_tool_use(claude):
-    events = list(claude.messages.create(
-        model=MODEL, max_tokens=64, tools=[WEATHER, TIME], tool_choice={"type": "any"}, messages=tool_history(),
-        stream=True, extra_body=GREEDY,
-    ))
+    events = list(
+        claude.messages.create(
+            model=MODEL,
+            max_tokens=64,
+            tools=[WEATHER, TIME],
+            tool_choice={"type": "any"},
+            messages=tool_history(),
+            stream=True,
+            extra_body=GREEDY,
+        )
+    )
     starts = [e for e in events if e.type == "content_block_start" and e.content_block.type == "tool_use"]
     assert starts, [e.type for e in events]
     for s in starts:
         assert s.content_block.name in NAMES and s.content_block.id
         partial = "".join(
-            e.delta.partial_json for e in events
+            e.delta.partial_json
+            for e in events
             if e.type == "content_block_delta" and e.index == s.index and e.delta.type == "input_json_delta"
         )
         assert isinstance(json.loads(partial), dict)
-    assert [e for e in events if e.type == "message_delta"][0].delta.stop_reason == "tool_use"
+    assert next(e for e in events if e.type == "message_delta").delta.stop_reason == "tool_use"
 
 
 # --- count_tokens -----------------------------------------------------------------------------------
 
 
 def test_count_tokens_equals_the_input_tokens_of_a_message(claude):
-    cases = [
+    cases: list[dict[str, Any]] = [
         {"messages": USER},
         {"system": "You are a weather assistant.", "messages": tool_history(), "tools": [WEATHER, TIME]},
         {"messages": tool_history(), "tools": [WEATHER, TIME], "tool_choice": {"type": "any"}},
@@ -258,8 +283,9 @@ def assert_anthropic_error(status: int, body, error_type: str | None = None) -> 
 
 
 def test_missing_max_tokens_is_400(base_url):
-    resp = post_json(base_url, "/v1/messages", {"model": MODEL, "messages": USER},
-                     headers={"anthropic-version": "2023-06-01"})
+    resp = post_json(
+        base_url, "/v1/messages", {"model": MODEL, "messages": USER}, headers={"anthropic-version": "2023-06-01"}
+    )
     assert resp.status == 400, resp.body[:300]
     assert_anthropic_error(400, resp.json(), "invalid_request_error")
 
@@ -297,7 +323,9 @@ def test_malformed_json_is_400(base_url):
 def test_closing_a_stream_cancels_it(claude, base_url):
     wait_until_idle(base_url, timeout=10)
     long_text = " ".join([ECHO_TEXT] * 12)
-    with claude.messages.stream(model=MODEL, max_tokens=4000, messages=echo_history(long_text), extra_body=GREEDY) as stream:
+    with claude.messages.stream(
+        model=MODEL, max_tokens=4000, messages=echo_history(long_text), extra_body=GREEDY
+    ) as stream:
         pieces = 0
         for _ in stream.text_stream:
             pieces += 1

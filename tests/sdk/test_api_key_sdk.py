@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import anthropic
 import openai
 import pytest
-
 from conftest import ALIAS, API_KEY, assert_openai_error, http
 
-USER = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]
+# Sent through both SDKs, whose message types differ: a plain JSON-shaped list.
+USER: list[Any] = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]
 MODEL = "flare-sim"
 
 
@@ -27,10 +29,10 @@ def test_openai_sdk_with_the_key(keyed_url):
     assert oai.models.retrieve(MODEL).id == MODEL
     # An alias retrieves the same model, under its first name.
     assert oai.models.retrieve(ALIAS).id == MODEL
-    resp = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=4)
-    assert resp.model == MODEL and resp.usage.prompt_tokens > 0
-    resp = oai.completions.create(model=ALIAS, prompt="Once upon a time", max_tokens=4)
-    assert resp.model == MODEL
+    chat = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=4)
+    assert chat.model == MODEL and chat.usage is not None and chat.usage.prompt_tokens > 0
+    completion = oai.completions.create(model=ALIAS, prompt="Once upon a time", max_tokens=4)
+    assert completion.model == MODEL
 
 
 def test_openai_sdk_with_a_wrong_or_no_key_is_401(keyed_url):

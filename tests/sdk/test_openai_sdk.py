@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import openai
 import pytest
-
 from conftest import (
     MODEL,
     TIME_TOOL,
@@ -43,10 +44,11 @@ def check_usage(usage, max_completion: int | None = None) -> None:
     assert isinstance(details.cached_tokens, int) and 0 <= details.cached_tokens <= usage.prompt_tokens
 
 
-def collect_stream(stream) -> dict:
+def collect_stream(stream) -> dict[str, Any]:
     """Reads a chat stream and checks per-chunk invariants; returns what it assembled."""
-    ids, texts, finish, usage_chunks, tool_calls = set(), {}, {}, [], {}
-    roles = {}
+    ids, finish, usage_chunks, roles = set(), {}, [], {}
+    texts: dict[int, str] = {}
+    tool_calls: dict[int, dict[int, dict[str, Any]]] = {}
     for chunk in stream:
         assert chunk.object == "chat.completion.chunk"
         assert chunk.model == MODEL
@@ -78,8 +80,14 @@ def collect_stream(stream) -> dict:
     assert len(ids) == 1, f"chunks carry several ids: {ids}"
     (cid,) = ids
     assert isinstance(cid, str) and cid
-    return {"id": cid, "texts": texts, "finish": finish, "usage_chunks": usage_chunks, "tool_calls": tool_calls,
-            "roles": roles}
+    return {
+        "id": cid,
+        "texts": texts,
+        "finish": finish,
+        "usage_chunks": usage_chunks,
+        "tool_calls": tool_calls,
+        "roles": roles,
+    }
 
 
 # --- models -------------------------------------------------------------------------------------
@@ -270,7 +278,9 @@ def test_malformed_json_body_is_400(base_url):
 
 def test_huge_prompt_is_400(oai):
     with pytest.raises(openai.BadRequestError) as info:
-        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello " * 60_000}], max_tokens=4)
+        oai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello " * 60_000}], max_tokens=4
+        )
     assert_openai_error(info.value, 400, "invalid_request_error")
 
 
@@ -281,8 +291,11 @@ def test_overload_answers_are_typed_503(oai):
     def one(i: int) -> str:
         try:
             stream = oai.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": f"Burst {i}: tell me a story."}], max_tokens=200,
-                stream=True, extra_body={"ignore_eos": True},
+                model=MODEL,
+                messages=[{"role": "user", "content": f"Burst {i}: tell me a story."}],
+                max_tokens=200,
+                stream=True,
+                extra_body={"ignore_eos": True},
             )
         except openai.APIStatusError as e:
             assert_openai_error(e, 503)
@@ -299,7 +312,7 @@ def test_overload_answers_are_typed_503(oai):
 # --- tools ----------------------------------------------------------------------------------------
 
 
-def check_tool_calls(message, finish_reason, allowed=TOOL_NAMES) -> list:
+def check_tool_calls(message, finish_reason, allowed=TOOL_NAMES) -> list[Any]:
     calls = message.tool_calls or []
     assert calls, f"no tool call (finish_reason {finish_reason}, content {message.content!r})"
     assert finish_reason == "tool_calls"
@@ -315,7 +328,11 @@ def check_tool_calls(message, finish_reason, allowed=TOOL_NAMES) -> list:
 
 def test_tool_choice_auto_repeats_the_earlier_call(oai):
     resp = oai.chat.completions.create(
-        model=MODEL, messages=tool_history(), tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="auto", max_tokens=64,
+        model=MODEL,
+        messages=tool_history(),
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice="auto",
+        max_tokens=64,
         temperature=LOW_TEMPERATURE,
     )
     calls = check_tool_calls(resp.choices[0].message, resp.choices[0].finish_reason)
@@ -324,7 +341,11 @@ def test_tool_choice_auto_repeats_the_earlier_call(oai):
 
 def test_tool_choice_required(oai):
     resp = oai.chat.completions.create(
-        model=MODEL, messages=tool_history(), tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required", max_tokens=64,
+        model=MODEL,
+        messages=tool_history(),
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice="required",
+        max_tokens=64,
         temperature=LOW_TEMPERATURE,
     )
     check_tool_calls(resp.choices[0].message, resp.choices[0].finish_reason)
@@ -332,8 +353,12 @@ def test_tool_choice_required(oai):
 
 def test_tool_choice_named(oai):
     resp = oai.chat.completions.create(
-        model=MODEL, messages=tool_history(tool="get_time"), tools=[WEATHER_TOOL, TIME_TOOL],
-        tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=64, temperature=LOW_TEMPERATURE,
+        model=MODEL,
+        messages=tool_history(tool="get_time"),
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_tokens=64,
+        temperature=LOW_TEMPERATURE,
     )
     calls = check_tool_calls(resp.choices[0].message, resp.choices[0].finish_reason, allowed={"get_time"})
     assert all(c.function.name == "get_time" for c in calls)
@@ -341,7 +366,11 @@ def test_tool_choice_named(oai):
 
 def test_tool_choice_none_never_calls(oai):
     resp = oai.chat.completions.create(
-        model=MODEL, messages=text_history(), tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="none", max_tokens=48,
+        model=MODEL,
+        messages=text_history(),
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice="none",
+        max_tokens=48,
         temperature=LOW_TEMPERATURE,
     )
     choice = resp.choices[0]
@@ -353,16 +382,25 @@ def test_tool_choice_none_never_calls(oai):
 def test_unknown_named_tool_is_400(oai):
     with pytest.raises(openai.BadRequestError) as info:
         oai.chat.completions.create(
-            model=MODEL, messages=USER, tools=[WEATHER_TOOL],
-            tool_choice={"type": "function", "function": {"name": "not_declared"}}, max_tokens=8,
+            model=MODEL,
+            messages=USER,
+            tools=[WEATHER_TOOL],
+            tool_choice={"type": "function", "function": {"name": "not_declared"}},
+            max_tokens=8,
         )
     assert_openai_error(info.value, 400)
 
 
 def test_streamed_tool_call_assembles(oai):
     stream = oai.chat.completions.create(
-        model=MODEL, messages=tool_history(), tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required",
-        max_tokens=64, temperature=LOW_TEMPERATURE, stream=True, stream_options={"include_usage": True},
+        model=MODEL,
+        messages=tool_history(),
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice="required",
+        max_tokens=64,
+        temperature=LOW_TEMPERATURE,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     got = collect_stream(stream)
     assert got["finish"].get(0) == "tool_calls"
@@ -381,7 +419,11 @@ def test_multi_turn_tool_loop_grows_and_hits_the_cache(oai):
     prompt_tokens, cached = [], []
     for turn in range(4):
         resp = oai.chat.completions.create(
-            model=MODEL, messages=messages, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required", max_tokens=64,
+            model=MODEL,
+            messages=messages,
+            tools=[WEATHER_TOOL, TIME_TOOL],
+            tool_choice="required",
+            max_tokens=64,
             temperature=LOW_TEMPERATURE,
         )
         choice = resp.choices[0]
@@ -389,23 +431,31 @@ def test_multi_turn_tool_loop_grows_and_hits_the_cache(oai):
         check_usage(resp.usage)
         prompt_tokens.append(resp.usage.prompt_tokens)
         cached.append(resp.usage.prompt_tokens_details.cached_tokens)
-        messages.append({
-            "role": "assistant",
-            "content": choice.message.content,
-            "tool_calls": [
-                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
-                for c in calls
-            ],
-        })
+        messages.append(
+            {
+                "role": "assistant",
+                "content": choice.message.content,
+                "tool_calls": [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.function.name, "arguments": c.function.arguments},
+                    }
+                    for c in calls
+                ],
+            }
+        )
         for call in calls:
-            messages.append({
-                "role": "tool",
-                "tool_call_id": call.id,
-                "content": json.dumps({"result": f"turn {turn}", "temp_c": 10 + turn}),
-            })
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call.id,
+                    "content": json.dumps({"result": f"turn {turn}", "temp_c": 10 + turn}),
+                }
+            )
         # Ask again: the copy model answers the way the question was answered last time.
         messages.append({"role": "user", "content": "What is the weather in Paris?"})
-    assert all(a < b for a, b in zip(prompt_tokens, prompt_tokens[1:])), prompt_tokens
+    assert all(a < b for a, b in itertools.pairwise(prompt_tokens)), prompt_tokens
     assert all(c > 0 for c in cached[1:]), f"later turns reuse the earlier prefix: cached {cached}"
 
 
@@ -413,8 +463,9 @@ def test_multi_turn_tool_loop_grows_and_hits_the_cache(oai):
 
 
 def test_repeated_conversation_reports_cached_tokens(oai):
-    system = f"Session {nonce()}. " + " ".join(f"Note {i}: the harbour light turns every {i % 7 + 2} seconds."
-                                              for i in range(40))
+    system = f"Session {nonce()}. " + " ".join(
+        f"Note {i}: the harbour light turns every {i % 7 + 2} seconds." for i in range(40)
+    )
     conv = [{"role": "system", "content": system}, {"role": "user", "content": "Summarise the notes."}]
     first = oai.chat.completions.create(model=MODEL, messages=conv, max_tokens=8, temperature=LOW_TEMPERATURE)
     second = oai.chat.completions.create(model=MODEL, messages=conv, max_tokens=8, temperature=LOW_TEMPERATURE)
@@ -426,7 +477,8 @@ def test_repeated_conversation_reports_cached_tokens(oai):
     assert c2 > c1, f"repeat must hit the cache: first {c1}, second {c2}"
     assert c2 >= second.usage.prompt_tokens // 2, f"most of a {second.usage.prompt_tokens}-token prompt: {c2}"
 
-    longer = conv + [
+    longer = [
+        *conv,
         {"role": "assistant", "content": second.choices[0].message.content or "ok"},
         {"role": "user", "content": "And now in one word?"},
     ]
@@ -469,7 +521,10 @@ def test_response_format_json_schema(oai):
         resp = oai.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "Weather report for Paris."}],
-            response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}},
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True},
+            },
             max_tokens=200,
             temperature=1.0,
             seed=seed,
@@ -510,8 +565,13 @@ def test_completions_endpoint(oai):
     assert 0 < resp.usage.completion_tokens <= 8
 
     stream = oai.completions.create(
-        model=MODEL, prompt="Once upon a time", max_tokens=8, stream=True, stream_options={"include_usage": True},
-        temperature=LOW_TEMPERATURE, seed=13,
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+        temperature=LOW_TEMPERATURE,
+        seed=13,
     )
     text, finish, usage = "", None, None
     for chunk in stream:
@@ -523,7 +583,9 @@ def test_completions_endpoint(oai):
             finish = c.finish_reason or finish
     assert finish in {"stop", "length"}
     assert usage is not None and usage.completion_tokens <= 8
-    greedy = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=LOW_TEMPERATURE, seed=13)
+    greedy = oai.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=LOW_TEMPERATURE, seed=13
+    )
     assert greedy.choices[0].text == text
 
 
@@ -559,8 +621,9 @@ def test_responses_stream_events(oai):
     assert types[-1] in {"response.completed", "response.incomplete"}, types
     assert types.count(types[-1]) == 1
     seqs = [getattr(e, "sequence_number", None) for e in events]
-    if all(s is not None for s in seqs):
-        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs), seqs
+    numbered = [s for s in seqs if s is not None]
+    if len(numbered) == len(seqs):
+        assert numbered == sorted(numbered) and len(set(numbered)) == len(numbered), seqs
     delta_text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     final = events[-1].response
     assert final.id == events[0].response.id

@@ -11,8 +11,14 @@ import sys
 import torch
 
 from ignition.capture.attention import (
-    PAGES_PER_SPLIT, SPLIT_MAX_TOKENS, _launch_attention, _launch_write, attend_gather, pages_per_split, rotate,
-)  # fmt: skip
+    PAGES_PER_SPLIT,
+    SPLIT_MAX_TOKENS,
+    _launch_attention,
+    _launch_write,
+    attend_gather,
+    pages_per_split,
+    rotate,
+)
 
 g = torch.Generator().manual_seed(0)
 n, h, kvh, d, t, p, pages, layers = 6, 6, 2, 64, 64, 4, 12, 3
@@ -26,7 +32,9 @@ scale = d**-0.5
 ref = attend_gather(q, kv, 1, tables.long().clamp(min=0), req, pos, scale).view(n, h, d)
 # One page group per program (4 groups for these 4-page tables), two, three (a partial last
 # group), and all four in one group (the direct store without a combine, as prefill runs).
-attn_err = max((_launch_attention(q, kv, tables, req, pos, 1, scale, pps) - ref).abs().max().item() for pps in (1, 2, 3, 4))
+attn_err = max(
+    (_launch_attention(q, kv, tables, req, pos, 1, scale, pps) - ref).abs().max().item() for pps in (1, 2, 3, 4)
+)
 # The default policy: few query tokens split, many (a prefill chunk) walk all pages at once.
 assert pages_per_split(16, 72) == PAGES_PER_SPLIT and pages_per_split(256, 72) == 72
 n2 = SPLIT_MAX_TOKENS + 1
@@ -58,10 +66,16 @@ for i, sl in enumerate(rslots.tolist()):
     rwant[sl // t, 1, 0, sl % t], rwant[sl // t, 1, 1, sl % t] = rot_k[i], rv[i]
 rope_write_err = (rwritten - rwant).abs().max().item()
 rref = attend_gather(rotate(rq, cos, sin), kv, 1, tables.long().clamp(min=0), req, pos, scale).view(n, h, d)
-rope_attn_err = max((_launch_attention(rq, kv, tables, req, pos, 1, scale, pps, cos=cos, sin=sin) - rref).abs().max().item()
-                    for pps in (1, 4))  # fmt: skip
-report = {"attention_max_abs_err": attn_err, "kv_write_exact": kv_write_exact,
-          "rope_write_max_abs_err": rope_write_err, "rope_attention_max_abs_err": rope_attn_err}  # fmt: skip
+rope_attn_err = max(
+    (_launch_attention(rq, kv, tables, req, pos, 1, scale, pps, cos=cos, sin=sin) - rref).abs().max().item()
+    for pps in (1, 4)
+)
+report = {
+    "attention_max_abs_err": attn_err,
+    "kv_write_exact": kv_write_exact,
+    "rope_write_max_abs_err": rope_write_err,
+    "rope_attention_max_abs_err": rope_attn_err,
+}
 print(json.dumps(report))
 ok = attn_err < 1e-5 and kv_write_exact and rope_write_err < 1e-5 and rope_attn_err < 1e-5
 sys.exit(0 if ok else 1)

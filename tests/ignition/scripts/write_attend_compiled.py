@@ -1,8 +1,8 @@
 """`flare::write_attend` inside a torch.compile'd layer loop, on CPU (Triton's interpreter runs
 the kernels, float32), fed strided q/k/v views of a fused projection and rotating them itself:
 the cache written in place matches the eager gather reference (bitwise where both paths
-wrote from the same inputs), the
-outputs match (compiled: within float32 rounding of its matmuls), and the compiled code allocates no KV-shaped buffer (the cache is never copied).
+wrote from the same inputs), the outputs match (compiled: within float32 rounding of its matmuls),
+and the compiled code allocates no KV-shaped buffer (the cache is never copied).
 Prints one JSON line; exit 1 on a mismatch. Needs TRITON_INTERPRET=1 before Triton is imported."""
 
 from __future__ import annotations
@@ -61,28 +61,41 @@ kv0 = torch.randn(kv_shape, generator=gen)
 ref_kv, eager_kv, kv = kv0.clone(), kv0.clone(), kv0.clone()
 ref = step(x, ref_kv, False, pos, slots)
 eager = step(x, eager_kv, True, pos, slots)
-out, codes = run_and_get_code(torch.compile(lambda a, c, p, sl: step(a, c, True, p, sl), fullgraph=True), x, kv, pos, slots)
+out, codes = run_and_get_code(
+    torch.compile(lambda a, c, p, sl: step(a, c, True, p, sl), fullgraph=True), x, kv, pos, slots
+)
 code = "\n".join(codes)
 calls = [ln.strip() for ln in code.splitlines() if "flare.write_attend.default(" in ln]
-shapes = [tuple(int(v) for v in m.split(",") if v.strip()) for m in re.findall(r"empty_strided\w*\(\(([\d, ]+)\)", code)]
+shapes = [
+    tuple(int(v) for v in m.split(",") if v.strip()) for m in re.findall(r"empty_strided\w*\(\(([\d, ]+)\)", code)
+]
 written = torch.zeros(pages, t, dtype=torch.bool)
 for sl in slots[slots >= 0].tolist():
     written[sl // t, sl % t] = True
 untouched = ~written[:, None, None, :, None, None].expand(kv_shape)
 # Layer 0's K/V are computed from the same x on both paths, so its written slots match bitwise;
 # later layers see x after attention, which differs by rounding between the kernel and the gather.
-report = {"eager_layer0_kv_bitwise_equal": bool(torch.equal(eager_kv[:, 0], ref_kv[:, 0])),
-          "eager_out_max_abs_err": (eager - ref).abs().max().item(),
-          "compiled_kv_max_abs_err": (kv - ref_kv).abs().max().item(),
-          "compiled_untouched_kv_bitwise_equal": bool(torch.equal(kv[untouched], kv0[untouched])),
-          "compiled_out_max_abs_err": (out - ref).abs().max().item(),
-          "kv_shaped_buffers": sum(s == kv_shape for s in shapes), "op_calls": code.count("flare.write_attend"),
-          # cos, sin, kv, slots, tables, req, pos: the same buffers in every layer's call (torch 2.11
-          # under the default exact-stride constraint copied the computed ones once per call)
-          "shared_op_inputs": len({tuple(c.rstrip(")").split(", ")[-9:-2]) for c in calls}) == 1}  # fmt: skip
+report = {
+    "eager_layer0_kv_bitwise_equal": bool(torch.equal(eager_kv[:, 0], ref_kv[:, 0])),
+    "eager_out_max_abs_err": (eager - ref).abs().max().item(),
+    "compiled_kv_max_abs_err": (kv - ref_kv).abs().max().item(),
+    "compiled_untouched_kv_bitwise_equal": bool(torch.equal(kv[untouched], kv0[untouched])),
+    "compiled_out_max_abs_err": (out - ref).abs().max().item(),
+    "kv_shaped_buffers": sum(s == kv_shape for s in shapes),
+    "op_calls": code.count("flare.write_attend"),
+    # cos, sin, kv, slots, tables, req, pos: the same buffers in every layer's call (torch 2.11
+    # under the default exact-stride constraint copied the computed ones once per call)
+    "shared_op_inputs": len({tuple(c.rstrip(")").split(", ")[-9:-2]) for c in calls}) == 1,
+}
 print(json.dumps(report))
-ok = (report["eager_layer0_kv_bitwise_equal"] and report["eager_out_max_abs_err"] < 1e-5
-      and report["compiled_kv_max_abs_err"] < 1e-4 and report["compiled_untouched_kv_bitwise_equal"]
-      and report["compiled_out_max_abs_err"] < 1e-4 and report["kv_shaped_buffers"] == 0 and report["op_calls"] >= 1
-      and report["shared_op_inputs"])
+ok = (
+    report["eager_layer0_kv_bitwise_equal"]
+    and report["eager_out_max_abs_err"] < 1e-5
+    and report["compiled_kv_max_abs_err"] < 1e-4
+    and report["compiled_untouched_kv_bitwise_equal"]
+    and report["compiled_out_max_abs_err"] < 1e-4
+    and report["kv_shaped_buffers"] == 0
+    and report["op_calls"] >= 1
+    and report["shared_op_inputs"]
+)
 sys.exit(0 if ok else 1)
