@@ -71,6 +71,10 @@ pub enum GrammarError {
     Rollback { requested: usize, available: usize },
     #[error("grammar matcher failed: {0}")]
     Matcher(String),
+    /// The grammar exceeds the parser's limits, at compile or computing a mask: too complex
+    /// to serve, the request's fault.
+    #[error("the grammar exceeds the parser's limits: {0}")]
+    Limit(String),
     #[error("tokenizer environment: {0}")]
     Env(String),
 }

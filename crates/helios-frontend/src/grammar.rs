@@ -78,15 +78,23 @@ impl GrammarError {
     /// computing a mask: the grammar is too complex to serve, the request's fault. Any other
     /// matcher failure is not.
     pub fn exceeds_limits(&self) -> bool {
-        match self {
-            GrammarError::Compile(m) | GrammarError::Matcher(m) => LIMIT_MESSAGES.iter().any(|p| m.contains(p)),
-            _ => false,
-        }
+        matches!(self, GrammarError::Limit(_))
     }
 }
 
+/// An llguidance failure, typed once here: a limit of [`parser_limits`] (its messages are
+/// llguidance's only report of which), else `otherwise` (compile or matcher failure).
+fn llg_error(e: &impl std::fmt::Display, otherwise: fn(String) -> GrammarError) -> GrammarError {
+    let m = first_line(e);
+    if LIMIT_MESSAGES.iter().any(|p| m.contains(p)) { GrammarError::Limit(m) } else { otherwise(m) }
+}
+
 fn matcher_error(e: impl std::fmt::Display) -> GrammarError {
-    GrammarError::Matcher(first_line(&e))
+    llg_error(&e, GrammarError::Matcher)
+}
+
+fn compile_error(e: impl std::fmt::Display) -> GrammarError {
+    llg_error(&e, GrammarError::Compile)
 }
 
 /// Per-tokenizer grammar machinery; build once and share.
@@ -225,13 +233,13 @@ impl GrammarEnv {
     }
 
     /// Builds a matcher for one request. Compiling is bounded by [`parser_limits`]; a grammar
-    /// over them fails with a `Compile` error that [`GrammarError::exceeds_limits`].
+    /// over them fails with [`GrammarError::Limit`].
     pub fn matcher(&self, format: &AnswerFormat, proto: &OutputProtocol) -> Result<GrammarMatcher, GrammarError> {
         let grammar = TopLevelGrammar::from_lark(self.lark(format, proto)?);
-        let parser = self.factory.create_parser(grammar).map_err(|e| GrammarError::Compile(first_line(&e)))?;
+        let parser = self.factory.create_parser(grammar).map_err(compile_error)?;
         let matcher = Matcher::new(Ok(parser)).into_cancellable();
         if let Some(e) = matcher.get_error() {
-            return Err(GrammarError::Compile(first_line(&e)));
+            return Err(compile_error(e));
         }
         Ok(GrammarMatcher { matcher, consumed: 0 })
     }
@@ -478,10 +486,7 @@ mod tests {
         // Other failures are not limit failures.
         assert!(!GrammarError::Matcher("boom".into()).exceeds_limits());
         assert!(!GrammarError::Rejected(3).exceeds_limits());
-        assert!(
-            GrammarError::Compile("grammar size (number of symbols) too big (limit for this grammar: 9)".into())
-                .exceeds_limits()
-        );
+        assert!(compile_error("grammar size (number of symbols) too big (limit for this grammar: 9)").exceeds_limits());
     }
 
     #[test]

@@ -26,7 +26,7 @@ pub use prompt::{Prompt, checkpoint_endpoints};
 pub use sampling::{ResolvedSampling, SamplingRequest, resolve_sampling};
 pub use stop::{MAX_STOP_BYTES, MAX_STOP_TOTAL_BYTES, MAX_STOPS, StopMatcher, StopOutcome, StopSet};
 pub use template::{
-    ChatTemplate, MARK_EXHAUSTIVE, MARK_PROBES, MARK_SPREAD, MARK_TAIL, RenderInput, RenderLimits, Rendered,
-    TemplateConfig, select_probes,
+    ChatTemplate, MARK_EXHAUSTIVE, MARK_SPREAD, MARK_TAIL, RenderInput, RenderLimits, Rendered, TemplateConfig,
+    select_probes,
 };
 pub use tokenizer::{Encoded, Tokenizer};

@@ -5,7 +5,7 @@
 //! the end of message `k`. This is exact (no sentinel ever enters the prompt) and
 //! template-agnostic; a prefix that fails to render or diverges simply yields no mark.
 //!
-//! Cost: one full render, then at most [`MARK_PROBES`] prefix renders per call (each
+//! Cost: one full render, then at most [`MARK_EXHAUSTIVE`] prefix renders per call (each
 //! aborted at the first byte that leaves the prompt), so preparation is linear in the
 //! conversation: every pending prefix up to [`MARK_EXHAUSTIVE`] of them, else the last
 //! [`MARK_TAIL`] plus [`MARK_SPREAD`] spread over the rest. Outcomes are remembered, so a
@@ -491,7 +491,7 @@ impl ChatTemplate {
     ///
     /// Templates that call `strftime_now` without a fixed `now_unix` skip the memo.
     ///
-    /// Bounded work: prefixes neither remembered nor among the [`MARK_PROBES`] chosen by
+    /// Bounded work: prefixes neither remembered nor among those chosen by
     /// [`select_probes`] are not rendered (and yield no mark in this call).
     pub fn render(&self, input: &RenderInput) -> Result<Rendered, TemplateError> {
         self.render_with(input, &RenderLimits::default())
@@ -746,7 +746,9 @@ impl ChatTemplate {
 pub(crate) const MARK_THREADS: usize = 4;
 
 /// Up to this many pending prefixes (outcome not remembered), a [`ChatTemplate::render`]
-/// call renders them all: every mark is found, exactly as by rendering every prefix.
+/// call renders them all: every mark is found, exactly as by rendering every prefix. It is
+/// also the most prefix renders one call makes; each costs at most one render of the prompt,
+/// so a call costs at most `MARK_EXHAUSTIVE + 1` renders whatever the message count.
 pub const MARK_EXHAUSTIVE: usize = 64;
 
 /// Beyond [`MARK_EXHAUSTIVE`] pending prefixes, a call renders the last `MARK_TAIL` (the
@@ -756,10 +758,6 @@ pub const MARK_TAIL: usize = 8;
 /// ... and `MARK_SPREAD` spread evenly over the earlier ones, where the scheduler places
 /// its few checkpoints (at most eight per request) at equal intervals anyway.
 pub const MARK_SPREAD: usize = 8;
-
-/// Most prefix renders one call makes. Each costs at most one render of the prompt, so a
-/// call costs at most `MARK_PROBES + 1` renders whatever the message count.
-pub const MARK_PROBES: usize = MARK_EXHAUSTIVE;
 
 /// The prefixes to render among `todo` (ascending): all of them when at most
 /// [`MARK_EXHAUSTIVE`]; otherwise the last [`MARK_TAIL`] and [`MARK_SPREAD`] evenly spaced
@@ -1077,7 +1075,7 @@ mod tests {
     fn assert_marks_within_budget(fast: &Rendered, reference: &Rendered) {
         assert_eq!(fast.text, reference.text);
         assert!(fast.message_ends.iter().all(|m| reference.message_ends.contains(m)), "a mark that is not exact");
-        assert!(fast.message_ends.len() <= MARK_PROBES);
+        assert!(fast.message_ends.len() <= MARK_EXHAUSTIVE);
         let tail = &reference.message_ends[reference.message_ends.len().saturating_sub(MARK_TAIL)..];
         assert!(tail.iter().all(|m| fast.message_ends.contains(m)), "a tail mark is missing");
     }

@@ -15,7 +15,7 @@ use serde_json::{Value as Json, json};
 use crate::AppState;
 use crate::error::{ApiError, Flavor};
 use crate::extract::{AnthropicEnvelope, ApiJson};
-use crate::generate::{Api, ChoiceEnd, Piece, RequestLog, logged, new_id, start};
+use crate::generate::{Api, ChoiceEnd, Piece, RequestLog, handle, logged, start};
 use crate::openai::{check_model, merged};
 use crate::params::{self, RawSampling};
 
@@ -240,20 +240,14 @@ pub(crate) async fn messages(
     headers: HeaderMap,
     body: Result<ApiJson<MessagesRequest, AnthropicEnvelope>, ApiError>,
 ) -> Response {
-    let request_id = new_id("msg_");
-    let log = RequestLog::new(&state.engine, Api::Messages, &headers, &request_id);
-    let result = match body {
-        Ok(ApiJson(req, _)) => messages_inner(state, req, request_id, &log).await,
-        Err(e) => Err(e),
-    };
-    log.respond(result.map_err(|e| e.flavor(Flavor::Anthropic)))
+    handle(state, &headers, body, Api::Messages, ("msg_", Flavor::Anthropic), messages_inner).await
 }
 
 async fn messages_inner(
     state: AppState,
     req: MessagesRequest,
     request_id: String,
-    log: &RequestLog,
+    log: RequestLog,
 ) -> Result<Response, ApiError> {
     let model = check_model(&state, &req.model, Flavor::Anthropic)?;
     let sampling = RawSampling {
@@ -276,7 +270,7 @@ async fn messages_inner(
         ignore_eos: false,
     };
     log.set_stream(req.stream);
-    let g = start(&state.engine, input, Flavor::Anthropic, log).await?;
+    let g = start(&state.engine, input, Flavor::Anthropic, &log).await?;
     if !req.stream {
         let Some(choice) = g.choices.into_iter().next() else {
             return Err(ApiError::from_request(&helios_worker::RequestError::ChannelClosed).flavor(Flavor::Anthropic));

@@ -2,7 +2,7 @@
 //! choice's events into presentation pieces; and the per-request accounting ([`RequestLog`]):
 //! the request id, the one log line per request and its counts in `/metrics`.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Instant;
 
 use axum::http::{HeaderMap, HeaderValue};
@@ -15,7 +15,9 @@ use helios_worker::{
     Stage, StopHit, Unavailable,
 };
 
+use crate::AppState;
 use crate::error::{ApiError, Flavor, escape_for_log};
+use crate::extract::ApiJson;
 
 /// What a client sees of one choice.
 #[derive(Clone, Debug)]
@@ -216,6 +218,30 @@ pub(crate) fn unix_now() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
+/// Runs a generation route's handler body under its request's accounting ([`RequestLog`]):
+/// the request id (the client's `X-Request-Id`, else a fresh one after `id_prefix`), the log
+/// line and the `/metrics` counts, also for a body the extractor rejected; every error is
+/// answered in `flavor`'s envelope.
+pub(crate) async fn handle<T, E, Fut>(
+    state: AppState,
+    headers: &HeaderMap,
+    body: Result<ApiJson<T, E>, ApiError>,
+    api: Api,
+    (id_prefix, flavor): (&str, Flavor),
+    inner: impl FnOnce(AppState, T, String, RequestLog) -> Fut,
+) -> Response
+where
+    Fut: Future<Output = Result<Response, ApiError>>,
+{
+    let request_id = new_id(id_prefix);
+    let log = RequestLog::new(&state.engine, api, headers, &request_id);
+    let result = match body {
+        Ok(ApiJson(req, _)) => inner(state, req, request_id, log.clone()).await,
+        Err(e) => Err(e),
+    };
+    log.respond(result.map_err(|e| e.flavor(flavor)))
+}
+
 /// Longest client `X-Request-Id` kept, in bytes.
 pub(crate) const MAX_CLIENT_REQUEST_ID: usize = 128;
 
@@ -269,6 +295,8 @@ pub(crate) struct RequestLog(Arc<Shared>);
 #[derive(Debug)]
 struct Shared {
     id: String,
+    /// When the first token arrived: set once, read per token without the lock.
+    first_token: OnceLock<Instant>,
     record: Mutex<Record>,
 }
 
@@ -280,7 +308,6 @@ struct Record {
     api: Api,
     stream: bool,
     arrived: Instant,
-    first_token: Option<Instant>,
     /// Every choice was admitted (the generation ran).
     admitted: bool,
     /// The status of the response sent, once one was.
@@ -315,7 +342,6 @@ impl RequestLog {
             api,
             stream: false,
             arrived: Instant::now(),
-            first_token: None,
             admitted: false,
             sent: None,
             prompt_tokens: None,
@@ -324,7 +350,7 @@ impl RequestLog {
             finish_reasons: Vec::new(),
             end: None,
         };
-        RequestLog(Arc::new(Shared { id, record: Mutex::new(record) }))
+        RequestLog(Arc::new(Shared { id, first_token: OnceLock::new(), record: Mutex::new(record) }))
     }
 
     /// The request id: the `x-request-id` response header and the log's `request_id`.
@@ -350,9 +376,7 @@ impl RequestLog {
     }
 
     fn token_arrived(&self) {
-        self.with(|r| {
-            r.first_token.get_or_insert_with(Instant::now);
-        });
+        self.0.first_token.get_or_init(Instant::now);
     }
 
     fn choice_done(&self, index: u32, end: &ChoiceEnd) {
@@ -427,7 +451,7 @@ impl Drop for Shared {
         };
         let ms = |d: std::time::Duration| d.as_micros() as f64 / 1000.0;
         let duration_ms = ms(ended.saturating_duration_since(r.arrived));
-        let ttft_ms = r.first_token.map(|t| ms(t.saturating_duration_since(r.arrived)));
+        let ttft_ms = self.first_token.get().map(|t| ms(t.saturating_duration_since(r.arrived)));
         r.finish_reasons.sort_unstable();
         for (_, reason) in &r.finish_reasons {
             metrics.count_success(reason);

@@ -15,7 +15,7 @@ use serde_json::{Map, Value as Json, json};
 use crate::AppState;
 use crate::error::{ApiError, Flavor};
 use crate::extract::ApiJson;
-use crate::generate::{Api, ChoiceEnd, ChoiceRun, Generation, Piece, RequestLog, logged, new_id, start, unix_now};
+use crate::generate::{Api, ChoiceEnd, ChoiceRun, Generation, Piece, RequestLog, handle, logged, start, unix_now};
 use crate::params::{self, RawSampling, StopSpec};
 
 #[derive(Debug, Deserialize)]
@@ -147,25 +147,19 @@ pub(crate) async fn chat(
     headers: HeaderMap,
     body: Result<ApiJson<ChatRequest>, ApiError>,
 ) -> Response {
-    let request_id = new_id("chatcmpl-");
-    let log = RequestLog::new(&state.engine, Api::Chat, &headers, &request_id);
-    let result = match body {
-        Ok(ApiJson(req, _)) => chat_inner(state, req, request_id, &log).await,
-        Err(e) => Err(e),
-    };
-    log.respond(result)
+    handle(state, &headers, body, Api::Chat, ("chatcmpl-", Flavor::OpenAi), chat_inner).await
 }
 
 async fn chat_inner(
     state: AppState,
     req: ChatRequest,
     request_id: String,
-    log: &RequestLog,
+    log: RequestLog,
 ) -> Result<Response, ApiError> {
     let model = check_model(&state, &req.model, Flavor::OpenAi)?;
     let (input, streaming, include_usage) = req.into_input(request_id)?;
     log.set_stream(streaming);
-    let generation = start(&state.engine, input, Flavor::OpenAi, log).await?;
+    let generation = start(&state.engine, input, Flavor::OpenAi, &log).await?;
     if streaming {
         Ok(chat_stream(generation, model, include_usage).into_response())
     } else {
@@ -390,20 +384,14 @@ pub(crate) async fn completions(
     headers: HeaderMap,
     body: Result<ApiJson<CompletionRequest>, ApiError>,
 ) -> Response {
-    let request_id = new_id("cmpl-");
-    let log = RequestLog::new(&state.engine, Api::Completions, &headers, &request_id);
-    let result = match body {
-        Ok(ApiJson(req, _)) => completions_inner(state, req, request_id, &log).await,
-        Err(e) => Err(e),
-    };
-    log.respond(result)
+    handle(state, &headers, body, Api::Completions, ("cmpl-", Flavor::OpenAi), completions_inner).await
 }
 
 async fn completions_inner(
     state: AppState,
     req: CompletionRequest,
     request_id: String,
-    log: &RequestLog,
+    log: RequestLog,
 ) -> Result<Response, ApiError> {
     let model = check_model(&state, &req.model, Flavor::OpenAi)?;
     if req.echo || req.suffix.is_some() || req.logprobs.as_ref().is_some_and(|l| !l.is_null()) {
@@ -423,7 +411,7 @@ async fn completions_inner(
         ignore_eos: req.ignore_eos,
     };
     log.set_stream(req.stream);
-    let g = start(&state.engine, input, Flavor::OpenAi, log).await?;
+    let g = start(&state.engine, input, Flavor::OpenAi, &log).await?;
     if !req.stream {
         let id = g.request_id.clone();
         let (ends, usage) = collect_choices(g).await?;

@@ -16,7 +16,7 @@ use serde_json::{Value as Json, json};
 use crate::AppState;
 use crate::error::{ApiError, Flavor};
 use crate::extract::ApiJson;
-use crate::generate::{Api, ChoiceEnd, Piece, RequestLog, logged, new_id, start, unix_now};
+use crate::generate::{Api, ChoiceEnd, Piece, RequestLog, handle, logged, start, unix_now};
 use crate::openai::{check_model, merged};
 use crate::params::{self, RawSampling};
 
@@ -175,20 +175,14 @@ pub(crate) async fn responses(
     headers: HeaderMap,
     body: Result<ApiJson<ResponsesRequest>, ApiError>,
 ) -> Response {
-    let request_id = new_id("resp_");
-    let log = RequestLog::new(&state.engine, Api::Responses, &headers, &request_id);
-    let result = match body {
-        Ok(ApiJson(req, _)) => responses_inner(state, req, request_id, &log).await,
-        Err(e) => Err(e),
-    };
-    log.respond(result)
+    handle(state, &headers, body, Api::Responses, ("resp_", Flavor::OpenAi), responses_inner).await
 }
 
 async fn responses_inner(
     state: AppState,
     req: ResponsesRequest,
     request_id: String,
-    log: &RequestLog,
+    log: RequestLog,
 ) -> Result<Response, ApiError> {
     let model = check_model(&state, &req.model, Flavor::OpenAi)?;
     if req.previous_response_id.is_some() {
@@ -225,7 +219,7 @@ async fn responses_inner(
         ignore_eos: false,
     };
     log.set_stream(req.stream);
-    let g = start(&state.engine, input, Flavor::OpenAi, log).await?;
+    let g = start(&state.engine, input, Flavor::OpenAi, &log).await?;
     let (created, id) = (unix_now(), g.request_id.clone());
     if !req.stream {
         let Some(choice) = g.choices.into_iter().next() else {

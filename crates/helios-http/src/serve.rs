@@ -828,6 +828,17 @@ struct Throttle {
     pending: u64,
 }
 
+impl Throttle {
+    /// The pending count, taken, when there is one and the last line is older than the interval.
+    fn take_due(&mut self) -> Option<u64> {
+        if self.pending == 0 || self.last.is_some_and(|at| at.elapsed() < LOG_INTERVAL) {
+            return None;
+        }
+        self.last = Some(Instant::now());
+        Some(std::mem::take(&mut self.pending))
+    }
+}
+
 #[derive(Debug, Default)]
 struct Logs {
     throttles: [Mutex<Throttle>; EVENTS.len()],
@@ -840,12 +851,12 @@ impl Logs {
 
     /// Counts `event`; logs the count when the last line for it is older than the interval.
     fn hit(&self, limits: &ConnectionLimits, event: Event, error: Option<&io::Error>) {
-        let mut t = self.slot(event);
-        t.pending += 1;
-        if t.last.is_none_or(|at| at.elapsed() >= LOG_INTERVAL) {
-            let n = std::mem::take(&mut t.pending);
-            t.last = Some(Instant::now());
-            drop(t);
+        let due = {
+            let mut t = self.slot(event);
+            t.pending += 1;
+            t.take_due()
+        };
+        if let Some(n) = due {
             emit(limits, event, n, error);
         }
     }
@@ -853,11 +864,8 @@ impl Logs {
     /// Logs counts held back for longer than the interval.
     fn flush(&self, limits: &ConnectionLimits) {
         for event in EVENTS {
-            let mut t = self.slot(event);
-            if t.pending > 0 && t.last.is_none_or(|at| at.elapsed() >= LOG_INTERVAL) {
-                let n = std::mem::take(&mut t.pending);
-                t.last = Some(Instant::now());
-                drop(t);
+            let due = self.slot(event).take_due();
+            if let Some(n) = due {
                 emit(limits, event, n, None);
             }
         }

@@ -31,7 +31,7 @@ use crate::grammar_pool::{GrammarOutcome, GrammarWork, ReadyGrammar};
 use crate::metrics::Metrics;
 use crate::output::{ChoiceStream, FinishCause, FinishInfo, OutputCell};
 use crate::prep::PrepPool;
-use crate::request::{GenerationInput, Prepared, prepare};
+use crate::request::{GenerationInput, Prepared, prepare_checked};
 use crate::trim::Trimmer;
 
 /// How long shutdown waits for preparation threads once their work is cancelled (they
@@ -340,7 +340,7 @@ impl Engine {
         self.check_available()?;
         crate::request::check_limits(&self.frontend, &input)?;
         let frontend = self.frontend.clone();
-        match self.prep.run(move |cancel| prepare(&frontend, input, cancel)).await? {
+        match self.prep.run(move |cancel| prepare_checked(&frontend, input, cancel)).await? {
             Err(RequestError::Frontend(e))
                 if matches!(
                     *e,

@@ -138,11 +138,8 @@ impl RequestError {
     /// fault ([`RequestError::GrammarTooComplex`]); anything else stays a
     /// [`RequestError::Grammar`] (a compile failure is still the request's fault).
     pub fn grammar(e: GrammarError, stage: Stage) -> Self {
-        let over_limits = e.exceeds_limits();
         match e {
-            GrammarError::Compile(message) | GrammarError::Matcher(message) if over_limits => {
-                RequestError::GrammarTooComplex { message, stage }
-            }
+            GrammarError::Limit(message) => RequestError::GrammarTooComplex { message, stage },
             e => RequestError::Grammar(Arc::new(e)),
         }
     }
@@ -273,12 +270,12 @@ mod tests {
     #[test]
     fn grammar_failures_the_client_caused_are_invalid_requests() {
         let limit = "Parser Error: Current row has 20007 items; max is 2000";
-        let e = RequestError::grammar(GrammarError::Matcher(limit.into()), Stage::Execution);
+        let e = RequestError::grammar(GrammarError::Limit(limit.into()), Stage::Execution);
         assert_eq!(
             (e.class(), e.code(), e.stage(), e.param()),
             (ErrorClass::InvalidRequest, "grammar_too_complex", Stage::Execution, Some("response_format"))
         );
-        let e = RequestError::from(GrammarError::Compile("grammar size (number of symbols) too big (limit 5)".into()));
+        let e = RequestError::from(GrammarError::Limit("grammar size (number of symbols) too big (limit 5)".into()));
         assert_eq!(
             (e.class(), e.code(), e.stage()),
             (ErrorClass::InvalidRequest, "grammar_too_complex", Stage::Preparation)

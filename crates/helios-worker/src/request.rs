@@ -152,8 +152,13 @@ pub fn check_limits(frontend: &Frontend, input: &GenerationInput) -> Result<(), 
         }
         .into());
     }
+    check_prompt(frontend, &input.prompt)
+}
+
+/// The prompt's O(1) limits (see [`check_limits`]).
+fn check_prompt(frontend: &Frontend, prompt: &PromptInput) -> Result<(), RequestError> {
     let limit = frontend.context_limit as usize;
-    match &input.prompt {
+    match prompt {
         PromptInput::Chat(chat) if chat.messages.len() > limit => {
             Err(InvalidRequest::TooManyMessages { got: chat.messages.len(), max: limit }.into())
         }
@@ -178,20 +183,12 @@ pub fn tokenize(
     add_special_tokens: bool,
     cancel: &Cancel,
 ) -> Result<Vec<u32>, RequestError> {
-    let limit = frontend.context_limit as usize;
-    let max_bytes = frontend.tokenizer.max_text_bytes(limit);
+    check_prompt(frontend, &prompt)?;
     match prompt {
-        PromptInput::Text(text) => {
-            if max_bytes.is_some_and(|max| text.len() > max) {
-                return Err(InvalidRequest::PromptTooLong { limit: frontend.context_limit }.into());
-            }
-            Ok(frontend.tokenizer.encode(&text, add_special_tokens)?.ids)
-        }
+        PromptInput::Text(text) => Ok(frontend.tokenizer.encode(&text, add_special_tokens)?.ids),
         PromptInput::Chat(chat) => {
-            if chat.messages.len() > limit {
-                return Err(InvalidRequest::TooManyMessages { got: chat.messages.len(), max: limit }.into());
-            }
             let (render, _) = render_input(chat)?;
+            let max_bytes = frontend.tokenizer.max_text_bytes(frontend.context_limit as usize);
             let limits = RenderLimits { cancel: cancel.clone(), max_bytes };
             let text = frontend
                 .template
@@ -246,6 +243,15 @@ fn context_error(frontend: &Frontend, e: FrontendError) -> RequestError {
 /// longest text that fits the context.
 pub fn prepare(frontend: &Frontend, input: GenerationInput, cancel: &Cancel) -> Result<Prepared, RequestError> {
     check_limits(frontend, &input)?;
+    prepare_checked(frontend, input, cancel)
+}
+
+/// [`prepare`] of an input [`check_limits`] already passed.
+pub(crate) fn prepare_checked(
+    frontend: &Frontend,
+    input: GenerationInput,
+    cancel: &Cancel,
+) -> Result<Prepared, RequestError> {
     let sampling = helios_frontend::resolve_sampling(&frontend.sampling, &input.sampling, frontend.max_output_tokens)?;
     let (prompt_ids, message_endpoints, prompt_text, tools, tool_choice, chat) = match input.prompt {
         PromptInput::Chat(chat) => {
