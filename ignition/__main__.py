@@ -62,6 +62,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="attention as gather + reduce instead of the paged Triton kernel",
     )
+    prepare.add_argument(
+        "--decode-projections",
+        choices=["gemv", "gemm"],
+        default="gemm",
+        help="decode projections as Inductor GEMM templates or as the tuned few-row kernel (flare::gemv)",
+    )
     rnd = sub.add_parser("random-checkpoint", help="a seeded random-weight checkpoint of a config.json")
     rnd.add_argument("--config", required=True, type=Path)
     rnd.add_argument("--out", required=True, type=Path)
@@ -125,25 +131,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"random-checkpoint: {args.out}")
         return 0
     if args.command == "prepare":
-        from ignition.prepare import CapacityError, DeviceError, prepare
+        from ignition.prepare import CapacityError, DeviceError, PrepareOptions, prepare
 
         try:
-            report = prepare(
-                args.model,
-                args.out,
-                args.decode_buckets,
-                args.prefill_chunk_size,
-                args.context_limit,
-                args.kv_pages,
-                not args.no_compile,
-                not args.no_check,
-                args.core_replay,
-                args.card,
-                not args.gather_attention,
-                args.served_name,
-                args.reference_prompts,
-                args.dump_io,
+            options = PrepareOptions(
+                decode_buckets=args.decode_buckets,
+                prefill_chunk=args.prefill_chunk_size,
+                context_limit=args.context_limit,
+                kv_pages=args.kv_pages,
+                compile_graphs=not args.no_compile,
+                check=not args.no_check,
+                core_replay=args.core_replay,
+                card=args.card,
+                attention_kernel=not args.gather_attention,
+                decode_projections=args.decode_projections,
+                served_name=args.served_name,
+                reference_prompts=args.reference_prompts,
+                dump_io=args.dump_io,
             )
+            report = prepare(args.model, args.out, options)
         except (CapacityError, DeviceError) as e:
             print(f"ignition prepare: {e}", file=sys.stderr)
             return 2

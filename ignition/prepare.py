@@ -155,22 +155,35 @@ def check_device() -> dict[str, Any]:
     return {"name": p.name, "compute_capability": f"{p.major}.{p.minor}", "free_bytes": free, "total_bytes": total}
 
 
-def prepare(
-    model: Path,
-    out: Path,
-    decode_buckets: str = "1,2,4,8",
-    prefill_chunk: int | None = None,
-    context_limit: int | None = None,
-    kv_pages: int | None = None,
-    compile_graphs: bool = True,
-    check: bool = True,
-    core_replay: Path | None = None,
-    card: str = "auto",
-    attention_kernel: bool = True,
-    served_name: str | None = None,
-    reference_prompts: Path | None = None,
-    dump_io: bool = False,
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class PrepareOptions:
+    """Everything `prepare` takes besides the checkpoint and the output path (CLI flags map 1:1)."""
+
+    decode_buckets: str = "1,2,4,8"
+    prefill_chunk: int | None = None
+    context_limit: int | None = None
+    kv_pages: int | None = None
+    compile_graphs: bool = True
+    check: bool = True
+    # The Rust core_replay binary for the fresh-process bitwise check.
+    core_replay: Path | None = None
+    card: str = "auto"
+    # Paged attention as the Triton kernels (False: gather + reduce, for comparisons).
+    attention_kernel: bool = True
+    # Decode projections: "gemv" (`flare::gemv`, tuned here) or "gemm" (Inductor's templates).
+    # GEMM stays the default until a whole core with gemv has been qualified on the device.
+    decode_projections: str = "gemm"
+    served_name: str | None = None
+    reference_prompts: Path | None = None
+    dump_io: bool = False
+
+
+def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> dict[str, Any]:
+    o = options or PrepareOptions()
+    compile_graphs, check, core_replay, card = o.compile_graphs, o.check, o.core_replay, o.card
+    served_name, reference_prompts, dump_io = o.served_name, o.reference_prompts, o.dump_io
+    if o.decode_projections not in ("gemv", "gemm"):
+        raise CapacityError("--decode-projections", f"{o.decode_projections!r} is neither gemv nor gemm")
     if not compile_graphs:
         raise CapacityError(
             "--no-compile",
@@ -190,7 +203,7 @@ def prepare(
         config = LlamaFamilyConfig.from_file(model / "config.json")
         ckpt = Checkpoint.open(model)
         mapping = plan_weight_mapping(config, ckpt.tensors, ckpt.files)
-        caps = plan_capacities(config, decode_buckets, prefill_chunk, context_limit, kv_pages)
+        caps = plan_capacities(config, o.decode_buckets, o.prefill_chunk, o.context_limit, o.kv_pages)
         eos = _eos_ids(model, config)
         template = _chat_template(model)
         tokenizer = (model / "tokenizer.json").read_bytes()
@@ -237,6 +250,12 @@ def prepare(
             "--kv-pages",
             f"the arena needs {arena_bytes / 2**30:.1f} GiB; {device['free_bytes'] / 2**30:.1f} GiB are free",
         )
+    from ignition.capture.paged import GEMV_MAX_ROWS
+
+    gemv = o.decode_projections == "gemv" and o.attention_kernel and max(caps.decode_buckets) <= GEMV_MAX_ROWS
+    report["decode_projections"] = "gemv" if gemv else "gemm"
+    if o.decode_projections == "gemv" and not gemv:
+        note(f"decode projections as GEMM templates: a bucket exceeds {GEMV_MAX_ROWS} rows or attention is gathered")
     report["capacities"] = vars(caps)
     report["memory_plan"] = {"weights": weight_bytes, "state": state_bytes, "arena_mapped": arena_bytes}
 
@@ -246,7 +265,7 @@ def prepare(
             t = torch.frombuffer(bytearray(tb.data), dtype=_torch_dtype(tb.dtype.name)).view(tb.shape)
             weights[name] = t.to(device=dev, dtype=torch.bfloat16)
         inv, scaling = rope_parameters(config.raw, dev)
-        model_ = PagedLlama(geo, weights, inv.to(dev), scaling, attention_kernel)
+        model_ = PagedLlama(geo, weights, inv.to(dev), scaling, o.attention_kernel, gemv)
         return Program(model_, catalog(geo, caps.decode_buckets, caps.prefill_chunks))
 
     describe = CoreDescription(
@@ -265,6 +284,10 @@ def prepare(
         with phase("stream weights onto the fixed-address arena"):
             rec.prepare()
             note(f"arena at {rec.report['arena']['base']} ({rec.arena.mapped / 2**30:.2f} GiB mapped)")
+        if gemv:
+            stage = "tune"
+            with phase("tune the few-row projections"):
+                report["gemv"] = _tune_projections(rec, caps.decode_buckets)
         stage = "compile_and_capture"
         with phase(f"compile and capture {len(rec.graphs)} graphs"):
             rec.compile_and_capture(progress=note)
@@ -300,6 +323,23 @@ def prepare(
         if out.is_dir():
             (out.parent / (out.name + ".report.json")).write_text(json.dumps(report, indent=1, default=str) + "\n")
     return report
+
+
+def _tune_projections(rec: Any, buckets: list[int]) -> dict[str, Any]:
+    """Picks each projection shape's `flare::gemv` tile on this device (outside the arena: the
+    temporaries are freed before capture) and prints what each reaches."""
+    import torch
+
+    from ignition.capture.gemv import tune
+
+    t0 = time.time()
+    out = tune(rec.program.model.projection_problems(), buckets)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    rec.timings["gemv_tune_s"] = round(time.time() - t0, 3)
+    for name, r in out.items():
+        note(f"gemv {name} {r['shape']}: {r['config']}, {r['weight_gb_per_s']} GB/s at {r['rows']} row(s)")
+    return out
 
 
 def _torch_dtype(name: str) -> Any:

@@ -11,6 +11,9 @@
 #   smol-all      (carry .dev/b1 .dev/b2) smol-measure without host-fed, partial KV and the pressure run (bg after smol-prepare)
 #   r1b-prepare   (carry .dev/b1)        the ~1.07B seeded random Llama: random-checkpoint, prepare
 #   r1b-measure   (carry .dev/b1 .dev/b2) as smol-measure, plus Transformers generate + HBM bound
+#   gemv-check                           flare::gemv tuned and checked on the ~1B shapes against torch (no core)
+#   r1b-bw       (carry .dev/b2)         the ~1B prepared with gemv and with GEMM-template decode projections; kernel
+#                                        breakdown, Python floor and flare bench of each (bg, ~15 min)
 #   r1b-measure-only                     as smol-measure for the 1B core (no Transformers run)
 #   r1b-serve, r1b-native                r1b-measure-only in two calls (serving; Rust bitwise + lifecycle +
 #                                        compiled Transformers generate); DUMP_IO=1 at r1b-prepare for the bitwise part
@@ -43,15 +46,17 @@ trap 'tar czf "$DEST/$STAGE.tgz" -C "$OUT" . 2>/dev/null; touch "$DEST/$STAGE.do
 export PYTHONUNBUFFERED=1 PATH=$PATH:/usr/local/cuda/bin IGNITION_CACHE=/tmp/igncache PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 unxz_to() { python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "$1" "$2" && chmod +x "$2"; }
 
-prepare() {  # MODEL CORE NAME TIMEOUT
+prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|gemv, NO_CHECK=1 skips the checks
+  local tag=${5:+_$5}
   python3 qualification/make_reference_prompts.py "$1" "$1.prompts.json"
   timeout "$4" python3 -m ignition prepare --model "$1" --out "$2" --decode-buckets 1,2,4 \
     --prefill-chunk-size 256 --context-limit 4608 --served-name "$3" ${CORE_REPLAY:+--core-replay /tmp/core_replay} ${DUMP_IO:+--dump-io} \
-    --reference-prompts "$1.prompts.json" > "$OUT/prepare.log" 2>&1
-  echo "prepare rc=$?"
-  cp "$2.work/report.json" "$OUT/prepare_report.json" 2>/dev/null || cp "$2.report.json" "$OUT/prepare_report.json"
-  cp "$2.work/reference_generations.json" "$OUT/" 2>/dev/null
-  grep "\[ignition\]" "$OUT/prepare.log" | tail -40
+    --decode-projections "${DECODE_PROJECTIONS:-gemm}" ${NO_CHECK:+--no-check} \
+    --reference-prompts "$1.prompts.json" > "$OUT/prepare$tag.log" 2>&1
+  echo "prepare$tag rc=$?"
+  cp "$2.work/report.json" "$OUT/prepare_report$tag.json" 2>/dev/null || cp "$2.report.json" "$OUT/prepare_report$tag.json"
+  cp "$2.work/reference_generations.json" "$OUT/reference_generations$tag.json" 2>/dev/null
+  grep "\[ignition\]" "$OUT/prepare$tag.log" | tail -40
   du -sh "$2" 2>/dev/null
 }
 
@@ -76,6 +81,21 @@ measure() {  # MODEL CORE
   timeout 100 python3 qualification/partial_kv_check.py --flare /tmp/flare --core "$2" --out "$OUT/partial_kv.json"
   echo "partial_kv rc=$?"
   [ -n "${SPLIT_MEASURE:-}" ] || native "$2"
+}
+
+bw_measure() {  # MODEL CORE TAG: kernel breakdown, Python floor, flare run + bench (issue 19)
+  [ -f "$2/manifest.pb" ] || { echo "no core at $2"; return; }
+  for _ in $(seq 60); do [ -f .dev/b2/flare.xz ] && break; sleep 5; done
+  [ -x /tmp/flare ] || unxz_to .dev/b2/flare.xz /tmp/flare
+  timeout 240 python3 qualification/kernel_breakdown.py "$2" "$OUT/kernel_breakdown_$3.json" > "$OUT/kernel_breakdown_$3.log" 2>&1
+  echo "kernel_breakdown $3 rc=$?"; head -60 "$OUT/kernel_breakdown_$3.log"
+  timeout 150 python3 -m ignition replay "$2" --bench --out "$OUT/ignition_replay_$3.json" > "$OUT/ignition_replay_$3.log" 2>&1
+  echo "ignition replay $3 rc=$?"; tail -8 "$OUT/ignition_replay_$3.log"
+  local ref=$2.work/reference_generations.json
+  timeout 240 python3 qualification/flare_vs_torch_replay.py --flare /tmp/flare --core "$2" --tokenizer "$1/tokenizer.json" \
+    $([ -f "$ref" ] && echo --reference "$ref") --out "$OUT/flare_vs_torch_$3.json" --bench --bench-timeout 150 \
+    --log "$OUT/flare_run_$3.log"
+  echo "flare_vs_torch $3 rc=$?"
 }
 
 native() {  # CORE: the fresh-process bitwise check and the lifecycle scenarios on the device
@@ -132,6 +152,18 @@ case "$STAGE" in
     python3 -m ignition random-checkpoint --config qualification/configs/llama_1b_random.json --out /tmp/r1b \
       --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
     prepare /tmp/r1b /tmp/r1bcore llama-1b-random 540 ;;
+  gemv-check)  # issue 19: flare::gemv tuned and checked on the ~1B projection shapes (no core needed)
+    timeout 300 python3 qualification/gemv_check.py qualification/configs/llama_1b_random.json "$OUT/gemv_check.json" \
+      > "$OUT/gemv_check.log" 2>&1
+    rc=$?; echo "gemv_check rc=$rc"; cat "$OUT/gemv_check.log" | tail -12; exit $rc ;;
+  r1b-bw)  # issue 19 (bg, carry .dev/b2): the ~1B with flare::gemv decode projections (every check) and with GEMM
+           # templates (today's graphs, no checks); each core: kernel breakdown, Python floor, flare run bench
+    [ -f /tmp/r1b/config.json ] || python3 -m ignition random-checkpoint --config qualification/configs/llama_1b_random.json \
+      --out /tmp/r1b --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
+    DECODE_PROJECTIONS=gemv prepare /tmp/r1b /tmp/r1bcore llama-1b-random 540 gemv
+    bw_measure /tmp/r1b /tmp/r1bcore gemv
+    DECODE_PROJECTIONS=gemm NO_CHECK=1 prepare /tmp/r1b /tmp/r1bcore_gemm llama-1b-random 540 gemm
+    bw_measure /tmp/r1b /tmp/r1bcore_gemm gemm ;;
   r1b-measure-only)
     measure /tmp/r1b /tmp/r1bcore ;;
   r1b-serve)  # SPLIT_MEASURE=1: the serving half of r1b-measure-only; r1b-native runs the rest

@@ -40,22 +40,21 @@ def main() -> int:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--core-replay", type=Path, help="the Rust core_replay binary")
     args = ap.parse_args()
-    from ignition.prepare import make_random_checkpoint, prepare
+    from ignition.prepare import PrepareOptions, make_random_checkpoint, prepare
 
     tok = args.out / "tokenizer"
     tok.mkdir(parents=True, exist_ok=True)
     (tok / "tokenizer.json").write_text(TOKENIZER)
     (tok / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
     ckpt = make_random_checkpoint(TINY, args.out / "checkpoint", 0, tok)
-    report = prepare(
-        ckpt,
-        args.out / "core",
+    options = PrepareOptions(
         decode_buckets="1,4",
         prefill_chunk=128,
         context_limit=256,
         core_replay=args.core_replay,
         served_name="tiny-llama-paged",
     )
+    report = prepare(ckpt, args.out / "core", options)
     print(json.dumps({k: report.get(k) for k in ("timings", "export", "bitwise_equal_all")}, default=str))
     return 0 if report.get("bitwise_equal_all", args.core_replay is None) else 1
 

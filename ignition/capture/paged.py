@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ignition.capture.attention import attend_gather, rotate, write_attend_op
+from ignition.capture.gemv import Problem, Projections, Variant, rms
 from ignition.capture.sampling import M32, sample
 from ignition.core.stepping import FLAG_EOS, FLAG_GRAMMAR_EXHAUSTED, FLAG_SAMPLED
 
@@ -38,11 +39,16 @@ if TYPE_CHECKING:
     from ignition.recipes.llama import LlamaFamilyConfig
 
 RECORD_MAGIC = 0x464C_5243
-# Decode buckets and single-row projections run their GEMMs over at least this many rows (padding
-# rows are inert). A GEMM tile holds 16 rows anyway, so it costs nothing on the GPU, and every
-# bucket then shares one GEMM shape: one autotune for all of them, and a row's result does not
-# depend on the bucket it was packed into.
+# Without the few-row projection kernel (`flare::gemv`), decode buckets and single-row projections
+# run their GEMMs over at least this many rows (padding rows are inert). A GEMM tile holds 16 rows
+# anyway, so it costs nothing on the GPU, and every bucket then shares one GEMM shape: one
+# autotune for all of them, and a row's result does not depend on the bucket it was packed into.
+# The kernel keeps that property by construction (see `ignition.capture.gemv`).
 MIN_GEMM_ROWS = 16
+# Largest decode bucket whose projections go through `flare::gemv` (its weight stream is read once
+# per group of 8 rows); cores with larger buckets decode through GEMM templates at every bucket,
+# so that all buckets of a core share one arithmetic.
+GEMV_MAX_ROWS = 16
 HEADER_WORDS = 8
 
 
@@ -136,11 +142,6 @@ def rope_parameters(raw_config: dict[str, Any], device: torch.device | str = "cp
     return inv.float(), float(scaling)
 
 
-def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 class PagedLlama:
     """Holds execution-layout weights (names from `ignition.recipes.llama`) and the step programs.
 
@@ -156,7 +157,11 @@ class PagedLlama:
         inv_freq: torch.Tensor,
         rope_scaling: float,
         attention_kernel: bool,
+        gemv: bool = False,
     ) -> None:
+        """`gemv`: decode projections and the sampled rows' vocabulary projection through
+        `flare::gemv` (needs the attention kernels' device; the caller checks the buckets fit
+        `GEMV_MAX_ROWS`)."""
         self.geo = geo
         self.w = weights
         self.inv_freq = inv_freq
@@ -165,6 +170,41 @@ class PagedLlama:
         # Created before tracing (Dynamo does not trace its creation); None: the gather reference.
         self.write_attend = write_attend_op() if attention_kernel else None
         self.trash_page = geo.max_kv_pages
+        self.gemv = gemv and attention_kernel
+        self.proj = Projections(self.gemv)
+
+    def projection_problems(self) -> list[Problem]:
+        """Each projection role with its per-layer weights, for `gemv.tune` (before capture)."""
+        g, w = self.geo, self.w
+        layers = range(g.layers)
+
+        def each(name: str) -> list[torch.Tensor]:
+            return [w[f"layers.{i}.{name}"] for i in layers]
+
+        def biases(name: str) -> list[torch.Tensor] | None:
+            return each(name) if f"layers.0.{name}" in w else None
+
+        return [
+            Problem(
+                "qkv",
+                each("qkv"),
+                Variant(norm=True, bias=g.attention_bias),
+                biases("qkv_bias"),
+                each("input_norm"),
+                g.eps,
+            ),
+            Problem("o_proj", each("o_proj"), Variant(bias=g.attention_bias, residual=True), biases("o_proj_bias")),
+            Problem(
+                "gate_up",
+                each("gate_up"),
+                Variant(norm=True, bias=g.mlp_bias),
+                biases("gate_up_bias"),
+                each("post_attention_norm"),
+                g.eps,
+            ),
+            Problem("down", each("down"), Variant(glu=True, bias=g.mlp_bias, residual=True), biases("down_bias")),
+            Problem("lm_head", [self.head()], Variant()),
+        ]
 
     def head(self) -> torch.Tensor:
         return self.w["embed_tokens"] if self.geo.tie_embeddings else self.w["lm_head"]
@@ -181,10 +221,12 @@ class PagedLlama:
         page_table: torch.Tensor,
         req: torch.Tensor,
         kv: torch.Tensor,
+        few_rows: bool = False,
     ) -> torch.Tensor:
         """tok/pos [N]; slots [N] int64 KV slot (negative: no write); page_table [R, P] int32;
-        req [N] page-table row of each token."""
-        g, w = self.geo, self.w
+        req [N] page-table row of each token. `few_rows`: a decode step (projections as GEMVs
+        when the core has them)."""
+        g, w, proj = self.geo, self.w, self.proj
         n = tok.shape[0]
         x = w["embed_tokens"][tok.long()]
         ang = pos.float()[:, None] * self.inv_freq[None, :]
@@ -199,8 +241,9 @@ class PagedLlama:
         scale = g.head_dim**-0.5
         for i in range(g.layers):
             p = f"layers.{i}."
-            h = rms(x, w[p + "input_norm"], g.eps)
-            qkv = F.linear(h, w[p + "qkv"], self._bias(p + "qkv_bias"))
+            qkv = proj(
+                x, w[p + "qkv"], self._bias(p + "qkv_bias"), norm=w[p + "input_norm"], eps=g.eps, few_rows=few_rows
+            )
             q = qkv[:, :hq].reshape(n, g.heads, g.head_dim)
             k = qkv[:, hq : hq + hk].reshape(n, g.kv_heads, g.head_dim)
             v = qkv[:, hq + hk :].reshape(n, g.kv_heads, g.head_dim)
@@ -215,14 +258,17 @@ class PagedLlama:
                 kv[page, i, 0, off] = k
                 kv[page, i, 1, off] = v
                 o = attend_gather(q, kv, i, tables, req, pos, scale)
-            x = x + F.linear(o, w[p + "o_proj"], self._bias(p + "o_proj_bias"))
-            h = rms(x, w[p + "post_attention_norm"], g.eps)
-            gu = F.linear(h, w[p + "gate_up"], self._bias(p + "gate_up_bias"))
-            x = x + F.linear(F.silu(gu[:, : g.ffn]) * gu[:, g.ffn :], w[p + "down"], self._bias(p + "down_bias"))
+            x = proj(o, w[p + "o_proj"], self._bias(p + "o_proj_bias"), residual=x, few_rows=few_rows)
+            post = w[p + "post_attention_norm"]
+            gu = proj(x, w[p + "gate_up"], self._bias(p + "gate_up_bias"), norm=post, eps=g.eps, few_rows=few_rows)
+            x = proj(gu, w[p + "down"], self._bias(p + "down_bias"), glu=True, residual=x, few_rows=few_rows)
         return rms(x, w["final_norm"], g.eps)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The vocabulary projection of the rows that sample (at most a decode bucket's)."""
         n = h.shape[0]
+        if self.gemv:
+            return self.proj(h, self.head(), few_rows=True)
         if n < MIN_GEMM_ROWS:
             return F.linear(F.pad(h, (0, 0, 0, MIN_GEMM_ROWS - n)), self.head())[:n]
         return F.linear(h, self.head())
@@ -307,7 +353,7 @@ class PagedLlama:
         # A negative packed id: the lane consumes its row's pending token (padding reads entry 0).
         prow = torch.where((slots >= 0) & (slots <= g.request_slots), slots, 0)
         tok = torch.where(v["token_ids"] < 0, pending[prow], v["token_ids"])
-        m = max(b, MIN_GEMM_ROWS)
+        m = b if self.gemv else max(b, MIN_GEMM_ROWS)
         if m > b:  # inert rows: no KV write, page table -1 (reads page 0), position 0
             tok = F.pad(tok, (0, m - b))
             h = self.hidden(
@@ -319,7 +365,7 @@ class PagedLlama:
                 kv,
             )[:b]
         else:
-            h = self.hidden(tok, v["positions"], slot, table, rowsel, kv)
+            h = self.hidden(tok, v["positions"], slot, table, rowsel, kv, few_rows=True)
         self._store_rows(rows, torch.where(valid, slots, -1), h)
         wants = (v["sample_flags"] & 1) != 0
         self._sample_and_record(h, torch.where(valid, slots, -1), wants, pos + 1, v, hist, records, pending)

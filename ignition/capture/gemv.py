@@ -1,0 +1,348 @@
+"""Projections over few rows (decode buckets, the sampled rows' vocabulary projection) as one
+bandwidth-bound Triton kernel each, with the neighbouring elementwise work folded in.
+
+`flare::gemv` computes `y = prologue(x) @ W^T (+ bias) (+ residual)` for x [M, K'] and a row-major
+weight W [N, K], where the prologue is one of
+- nothing (x is the input),
+- RMSNorm (`norm` given): `norm * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)` (Transformers' order:
+  statistics in float32, cast, then the weight multiply in the activation dtype),
+- SiLU-gated product (`glu`): x is [M, 2K] = [gate | up] and the input is `silu(gate) * up`, each
+  rounded to the activation dtype as eager torch rounds it.
+The result is rounded to the activation dtype before the residual add, as `x + F.linear(...)` is.
+
+Why a kernel of its own: with one to eight rows a projection is a stream over its weight; the
+GEMM templates Inductor emits for them ran at a fraction of the HBM bandwidth, and around them
+sat separate kernels for the norm, the activation and the residual add (the ~1B Llama decoded one
+token through 244 kernels). One program owns BLOCK_N weight rows and every activation row of its
+group, so the weight is read once per step.
+
+Invariants:
+- A row's result does not depend on how many rows were launched with it: rows are processed in
+  groups of at most `MAX_GROUP_ROWS` by one code path per row (its own accumulator, the same tile
+  layout, the same reduction order), so decode buckets agree bitwise with each other (the
+  lifecycle checks compare requests batched together with their solo runs). The configuration
+  is chosen per weight shape, never per bucket, and the tuner checks this property on the device.
+- Deterministic: no atomics, no split-K; every output element is reduced by one program.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from torch._library.custom_ops import CustomOpDef
+
+# Rows one program multiplies against its weight tile. Larger groups reuse the tile more but hold
+# one accumulator per row; a decode bucket larger than this runs several groups.
+MAX_GROUP_ROWS = 8
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tile of one program: BLOCK_N weight rows by BLOCK_K columns per step, on `num_warps` warps;
+    `wide`: one accumulator per tile element, reduced after the K loop (else reduced every step)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    wide: bool = False
+
+
+# Used until a shape is tuned (CPU interpreter runs, tests).
+DEFAULT_CONFIG = GemvConfig(block_n=8, block_k=256, num_warps=4)
+# Candidates the tuner times on the device, for each projection shape, bounded by the elements of
+# the weight tile per thread (wide accumulators hold that many floats per row of the group).
+CANDIDATES: tuple[GemvConfig, ...] = tuple(
+    GemvConfig(n, k, w, wide)
+    for n in (4, 8, 16, 32)
+    for k in (128, 256, 512)
+    for w in (4, 8)
+    for wide in (False, True)
+    if 2 <= n * k // (32 * w) <= (16 if wide else 64)
+)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Which prologue and epilogue a projection folds in (selects one kernel specialization)."""
+
+    norm: bool = False
+    glu: bool = False
+    bias: bool = False
+    residual: bool = False
+
+    def key(self) -> str:
+        parts = [
+            n for n, on in (("norm", self.norm), ("glu", self.glu), ("bias", self.bias), ("res", self.residual)) if on
+        ]
+        return "+".join(parts) or "plain"
+
+
+# (N, K, variant key) -> the configuration prepare's tuner chose for that projection shape.
+_TUNED: dict[tuple[int, int, str], GemvConfig] = {}
+
+
+def config_for(n: int, k: int, variant: Variant) -> GemvConfig:
+    return _TUNED.get((n, k, variant.key()), DEFAULT_CONFIG)
+
+
+def set_config(n: int, k: int, variant: Variant, config: GemvConfig) -> None:
+    _TUNED[(n, k, variant.key())] = config
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference: eager torch, the arithmetic the kernel reproduces (and what CPU runs use).
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    norm: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    eps: float = 0.0,
+    glu: bool = False,
+) -> torch.Tensor:
+    if norm is not None:
+        x = rms(x, norm, eps)
+    if glu:
+        half = x.shape[-1] // 2
+        x = F.silu(x[:, :half]) * x[:, half:]
+    y = F.linear(x, weight, bias)
+    return y if residual is None else residual + y
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel
+
+
+@functools.cache
+def _kernel() -> Any:  # a triton.JITFunction (Triton ships no type information)
+    from ignition.capture.gemv_triton import flare_gemv
+
+    return flare_gemv
+
+
+def launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    norm: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    eps: float = 0.0,
+    glu: bool = False,
+    config: GemvConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Runs the kernel (what `flare::gemv` calls); `config` overrides the tuned one."""
+    m = x.shape[0]
+    n, k = weight.shape
+    if x.dim() != 2 or x.shape[1] != (2 * k if glu else k):
+        raise ValueError(f"gemv: x {tuple(x.shape)} does not match weight {tuple(weight.shape)} (glu={glu})")
+    if norm is not None and glu:
+        raise ValueError("gemv: the norm and SiLU-gated prologues do not combine")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weight = weight.contiguous()
+    variant = Variant(norm is not None, glu, bias is not None, residual is not None)
+    cfg = config or config_for(n, k, variant)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    if m == 0:
+        return y
+    r = residual.contiguous() if residual is not None else x
+    rows = min(m, MAX_GROUP_ROWS)
+    grid = (-(-n // cfg.block_n), -(-m // rows))
+    _kernel()[grid](
+        x,
+        weight,
+        bias if bias is not None else x,
+        norm if norm is not None else x,
+        r,
+        y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        r.stride(0),
+        y.stride(0),
+        eps,
+        ROWS=rows,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        NORM=norm is not None,
+        GLU=glu,
+        BIAS=bias is not None,
+        RESIDUAL=residual is not None,
+        WIDE=cfg.wide,
+        num_warps=cfg.num_warps,
+    )
+    return y
+
+
+@functools.cache
+def gemv_op() -> CustomOpDef:
+    """`flare::gemv`: one projection with its prologue and epilogue as one opaque op (Inductor
+    would otherwise emit a GEMM template plus separate norm, activation and add kernels)."""
+    from torch.library import custom_op
+
+    @custom_op("flare::gemv", mutates_args=())
+    def gemv(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        norm: torch.Tensor | None,
+        residual: torch.Tensor | None,
+        eps: float,
+        glu: bool,
+    ) -> torch.Tensor:
+        return launch(x, weight, bias, norm, residual, eps, glu)
+
+    @gemv.register_fake
+    def _(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        norm: torch.Tensor | None,
+        residual: torch.Tensor | None,
+        eps: float,
+        glu: bool,
+    ) -> torch.Tensor:
+        return torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+
+    return gemv
+
+
+class Projections:
+    """The linear layers of a prepared forward. `few_rows` calls (decode buckets, sampled rows)
+    go through `flare::gemv` when kernels are on; everything else, and every CPU run, is the
+    eager reference (Inductor compiles it into GEMM templates with fused neighbours)."""
+
+    def __init__(self, kernel: bool) -> None:
+        self.kernel = kernel
+        # Created before tracing (Dynamo does not trace its creation).
+        self.op = gemv_op() if kernel else None
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        norm: torch.Tensor | None = None,
+        eps: float = 0.0,
+        glu: bool = False,
+        residual: torch.Tensor | None = None,
+        few_rows: bool = False,
+    ) -> torch.Tensor:
+        if few_rows and self.op is not None:
+            y: torch.Tensor = self.op(x, weight, bias, norm, residual, eps, glu)
+            return y
+        return reference(x, weight, bias, norm, residual, eps, glu)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tuning (on the device, before capture)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One projection role of a model: its weights (one per layer, same shape), its variant."""
+
+    name: str
+    weights: Sequence[torch.Tensor]
+    variant: Variant
+    biases: Sequence[torch.Tensor] | None = None
+    norms: Sequence[torch.Tensor] | None = None
+    eps: float = 1e-6
+
+
+def _time_ms(fn: Callable[[], object], reps: int) -> float:
+    """Device time of `fn`'s launches, replayed as a CUDA graph (as the core runs them): timing
+    Python launches would measure the host's launch cost, not the kernel (a few-row projection
+    of the ~1B takes ~10 us, about what one Triton launch costs the host)."""
+    fn()  # compile and load outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) / reps
+
+
+def _run(p: Problem, x: torch.Tensor, r: torch.Tensor, cfg: GemvConfig, layers: int | None = None) -> torch.Tensor:
+    """The problem's projection over its first `layers` weights (all by default); the last output."""
+    y = x
+    for i, w in enumerate(p.weights[:layers]):
+        bias = None if p.biases is None else p.biases[i]
+        norm = None if p.norms is None else p.norms[i]
+        y = launch(x, w, bias, norm, r if p.variant.residual else None, p.eps, p.variant.glu, cfg)
+    return y
+
+
+def tune(
+    problems: Sequence[Problem], rows: Sequence[int], candidates: Sequence[GemvConfig] = CANDIDATES, reps: int = 5
+) -> dict[str, Any]:
+    """Times every candidate on each problem's real weights (all layers in turn, so the stream
+    does not sit in L2) for each row count in `rows`, keeps the fastest total, and registers it
+    for the problem's shape. Before keeping a configuration it checks that the rows of the
+    largest group equal the same rows computed alone, bitwise (the bucket invariance above).
+    Returns a report: per problem the chosen tile, its time per layer and achieved bytes/s."""
+    report: dict[str, Any] = {}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for p in problems:
+        w0 = p.weights[0]
+        n, k = w0.shape
+        kin = 2 * k if p.variant.glu else k
+        xs = {m: torch.randn(m, kin, generator=gen, device=w0.device).to(w0.dtype) for m in rows}
+        res = {m: torch.randn(m, n, generator=gen, device=w0.device).to(w0.dtype) for m in rows}
+        timings: list[tuple[float, GemvConfig]] = []
+        skipped: list[str] = []
+        for cfg in candidates:
+            if cfg.block_k > 2 * max(16, 1 << (k - 1).bit_length()):
+                continue  # a tile wider than twice the row: as a narrower one, with more masking
+            try:
+                total = sum(_time_ms(functools.partial(_run, p, xs[m], res[m], cfg), reps) for m in rows)
+            except Exception as e:  # a tile the compiler cannot fit (shared memory, registers)
+                skipped.append(f"{asdict(cfg)}: {type(e).__name__}")
+                continue
+            timings.append((total, cfg))
+        if not timings:
+            raise RuntimeError(f"gemv tuning: no candidate ran for {p.name} ({n}x{k}): {skipped}")
+        best = min(timings, key=lambda t: t[0])[1]
+        big = max(rows)
+        grouped = _run(p, xs[big], res[big], best, 1)
+        alone = torch.cat([_run(p, xs[big][i : i + 1], res[big][i : i + 1], best, 1) for i in range(big)])
+        if not torch.equal(grouped, alone):
+            raise RuntimeError(f"gemv {p.name}: rows computed in a group of {big} differ from the same rows alone")
+        set_config(n, k, p.variant, best)
+        one = _time_ms(functools.partial(_run, p, xs[min(rows)], res[min(rows)], best), reps) / len(p.weights)
+        report[p.name] = {
+            "shape": [n, k],
+            "variant": p.variant.key(),
+            "layers": len(p.weights),
+            "config": asdict(best),
+            "candidates_timed": len(timings),
+            "skipped": skipped,
+            "rows": min(rows),
+            "ms_per_layer": round(one, 5),
+            "weight_gb_per_s": round(n * k * w0.element_size() / one / 1e6, 1),
+            "bucket_invariant": True,
+        }
+    return report

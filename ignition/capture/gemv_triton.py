@@ -1,0 +1,201 @@
+"""The Triton kernel behind `flare::gemv` (see `ignition.capture.gemv` for its contract).
+
+Kept in its own module, imported only when a projection launches: Triton resolves the helper
+functions a kernel calls through the module's globals, and CPU runs never need Triton.
+"""
+
+# mypy: disable-error-code="no-untyped-def"
+# Triton reads a kernel's parameter annotations to specialize it (tl.constexpr, dtype names), so
+# the pointer and scalar parameters stay unannotated: the one exemption from typing.
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _row_input(X, NW, row, ks, kmask, stride_x, K, rstd, NORM: tl.constexpr, GLU: tl.constexpr):
+    """One activation row's projection input over the K block `ks`, in the activation dtype."""
+    if GLU:
+        g = tl.load(X + row * stride_x + ks, mask=kmask, other=0.0)
+        u = tl.load(X + row * stride_x + K + ks, mask=kmask, other=0.0)
+        gf = g.to(tl.float32)
+        s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+        h = s * u
+    else:
+        h = tl.load(X + row * stride_x + ks, mask=kmask, other=0.0)
+        if NORM:
+            nw = tl.load(NW + ks, mask=kmask, other=0.0)
+            h = nw * (h.to(tl.float32) * rstd).to(h.dtype)
+    return h
+
+
+@triton.jit
+def _row_rstd(X, row, stride_x, K, eps, BLOCK_K: tl.constexpr, NORM: tl.constexpr):
+    """1/RMS of one activation row (float32), or 1 without the norm prologue."""
+    if NORM:
+        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            v = tl.load(X + row * stride_x + ks, mask=ks < K, other=0.0).to(tl.float32)
+            ss += v * v
+        return 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps)
+    else:
+        return 1.0
+
+
+@triton.jit
+def _zeros(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDE: tl.constexpr):
+    """A row's accumulator: per weight row ([BLOCK_N]), or per tile element ([BLOCK_N, BLOCK_K],
+    reduced once at the end: no cross-thread reduction inside the K loop)."""
+    if WIDE:
+        return tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        return tl.zeros([BLOCK_N], dtype=tl.float32)
+
+
+@triton.jit
+def _accumulate(
+    acc, w, X, NW, row, ks, kmask, stride_x, K, rstd, NORM: tl.constexpr, GLU: tl.constexpr, WIDE: tl.constexpr
+):
+    h = _row_input(X, NW, row, ks, kmask, stride_x, K, rstd, NORM, GLU)
+    if WIDE:
+        return acc + w * h.to(tl.float32)[None, :]
+    else:
+        return acc + tl.sum(w * h.to(tl.float32)[None, :], 1)
+
+
+@triton.jit
+def _store(
+    Y,
+    R,
+    B,
+    acc,
+    row,
+    m,
+    M,
+    cols,
+    nmask,
+    stride_y,
+    stride_r,
+    BIAS: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    WIDE: tl.constexpr,
+):
+    if WIDE:  # noqa: SIM108 (a constexpr branch; Triton compiles statements, not every expression form)
+        y = tl.sum(acc, 1)
+    else:
+        y = acc
+    if BIAS:
+        y += tl.load(B + cols, mask=nmask, other=0.0).to(tl.float32)
+    y = y.to(Y.dtype.element_ty)
+    if RESIDUAL:
+        r = tl.load(R + row * stride_r + cols, mask=nmask, other=0.0)
+        y = (r.to(tl.float32) + y.to(tl.float32)).to(Y.dtype.element_ty)
+    tl.store(Y + row * stride_y + cols, y, mask=nmask & (cols * 0 + m < M))
+
+
+@triton.jit
+def flare_gemv(
+    X,
+    W,
+    B,
+    NW,
+    R,
+    Y,
+    M,
+    N,
+    K,
+    stride_x,
+    stride_w,
+    stride_r,
+    stride_y,
+    eps,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr,
+    GLU: tl.constexpr,
+    BIAS: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    WIDE: tl.constexpr,
+):
+    """Program (n, g): weight rows [n*BLOCK_N, +BLOCK_N) against activation rows
+    [g*ROWS, +ROWS). Each row has its own accumulator and its own copy of the per-row code
+    (rows past M recompute the last row and store nothing), so a row's arithmetic is the
+    same whatever ROWS is."""
+    pid_n = tl.program_id(0)
+    m0 = tl.program_id(1) * ROWS
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = cols < N
+    wrow = tl.minimum(cols, N - 1)  # out-of-range weight rows read row N-1, never stored
+    r0 = tl.minimum(m0 + 0, M - 1)
+    r1 = tl.minimum(m0 + 1, M - 1)
+    r2 = tl.minimum(m0 + 2, M - 1)
+    r3 = tl.minimum(m0 + 3, M - 1)
+    r4 = tl.minimum(m0 + 4, M - 1)
+    r5 = tl.minimum(m0 + 5, M - 1)
+    r6 = tl.minimum(m0 + 6, M - 1)
+    r7 = tl.minimum(m0 + 7, M - 1)
+    s0 = _row_rstd(X, r0, stride_x, K, eps, BLOCK_K, NORM)
+    s1 = s0
+    s2 = s0
+    s3 = s0
+    s4 = s0
+    s5 = s0
+    s6 = s0
+    s7 = s0
+    if ROWS > 1:
+        s1 = _row_rstd(X, r1, stride_x, K, eps, BLOCK_K, NORM)
+    if ROWS > 2:
+        s2 = _row_rstd(X, r2, stride_x, K, eps, BLOCK_K, NORM)
+    if ROWS > 3:
+        s3 = _row_rstd(X, r3, stride_x, K, eps, BLOCK_K, NORM)
+    if ROWS > 4:
+        s4 = _row_rstd(X, r4, stride_x, K, eps, BLOCK_K, NORM)
+    if ROWS > 5:
+        s5 = _row_rstd(X, r5, stride_x, K, eps, BLOCK_K, NORM)
+    if ROWS > 6:
+        s6 = _row_rstd(X, r6, stride_x, K, eps, BLOCK_K, NORM)
+    if ROWS > 7:
+        s7 = _row_rstd(X, r7, stride_x, K, eps, BLOCK_K, NORM)
+    a0 = _zeros(BLOCK_N, BLOCK_K, WIDE)
+    a1 = _zeros(BLOCK_N, BLOCK_K, WIDE)
+    a2 = _zeros(BLOCK_N, BLOCK_K, WIDE)
+    a3 = _zeros(BLOCK_N, BLOCK_K, WIDE)
+    a4 = _zeros(BLOCK_N, BLOCK_K, WIDE)
+    a5 = _zeros(BLOCK_N, BLOCK_K, WIDE)
+    a6 = _zeros(BLOCK_N, BLOCK_K, WIDE)
+    a7 = _zeros(BLOCK_N, BLOCK_K, WIDE)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < K
+        w = tl.load(W + wrow[:, None] * stride_w + ks[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
+        a0 = _accumulate(a0, w, X, NW, r0, ks, kmask, stride_x, K, s0, NORM, GLU, WIDE)
+        if ROWS > 1:
+            a1 = _accumulate(a1, w, X, NW, r1, ks, kmask, stride_x, K, s1, NORM, GLU, WIDE)
+        if ROWS > 2:
+            a2 = _accumulate(a2, w, X, NW, r2, ks, kmask, stride_x, K, s2, NORM, GLU, WIDE)
+        if ROWS > 3:
+            a3 = _accumulate(a3, w, X, NW, r3, ks, kmask, stride_x, K, s3, NORM, GLU, WIDE)
+        if ROWS > 4:
+            a4 = _accumulate(a4, w, X, NW, r4, ks, kmask, stride_x, K, s4, NORM, GLU, WIDE)
+        if ROWS > 5:
+            a5 = _accumulate(a5, w, X, NW, r5, ks, kmask, stride_x, K, s5, NORM, GLU, WIDE)
+        if ROWS > 6:
+            a6 = _accumulate(a6, w, X, NW, r6, ks, kmask, stride_x, K, s6, NORM, GLU, WIDE)
+        if ROWS > 7:
+            a7 = _accumulate(a7, w, X, NW, r7, ks, kmask, stride_x, K, s7, NORM, GLU, WIDE)
+    _store(Y, R, B, a0, r0, m0 + 0, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
+    if ROWS > 1:
+        _store(Y, R, B, a1, r1, m0 + 1, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
+    if ROWS > 2:
+        _store(Y, R, B, a2, r2, m0 + 2, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
+    if ROWS > 3:
+        _store(Y, R, B, a3, r3, m0 + 3, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
+    if ROWS > 4:
+        _store(Y, R, B, a4, r4, m0 + 4, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
+    if ROWS > 5:
+        _store(Y, R, B, a5, r5, m0 + 5, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
+    if ROWS > 6:
+        _store(Y, R, B, a6, r6, m0 + 6, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
+    if ROWS > 7:
+        _store(Y, R, B, a7, r7, m0 + 7, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
