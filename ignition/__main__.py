@@ -92,12 +92,15 @@ def _map_weights(model: Path, as_json: bool) -> int:
     from dataclasses import asdict
 
     from ignition.progress import note, phase
-    from ignition.recipes.llama import Checkpoint, LlamaFamilyConfig, plan_weight_mapping
+    from ignition.recipes import recipe_for
+    from ignition.recipes.mapping import Checkpoint
 
     with phase(f"map the checkpoint tensors of {model}"):
-        config = LlamaFamilyConfig.from_file(model / "config.json")
+        raw = json.loads((model / "config.json").read_text())
+        recipe = recipe_for(raw)
+        config = recipe.parse_config(raw)
         ckpt = Checkpoint.open(model)
-        mapping = plan_weight_mapping(config, ckpt.tensors, ckpt.files)
+        mapping = recipe.plan_weight_mapping(config, ckpt.tensors, ckpt.files)
         note(f"{config.architecture}: {len(ckpt.tensors)} tensors -> {len(mapping.destinations)} execution tensors")
         note(f"dispositions: {mapping.summary()}")
     if as_json:

@@ -172,11 +172,12 @@ def _check(out: Path, tok: Any, ref: Any, state: dict[str, Any], torch_dtype: An
     from transformers import AutoModelForCausalLM
 
     from ignition.core.safetensors_io import read_header
-    from ignition.recipes.llama import LlamaFamilyConfig, plan_weight_mapping
+    from ignition.recipes import recipe_for
 
     header = read_header(out / "model.safetensors")
-    config = LlamaFamilyConfig.from_file(out / "config.json")
-    mapping = plan_weight_mapping(config, header)
+    raw = json.loads((out / "config.json").read_text())
+    recipe = recipe_for(raw)
+    mapping = recipe.plan_weight_mapping(recipe.parse_config(raw), header)
     note(f"weight mapping: {mapping.summary()} over {len(header)} tensors")
     converted = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch_dtype).eval()
     conv_state = converted.state_dict()

@@ -19,10 +19,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ignition.progress import note, phase
-from ignition.recipes.llama import Checkpoint, LlamaFamilyConfig, plan_weight_mapping, stream_execution_layout
+from ignition.recipes import RecipeConfig, recipe_for
+from ignition.recipes.mapping import Checkpoint, stream_execution_layout
+
+if TYPE_CHECKING:
+    from ignition.core.manifest import SamplingDefaults
 
 
 @dataclass(eq=False)
@@ -53,7 +57,7 @@ class Capacities:
 
 
 def plan_capacities(
-    config: LlamaFamilyConfig,
+    config: RecipeConfig,
     decode_buckets: str,
     prefill_chunk: int | None,
     context_limit: int | None,
@@ -91,7 +95,7 @@ def plan_capacities(
     return Capacities(buckets, chunks, limit, slots, max(8 * slots, pages), pages)
 
 
-def _eos_ids(model: Path, config: LlamaFamilyConfig) -> list[int]:
+def _eos_ids(model: Path, config: RecipeConfig) -> list[int]:
     ids: set[int] = set()
     raw = config.raw.get("eos_token_id")
     for v in raw if isinstance(raw, list) else [raw]:
@@ -119,10 +123,7 @@ def _chat_template(model: Path) -> str:
     raise CapacityError("--model", "no chat template (chat_template.jinja or tokenizer_config.json)")
 
 
-def _sampling(card: str, vocab: int) -> dict[str, Any]:
-    from ignition.recipes import cards
-
-    d = cards.SMOLLM2_135M_INSTRUCT if card == "smollm2-135m-instruct" else cards.NEUTRAL
+def _sampling(d: SamplingDefaults, vocab: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in (
         "temperature",
@@ -180,7 +181,7 @@ class PrepareOptions:
 
 def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> dict[str, Any]:
     o = options or PrepareOptions()
-    compile_graphs, check, core_replay, card = o.compile_graphs, o.check, o.core_replay, o.card
+    compile_graphs, check, core_replay = o.compile_graphs, o.check, o.core_replay
     served_name, reference_prompts, dump_io = o.served_name, o.reference_prompts, o.dump_io
     if o.decode_projections not in ("gemv", "gemm"):
         raise CapacityError("--decode-projections", f"{o.decode_projections!r} is neither gemv nor gemm")
@@ -200,27 +201,22 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
     with phase(f"validate {model}"):
         if not (model / "config.json").is_file():
             raise CapacityError("--model", f"{model} holds no config.json (a Transformers checkpoint directory)")
-        config = LlamaFamilyConfig.from_file(model / "config.json")
+        raw = json.loads((model / "config.json").read_text())
+        recipe = recipe_for(raw)
+        config = recipe.parse_config(raw)
         ckpt = Checkpoint.open(model)
-        mapping = plan_weight_mapping(config, ckpt.tensors, ckpt.files)
+        mapping = recipe.plan_weight_mapping(config, ckpt.tensors, ckpt.files)
         caps = plan_capacities(config, o.decode_buckets, o.prefill_chunk, o.context_limit, o.kv_pages)
         eos = _eos_ids(model, config)
         template = _chat_template(model)
         tokenizer = (model / "tokenizer.json").read_bytes()
-        if card == "auto":
-            card = (
-                "smollm2-135m-instruct"
-                if "SmolLM2" in json.dumps(config.raw)
-                or (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (576, 30, 49152)
-                else "neutral"
-            )
-        note(f"{config.architecture}: {len(ckpt.tensors)} tensors, {mapping.summary()}; capacities {caps}")
+        card = recipe.sampling_card(config, o.card)
+        note(f"{config.architecture} ({recipe.name} recipe): {len(ckpt.tensors)} tensors, {mapping.summary()}")
+        note(f"capacities {caps}")
         device = check_device()
         note(f"device {device['name']} ({device['free_bytes'] / 2**30:.1f} GiB free)")
     import torch
 
-    from ignition.capture.paged import Geometry, PagedLlama, rope_parameters
-    from ignition.capture.program import Program, catalog
     from ignition.capture.recorder import CoreDescription, Recorder
     from ignition.export.exporter import export_recording
 
@@ -228,45 +224,26 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
     for key, value in (("cache_size_limit", 256), ("recompile_limit", 256), ("accumulated_recompile_limit", 4096)):
         with contextlib.suppress(AttributeError):
             setattr(torch._dynamo.config, key, value)
-    geo = Geometry.from_recipe(
-        config,
-        tuple(eos),
-        context_limit=caps.context_limit,
-        request_slots=caps.request_slots,
-        snapshot_rows=caps.snapshot_rows,
-        max_kv_pages=caps.max_kv_pages,
-    )
+    plan = recipe.plan_program(config, tuple(eos), caps)
     weight_bytes = sum(math.prod(d.shape) * 2 for d in mapping.destinations.values())
-    state_bytes = (
-        (caps.max_kv_pages + 1) * geo.bytes_per_page
-        + geo.total_rows * geo.hidden * 2
-        + (1 + geo.request_slots) * (geo.vocab + 1) * 4
-    )  # histograms and pending tokens
-    pool_bytes = (256 << 20) + caps.prefill_chunks[-1] * (geo.ffn * 2 + geo.vocab) * 4 * 4
+    state_bytes = plan.state_bytes()
     # One pool per graph: decode buckets, prefill chunks, resume and four maintenance graphs.
-    arena_bytes = weight_bytes + state_bytes + pool_bytes * (len(caps.decode_buckets) + len(caps.prefill_chunks) + 5)
+    graphs = len(caps.decode_buckets) + len(caps.prefill_chunks) + 5
+    arena_bytes = weight_bytes + state_bytes + plan.pool_bytes() * graphs
     if arena_bytes > device["free_bytes"] - (2 << 30):
         raise CapacityError(
             "--kv-pages",
             f"the arena needs {arena_bytes / 2**30:.1f} GiB; {device['free_bytes'] / 2**30:.1f} GiB are free",
         )
-    from ignition.capture.paged import GEMV_MAX_ROWS
-
-    gemv = o.decode_projections == "gemv" and o.attention_kernel and max(caps.decode_buckets) <= GEMV_MAX_ROWS
-    report["decode_projections"] = "gemv" if gemv else "gemm"
-    if o.decode_projections == "gemv" and not gemv:
-        note(f"decode projections as GEMM templates: a bucket exceeds {GEMV_MAX_ROWS} rows or attention is gathered")
     report["capacities"] = vars(caps)
     report["memory_plan"] = {"weights": weight_bytes, "state": state_bytes, "arena_mapped": arena_bytes}
 
-    def build(dev: Any) -> Program:
+    def build(dev: Any) -> Any:
         weights = {}
         for name, tb in stream_execution_layout(mapping, ckpt):
             t = torch.frombuffer(bytearray(tb.data), dtype=_torch_dtype(tb.dtype.name)).view(tb.shape)
             weights[name] = t.to(device=dev, dtype=torch.bfloat16)
-        inv, scaling = rope_parameters(config.raw, dev)
-        model_ = PagedLlama(geo, weights, inv.to(dev), scaling, o.attention_kernel, gemv)
-        return Program(model_, catalog(geo, caps.decode_buckets, caps.prefill_chunks))
+        return plan.build(weights, dev, o)
 
     describe = CoreDescription(
         model_config={k: v for k, v in config.raw.items() if isinstance(v, (int, float, str, bool, list))},
@@ -284,6 +261,10 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
         with phase("stream weights onto the fixed-address arena"):
             rec.prepare()
             note(f"arena at {rec.report['arena']['base']} ({rec.arena.mapped / 2**30:.2f} GiB mapped)")
+        gemv = bool(getattr(rec.program.model, "gemv", False))
+        report["decode_projections"] = "gemv" if gemv else "gemm"
+        if o.decode_projections == "gemv" and not gemv:
+            note("decode projections as GEMM templates: a bucket exceeds the few-row kernel or attention is gathered")
         if gemv:
             stage = "tune"
             with phase("tune the few-row projections"):
@@ -408,6 +389,13 @@ def _check(
             report["bitwise_equal_all"] = all(r.get("bitwise_equal", False) for r in report["rust_replay"].values())
 
 
+def _model_type(config: dict[str, Any]) -> str:
+    """The model_type of the first architecture a recipe claims (config.json may omit it)."""
+    recipe = recipe_for(config)
+    arch = next(a for a in config.get("architectures") or () if a in recipe.architectures)
+    return recipe.architectures[arch]
+
+
 def make_random_checkpoint(config: dict[str, Any], out: Path, seed: int, tokenizer_from: Path) -> Path:
     """A seeded random-weight checkpoint of `config` (Transformers' own initialization), with the
     tokenizer and template of `tokenizer_from`; for numerics and timing at sizes we cannot ship."""
@@ -416,7 +404,7 @@ def make_random_checkpoint(config: dict[str, Any], out: Path, seed: int, tokeniz
 
     out.mkdir(parents=True, exist_ok=True)
     cfg = transformers.AutoConfig.for_model(
-        config.get("model_type", "llama"), **{k: v for k, v in config.items() if k != "model_type"}
+        config.get("model_type") or _model_type(config), **{k: v for k, v in config.items() if k != "model_type"}
     )
     torch.manual_seed(seed)
     dev = "cuda" if torch.cuda.is_available() else "cpu"

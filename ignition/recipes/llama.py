@@ -15,69 +15,58 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ignition.core import safetensors_io as st
-from ignition.core.manifest import Dtype
+from ignition.core.manifest import SamplingDefaults
+from ignition.recipes import UnsupportedArchitectureError, cards, mapping
+from ignition.recipes.mapping import (
+    Checkpoint,
+    ConfigError,
+    Destination,
+    Disposition,
+    DuplicateTensorError,
+    Ignored,
+    Layout,
+    MissingTensorError,
+    Placement,
+    Sources,
+    TensorShapeError,
+    Tied,
+    UnknownTensorError,
+    WeightMapping,
+    stream_execution_layout,
+)
+
+# Re-exported: the recipe's public surface (tests and tools import them from here).
+__all__ = [
+    "ARCHITECTURES",
+    "RECIPE",
+    "Checkpoint",
+    "ConfigError",
+    "Destination",
+    "Disposition",
+    "DuplicateTensorError",
+    "Ignored",
+    "LlamaFamilyConfig",
+    "MissingTensorError",
+    "Placement",
+    "TensorShapeError",
+    "Tied",
+    "UnknownTensorError",
+    "UnsupportedArchitectureError",
+    "WeightMapping",
+    "build_meta_model",
+    "expected_checkpoint_shapes",
+    "layout",
+    "meta_parameter_shapes",
+    "plan_weight_mapping",
+    "stream_execution_layout",
+]
 
 ARCHITECTURES: dict[str, str] = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
-
-
-@dataclass(eq=False)
-class UnsupportedArchitectureError(Exception):
-    architectures: tuple[str, ...]
-
-    def __str__(self) -> str:
-        return f"architectures {list(self.architectures)} are not Llama-family; supported: {sorted(ARCHITECTURES)}"
-
-
-@dataclass(eq=False)
-class ConfigError(Exception):
-    field: str
-    reason: str
-
-    def __str__(self) -> str:
-        return f"config.json {self.field}: {self.reason}"
-
-
-@dataclass(eq=False)
-class UnknownTensorError(Exception):
-    tensor: str
-    file: str
-
-    def __str__(self) -> str:
-        return f"checkpoint tensor {self.tensor} ({self.file}) has no destination in the Llama-family mapping"
-
-
-@dataclass(eq=False)
-class MissingTensorError(Exception):
-    tensor: str
-    destination: str
-
-    def __str__(self) -> str:
-        return f"checkpoint lacks {self.tensor}, needed by execution tensor {self.destination}"
-
-
-@dataclass(eq=False)
-class TensorShapeError(Exception):
-    tensor: str
-    expected: tuple[int, ...]
-    actual: tuple[int, ...]
-
-    def __str__(self) -> str:
-        return f"checkpoint tensor {self.tensor}: shape {list(self.actual)}, config implies {list(self.expected)}"
-
-
-@dataclass(eq=False)
-class DuplicateTensorError(Exception):
-    tensor: str
-    files: tuple[str, str]
-
-    def __str__(self) -> str:
-        return f"checkpoint tensor {self.tensor} appears in both {self.files[0]} and {self.files[1]}"
 
 
 @dataclass(frozen=True)
@@ -101,7 +90,7 @@ class LlamaFamilyConfig:
         archs = tuple(cfg.get("architectures") or ())
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
-            raise UnsupportedArchitectureError(archs)
+            raise UnsupportedArchitectureError(archs, tuple(sorted(ARCHITECTURES)))
 
         def need(key: str) -> int:
             v = cfg.get(key)
@@ -160,58 +149,11 @@ def meta_parameter_shapes(model: Any) -> dict[str, tuple[int, ...]]:
 # Mapping
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Rows [row_start, row_end) of execution tensor `destination`."""
-
-    destination: str
-    row_start: int
-    row_end: int
-
-
-@dataclass(frozen=True)
-class Tied:
-    target: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class Ignored:
-    reason: str
-
-
-Disposition = Placement | Tied | Ignored
-
-
-@dataclass(frozen=True)
-class Destination:
-    name: str
-    shape: tuple[int, ...]
-    # Checkpoint tensors in row order.
-    sources: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class WeightMapping:
-    config: LlamaFamilyConfig
-    destinations: dict[str, Destination]
-    entries: dict[str, Disposition]
-    dtypes: dict[str, str]
-
-    def summary(self) -> dict[str, int]:
-        kinds = {"placed": 0, "tied": 0, "ignored": 0}
-        for e in self.entries.values():
-            kinds["placed" if isinstance(e, Placement) else "tied" if isinstance(e, Tied) else "ignored"] += 1
-        return kinds
-
-
-def _layout(
-    config: LlamaFamilyConfig,
-) -> tuple[list[tuple[str, list[tuple[str, tuple[int, ...]]]]], dict[str, Disposition]]:
+def layout(config: LlamaFamilyConfig) -> Layout:
     """Execution destinations (with their ordered sources and shapes) and the tied/ignored rules."""
     h, q = config.hidden_size, config.num_attention_heads * config.head_dim
     kv, inter, v = config.num_key_value_heads * config.head_dim, config.intermediate_size, config.vocab_size
-    dests: list[tuple[str, list[tuple[str, tuple[int, ...]]]]] = [
+    dests: list[tuple[str, Sources]] = [
         ("embed_tokens", [("model.embed_tokens.weight", (v, h))]),
     ]
     for i in range(config.num_hidden_layers):
@@ -252,83 +194,106 @@ def _layout(
         )
     else:
         dests.append(("lm_head", [("lm_head.weight", (v, h))]))
-    return dests, rules
-
-
-_INV_FREQ = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+    inv_freq = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+    why = "rotary inverse frequencies are recomputed from the config's rope parameters"
+    return Layout(dests, rules, [(inv_freq, why)])
 
 
 def expected_checkpoint_shapes(config: LlamaFamilyConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of this config must carry, with its shape."""
-    dests, _ = _layout(config)
-    return {name: shape for _, sources in dests for name, shape in sources}
+    return layout(config).expected_shapes()
 
 
 def plan_weight_mapping(
     config: LlamaFamilyConfig, checkpoint: dict[str, st.TensorInfo], files: dict[str, str] | None = None
 ) -> WeightMapping:
     """Accounts for every checkpoint tensor; raises on unknown, missing or mis-shaped ones."""
-    dests, rules = _layout(config)
-    entries: dict[str, Disposition] = {}
-    destinations: dict[str, Destination] = {}
-    owner = {name: dest for dest, sources in dests for name, _ in sources}
-    for key in sorted(checkpoint):
-        if key in owner:
-            continue
-        if key in rules:
-            entries[key] = rules[key]
-        elif _INV_FREQ.match(key):
-            entries[key] = Ignored("rotary inverse frequencies are recomputed from the config's rope parameters")
-        else:
-            raise UnknownTensorError(key, (files or {}).get(key, "?"))
-    for dest, sources in dests:
-        row = 0
-        for name, shape in sources:
-            info = checkpoint.get(name)
-            if info is None:
-                raise MissingTensorError(name, dest)
-            if tuple(info.shape) != shape:
-                raise TensorShapeError(name, shape, tuple(info.shape))
-            entries[name] = Placement(dest, row, row + shape[0])
-            row += shape[0]
-        first = sources[0][1]
-        destinations[dest] = Destination(dest, (row, *first[1:]), tuple(n for n, _ in sources))
-    for key, e in entries.items():
-        if isinstance(e, Tied) and e.target not in checkpoint:
-            raise MissingTensorError(e.target, f"tied {key}")
-    return WeightMapping(config, destinations, entries, {k: v.dtype for k, v in checkpoint.items()})
+    return mapping.plan_weight_mapping(config, layout(config), checkpoint, files)
 
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoint access
+# The recipe
 
 
 @dataclass(frozen=True)
-class Checkpoint:
-    root: Path
-    tensors: dict[str, st.TensorInfo]
-    files: dict[str, str]
+class LlamaProgramPlan:
+    """The paged Llama forward (`ignition.capture.paged.PagedLlama`) for one config and capacities."""
 
-    @classmethod
-    def open(cls, root: Path) -> Checkpoint:
-        tensors: dict[str, st.TensorInfo] = {}
-        files: dict[str, str] = {}
-        for path in sorted(root.glob("*.safetensors")):
-            for name, info in st.read_header(path).items():
-                if name in files:
-                    raise DuplicateTensorError(name, (files[name], path.name))
-                tensors[name], files[name] = info, path.name
-        return cls(root, tensors, files)
+    config: LlamaFamilyConfig
+    eos: tuple[int, ...]
+    capacities: Any  # ignition.prepare.Capacities
 
-    def read(self, name: str) -> bytes:
-        return st.read_tensor(self.root / self.files[name], self.tensors[name])
+    def _geometry(self) -> Any:
+        from ignition.capture.paged import Geometry
+
+        c = self.capacities
+        return Geometry.from_recipe(
+            self.config,
+            self.eos,
+            context_limit=c.context_limit,
+            request_slots=c.request_slots,
+            snapshot_rows=c.snapshot_rows,
+            max_kv_pages=c.max_kv_pages,
+        )
+
+    def geometry(self) -> dict[str, Any]:
+        out: dict[str, Any] = self._geometry().as_dict()
+        return out
+
+    def state_bytes(self) -> int:
+        g = self._geometry()
+        pages = (self.capacities.max_kv_pages + 1) * g.bytes_per_page
+        # Continuation rows, then histograms and pending tokens.
+        return int(pages + g.total_rows * g.hidden * 2 + (1 + g.request_slots) * (g.vocab + 1) * 4)
+
+    def pool_bytes(self) -> int:
+        g = self._geometry()
+        return int((256 << 20) + self.capacities.prefill_chunks[-1] * (g.ffn * 2 + g.vocab) * 4 * 4)
+
+    def build(self, weights: dict[str, Any], device: Any, options: Any) -> Any:
+        from ignition.capture.paged import GEMV_MAX_ROWS, PagedLlama, rope_parameters
+        from ignition.capture.program import Program, catalog
+
+        c = self.capacities
+        gemv = (
+            options.decode_projections == "gemv" and options.attention_kernel and max(c.decode_buckets) <= GEMV_MAX_ROWS
+        )
+        inv, scaling = rope_parameters(self.config.raw, device)
+        model = PagedLlama(self._geometry(), weights, inv.to(device), scaling, options.attention_kernel, gemv)
+        return Program(model, catalog(model.geo, c.decode_buckets, c.prefill_chunks))
 
 
-def stream_execution_layout(mapping: WeightMapping, ckpt: Checkpoint) -> Iterator[tuple[str, st.TensorBytes]]:
-    """Yields each execution tensor, one at a time (fused ones are row concatenations)."""
-    for dest in mapping.destinations.values():
-        dtypes = {ckpt.tensors[s].dtype for s in dest.sources}
-        if len(dtypes) != 1:
-            raise TensorShapeError(dest.name, dest.shape, ())
-        data = b"".join(ckpt.read(s) for s in dest.sources)
-        yield dest.name, st.TensorBytes(Dtype.from_safetensors(dtypes.pop()), dest.shape, data)
+class LlamaRecipe:
+    """LlamaForCausalLM and Qwen3ForCausalLM (dense): the `ignition.recipes.Recipe` interface."""
+
+    name = "llama"
+    architectures = ARCHITECTURES
+
+    def parse_config(self, raw: dict[str, Any]) -> LlamaFamilyConfig:
+        return LlamaFamilyConfig.from_dict(raw)
+
+    def build_meta_model(self, config: LlamaFamilyConfig) -> Any:
+        return build_meta_model(config)
+
+    def plan_weight_mapping(
+        self, config: LlamaFamilyConfig, checkpoint: dict[str, st.TensorInfo], files: dict[str, str] | None = None
+    ) -> WeightMapping:
+        return plan_weight_mapping(config, checkpoint, files)
+
+    def sampling_card(self, config: LlamaFamilyConfig, card: str) -> SamplingDefaults:
+        """ "auto": SmolLM2-135M-Instruct's card for its checkpoints (the fetched default, recognized
+        by its name in config.json or its geometry), else the neutral card."""
+        if card == "auto":
+            smollm2 = "SmolLM2" in json.dumps(config.raw) or (
+                config.hidden_size,
+                config.num_hidden_layers,
+                config.vocab_size,
+            ) == (576, 30, 49152)
+            card = "smollm2-135m-instruct" if smollm2 else "neutral"
+        return cards.SMOLLM2_135M_INSTRUCT if card == "smollm2-135m-instruct" else cards.NEUTRAL
+
+    def plan_program(self, config: LlamaFamilyConfig, eos: tuple[int, ...], capacities: Any) -> LlamaProgramPlan:
+        return LlamaProgramPlan(config, eos, capacities)
+
+
+RECIPE = LlamaRecipe()

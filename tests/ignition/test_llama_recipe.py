@@ -203,3 +203,30 @@ def test_transformers_random_checkpoint_maps_completely(tmp_path: Path) -> None:
         gate_up = out["layers.0.gate_up"]
         w = torch.cat([model.model.layers[0].mlp.gate_proj.weight, model.model.layers[0].mlp.up_proj.weight])
         assert gate_up.data == w.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_registry_finds_recipes_by_architecture() -> None:
+    """Recipes are looked up by the Transformers class config.json names; an architecture no
+    recipe claims is a typed error listing the supported ones."""
+    from ignition.recipes import UnsupportedArchitectureError as Unsupported
+    from ignition.recipes import recipe_for
+
+    assert recipe_for({"architectures": ["Qwen3ForCausalLM"]}).name == "llama"
+    # The first claimed architecture wins; unknown ones before it are skipped.
+    assert recipe_for({"architectures": ["Nope", "LlamaForCausalLM"]}).name == "llama"
+    with pytest.raises(Unsupported) as e:
+        recipe_for({"architectures": ["MambaForCausalLM"]})
+    assert "LlamaForCausalLM" in e.value.supported and "MambaForCausalLM" in str(e.value)
+    with pytest.raises(Unsupported):
+        recipe_for({})
+
+
+def test_llama_recipe_picks_its_sampling_card() -> None:
+    from ignition.recipes import cards, recipe_for
+
+    smol = json.loads((CONFIGS / "smollm2-135m-instruct.json").read_text())
+    recipe = recipe_for(smol)
+    assert recipe.sampling_card(recipe.parse_config(smol), "auto") is cards.SMOLLM2_135M_INSTRUCT
+    tiny = recipe.parse_config(TINY)
+    assert recipe.sampling_card(tiny, "auto") is cards.NEUTRAL
+    assert recipe.sampling_card(tiny, "smollm2-135m-instruct") is cards.SMOLLM2_135M_INSTRUCT
