@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "prepare":
         from ignition.prepare import CapacityError, DeviceError, PrepareOptions, prepare
+        from ignition.recipes import RecipeError
 
         try:
             options = PrepareOptions(
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                 dump_io=args.dump_io,
             )
             report = prepare(args.model, args.out, options)
-        except (CapacityError, DeviceError) as e:
+        except (CapacityError, DeviceError, RecipeError) as e:
             print(f"ignition prepare: {e}", file=sys.stderr)
             return 2
         print(json.dumps({k: report.get(k) for k in ("timings", "export", "bitwise_equal_all")}, default=str))

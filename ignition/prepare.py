@@ -213,6 +213,7 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
         card = recipe.sampling_card(config, o.card)
         note(f"{config.architecture} ({recipe.name} recipe): {len(ckpt.tensors)} tensors, {mapping.summary()}")
         note(f"capacities {caps}")
+        plan = recipe.plan_program(config, tuple(eos), caps)
         device = check_device()
         note(f"device {device['name']} ({device['free_bytes'] / 2**30:.1f} GiB free)")
     import torch
@@ -224,7 +225,6 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
     for key, value in (("cache_size_limit", 256), ("recompile_limit", 256), ("accumulated_recompile_limit", 4096)):
         with contextlib.suppress(AttributeError):
             setattr(torch._dynamo.config, key, value)
-    plan = recipe.plan_program(config, tuple(eos), caps)
     weight_bytes = sum(math.prod(d.shape) * 2 for d in mapping.destinations.values())
     state_bytes = plan.state_bytes()
     # One pool per graph: decode buckets, prefill chunks, resume and four maintenance graphs.

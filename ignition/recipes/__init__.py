@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from ignition.recipes.mapping import WeightMapping
 
 # Recipe modules, each exporting `RECIPE`; imported on first lookup (they are torch-free).
-_MODULES = ("ignition.recipes.llama",)
+_MODULES = ("ignition.recipes.llama", "ignition.recipes.qwen3_5")
 
 
 class RecipeConfig(Protocol):
@@ -82,8 +82,13 @@ class Recipe(Protocol):
     def plan_program(self, config: Any, eos: tuple[int, ...], capacities: Any) -> ProgramPlan: ...
 
 
+class RecipeError(Exception):
+    """A checkpoint a recipe cannot take: unknown architecture, bad config field, a tensor the
+    mapping cannot place, or a feature the recipe does not prepare yet. Typed per cause."""
+
+
 @dataclass(eq=False)
-class UnsupportedArchitectureError(Exception):
+class UnsupportedArchitectureError(RecipeError):
     architectures: tuple[str, ...]
     supported: tuple[str, ...] = ()
 

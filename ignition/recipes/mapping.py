@@ -17,10 +17,11 @@ from typing import Any
 
 from ignition.core import safetensors_io as st
 from ignition.core.manifest import Dtype
+from ignition.recipes import RecipeError
 
 
 @dataclass(eq=False)
-class ConfigError(Exception):
+class ConfigError(RecipeError):
     field: str
     reason: str
 
@@ -29,7 +30,7 @@ class ConfigError(Exception):
 
 
 @dataclass(eq=False)
-class UnknownTensorError(Exception):
+class UnknownTensorError(RecipeError):
     tensor: str
     file: str
 
@@ -38,7 +39,7 @@ class UnknownTensorError(Exception):
 
 
 @dataclass(eq=False)
-class MissingTensorError(Exception):
+class MissingTensorError(RecipeError):
     tensor: str
     destination: str
 
@@ -47,7 +48,7 @@ class MissingTensorError(Exception):
 
 
 @dataclass(eq=False)
-class TensorShapeError(Exception):
+class TensorShapeError(RecipeError):
     tensor: str
     expected: tuple[int, ...]
     actual: tuple[int, ...]
@@ -57,7 +58,7 @@ class TensorShapeError(Exception):
 
 
 @dataclass(eq=False)
-class DuplicateTensorError(Exception):
+class DuplicateTensorError(RecipeError):
     tensor: str
     files: tuple[str, str]
 
