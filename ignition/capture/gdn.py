@@ -1,0 +1,219 @@
+"""Gated DeltaNet (GDN) over explicit state: the short causal convolution with its history and
+the gated delta rule with its recurrent matrix, as prepared operations.
+
+A request's GDN state lives in its continuation row (design: null row, live rows per slot,
+snapshot rows), per GDN layer:
+- the convolution history: the last K-1 inputs of the depthwise convolution, [C, K-1], in the
+  activation dtype (the inputs are projections, so storing them loses nothing), oldest first;
+- the recurrent matrix S: [Hv, Dk, Dv] in float32.
+A step reads the state of the rows it is given and writes the state at the consumed length back
+to the same rows; a lane with a negative row (padding) reads the null row and writes nothing.
+
+This module holds the torch reference of each operation (the arithmetic contract, checked
+against Transformers' `qwen3_5` functions on identical operands) and launches the Triton
+kernels in `gdn_triton.py` that the graphs run.
+
+Arithmetic (Transformers' order): the convolution in float32 over the activation-dtype inputs,
+rounded to the activation dtype, then SiLU; q and k L2-normalized in float32 (eps 1e-6), q scaled by
+Dk^-1/2; per token S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; o = S^T q.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+L2_EPS = 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference (eager torch)
+
+
+def conv_reference(
+    x: torch.Tensor, history: torch.Tensor, weight: torch.Tensor, length: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, C] one request's new inputs; history [C, K-1]; weight [C, K]. Returns the outputs
+    [T, C] (SiLU applied, activation dtype) and the history after the first `length` inputs
+    (default all): the last K-1 of history followed by x[:length]."""
+    t = x.shape[0]
+    n = t if length is None else length
+    k = weight.shape[1]
+    full = torch.cat([history, x.t()], 1).float()  # [C, K-1+T]
+    windows = full.unfold(1, k, 1)  # [C, T, K]
+    y = F.silu((windows * weight.float()[:, None, :]).sum(-1).to(x.dtype)).t()
+    new_history = torch.cat([history, x[:n].t()], 1)[:, n : n + k - 1]
+    return y, new_history.contiguous()
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+
+
+def delta_rule_reference(
+    state: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    length: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request, token by token. state [Hv, Dk, Dv] float32; q, k [T, Hk, Dk]; v [T, Hv, Dv];
+    g, beta [T, Hv]. Returns o [T, Hv, Dv] (activation dtype of v; tokens past `length` give 0)
+    and the state after the first `length` tokens (default all)."""
+    t, hk, dk = q.shape
+    hv = v.shape[1]
+    n = t if length is None else length
+    rep = hv // hk
+    qf = l2norm(q.float().repeat_interleave(rep, 1)) * dk**-0.5
+    kf = l2norm(k.float().repeat_interleave(rep, 1))
+    s = state.clone()
+    out = torch.zeros(t, hv, v.shape[2], dtype=torch.float32, device=v.device)
+    for i in range(n):
+        s = s * g[i].float().exp()[:, None, None]
+        mem = (s * kf[i][:, :, None]).sum(1)  # [Hv, Dv]
+        delta = (v[i].float() - mem) * beta[i].float()[:, None]
+        s = s + kf[i][:, :, None] * delta[:, None, :]
+        out[i] = (s * qf[i][:, :, None]).sum(1)
+    return out.to(v.dtype), s
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels (Triton); the state lives in rows of a byte buffer
+
+
+@functools.cache
+def _kernels() -> Any:
+    from ignition.capture import gdn_triton
+
+    return gdn_triton
+
+
+def conv_step(
+    x: torch.Tensor, hist: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, block: int = 128
+) -> torch.Tensor:
+    """Decode: x [B, C] (one input per lane); hist [R, C, K-1] a view of the rows' histories;
+    rows [B] int32 (negative: padding, reads row 0, writes nothing). Updates the live lanes'
+    histories in place; returns y [B, C]."""
+    b, c = x.shape
+    k = weight.shape[1]
+    y = torch.empty_like(x)
+    if b == 0:
+        return y
+    _kernels().conv_step_kernel[(b, -(-c // block))](
+        x, hist, rows, weight, y, c, x.stride(0), hist.stride(0), hist.stride(1), K=k, BLOCK=block
+    )
+    return y
+
+
+def conv_prefill(
+    x: torch.Tensor,
+    hist: torch.Tensor,
+    row: torch.Tensor,
+    length: torch.Tensor,
+    weight: torch.Tensor,
+    block: int = 64,
+) -> torch.Tensor:
+    """Prefill of one request: x [T, C]; hist [R, C, K-1]; row [1] int32 (negative: write
+    nothing); length [1] int32, the real tokens (the history after them is stored). Returns y."""
+    t, c = x.shape
+    k = weight.shape[1]
+    y = torch.empty_like(x)
+    _kernels().conv_prefill_kernel[(-(-c // block),)](
+        x, hist, row, length, weight, y, t, c, x.stride(0), hist.stride(0), hist.stride(1), K=k, BLOCK=block
+    )
+    return y
+
+
+def delta_rule_step(
+    state: torch.Tensor,
+    rows: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    block_v: int = 32,
+) -> torch.Tensor:
+    """Decode: one token per lane. state [R, Hv, Dk, Dv] float32 view of the rows; rows [B];
+    q, k [B, Hk, Dk] and v [B, Hv, Dv] (strided views allowed, unit last stride); g, beta [B, Hv]
+    float32. Updates live lanes' states in place; returns o [B, Hv, Dv]."""
+    b = q.shape[0]
+    hv, dv = v.shape[1], v.shape[2]
+    o = torch.empty(b, hv, dv, dtype=v.dtype, device=v.device)
+    if b == 0:
+        return o
+    _launch_delta_rule((b, hv, -(-dv // block_v)), state, rows, None, q, k, v, g, beta, o, block_v)
+    return o
+
+
+def delta_rule_prefill(
+    state: torch.Tensor,
+    row: torch.Tensor,
+    length: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    block_v: int = 32,
+) -> torch.Tensor:
+    """Prefill of one request: T tokens, the first `length` real. Scans the tokens in order with
+    the state in registers (one program per value head and value block), writes the state at
+    `length` to `row`; returns o [T, Hv, Dv] (zeros past `length`)."""
+    t = q.shape[0]
+    hv, dv = v.shape[1], v.shape[2]
+    o = torch.empty(t, hv, dv, dtype=v.dtype, device=v.device)
+    _launch_delta_rule((1, hv, -(-dv // block_v)), state, row, length, q, k, v, g, beta, o, block_v)
+    return o
+
+
+def _launch_delta_rule(
+    grid: tuple[int, int, int],
+    state: torch.Tensor,
+    rows: torch.Tensor,
+    length: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    o: torch.Tensor,
+    block_v: int,
+) -> None:
+    if g.stride() != beta.stride():
+        raise ValueError("gdn: g and beta must share a layout")
+    _kernels().delta_rule_kernel[grid](
+        state,
+        rows,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        o,
+        q.shape[0],
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        g.stride(0),
+        state.stride(0),
+        state.stride(1),
+        state.stride(2),
+        o.stride(0),
+        o.stride(1),
+        HK=q.shape[1],
+        HV=v.shape[1],
+        DK=q.shape[2],
+        DV=v.shape[2],
+        BV=block_v,
+        PREFILL=length is not None,
+        LENGTH=length,
+    )

@@ -1,0 +1,145 @@
+"""The Triton kernels behind `ignition.capture.gdn` (see it for the state layout and arithmetic).
+
+Kept in its own module, imported only when a GDN operation launches: Triton resolves the helper
+functions a kernel calls through the module's globals, and CPU runs never need Triton.
+"""
+
+# mypy: disable-error-code="no-untyped-def"
+# Triton reads a kernel's parameter annotations to specialize it (tl.constexpr, dtype names), so
+# the pointer and scalar parameters stay unannotated: the one exemption from typing.
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _silu_rounded(acc, dtype):
+    """Transformers' order: the convolution rounded to the activation dtype, then SiLU."""
+    a = acc.to(dtype).to(tl.float32)
+    return (a / (1.0 + tl.exp(-a))).to(dtype)
+
+
+@triton.jit
+def conv_step_kernel(X, HIST, ROWS, W, Y, C, sx, sh_r, sh_c, K: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (lane, channel block): one decode token's depthwise convolution over the row's
+    K-1 stored inputs and the new one; the history shifts by one (live lanes only)."""
+    lane = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cm = c < C
+    row = tl.load(ROWS + lane)
+    live = row >= 0
+    r = tl.where(live, row, 0)
+    x = tl.load(X + lane * sx + c, mask=cm, other=0.0)
+    acc = x.to(tl.float32) * tl.load(W + c * K + (K - 1), mask=cm, other=0.0).to(tl.float32)
+    for j in tl.static_range(K - 1):
+        h = tl.load(HIST + r * sh_r + c * sh_c + j, mask=cm, other=0.0)
+        acc += h.to(tl.float32) * tl.load(W + c * K + j, mask=cm, other=0.0).to(tl.float32)
+    tl.store(Y + lane * sx + c, _silu_rounded(acc, x.dtype), mask=cm)
+    wm = cm & (c * 0 + row >= 0)  # a full-shape mask (the interpreter rejects scalar masks)
+    for j in tl.static_range(K - 2):  # ascending: index j+1 is read before it is overwritten
+        nxt = tl.load(HIST + r * sh_r + c * sh_c + j + 1, mask=cm, other=0.0)
+        tl.store(HIST + r * sh_r + c * sh_c + j, nxt, mask=wm)
+    tl.store(HIST + r * sh_r + c * sh_c + K - 2, x, mask=wm)
+
+
+@triton.jit
+def conv_prefill_kernel(X, HIST, ROW, LENGTH, W, Y, T, C, sx, sh_r, sh_c, K: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (channel block) of one request's chunk: every token's convolution (inputs before
+    the chunk come from the history), then the history after the first LENGTH tokens."""
+    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cm = c < C
+    row = tl.load(ROW)
+    n = tl.load(LENGTH)
+    live = row >= 0
+    r = tl.where(live, row, 0)
+    for t in range(0, T):
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(K):
+            src = c * 0 + (t - (K - 1) + j)  # full-shape: the interpreter rejects scalar masks
+            from_x = tl.load(X + src * sx + c, mask=cm & (src >= 0), other=0.0)
+            from_h = tl.load(HIST + r * sh_r + c * sh_c + (K - 1 + src), mask=cm & (src < 0), other=0.0)
+            v = tl.where(src >= 0, from_x, from_h)
+            acc += v.to(tl.float32) * tl.load(W + c * K + j, mask=cm, other=0.0).to(tl.float32)
+        tl.store(Y + t * sx + c, _silu_rounded(acc, Y.dtype.element_ty), mask=cm)
+    wm = cm & (c * 0 + row >= 0)
+    for j in tl.static_range(K - 1):  # ascending: a history entry read (j + n > j) is not yet overwritten
+        p = c * 0 + (n - (K - 1) + j)
+        from_x = tl.load(X + p * sx + c, mask=cm & (p >= 0), other=0.0)
+        from_h = tl.load(HIST + r * sh_r + c * sh_c + (K - 1 + p), mask=cm & (p < 0), other=0.0)
+        tl.store(HIST + r * sh_r + c * sh_c + j, tl.where(p >= 0, from_x, from_h), mask=wm)
+
+
+@triton.jit
+def _unit(x):
+    """L2 normalization (Transformers' l2norm, eps 1e-6)."""
+    return x / tl.sqrt(tl.sum(x * x, 0) + 1e-6)
+
+
+@triton.jit
+def delta_rule_kernel(
+    STATE,
+    ROWS,
+    Q,
+    K,
+    V,
+    G,
+    BETA,
+    OUT,
+    T,
+    sq_t,
+    sq_h,
+    sk_t,
+    sk_h,
+    sv_t,
+    sv_h,
+    sg_t,
+    ss_r,
+    ss_h,
+    ss_k,
+    so_t,
+    so_h,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+    PREFILL: tl.constexpr,
+    LENGTH=None,
+):
+    """Program (lane, value head, value block). Decode: lane = token, one update. Prefill: one
+    request, the first LENGTH of T tokens in order (the rest output zeros and leave the state
+    alone). The state block [DK, BV] stays in registers; it is written back for live rows only."""
+    lane = tl.program_id(0)
+    h = tl.program_id(1)
+    dv = tl.program_id(2) * BV + tl.arange(0, BV)
+    vm = dv < DV
+    dk = tl.arange(0, DK)
+    kh = h // (HV // HK)
+    if PREFILL:
+        row = tl.load(ROWS)
+        n = tl.load(LENGTH)
+        t0 = 0
+    else:
+        row = tl.load(ROWS + lane)
+        n = 1
+        t0 = lane
+    live = row >= 0
+    r = tl.where(live, row, 0)
+    sp = STATE + r * ss_r + h * ss_h + dk[:, None] * ss_k + dv[None, :]
+    s = tl.load(sp, mask=vm[None, :], other=0.0)
+    scale = 1.0 / tl.sqrt(DK * 1.0)
+    for i in range(0, n):
+        t = t0 + i
+        q = _unit(tl.load(Q + t * sq_t + kh * sq_h + dk).to(tl.float32)) * scale
+        k = _unit(tl.load(K + t * sk_t + kh * sk_h + dk).to(tl.float32))
+        v = tl.load(V + t * sv_t + h * sv_h + dv, mask=vm, other=0.0).to(tl.float32)
+        g = tl.load(G + t * sg_t + h).to(tl.float32)
+        b = tl.load(BETA + t * sg_t + h).to(tl.float32)
+        s = s * tl.exp(g)
+        mem = tl.sum(s * k[:, None], 0)
+        s = s + k[:, None] * ((v - mem) * b)[None, :]
+        o = tl.sum(s * q[:, None], 0)
+        tl.store(OUT + t * so_t + h * so_h + dv, o.to(OUT.dtype.element_ty), mask=vm)
+    if PREFILL:
+        for t in range(n, T):
+            tl.store(OUT + t * so_t + h * so_h + dv, tl.zeros([BV], dtype=OUT.dtype.element_ty), mask=vm)
+    tl.store(sp, s, mask=vm[None, :] & (dk[:, None] * 0 + row >= 0))

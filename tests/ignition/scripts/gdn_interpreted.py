@@ -1,0 +1,112 @@
+"""Runs the GDN kernels (convolution and delta rule, decode and prefill) under Triton's CPU
+interpreter (float32) against the torch references of `ignition.capture.gdn`: outputs, the state
+written back to live rows at the consumed length, padding lanes that write nothing, rows nobody
+named left untouched. Prints one JSON line; exit 1 on a mismatch.
+Needs TRITON_INTERPRET=1 in the environment before Triton is imported."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from ignition.capture import gdn
+
+gen = torch.Generator().manual_seed(0)
+R, C, K = 4, 40, 4  # rows (0 is the null row), channels (not a block multiple), kernel width
+hk, hv, dk, dv = 2, 4, 16, 24  # value block 16: a partial last block
+worst = 0.0
+exact = True
+
+
+def err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
+# -- convolution, decode: lanes on rows 2, padding, 1 --------------------------------------------
+w = torch.randn(C, K, generator=gen)
+hist = torch.randn(R, C, K - 1, generator=gen)
+before = hist.clone()
+rows = torch.tensor([2, -1, 1], dtype=torch.int32)
+x = torch.randn(3, C, generator=gen)
+y = gdn.conv_step(x, hist, rows, w, block=16)
+for lane, row in enumerate(rows.tolist()):
+    src = before[max(row, 0)]
+    want, new = gdn.conv_reference(x[lane : lane + 1], src, w)
+    worst = max(worst, err(y[lane : lane + 1], want))
+    if row >= 0:
+        exact &= torch.equal(hist[row], new)
+exact &= torch.equal(hist[0], before[0]) and torch.equal(hist[3], before[3])
+
+# -- convolution, prefill: 7 tokens, lengths 5, 1 (inside the old history) and 0 ------------------
+for length in (5, 1, 0):
+    hist = torch.randn(R, C, K - 1, generator=gen)
+    before = hist.clone()
+    xs = torch.randn(7, C, generator=gen)
+    y = gdn.conv_prefill(xs, hist, torch.tensor([3], dtype=torch.int32), torch.tensor([length], dtype=torch.int32), w)
+    want, new = gdn.conv_reference(xs, before[3], w, length)
+    worst = max(worst, err(y, want))
+    exact &= torch.equal(hist[3], new) and torch.equal(hist[:3], before[:3])
+# A padded prefill (row -1) writes nothing.
+hist = torch.randn(R, C, K - 1, generator=gen)
+before = hist.clone()
+gdn.conv_prefill(xs, hist, torch.tensor([-1], dtype=torch.int32), torch.tensor([7], dtype=torch.int32), w)
+exact &= torch.equal(hist, before)
+
+
+def operands(t: int) -> tuple[torch.Tensor, ...]:
+    qkv = torch.randn(t, 2 * hk * dk + hv * dv, generator=gen)  # q/k/v as strided views of one projection
+    q = qkv[:, : hk * dk].view(t, hk, dk)
+    k = qkv[:, hk * dk : 2 * hk * dk].view(t, hk, dk)
+    v = qkv[:, 2 * hk * dk :].view(t, hv, dv)
+    g = -torch.rand(t, hv, generator=gen)
+    beta = torch.rand(t, hv, generator=gen)
+    return q, k, v, g, beta
+
+
+# -- delta rule, decode ---------------------------------------------------------------------------
+state = torch.randn(R, hv, dk, dv, generator=gen) * 0.1
+before = state.clone()
+q, k, v, g, beta = operands(3)
+o = gdn.delta_rule_step(state, rows, q, k, v, g, beta, block_v=16)
+state_err = 0.0
+for lane, row in enumerate(rows.tolist()):
+    want, new = gdn.delta_rule_reference(
+        before[max(row, 0)],
+        q[lane : lane + 1],
+        k[lane : lane + 1],
+        v[lane : lane + 1],
+        g[lane : lane + 1],
+        beta[lane : lane + 1],
+    )
+    worst = max(worst, err(o[lane : lane + 1], want))
+    if row >= 0:
+        state_err = max(state_err, err(state[row], new))
+exact &= torch.equal(state[0], before[0]) and torch.equal(state[3], before[3])
+
+# -- delta rule, prefill: 9 tokens, 6 real ------------------------------------------------------------
+state = torch.randn(R, hv, dk, dv, generator=gen) * 0.1
+before = state.clone()
+q, k, v, g, beta = operands(9)
+one = torch.tensor([2], dtype=torch.int32)
+o = gdn.delta_rule_prefill(state, one, torch.tensor([6], dtype=torch.int32), q, k, v, g, beta, block_v=16)
+want, new = gdn.delta_rule_reference(before[2], q, k, v, g, beta, 6)
+worst = max(worst, err(o, want))
+state_err = max(state_err, err(state[2], new))
+exact &= torch.equal(state[[0, 1, 3]], before[[0, 1, 3]]) and bool((o[6:] == 0).all())
+
+# -- split vs whole: 10 tokens at once, or 6 then 4 continued from the stored state -----------------
+q, k, v, g, beta = operands(10)
+whole = torch.zeros(R, hv, dk, dv)
+split = torch.zeros(R, hv, dk, dv)
+ten, six, four = (torch.tensor([n], dtype=torch.int32) for n in (10, 6, 4))
+o_whole = gdn.delta_rule_prefill(whole, one, ten, q, k, v, g, beta, block_v=16)
+o_a = gdn.delta_rule_prefill(split, one, six, q[:6], k[:6], v[:6], g[:6], beta[:6], block_v=16)
+o_b = gdn.delta_rule_prefill(split, one, four, q[6:], k[6:], v[6:], g[6:], beta[6:], block_v=16)
+split_bitwise = torch.equal(whole, split) and torch.equal(o_whole, torch.cat([o_a, o_b]))
+
+report = {"max_abs_err": worst, "state_max_abs_err": state_err, "exact_state_and_padding": exact}
+report["split_bitwise"] = split_bitwise
+print(json.dumps(report))
+sys.exit(0 if worst < 1e-5 and state_err < 1e-5 and exact and split_bitwise else 1)
