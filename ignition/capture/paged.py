@@ -10,7 +10,8 @@ State and its invariants (row indices follow the cache scheme: row 0 is the null
 - `kv` holds `max_kv_pages` pages plus one trash page at the end. Writes of padded rows
   (negative slot) go to the trash page, so they never race a real write.
 - `rows[r]` is the final (normed) hidden vector of the last token consumed by row r: what resume
-  sampling projects and samples from, what snapshot and restore copy.
+  sampling projects and samples from, what snapshot and restore copy. Row 0, the null row, is
+  never written (padding lanes store its own bytes back).
 - `hist[r]` counts live row r's prompt (added once at admission by admit_histogram, after
   initialize or restore cleared the row) and every token sampled since (request state, outside
   every checkpoint). Penalties read it.
@@ -87,8 +88,13 @@ class Geometry:
         return self.page_tokens * self.kv_heads * self.head_dim * 2
 
     @property
+    def kv_layers(self) -> int:
+        """Layers that keep K/V in the pages (every layer of this recipe)."""
+        return self.layers
+
+    @property
     def bytes_per_page(self) -> int:
-        return 2 * self.layers * self.region_bytes
+        return 2 * self.kv_layers * self.region_bytes
 
     @property
     def mask_words(self) -> int:
@@ -96,7 +102,7 @@ class Geometry:
 
     def kv_shape(self) -> tuple[int, ...]:
         """With the trash page."""
-        return (self.max_kv_pages + 1, self.layers, 2, self.page_tokens, self.kv_heads, self.head_dim)
+        return (self.max_kv_pages + 1, self.kv_layers, 2, self.page_tokens, self.kv_heads, self.head_dim)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -222,10 +228,16 @@ class PagedLlama:
         req: torch.Tensor,
         kv: torch.Tensor,
         few_rows: bool = False,
+        live: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
+        length: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tok/pos [N]; slots [N] int64 KV slot (negative: no write); page_table [R, P] int32;
         req [N] page-table row of each token. `few_rows`: a decode step (projections as GEMVs
-        when the core has them)."""
+        when the core has them). Recipes with state in the continuation rows also get `rows`,
+        `live` (decode: each lane's live row; prefill: [1], the request's) with -1 for padding,
+        and for prefill `length` [1], the real tokens of the chunk; this forward keeps no such
+        state."""
         g, w, proj = self.geo, self.w, self.proj
         n = tok.shape[0]
         x = w["embed_tokens"][tok.long()]
@@ -325,9 +337,39 @@ class PagedLlama:
         prow = torch.where(sampled, hrow, 0)
         pending.index_put_((prow,), torch.where(prow > 0, tok.to(pending.dtype), pending[0]))
 
+    # -- continuation rows ---------------------------------------------------------------------
+    def row_storage(self) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of the continuation rows tensor (this recipe: the final hidden vector)."""
+        return (self.geo.total_rows, self.geo.hidden), torch.bfloat16
+
+    def hidden_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The [R, hidden] view of the rows' saved final hidden vectors."""
+        return rows
+
+    def cache_scheme(self) -> dict[str, Any]:
+        """The core's cache scheme: KV page regions and the continuation row layout."""
+        g = self.geo
+        return {
+            "page_tokens": g.page_tokens,
+            "page_regions": [
+                {"name": f"layer{i}.{half}", "bytes_per_page": g.region_bytes}
+                for i in range(g.kv_layers)
+                for half in ("k", "v")
+            ],
+            "continuation_row_bytes": g.hidden * 2,
+            "row_layout": [{"name": "final_hidden", "kind": "hidden_vector", "offset": 0, "byte_size": g.hidden * 2}],
+            "live_rows_per_slot": 1,
+            "verification_width": 1,
+            "padding_slot": -1,
+        }
+
     def _store_rows(self, rows: torch.Tensor, slots: torch.Tensor, h: torch.Tensor) -> None:
-        live = (slots >= 0) & (slots < rows.shape[0])
-        rows[torch.where(live, slots, 0).long()] = h.to(rows.dtype)
+        view = self.hidden_rows(rows)
+        live = (slots >= 0) & (slots < view.shape[0])
+        idx = torch.where(live, slots, 0).long()
+        # Lanes that store nothing write the null row's own value back: every write to row 0 then
+        # carries the same bytes, so the unordered scatter is deterministic and row 0 unchanged.
+        view[idx] = torch.where(live[:, None], h.to(view.dtype), view[0].expand_as(h))
 
     # -- step programs -----------------------------------------------------------------------
     def decode(
@@ -354,6 +396,7 @@ class PagedLlama:
         prow = torch.where((slots >= 0) & (slots <= g.request_slots), slots, 0)
         tok = torch.where(v["token_ids"] < 0, pending[prow], v["token_ids"])
         m = b if self.gemv else max(b, MIN_GEMM_ROWS)
+        live = torch.where(valid, slots, -1)
         if m > b:  # inert rows: no KV write, page table -1 (reads page 0), position 0
             tok = F.pad(tok, (0, m - b))
             h = self.hidden(
@@ -363,10 +406,12 @@ class PagedLlama:
                 F.pad(table, (0, 0, 0, m - b), value=-1),
                 torch.arange(m, device=pos.device),
                 kv,
+                live=F.pad(live, (0, m - b), value=-1),
+                rows=rows,
             )[:b]
         else:
-            h = self.hidden(tok, v["positions"], slot, table, rowsel, kv, few_rows=True)
-        self._store_rows(rows, torch.where(valid, slots, -1), h)
+            h = self.hidden(tok, v["positions"], slot, table, rowsel, kv, few_rows=True, live=live, rows=rows)
+        self._store_rows(rows, live, h)
         wants = (v["sample_flags"] & 1) != 0
         self._sample_and_record(h, torch.where(valid, slots, -1), wants, pos + 1, v, hist, records, pending)
         return h
@@ -383,8 +428,11 @@ class PagedLlama:
         """One request's chunk; the row keeps the hidden vector of its last real token."""
         t = v["token_ids"].shape[0]
         req = torch.zeros(t, dtype=torch.int32, device=v["token_ids"].device)
-        h = self.hidden(v["token_ids"], v["positions"], v["slot_mapping"], v["page_table"], req, kv)
         q = v["query_lengths"].long()
+        live = torch.where(q > 0, v["request_slots"].long(), -1)
+        h = self.hidden(
+            v["token_ids"], v["positions"], v["slot_mapping"], v["page_table"], req, kv, live=live, rows=rows, length=q
+        )
         last = (q - 1).clamp(0, t - 1)
         h_last = h[last]
         slots = torch.where(q > 0, v["request_slots"].long(), -1)
@@ -404,7 +452,7 @@ class PagedLlama:
     ) -> torch.Tensor:
         """Samples from a restored row's saved hidden vector; nothing is consumed."""
         src = v["state_row_indices"].long()
-        h = rows[src.clamp(0, rows.shape[0] - 1)]
+        h = self.hidden_rows(rows)[src.clamp(0, rows.shape[0] - 1)]
         slots = torch.where(src >= 0, v["request_slots"].long(), -1)
         wants = (v["sample_flags"] & 1) != 0
         self._sample_and_record(h, slots, wants, v["context_lengths"].long(), v, hist, records, pending)

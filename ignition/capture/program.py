@@ -177,7 +177,8 @@ class Program:
         dev = model.head().device
         self.kv_all = torch.zeros(g.kv_shape(), dtype=torch.bfloat16, device=dev)
         self.kv = self.kv_all[: g.max_kv_pages]
-        self.rows = torch.zeros(g.total_rows, g.hidden, dtype=torch.bfloat16, device=dev)
+        shape, dtype = model.row_storage()
+        self.rows = torch.zeros(shape, dtype=dtype, device=dev)
         self.hist = torch.zeros(1 + g.request_slots, g.vocab, dtype=torch.int32, device=dev)
         self.pending = torch.zeros(1 + g.request_slots, dtype=torch.int32, device=dev)
         self.records = torch.zeros(g.request_slots, HEADER_WORDS + COMPLETION_TOKENS, dtype=torch.int32, device=dev)

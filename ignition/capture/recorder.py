@@ -227,7 +227,7 @@ class Recorder:
         out["rope.inv_freq"] = (inv, "constants", {"tensor": "rope.inv_freq"}, "f32")
         for name, t in self.program.state().items():
             role, dt, init = STATE_ROLES[name]
-            out[name] = (t, role, init, dt)
+            out[name] = (t, role, init, TORCH_DTYPES[t.dtype] if name == "continuation_rows" else dt)
         for g in self.graphs:
             assert g.output is not None
             out[f"{g.name}.output"] = (g.output, "graph_pool", "uninitialized", TORCH_DTYPES[g.output.dtype])
@@ -511,21 +511,7 @@ class Recorder:
             "tensor_source": "weights.safetensors",
             "allocations": allocs,
             "kernels": list(kernels.values()),
-            "cache_scheme": {
-                "page_tokens": c.page_tokens,
-                "page_regions": [
-                    {"name": f"layer{i}.{kv}", "bytes_per_page": c.region_bytes}
-                    for i in range(c.layers)
-                    for kv in ("k", "v")
-                ],
-                "continuation_row_bytes": c.hidden * 2,
-                "row_layout": [
-                    {"name": "final_hidden", "kind": "hidden_vector", "offset": 0, "byte_size": c.hidden * 2}
-                ],
-                "live_rows_per_slot": 1,
-                "verification_width": 1,
-                "padding_slot": -1,
-            },
+            "cache_scheme": self.program.model.cache_scheme(),
             "capacities": {
                 "context_limit": c.context_limit,
                 "decode_request_buckets": d.decode_buckets,

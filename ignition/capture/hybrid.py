@@ -1,0 +1,319 @@
+"""The prepared Qwen3.5 forward: Gated DeltaNet layers over explicit state in the continuation
+rows, gated full-attention layers over the paged KV, and everything else (sampling, records,
+histograms, pending tokens, state maintenance) as the paged Llama forward runs it.
+
+Continuation row layout (bytes, every region 16-byte aligned), per GDN layer in layer order:
+`layer{i}.conv` the convolution history [C, K-1] (activation dtype) and `layer{i}.recurrent` the
+delta-rule matrix [Hv, Dk, Dv] (float32); then `final_hidden` [hidden] (activation dtype).
+Invariants (beside those of `ignition.capture.paged`):
+- a live row's GDN regions hold the state after exactly the tokens its request consumed: a
+  decode lane advances them by one token, a prefill chunk by its `query_lengths` tokens (the
+  chunk's padding never enters them); a lane with a negative live row writes no row;
+- initialize zeroes a row (every region), restore and snapshot copy whole rows, so a restored
+  request continues from exactly the state its checkpoint saved;
+- KV pages hold only the attention layers (`kv_layers`), indexed by attention ordinal.
+
+Arithmetic follows Transformers' `qwen3_5` (zero-centred RMSNorm `x * rsqrt(.) * (1 + w)` in
+float32, the gated RMSNorm on the GDN output, the sigmoid output gate on attention, partial
+rotary on the first `rotary_dim` dims of each head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from ignition.capture import gdn
+from ignition.capture.attention import attend_gather, rotate
+from ignition.capture.paged import Geometry, PagedLlama
+
+if TYPE_CHECKING:
+    from ignition.recipes.qwen3_5 import Qwen35Config
+
+ALIGN = 16
+
+
+def _up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class HybridGeometry(Geometry):
+    layer_kinds: tuple[str, ...] = ()  # "linear_attention" | "full_attention" per layer
+    rotary_dim: int = 0
+    conv_channels: int = 0
+    conv_kernel: int = 0
+    gdn_key_heads: int = 0
+    gdn_value_heads: int = 0
+    gdn_key_dim: int = 0
+    gdn_value_dim: int = 0
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i, k in enumerate(self.layer_kinds) if k == "full_attention"]
+
+    @property
+    def gdn_layers(self) -> list[int]:
+        return [i for i, k in enumerate(self.layer_kinds) if k == "linear_attention"]
+
+    @property
+    def kv_layers(self) -> int:
+        return len(self.attention_layers)
+
+    def row_regions(self) -> list[dict[str, Any]]:
+        """The continuation row layout: name, kind, offset, byte_size (see the module doc)."""
+        out: list[dict[str, Any]] = []
+        at = 0
+        conv = self.conv_channels * (self.conv_kernel - 1) * 2
+        recurrent = self.gdn_value_heads * self.gdn_key_dim * self.gdn_value_dim * 4
+        for i in self.gdn_layers:
+            out.append({"name": f"layer{i}.conv", "kind": "convolution_history", "offset": at, "byte_size": conv})
+            at += _up(conv)
+            out.append({"name": f"layer{i}.recurrent", "kind": "recurrent_state", "offset": at, "byte_size": recurrent})
+            at += _up(recurrent)
+        out.append({"name": "final_hidden", "kind": "hidden_vector", "offset": at, "byte_size": self.hidden * 2})
+        return out
+
+    @property
+    def row_bytes(self) -> int:
+        last = self.row_regions()[-1]
+        return _up(int(last["offset"]) + int(last["byte_size"]))
+
+    @classmethod
+    def from_qwen35(cls, config: Qwen35Config, eos: tuple[int, ...], **capacity: int) -> HybridGeometry:
+        c = config
+        factor = float((c.text.get("rope_parameters") or {}).get("partial_rotary_factor", 0.25))
+        return cls(
+            layers=c.num_hidden_layers,
+            hidden=c.hidden_size,
+            heads=c.num_attention_heads,
+            kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            ffn=c.intermediate_size,
+            vocab=c.vocab_size,
+            eps=c.rms_norm_eps,
+            tie_embeddings=c.tie_word_embeddings,
+            attention_bias=c.attention_bias,
+            mlp_bias=False,
+            qk_norm=True,
+            eos_token_ids=eos,
+            layer_kinds=c.layer_types,
+            rotary_dim=int(c.head_dim * factor),
+            conv_channels=c.conv_channels,
+            conv_kernel=c.conv_kernel,
+            gdn_key_heads=c.linear_key_heads,
+            gdn_value_heads=c.linear_value_heads,
+            gdn_key_dim=c.linear_key_dim,
+            gdn_value_dim=c.linear_value_dim,
+            **capacity,
+        )
+
+
+def zc_rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5's zero-centred RMSNorm: float32 statistics, scaled by (1 + w), cast back."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w.float())).to(x.dtype)
+
+
+def gated_rms(x: torch.Tensor, w: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
+    """The GDN output norm: RMSNorm with weight w, then times SiLU(gate), in Transformers' order."""
+    xf = x.float()
+    h = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (h * F.silu(gate.float())).to(x.dtype)
+
+
+def rope_inv_freq(config: Qwen35Config, rotary_dim: int) -> torch.Tensor:
+    params = config.text.get("rope_parameters") or {}
+    base = float(params.get("rope_theta", config.text.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", "default")
+    if kind != "default":
+        raise ValueError(f"rope_type {kind!r} is not prepared for Qwen3.5 (default only)")
+    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+
+
+class PagedQwen35(PagedLlama):
+    """Weights in the Qwen3.5 recipe's execution layout; the step programs of `PagedLlama`
+    (decode, prefill, resume, maintenance) with this `hidden` and these continuation rows."""
+
+    geo: HybridGeometry
+
+    def __init__(self, geo: HybridGeometry, weights: dict[str, torch.Tensor], inv_freq: torch.Tensor) -> None:
+        # The GDN Triton kernels are not wired into the graphs yet: CPU reference only.
+        super().__init__(geo, weights, inv_freq, 1.0, attention_kernel=False, gemv=False)
+
+    # -- continuation rows -----------------------------------------------------------------------
+    def row_storage(self) -> tuple[tuple[int, ...], torch.dtype]:
+        return (self.geo.total_rows, self.geo.row_bytes), torch.uint8
+
+    def _region(self, rows: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        r = next(x for x in self.geo.row_regions() if x["name"] == name)
+        raw = rows[:, r["offset"] : r["offset"] + r["byte_size"]]
+        return raw.view(dtype).view(rows.shape[0], *shape)
+
+    def hidden_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._region(rows, "final_hidden", torch.bfloat16, (self.geo.hidden,))
+
+    def conv_rows(self, rows: torch.Tensor, layer: int) -> torch.Tensor:
+        g = self.geo
+        return self._region(rows, f"layer{layer}.conv", torch.bfloat16, (g.conv_channels, g.conv_kernel - 1))
+
+    def recurrent_rows(self, rows: torch.Tensor, layer: int) -> torch.Tensor:
+        g = self.geo
+        shape = (g.gdn_value_heads, g.gdn_key_dim, g.gdn_value_dim)
+        return self._region(rows, f"layer{layer}.recurrent", torch.float32, shape)
+
+    def cache_scheme(self) -> dict[str, Any]:
+        scheme = super().cache_scheme()
+        scheme["continuation_row_bytes"] = self.geo.row_bytes
+        scheme["row_layout"] = self.geo.row_regions()
+        return scheme
+
+    def projection_problems(self) -> list[Any]:
+        return []
+
+    # -- the forward ---------------------------------------------------------------------------
+    def hidden(
+        self,
+        tok: torch.Tensor,
+        pos: torch.Tensor,
+        slots: torch.Tensor,
+        page_table: torch.Tensor,
+        req: torch.Tensor,
+        kv: torch.Tensor,
+        few_rows: bool = False,
+        live: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
+        length: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As `PagedLlama.hidden`; `live` and `rows` are required (the GDN state), and `length`
+        marks a prefill chunk (one request: `live` is [1])."""
+        if live is None or rows is None:
+            raise ValueError("the hybrid forward needs the live rows and the continuation rows")
+        g, w = self.geo, self.w
+        n = tok.shape[0]
+        x = w["embed_tokens"][tok.long()]
+        ang = pos.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([ang, ang], -1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        valid = slots >= 0
+        page = torch.where(valid, slots // g.page_tokens, self.trash_page)
+        off = torch.where(valid, slots % g.page_tokens, 0)
+        tables = page_table.long().clamp(min=0)
+        hd, rd = g.head_dim, g.rotary_dim
+        attention = {layer: j for j, layer in enumerate(g.attention_layers)}
+        for i, kind in enumerate(g.layer_kinds):
+            p = f"layers.{i}."
+            h = zc_rms(x, w[p + "input_norm"], g.eps)
+            if kind == "full_attention":
+                qkv = F.linear(h, w[p + "qkv"], self._bias(p + "qkv_bias"))
+                qg = qkv[:, : 2 * g.heads * hd].reshape(n, g.heads, 2 * hd)
+                q, gate = qg[..., :hd], qg[..., hd:].reshape(n, g.heads * hd)
+                k = qkv[:, 2 * g.heads * hd : (2 * g.heads + g.kv_heads) * hd].reshape(n, g.kv_heads, hd)
+                v = qkv[:, (2 * g.heads + g.kv_heads) * hd :].reshape(n, g.kv_heads, hd)
+                q, k = zc_rms(q, w[p + "q_norm"], g.eps), zc_rms(k, w[p + "k_norm"], g.eps)
+                q = torch.cat([rotate(q[..., :rd], cos, sin), q[..., rd:]], -1)
+                k = torch.cat([rotate(k[..., :rd], cos, sin), k[..., rd:]], -1)
+                j = attention[i]
+                kv[page, j, 0, off] = k
+                kv[page, j, 1, off] = v
+                o = attend_gather(q, kv, j, tables, req, pos, hd**-0.5)
+                o = o * torch.sigmoid(gate)
+                x = x + F.linear(o, w[p + "o_proj"], self._bias(p + "o_proj_bias"))
+            else:
+                x = x + self._gdn(i, h, live, rows, length)
+            hm = zc_rms(x, w[p + "post_attention_norm"], g.eps)
+            gu = F.linear(hm, w[p + "gate_up"])
+            x = x + F.linear(F.silu(gu[:, : g.ffn]) * gu[:, g.ffn :], w[p + "down"])
+        return zc_rms(x, w["final_norm"], g.eps)
+
+    def _gdn(
+        self, layer: int, h: torch.Tensor, live: torch.Tensor, rows: torch.Tensor, length: torch.Tensor | None
+    ) -> torch.Tensor:
+        """One GDN layer's token mixing over the rows' state (eager reference: per lane / per
+        request loops; the graphs will run `ignition.capture.gdn`'s kernels)."""
+        g, w = self.geo, self.w
+        p = f"layers.{layer}."
+        n = h.shape[0]
+        c, vd, hv = g.conv_channels, g.gdn_value_heads * g.gdn_value_dim, g.gdn_value_heads
+        kd = g.gdn_key_heads * g.gdn_key_dim
+        proj = F.linear(h, w[p + "in_proj"])
+        mixed, z = proj[:, :c], proj[:, c : c + vd]
+        b, a = proj[:, c + vd : c + vd + hv], proj[:, c + vd + hv :]
+        beta = torch.sigmoid(b)
+        decay = -w[p + "a_log"].float().exp() * F.softplus(a.float() + w[p + "dt_bias"].float())
+        conv_w = w[p + "conv"].reshape(c, g.conv_kernel)
+        hist, state = self.conv_rows(rows, layer), self.recurrent_rows(rows, layer)
+
+        def split(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            t = y.shape[0]
+            q = y[:, :kd].view(t, g.gdn_key_heads, g.gdn_key_dim)
+            k = y[:, kd : 2 * kd].view(t, g.gdn_key_heads, g.gdn_key_dim)
+            return q, k, y[:, 2 * kd :].view(t, g.gdn_value_heads, g.gdn_value_dim)
+
+        if length is None:  # decode: one token per lane, each on its own row
+            outs = []
+            for lane in range(n):
+                r = int(live[lane])
+                src = max(r, 0)
+                y, new_hist = gdn.conv_reference(mixed[lane : lane + 1], hist[src], conv_w)
+                q, k, v = split(y)
+                o, new_state = gdn.delta_rule_reference(
+                    state[src], q, k, v, decay[lane : lane + 1], beta[lane : lane + 1]
+                )
+                if r >= 0:
+                    hist[r] = new_hist
+                    state[r] = new_state
+                outs.append(o)
+            core = torch.cat(outs)
+        else:  # prefill: one request, the first `length` tokens real
+            r = int(live[0])
+            src = max(r, 0)
+            m = int(length[0])
+            y, new_hist = gdn.conv_reference(mixed, hist[src], conv_w, m)
+            q, k, v = split(y)
+            core, new_state = gdn.delta_rule_reference(state[src], q, k, v, decay, beta, m)
+            if r >= 0:
+                hist[r] = new_hist
+                state[r] = new_state
+        o = gated_rms(core.reshape(n * hv, g.gdn_value_dim), w[p + "gdn_norm"], z.reshape(n * hv, -1), g.eps)
+        return F.linear(o.reshape(n, vd), w[p + "out_proj"])
+
+
+@dataclass(frozen=True)
+class Qwen35ProgramPlan:
+    config: Qwen35Config
+    eos: tuple[int, ...]
+    capacities: Any
+
+    def _geometry(self) -> HybridGeometry:
+        c = self.capacities
+        return HybridGeometry.from_qwen35(
+            self.config,
+            self.eos,
+            context_limit=c.context_limit,
+            request_slots=c.request_slots,
+            snapshot_rows=c.snapshot_rows,
+            max_kv_pages=c.max_kv_pages,
+        )
+
+    def geometry(self) -> dict[str, Any]:
+        return self._geometry().as_dict()
+
+    def state_bytes(self) -> int:
+        g = self._geometry()
+        pages = (self.capacities.max_kv_pages + 1) * g.bytes_per_page
+        return int(pages + g.total_rows * g.row_bytes + (1 + g.request_slots) * (g.vocab + 1) * 4)
+
+    def pool_bytes(self) -> int:
+        g = self._geometry()
+        return int((256 << 20) + self.capacities.prefill_chunks[-1] * (g.ffn * 2 + g.vocab) * 4 * 4)
+
+    def build(self, weights: dict[str, Any], device: Any, options: Any) -> Any:
+        from ignition.capture.program import Program, catalog
+
+        geo = self._geometry()
+        model = PagedQwen35(geo, weights, rope_inv_freq(self.config, geo.rotary_dim).to(device))
+        return Program(model, catalog(geo, self.capacities.decode_buckets, self.capacities.prefill_chunks))
