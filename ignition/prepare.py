@@ -212,8 +212,9 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
         tokenizer = (model / "tokenizer.json").read_bytes()
         card = recipe.sampling_card(config, o.card)
         note(f"{config.architecture} ({recipe.name} recipe): {len(ckpt.tensors)} tensors, {mapping.summary()}")
-        note(f"capacities {caps}")
         plan = recipe.plan_program(config, tuple(eos), caps)
+        caps = plan.capacities  # the recipe may size its snapshot rows to its row bytes
+        note(f"capacities {caps}")
         device = check_device()
         note(f"device {device['name']} ({device['free_bytes'] / 2**30:.1f} GiB free)")
     import torch

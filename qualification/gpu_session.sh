@@ -14,6 +14,7 @@
 #   gemv-check                           flare::gemv tuned and checked on the ~1B shapes against torch (no core)
 #   r1b-bw       (carry .dev/b2)         the ~1B prepared with gemv and with GEMM-template decode projections; kernel
 #                                        breakdown, Python floor and flare bench of each (bg, ~15 min)
+#   q35-prepare                          the seeded random Qwen3.5 (0.8B text geometry): random-checkpoint, prepare
 #   r1b-measure-only                     as smol-measure for the 1B core (no Transformers run)
 #   r1b-serve, r1b-native                r1b-measure-only in two calls (serving; Rust bitwise + lifecycle +
 #                                        compiled Transformers generate); DUMP_IO=1 at r1b-prepare for the bitwise part
@@ -164,6 +165,11 @@ case "$STAGE" in
     bw_measure /tmp/r1b /tmp/r1bcore gemv
     DECODE_PROJECTIONS=gemm NO_CHECK=1 prepare /tmp/r1b /tmp/r1bcore_gemm llama-1b-random 540 gemm
     bw_measure /tmp/r1b /tmp/r1bcore_gemm gemm ;;
+  q35-prepare)  # issue 18: the seeded random Qwen3.5 at the 0.8B text geometry (vocabulary sized to the SmolLM2
+                # tokenizer that travels with it: 49,152 instead of 248,320), prepared with every check
+    python3 -m ignition random-checkpoint --config qualification/configs/qwen3_5_0p8b_random.json --out /tmp/q35 \
+      --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
+    prepare /tmp/q35 /tmp/q35core qwen3_5-0.8b-random 560 ;;
   r1b-measure-only)
     measure /tmp/r1b /tmp/r1bcore ;;
   r1b-serve)  # SPLIT_MEASURE=1: the serving half of r1b-measure-only; r1b-native runs the rest

@@ -386,8 +386,8 @@ def write_attend_op() -> CustomOpDef:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
         kv: torch.Tensor,
         slots: torch.Tensor,
         pages: torch.Tensor,
@@ -396,7 +396,8 @@ def write_attend_op() -> CustomOpDef:
         layer: int,
         scale: float,
     ) -> torch.Tensor:
-        cos, sin, slots, pages, req, pos = (t.contiguous() for t in (cos, sin, slots, pages, req, pos))
+        """cos/sin None: q and k arrive rotated (partial rotary recipes rotate them before)."""
+        slots, pages, req, pos = (t.contiguous() for t in (slots, pages, req, pos))
         _launch_write(k, v, kv, slots, layer, cos, sin)
         return _launch_attention(q, kv, pages, req, pos, layer, scale, cos=cos, sin=sin)
 
@@ -405,8 +406,8 @@ def write_attend_op() -> CustomOpDef:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
         kv: torch.Tensor,
         slots: torch.Tensor,
         pages: torch.Tensor,

@@ -21,10 +21,13 @@ Dk^-1/2; per token S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; o = S^T q.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from torch._library.custom_ops import CustomOpDef
 
 L2_EPS = 1e-6
 
@@ -101,11 +104,11 @@ def conv_step(
     histories in place; returns y [B, C]."""
     b, c = x.shape
     k = weight.shape[1]
-    y = torch.empty_like(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if b == 0:
         return y
     _kernels().conv_step_kernel[(b, -(-c // block))](
-        x, hist, rows, weight, y, c, x.stride(0), hist.stride(0), hist.stride(1), K=k, BLOCK=block
+        x, hist, rows, weight, y, c, x.stride(0), y.stride(0), hist.stride(0), hist.stride(1), K=k, BLOCK=block
     )
     return y
 
@@ -122,10 +125,9 @@ def conv_prefill(
     nothing); length [1] int32, the real tokens (the history after them is stored). Returns y."""
     t, c = x.shape
     k = weight.shape[1]
-    y = torch.empty_like(x)
-    _kernels().conv_prefill_kernel[(-(-c // block),)](
-        x, hist, row, length, weight, y, t, c, x.stride(0), hist.stride(0), hist.stride(1), K=k, BLOCK=block
-    )
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    strides = (x.stride(0), y.stride(0), hist.stride(0), hist.stride(1))
+    _kernels().conv_prefill_kernel[(-(-c // block),)](x, hist, row, length, weight, y, t, c, *strides, K=k, BLOCK=block)
     return y
 
 
@@ -217,3 +219,117 @@ def _launch_delta_rule(
         PREFILL=length is not None,
         LENGTH=length,
     )
+
+
+def store_rows(h: torch.Tensor, rows: torch.Tensor, live: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """h [B, N] into rows [R, N] (a strided view) at each lane's live row (negative: nowhere);
+    returns a fresh copy of h, for the step to consume."""
+    b, n = h.shape
+    out = torch.empty_like(h)
+    if b:
+        grid = (b, -(-n // block))
+        _kernels().store_row_kernel[grid](h, rows, live, out, n, h.stride(0), rows.stride(0), BLOCK=block)
+    return out
+
+
+def _int32(live: torch.Tensor, length: torch.Tensor | None) -> None:
+    """The ops launch kernels only (an ATen cast inside would be a library kernel in the graph),
+    so their index inputs arrive as contiguous int32."""
+    for t in (live, length):
+        if t is not None and (t.dtype != torch.int32 or not t.is_contiguous()):
+            raise ValueError("gdn ops: live rows and lengths must be contiguous int32 (cast them in the graph)")
+
+
+def _region(rows: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    return rows[:, offset : offset + nbytes].view(dtype).view(rows.shape[0], *shape)
+
+
+@functools.cache
+def gdn_ops() -> tuple[CustomOpDef, CustomOpDef, CustomOpDef]:
+    """`flare::gdn_conv`, `flare::gdn_delta` and `flare::store_row`: the GDN layer's state
+    updates and the hidden-vector store as opaque ops over the continuation rows (a uint8
+    [R, row_bytes] buffer, regions given by byte offset).
+
+    Like `flare::write_attend`, they write `rows` in place without declaring it: a declared
+    mutation would be functionalized into copies of the whole rows buffer. Sound because within
+    a decode or prefill graph only these ops touch `rows` (nothing else writes or reads it
+    there), each layer's ops touch that layer's regions only and read them before writing, and
+    each returns a fresh tensor the step consumes, so none is eliminated or reordered past its
+    consumer."""
+    from torch.library import custom_op
+
+    @custom_op("flare::gdn_conv", mutates_args=())
+    def conv(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        rows: torch.Tensor,
+        live: torch.Tensor,
+        length: torch.Tensor | None,
+        offset: int,
+        kernel: int,
+    ) -> torch.Tensor:
+        c = x.shape[1]
+        hist = _region(rows, offset, c * (kernel - 1) * x.element_size(), x.dtype, (c, kernel - 1))
+        _int32(live, length)
+        if length is None:
+            return conv_step(x, hist, live, weight)
+        return conv_prefill(x, hist, live, length, weight)
+
+    @conv.register_fake
+    def _(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        rows: torch.Tensor,
+        live: torch.Tensor,
+        length: torch.Tensor | None,
+        offset: int,
+        kernel: int,
+    ) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    @custom_op("flare::gdn_delta", mutates_args=())
+    def delta(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        rows: torch.Tensor,
+        live: torch.Tensor,
+        length: torch.Tensor | None,
+        offset: int,
+    ) -> torch.Tensor:
+        hv, dk, dv = v.shape[1], q.shape[2], v.shape[2]
+        state = _region(rows, offset, hv * dk * dv * 4, torch.float32, (hv, dk, dv))
+        _int32(live, length)
+        if g.dtype != torch.float32 or beta.dtype != torch.float32 or not (g.is_contiguous() and beta.is_contiguous()):
+            raise ValueError("gdn_delta: g and beta must be contiguous float32 (cast them in the graph)")
+        if length is None:
+            return delta_rule_step(state, live, q, k, v, g, beta)
+        return delta_rule_prefill(state, live, length, q, k, v, g, beta)
+
+    @delta.register_fake
+    def _(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        rows: torch.Tensor,
+        live: torch.Tensor,
+        length: torch.Tensor | None,
+        offset: int,
+    ) -> torch.Tensor:
+        return torch.empty(q.shape[0], v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
+
+    @custom_op("flare::store_row", mutates_args=())
+    def store(h: torch.Tensor, rows: torch.Tensor, live: torch.Tensor, offset: int) -> torch.Tensor:
+        view = _region(rows, offset, h.shape[1] * h.element_size(), h.dtype, (h.shape[1],))
+        _int32(live, None)
+        return store_rows(h.contiguous(), view, live)
+
+    @store.register_fake
+    def _(h: torch.Tensor, rows: torch.Tensor, live: torch.Tensor, offset: int) -> torch.Tensor:
+        return torch.empty_like(h)
+
+    return conv, delta, store

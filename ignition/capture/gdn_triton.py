@@ -19,7 +19,7 @@ def _silu_rounded(acc, dtype):
 
 
 @triton.jit
-def conv_step_kernel(X, HIST, ROWS, W, Y, C, sx, sh_r, sh_c, K: tl.constexpr, BLOCK: tl.constexpr):
+def conv_step_kernel(X, HIST, ROWS, W, Y, C, sx, sy, sh_r, sh_c, K: tl.constexpr, BLOCK: tl.constexpr):
     """Program (lane, channel block): one decode token's depthwise convolution over the row's
     K-1 stored inputs and the new one; the history shifts by one (live lanes only)."""
     lane = tl.program_id(0)
@@ -33,7 +33,7 @@ def conv_step_kernel(X, HIST, ROWS, W, Y, C, sx, sh_r, sh_c, K: tl.constexpr, BL
     for j in tl.static_range(K - 1):
         h = tl.load(HIST + r * sh_r + c * sh_c + j, mask=cm, other=0.0)
         acc += h.to(tl.float32) * tl.load(W + c * K + j, mask=cm, other=0.0).to(tl.float32)
-    tl.store(Y + lane * sx + c, _silu_rounded(acc, x.dtype), mask=cm)
+    tl.store(Y + lane * sy + c, _silu_rounded(acc, x.dtype), mask=cm)
     wm = cm & (c * 0 + row >= 0)  # a full-shape mask (the interpreter rejects scalar masks)
     for j in tl.static_range(K - 2):  # ascending: index j+1 is read before it is overwritten
         nxt = tl.load(HIST + r * sh_r + c * sh_c + j + 1, mask=cm, other=0.0)
@@ -42,7 +42,7 @@ def conv_step_kernel(X, HIST, ROWS, W, Y, C, sx, sh_r, sh_c, K: tl.constexpr, BL
 
 
 @triton.jit
-def conv_prefill_kernel(X, HIST, ROW, LENGTH, W, Y, T, C, sx, sh_r, sh_c, K: tl.constexpr, BLOCK: tl.constexpr):
+def conv_prefill_kernel(X, HIST, ROW, LENGTH, W, Y, T, C, sx, sy, sh_r, sh_c, K: tl.constexpr, BLOCK: tl.constexpr):
     """Program (channel block) of one request's chunk: every token's convolution (inputs before
     the chunk come from the history), then the history after the first LENGTH tokens."""
     c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -59,7 +59,7 @@ def conv_prefill_kernel(X, HIST, ROW, LENGTH, W, Y, T, C, sx, sh_r, sh_c, K: tl.
             from_h = tl.load(HIST + r * sh_r + c * sh_c + (K - 1 + src), mask=cm & (src < 0), other=0.0)
             v = tl.where(src >= 0, from_x, from_h)
             acc += v.to(tl.float32) * tl.load(W + c * K + j, mask=cm, other=0.0).to(tl.float32)
-        tl.store(Y + t * sx + c, _silu_rounded(acc, Y.dtype.element_ty), mask=cm)
+        tl.store(Y + t * sy + c, _silu_rounded(acc, Y.dtype.element_ty), mask=cm)
     wm = cm & (c * 0 + row >= 0)
     for j in tl.static_range(K - 1):  # ascending: a history entry read (j + n > j) is not yet overwritten
         p = c * 0 + (n - (K - 1) + j)
@@ -143,3 +143,16 @@ def delta_rule_kernel(
         for t in range(n, T):
             tl.store(OUT + t * so_t + h * so_h + dv, tl.zeros([BV], dtype=OUT.dtype.element_ty), mask=vm)
     tl.store(sp, s, mask=vm[None, :] & (dk[:, None] * 0 + row >= 0))
+
+
+@triton.jit
+def store_row_kernel(H, ROWS, LIVE, OUT, N, sh, sr, BLOCK: tl.constexpr):
+    """Program (lane, block): the lane's vector into its live row (none for a negative row) and
+    into OUT, the copy the step consumes downstream."""
+    lane = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    row = tl.load(LIVE + lane)
+    x = tl.load(H + lane * sh + i, mask=m, other=0.0)
+    tl.store(OUT + lane * sh + i, x, mask=m)
+    tl.store(ROWS + tl.where(row >= 0, row, 0) * sr + i, x, mask=m & (i * 0 + row >= 0))

@@ -140,9 +140,15 @@ class PagedQwen35(PagedLlama):
 
     geo: HybridGeometry
 
-    def __init__(self, geo: HybridGeometry, weights: dict[str, torch.Tensor], inv_freq: torch.Tensor) -> None:
-        # The GDN Triton kernels are not wired into the graphs yet: CPU reference only.
-        super().__init__(geo, weights, inv_freq, 1.0, attention_kernel=False, gemv=False)
+    def __init__(
+        self, geo: HybridGeometry, weights: dict[str, torch.Tensor], inv_freq: torch.Tensor, kernels: bool = False
+    ) -> None:
+        """`kernels`: the Triton ops (`flare::write_attend`, `flare::gdn_conv`, `flare::gdn_delta`,
+        `flare::store_row`) that the graphs run; otherwise the eager reference (CPU)."""
+        super().__init__(geo, weights, inv_freq, 1.0, attention_kernel=kernels, gemv=False)
+        # Created before tracing (Dynamo does not trace their creation).
+        self.gdn = gdn.gdn_ops() if kernels else None
+        self.offsets = {r["name"]: int(r["offset"]) for r in geo.row_regions()}
 
     # -- continuation rows -----------------------------------------------------------------------
     def row_storage(self) -> tuple[tuple[int, ...], torch.dtype]:
@@ -164,6 +170,13 @@ class PagedQwen35(PagedLlama):
         g = self.geo
         shape = (g.gdn_value_heads, g.gdn_key_dim, g.gdn_value_dim)
         return self._region(rows, f"layer{layer}.recurrent", torch.float32, shape)
+
+    def _store_rows(self, rows: torch.Tensor, slots: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        if self.gdn is None:
+            return super()._store_rows(rows, slots, h)
+        live = torch.where((slots >= 0) & (slots < rows.shape[0]), slots, -1).int()
+        out: torch.Tensor = self.gdn[2](h.to(torch.bfloat16), rows, live, self.offsets["final_hidden"])
+        return out
 
     def cache_scheme(self) -> dict[str, Any]:
         scheme = super().cache_scheme()
@@ -217,9 +230,13 @@ class PagedQwen35(PagedLlama):
                 q = torch.cat([rotate(q[..., :rd], cos, sin), q[..., rd:]], -1)
                 k = torch.cat([rotate(k[..., :rd], cos, sin), k[..., rd:]], -1)
                 j = attention[i]
-                kv[page, j, 0, off] = k
-                kv[page, j, 1, off] = v
-                o = attend_gather(q, kv, j, tables, req, pos, hd**-0.5)
+                if self.write_attend is not None:  # q and k arrive rotated: no rope in the op
+                    o = self.write_attend(q, k, v, None, None, kv, slots, page_table, req, pos, j, hd**-0.5)
+                    o = o.reshape(n, g.heads * hd)
+                else:
+                    kv[page, j, 0, off] = k
+                    kv[page, j, 1, off] = v
+                    o = attend_gather(q, kv, j, tables, req, pos, hd**-0.5)
                 o = o * torch.sigmoid(gate)
                 x = x + F.linear(o, w[p + "o_proj"], self._bias(p + "o_proj_bias"))
             else:
@@ -245,7 +262,6 @@ class PagedQwen35(PagedLlama):
         beta = torch.sigmoid(b)
         decay = -w[p + "a_log"].float().exp() * F.softplus(a.float() + w[p + "dt_bias"].float())
         conv_w = w[p + "conv"].reshape(c, g.conv_kernel)
-        hist, state = self.conv_rows(rows, layer), self.recurrent_rows(rows, layer)
 
         def split(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             t = y.shape[0]
@@ -253,7 +269,16 @@ class PagedQwen35(PagedLlama):
             k = y[:, kd : 2 * kd].view(t, g.gdn_key_heads, g.gdn_key_dim)
             return q, k, y[:, 2 * kd :].view(t, g.gdn_value_heads, g.gdn_value_dim)
 
-        if length is None:  # decode: one token per lane, each on its own row
+        if self.gdn is not None:
+            conv_op, delta_op, _ = self.gdn
+            lv = live.int()
+            ln = None if length is None else length.int()
+            y = conv_op(mixed, conv_w, rows, lv, ln, self.offsets[f"layer{layer}.conv"], g.conv_kernel)
+            q, k, v = split(y)
+            recurrent = self.offsets[f"layer{layer}.recurrent"]
+            core = delta_op(q, k, v, decay.contiguous(), beta.float().contiguous(), rows, lv, ln, recurrent)
+        elif length is None:  # decode: one token per lane, each on its own row
+            hist, state = self.conv_rows(rows, layer), self.recurrent_rows(rows, layer)
             outs = []
             for lane in range(n):
                 r = int(live[lane])
@@ -269,6 +294,7 @@ class PagedQwen35(PagedLlama):
                 outs.append(o)
             core = torch.cat(outs)
         else:  # prefill: one request, the first `length` tokens real
+            hist, state = self.conv_rows(rows, layer), self.recurrent_rows(rows, layer)
             r = int(live[0])
             src = max(r, 0)
             m = int(length[0])
@@ -284,6 +310,8 @@ class PagedQwen35(PagedLlama):
 
 @dataclass(frozen=True)
 class Qwen35ProgramPlan:
+    """`ignition.recipes.ProgramPlan` of the hybrid forward."""
+
     config: Qwen35Config
     eos: tuple[int, ...]
     capacities: Any
@@ -315,5 +343,6 @@ class Qwen35ProgramPlan:
         from ignition.capture.program import Program, catalog
 
         geo = self._geometry()
-        model = PagedQwen35(geo, weights, rope_inv_freq(self.config, geo.rotary_dim).to(device))
+        kernels = bool(options is not None and options.attention_kernel)
+        model = PagedQwen35(geo, weights, rope_inv_freq(self.config, geo.rotary_dim).to(device), kernels)
         return Program(model, catalog(geo, self.capacities.decode_buckets, self.capacities.prefill_chunks))

@@ -363,13 +363,16 @@ class PagedLlama:
             "padding_slot": -1,
         }
 
-    def _store_rows(self, rows: torch.Tensor, slots: torch.Tensor, h: torch.Tensor) -> None:
+    def _store_rows(self, rows: torch.Tensor, slots: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """Saves each live lane's hidden vector in its row; returns the vectors the step goes on
+        with (here `h` itself; a recipe storing through an op returns the op's output)."""
         view = self.hidden_rows(rows)
         live = (slots >= 0) & (slots < view.shape[0])
         idx = torch.where(live, slots, 0).long()
         # Lanes that store nothing write the null row's own value back: every write to row 0 then
         # carries the same bytes, so the unordered scatter is deterministic and row 0 unchanged.
         view[idx] = torch.where(live[:, None], h.to(view.dtype), view[0].expand_as(h))
+        return h
 
     # -- step programs -----------------------------------------------------------------------
     def decode(
@@ -411,7 +414,7 @@ class PagedLlama:
             )[:b]
         else:
             h = self.hidden(tok, v["positions"], slot, table, rowsel, kv, few_rows=True, live=live, rows=rows)
-        self._store_rows(rows, live, h)
+        h = self._store_rows(rows, live, h)
         wants = (v["sample_flags"] & 1) != 0
         self._sample_and_record(h, torch.where(valid, slots, -1), wants, pos + 1, v, hist, records, pending)
         return h
@@ -436,7 +439,7 @@ class PagedLlama:
         last = (q - 1).clamp(0, t - 1)
         h_last = h[last]
         slots = torch.where(q > 0, v["request_slots"].long(), -1)
-        self._store_rows(rows, slots, h_last)
+        h_last = self._store_rows(rows, slots, h_last)
         wants = (v["sample_flags"] & 1) != 0
         self._sample_and_record(h_last, slots, wants, v["positions"].long()[last] + 1, v, hist, records, pending)
         return h

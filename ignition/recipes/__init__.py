@@ -40,6 +40,12 @@ class ProgramPlan(Protocol):
     """A recipe's prepared forward for one config and capacities, before any weight is loaded:
     what it will hold (for the memory planner) and how to build it on a device."""
 
+    @property
+    def capacities(self) -> Any:
+        """The capacities the program is built for: those planned, or the recipe's adjustment
+        (snapshot rows sized to its continuation row bytes)."""
+        ...
+
     def geometry(self) -> dict[str, Any]: ...
 
     def state_bytes(self) -> int:

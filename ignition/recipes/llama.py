@@ -221,7 +221,7 @@ class LlamaProgramPlan:
 
     config: LlamaFamilyConfig
     eos: tuple[int, ...]
-    capacities: Any  # ignition.prepare.Capacities
+    capacities: Any  # ignition.prepare.Capacities, as planned
 
     def _geometry(self) -> Any:
         from ignition.capture.paged import Geometry

@@ -26,13 +26,16 @@ from typing import Any
 
 from ignition.core import safetensors_io as st
 from ignition.core.manifest import SamplingDefaults
-from ignition.recipes import RecipeError, UnsupportedArchitectureError, cards, mapping
+from ignition.recipes import UnsupportedArchitectureError, cards, mapping
 from ignition.recipes.mapping import ConfigError, Disposition, Layout, Sources, Tied, WeightMapping
 
 # Transformers class -> model_type; the prefix of the text model's tensors.
 ARCHITECTURES: dict[str, str] = {"Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3_5ForConditionalGeneration": "qwen3_5"}
 PREFIX: dict[str, str] = {"Qwen3_5ForCausalLM": "model.", "Qwen3_5ForConditionalGeneration": "model.language_model."}
 LINEAR, FULL = "linear_attention", "full_attention"
+# Checkpoint rows per request slot: with ~20 MiB rows at the 0.8B geometry, 8 per slot keep a
+# conversation's recent message endpoints without reserving gigabytes for rows.
+SNAPSHOT_ROWS_PER_SLOT = 8
 
 
 @dataclass(frozen=True)
@@ -215,17 +218,6 @@ def plan_weight_mapping(
     return mapping.plan_weight_mapping(config, layout(config), checkpoint, files)
 
 
-@dataclass(eq=False)
-class ForwardMissingError(RecipeError):
-    """The recipe maps and checks a checkpoint but cannot prepare a core yet."""
-
-    recipe: str
-    missing: str
-
-    def __str__(self) -> str:
-        return f"the {self.recipe} recipe cannot prepare a core yet: {self.missing}"
-
-
 class Qwen35Recipe:
     name = "qwen3_5"
     architectures = ARCHITECTURES
@@ -247,7 +239,15 @@ class Qwen35Recipe:
         return cards.NEUTRAL
 
     def plan_program(self, config: Qwen35Config, eos: tuple[int, ...], capacities: Any) -> Any:
-        raise ForwardMissingError(self.name, "the prepared GDN forward over explicit state rows is not built")
+        """The hybrid forward (`ignition.capture.hybrid`). A continuation row holds every GDN
+        layer's recurrent matrix (MiBs, where a dense recipe's row is one hidden vector), so
+        snapshot rows are budgeted per slot instead of matching the pages."""
+        from dataclasses import replace
+
+        from ignition.capture.hybrid import Qwen35ProgramPlan
+
+        rows = min(capacities.snapshot_rows, SNAPSHOT_ROWS_PER_SLOT * capacities.request_slots)
+        return Qwen35ProgramPlan(config, eos, replace(capacities, snapshot_rows=rows))
 
 
 RECIPE = Qwen35Recipe()

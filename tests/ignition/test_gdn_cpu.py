@@ -81,3 +81,12 @@ def test_gdn_kernels_match_the_references_under_the_interpreter() -> None:
     report = _interpreted("gdn_interpreted.py", 300)
     assert report["exact_state_and_padding"] and report["split_bitwise"], report
     assert report["max_abs_err"] < 1e-5 and report["state_max_abs_err"] < 1e-5, report
+
+
+def test_gdn_ops_compile_in_place_without_copying_the_rows() -> None:
+    """`flare::gdn_conv`, `flare::gdn_delta` and `flare::store_row` in a compiled layer loop
+    (CPU, Triton's interpreter) update the continuation rows in place, equal to the eager
+    references, beside another mutated buffer, with no rows-sized buffer in the compiled code."""
+    report = _interpreted("gdn_compiled.py", 600)
+    assert report["rows_sized_buffers"] == 0 and report["untouched_rows_bitwise"] and report["hist_equal"], report
+    assert report["rows_max_abs_err"] < 1e-4 and report["out_max_abs_err"] < 1e-4, report
