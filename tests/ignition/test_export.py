@@ -34,7 +34,7 @@ from ignition.export.errors import (
     UnresolvedPointerError,
 )
 from ignition.export.exporter import RecordingExporter, export_recording
-from tests.ignition.conftest import FIXTURES, flare_check, with_pending_tokens
+from tests.ignition.conftest import FIXTURES, flare_check, require_torch, with_pending_tokens
 
 RECORDING = FIXTURES / "recorded_graph.json"
 
@@ -280,3 +280,43 @@ def test_an_unknown_binding_direction_is_a_recording_error(tmp_path: Path) -> No
     _binding(rec, "decode_b1", "pending_tokens")["direction"] = "sideways"
     with pytest.raises(RecordingError, match="unknown Direction 'sideways'"):
         export(rec, tmp_path / "core")
+
+
+def test_a_hybrid_row_layout_exports_and_loads_in_rust(tmp_path: Path, flare_bin: Path) -> None:
+    """The continuation row layout the Qwen3.5 forward declares (per GDN layer a convolution
+    history and a recurrent matrix, then the final hidden vector) exported into the fixture core
+    in place of its one-region layout, within the fixture's row size: `flare check` accepts it."""
+    require_torch()
+    from ignition.capture.hybrid import HybridGeometry
+
+    rec = load()
+    geo = HybridGeometry(
+        layers=2,
+        hidden=8,
+        heads=1,
+        kv_heads=1,
+        head_dim=8,
+        ffn=16,
+        vocab=64,
+        eps=1e-6,
+        tie_embeddings=True,
+        attention_bias=False,
+        mlp_bias=False,
+        qk_norm=True,
+        eos_token_ids=(2,),
+        layer_kinds=("linear_attention", "full_attention"),
+        conv_channels=16,
+        conv_kernel=4,
+        gdn_key_heads=1,
+        gdn_value_heads=2,
+        gdn_key_dim=4,
+        gdn_value_dim=4,
+    )
+    assert geo.row_bytes <= rec["cache_scheme"]["continuation_row_bytes"]  # the regions fit the fixture's row
+    rec["cache_scheme"]["row_layout"] = geo.row_regions()
+    out = tmp_path / "core"
+    core = export(rec, out)
+    kinds = [r.kind.name for r in core.cache_scheme.row_layout]
+    assert kinds == ["CONVOLUTION_HISTORY", "RECURRENT_STATE", "HIDDEN_VECTOR"]
+    proc = flare_check(flare_bin, out)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
