@@ -1,0 +1,216 @@
+"""One summarizer for every device session: the files a `gpu_session.sh` stage wrote for one model
+→ that model's entry in `qualification/latest.json` (replaced whole, other models kept).
+
+    python3 qualification/summarize.py KEY RAW_DIR [--tag TAG] [--commit SHA] [--date YYYY-MM-DD]
+        [--command "what was run"] [--latest qualification/latest.json]
+
+RAW_DIR is searched recursively for the stage outputs; with `--tag gemv` a file `NAME_gemv.json` is
+preferred over `NAME.json` (stages that prepare one model twice tag their files). Every figure
+is read from a file, and the entry lists the files it came from; what no file provides is
+absent, never guessed. Ratios are computed against baselines measured in the same run (the
+Python replay floor, the batch-1 HBM bound of the graph's weights).
+
+Entry fields (all optional but `sources`): `tokens` (identity with the torch replay), `decode`
+(ITL median/p99 per concurrency, the floor, the bound, the fractions), `ttft_ms` (cold 512 and
+4,096 tokens, prefix hit, agent turns), `prefill_tokens_per_s`, `lifecycle`, `prepare` (times,
+peak memory, numerics), `kernels` (per graph from kernel_breakdown), and free-form
+`exactness`/`agent` flags a stage may write as `exactness.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from gpu_summary import bench, floor
+
+
+def find(raw: Path, name: str, tag: str | None) -> Path | None:
+    """RAW/**/NAME_TAG.ext if tagged and present, else RAW/**/NAME.ext."""
+    stem, ext = name.rsplit(".", 1)
+    for candidate in ([f"{stem}_{tag}.{ext}"] if tag else []) + [name]:
+        hits = sorted(raw.rglob(candidate))
+        if hits:
+            return hits[0]
+    return None
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _rel(path: Path) -> str:
+    """Repository-relative where possible (the entry names files, not this machine's paths)."""
+    full = path.resolve()
+    return str(full.relative_to(REPO)) if full.is_relative_to(REPO) else str(path)
+
+
+def load(path: Path | None) -> Any:
+    return None if path is None else json.loads(path.read_text())
+
+
+def decode_section(fed: Any, floor_log: str | None, breakdown: Any, hf: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if fed is not None and "bench" in fed and isinstance(fed["bench"], dict):
+        workloads = bench(fed)
+        for c in (1, 2, 4):
+            w = workloads.get(f"decode c={c}")
+            if w and w["itl_ms_median"] is not None:
+                out[f"itl_ms_c{c}"] = {"median": w["itl_ms_median"], "p99": w["itl_ms_p99"]}
+    if floor_log is not None:
+        fl = floor(floor_log)
+        out["python_floor_step_ms"] = {k: round(v["step_us"] / 1000, 4) for k, v in fl.items()}
+        out["back_to_back_replay_ms"] = {k: round(v["replay_alone_us"] / 1000, 4) for k, v in fl.items()}
+    bound = None
+    if breakdown is not None:
+        b1 = next((g for g in breakdown["graphs"] if g["graph"] == "decode_b1"), None)
+        if b1 is not None:
+            bound = b1["hbm_bound_us"] / 1000
+            out["hbm_bound_source"] = "kernel_breakdown decode_b1 weight bytes"
+    if bound is None and hf is not None and "hbm_bound_ms_per_token" in hf:
+        bound = hf["hbm_bound_ms_per_token"]
+        out["hbm_bound_source"] = "hf_generate weight bytes"
+    if bound is not None:
+        out["hbm_bound_ms_b1"] = round(bound, 4)
+    c1 = out.get("itl_ms_c1", {}).get("median")
+    if c1:
+        if bound is not None:
+            out["fraction_of_hbm_bound_c1"] = round(bound / c1, 3)
+        step = out.get("python_floor_step_ms", {}).get("decode_b1")
+        if step:
+            out["itl_c1_over_python_floor_step"] = round(c1 / step, 3)
+    return out
+
+
+def ttft_section(fed: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    if fed is None or not isinstance(fed.get("bench"), dict):
+        return {}, {}
+    workloads = {w["name"]: w for w in fed["bench"]["workloads"]}
+    ttft: dict[str, Any] = {}
+    rate: dict[str, Any] = {}
+    for name, key in (("cold 512 tok", "cold_512"), ("cold 4096 tok", "cold_4096"), ("prefix 4096+tail", "prefix_hit")):
+        w = workloads.get(name)
+        if w and w["ttft"]["count"]:
+            ttft[key] = round(w["ttft"]["median_ms"], 3)
+    if "agent" in workloads and workloads["agent"]["ttft"]["count"]:
+        ttft["agent_turn"] = round(workloads["agent"]["ttft"]["median_ms"], 3)
+    cold = workloads.get("cold 4096 tok")
+    if "cold_4096" in ttft and cold and cold.get("requests"):
+        per_request = cold["prompt_tokens"] / cold["requests"]  # the rendered prompt, template included
+        rate["cold_4096"] = round(per_request / (ttft["cold_4096"] / 1000), 1)
+    return ttft, rate
+
+
+def prepare_section(report: Any) -> dict[str, Any]:
+    if report is None:
+        return {}
+    t = report.get("timings", {})
+    out: dict[str, Any] = {k: t[k] for k in ("compile_s", "prepare_total_s", "gemv_tune_s") if k in t}
+    peak = report.get("peak_memory", {})
+    if "torch_max_reserved_bytes" in peak:
+        out["peak_torch_reserved_gb"] = round(peak["torch_max_reserved_bytes"] / 1e9, 2)
+    n = report.get("numerics")
+    if n:
+        graphs = {k: v for k, v in n.items() if isinstance(v, dict)}
+        out["numerics"] = {
+            "worst_rel_l2": n.get("worst_rel_l2"),
+            "min_top10_overlap": n.get("min_top10_overlap"),
+            "max_kl": max((v["kl_max"] for v in graphs.values()), default=None),
+        }
+    for key in ("decode_projections", "device_fed_identical", "failed_stage", "error"):
+        if key in report:
+            out[key] = report[key]
+    return out
+
+
+def kernels_section(breakdown: Any) -> dict[str, Any]:
+    if breakdown is None:
+        return {}
+    keys = ("kernels", "kernels_per_layer", "graph_us", "sum_of_kernels_us", "gaps_us", "hbm_bound_us")
+    out = {}
+    for g in breakdown["graphs"]:
+        entry = {k: g[k] for k in (*keys, "fraction_of_hbm_bound", "timing_source")}
+        entry["top_ops"] = g["by_op"][:6]
+        out[g["graph"]] = entry
+    return out
+
+
+def summarize(raw: Path, tag: str | None) -> dict[str, Any]:
+    paths = {
+        name: find(raw, name, tag)
+        for name in (
+            "prepare_report.json",
+            "flare_vs_torch.json",
+            "ignition_replay.json",
+            "ignition_replay.log",
+            "kernel_breakdown.json",
+            "core_workload.json",
+            "hf_generate.json",
+            "exactness.json",
+        )
+    }
+    fed = load(paths["flare_vs_torch.json"])
+    replay = load(paths["ignition_replay.json"])
+    floor_log = paths["ignition_replay.log"].read_text() if paths["ignition_replay.log"] else None
+    breakdown = load(paths["kernel_breakdown.json"])
+    entry: dict[str, Any] = {"sources": sorted(_rel(p) for p in paths.values() if p is not None)}
+    tokens: dict[str, Any] = {}
+    if replay is not None:
+        tokens.update({k: replay[k] for k in ("identical_to_reference", "device_fed_identical") if k in replay})
+    if fed is not None and "all_cold_equal" in fed and fed.get("prompts"):
+        equal = bool(fed["all_cold_equal"] and fed["all_prefix_hit_equal"])
+        tokens["flare_cold_and_prefix_hit_equal_torch_replay"] = equal
+    if tokens:
+        entry["tokens"] = tokens
+    if fed is not None and "ready_s" in fed:
+        entry["ready_s"] = fed["ready_s"]
+    decode = decode_section(fed, floor_log, breakdown, load(paths["hf_generate.json"]))
+    if decode:
+        entry["decode"] = decode
+    ttft, rate = ttft_section(fed)
+    if ttft:
+        entry["ttft_ms"] = ttft
+    if rate:
+        entry["prefill_tokens_per_s"] = rate
+    work = load(paths["core_workload.json"])
+    if work is not None:
+        keys = ("compared", "identical_to_solo_run", "prefix_hit_tokens")
+        entry["lifecycle"] = {k: work[k] for k in keys if k in work}
+    prep = prepare_section(load(paths["prepare_report.json"]))
+    if prep:
+        entry["prepare"] = prep
+    kern = kernels_section(breakdown)
+    if kern:
+        entry["kernels"] = kern
+    extra = load(paths["exactness.json"])
+    if isinstance(extra, dict):
+        entry.update({k: v for k, v in extra.items() if k in ("exactness", "agent")})
+    return entry
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("key", help="the model entry, e.g. llama_1b_random or qwen3_5_0p8b_random (+variant)")
+    ap.add_argument("raw", type=Path)
+    ap.add_argument("--tag", help="prefer files NAME_TAG.json (a stage that prepared the model twice)")
+    ap.add_argument("--commit")
+    ap.add_argument("--date")
+    ap.add_argument("--command", help="what ran on the device, recorded with the entry")
+    ap.add_argument("--latest", type=Path, default=Path(__file__).parent / "latest.json")
+    args = ap.parse_args()
+    entry = summarize(args.raw, args.tag)
+    entry.update({k: v for k, v in (("commit", args.commit), ("date", args.date), ("command", args.command)) if v})
+    doc: dict[str, Any] = (
+        json.loads(args.latest.read_text()) if args.latest.exists() else {"device": "NVIDIA H200", "models": {}}
+    )
+    models: dict[str, Any] = doc["models"]
+    models[args.key] = entry
+    doc["models"] = dict(sorted(models.items()))
+    args.latest.write_text(json.dumps(doc, indent=1) + "\n")
+    print(json.dumps({args.key: {k: entry[k] for k in ("decode", "ttft_ms") if k in entry}}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,41 @@
+"""The one summarizer (`qualification/summarize.py`) over a committed session's raw files agrees
+with the summary that session recorded by hand-written script (`gpu_2026-12-04.json`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from tests.ignition.conftest import REPO
+
+sys.path.insert(0, str(REPO / "qualification"))
+
+import summarize  # qualification/ is not a package: found through sys.path
+
+
+def test_summary_of_the_2026_12_04_session_matches_what_it_recorded() -> None:
+    recorded = json.loads((REPO / "qualification" / "gpu_2026-12-04.json").read_text())["models"]
+    for key, raw in (("llama_1b_random", "llama_1b_random"), ("smollm2_135m_instruct", "smollm2")):
+        entry = summarize.summarize(REPO / "qualification" / "raw" / "2026-12-04" / raw, None)
+        old = recorded[key]
+        bench = old["bench_device_fed"]
+        for c in (1, 2, 4):
+            assert entry["decode"][f"itl_ms_c{c}"]["median"] == bench[f"decode c={c}"]["itl_ms_median"]
+        assert entry["ttft_ms"]["cold_4096"] == bench["cold 4096 tok"]["ttft_ms_median"]
+        step_ms = entry["decode"]["python_floor_step_ms"]["decode_b1"]
+        assert round(step_ms * 1000, 1) == old["python_floor"]["decode_b1"]["step_us"]
+        assert entry["tokens"]["flare_cold_and_prefix_hit_equal_torch_replay"] is True
+        assert all(Path(REPO / s).is_file() for s in entry["sources"])
+    # Without a bound in the raw files, none is reported (never guessed).
+    smol = summarize.summarize(REPO / "qualification" / "raw" / "2026-12-04" / "smollm2", None)
+    assert "hbm_bound_ms_b1" not in smol["decode"]
+
+
+def test_tagged_files_win_over_untagged(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "prepare_report.json").write_text(json.dumps({"timings": {"compile_s": 1.0}}))
+    (tmp_path / "a" / "prepare_report_gemv.json").write_text(json.dumps({"timings": {"compile_s": 2.0}}))
+    assert summarize.summarize(tmp_path, "gemv")["prepare"]["compile_s"] == 2.0
+    assert summarize.summarize(tmp_path, None)["prepare"]["compile_s"] == 1.0
+    assert summarize.summarize(tmp_path, "other")["prepare"]["compile_s"] == 1.0
