@@ -369,6 +369,14 @@ def _check(
             report["device_fed_identical"] = f"{sum(fed)}/{len(fed)}"
             note(f"device-fed decode identical to host-fed: {report['device_fed_identical']}")
             (work / "reference_generations.json").write_text(json.dumps(gens) + "\n")
+    with phase("exactness: snapshot and restore, a reused row, split against whole prefill"):
+        from ignition.capture.exactness import check as exactness
+
+        report["exactness"] = exactness(runner)
+        note(
+            f"restore bitwise {report['exactness'].get('restore_bitwise')}, into a reused row "
+            f"{report['exactness'].get('restore_into_reused_row_bitwise')}"
+        )
     with phase("torch replay: determinism, poisoned pool, graph vs eager, replay time"):
         # The I/O of these graphs is dumped for the fresh-process replay (every state buffer, twice).
         # `dump_io` alone dumps for a later run (qualification/rust_replay_io.py), not timed here.

@@ -118,7 +118,7 @@ def prepare_section(report: Any) -> dict[str, Any]:
             "min_top10_overlap": n.get("min_top10_overlap"),
             "max_kl": max((v["kl_max"] for v in graphs.values()), default=None),
         }
-    for key in ("decode_projections", "device_fed_identical", "failed_stage", "error"):
+    for key in ("decode_projections", "device_fed_identical", "exactness", "failed_stage", "error"):
         if key in report:
             out[key] = report[key]
     return out
@@ -183,6 +183,8 @@ def summarize(raw: Path, tag: str | None) -> dict[str, Any]:
     kern = kernels_section(breakdown)
     if kern:
         entry["kernels"] = kern
+    if "exactness" in prep:  # prepare's check over the captured graphs
+        entry["exactness"] = prep.pop("exactness")
     extra = load(paths["exactness.json"])
     if isinstance(extra, dict):
         entry.update({k: v for k, v in extra.items() if k in ("exactness", "agent")})

@@ -57,7 +57,9 @@ def _checkpoint(tmp: Path, seed: int = 0) -> transformers.PreTrainedModel:
     return model
 
 
-def _program(tmp: Path, buckets: tuple[int, ...] = (1, 4)) -> tuple[PagedQwen35, Program]:
+def _program(
+    tmp: Path, buckets: tuple[int, ...] = (1, 4), chunks: tuple[int, ...] = (128,)
+) -> tuple[PagedQwen35, Program]:
     import torch
 
     from ignition.capture.hybrid import PagedQwen35, Qwen35ProgramPlan
@@ -71,7 +73,7 @@ def _program(tmp: Path, buckets: tuple[int, ...] = (1, 4)) -> tuple[PagedQwen35,
     for name, tb in stream_execution_layout(plan_weight_mapping(config, ckpt.tensors, ckpt.files), ckpt):
         dt = {"BF16": torch.bfloat16, "F32": torch.float32}[tb.dtype.name]
         weights[name] = torch.frombuffer(bytearray(tb.data), dtype=dt).view(tb.shape).to(torch.bfloat16)
-    caps = Capacities(list(buckets), [128], 256, 4, 4, 24)
+    caps = Capacities(list(buckets), list(chunks), 256, 4, 4, 24)
     prog: Program = Qwen35ProgramPlan(config, (2,), caps).build(weights, torch.device("cpu"), None)
     assert isinstance(prog.model, PagedQwen35)
     return prog.model, prog
@@ -157,3 +159,20 @@ def test_split_prefill_is_close_to_whole(tmp_path: Path) -> None:
         worst = max(worst, float((whole - split).norm() / whole.norm()))
     hw, hs = model.hidden_rows(prog.rows)[1].float(), model.hidden_rows(prog.rows)[2].float()
     assert worst < 0.02 and float((hw - hs).norm() / hw.norm()) < 0.02, worst
+
+
+def test_prepare_exactness_check_on_eager_steps(tmp_path: Path) -> None:
+    """The check prepare runs over the captured graphs (`ignition.capture.exactness`), here over
+    eager steps: restore bitwise, into a reused row bitwise, split prefill measured."""
+    require_torch()
+    from ignition.capture.exactness import check
+    from ignition.capture.runner import GraphRunner
+
+    _checkpoint(tmp_path)
+    _, prog = _program(tmp_path, chunks=(32, 128))
+    for spec in prog.graphs:
+        spec.graph = _EagerGraph(prog, spec)
+    out = check(GraphRunner(prog), prompt_len=150, steps=4)
+    assert out["split_vs_whole"]["chunks"] == [32, 128]
+    assert out["restore_bitwise"] and out["restore_into_reused_row_bitwise"], out
+    assert out["split_vs_whole"]["hidden_rel_l2"] < 0.02 and out["split_vs_whole"]["recurrent_rel_l2_max"] < 0.02, out

@@ -617,6 +617,22 @@ def test_runner_numerics_and_generation_on_cpu(tmp_path: Path) -> None:
     assert len(outs) > 1  # and on the seed it does depend
 
 
+def test_prepare_exactness_check_on_eager_steps(tmp_path: Path) -> None:
+    """prepare's exactness check (`ignition.capture.exactness`) on the dense recipe: its rows are
+    one hidden vector, and a restore still continues bitwise."""
+    require_torch()
+    from ignition.capture.exactness import check
+    from ignition.capture.runner import GraphRunner
+
+    _checkpoint(tmp_path, TINY)
+    prog = _program(_paged(tmp_path, TINY), buckets=(1, 4), chunks=(32, 128))
+    for spec in prog.graphs:
+        spec.graph = _EagerGraph(prog, spec)
+    out = check(GraphRunner(prog), prompt_len=150, steps=4)
+    assert out["restore_bitwise"] and out["restore_into_reused_row_bitwise"], out
+    assert out["split_vs_whole"]["hidden_rel_l2"] < 0.02, out
+
+
 def test_a_decode_row_is_bitwise_the_same_in_every_bucket(tmp_path: Path) -> None:
     """Buckets share one GEMM shape (MIN_GEMM_ROWS), so a row's hidden vector and token do not
     depend on the bucket or the neighbours it was packed with."""
