@@ -11,9 +11,11 @@
 //! - `segment.len() == full(S) - full(parent.S)` (parent of a root has `S = 0`);
 //! - `tail_page.is_some() == (S % page_tokens != 0)`;
 //! - `by_key` and `by_block` index exactly the live checkpoints;
+//! - the eviction index holds exactly the unpinned leaves and one-child ancestors, under keys
+//!   computed from their current state (so choosing a victim is a lookup, not a scan);
 //! - the cache holds one logical reference on each segment page, tail page and snapshot row.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 use crate::digest::ImageSpan;
 use crate::digest::{Digest, PrefixKey, PromptDigests};
@@ -80,6 +82,59 @@ pub struct PressureStats {
     pub duplicate_publications: u64,
 }
 
+/// Where one checkpoint sits in the eviction index (absent: pinned, or more than one child).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Indexed {
+    /// Key in `EvictionIndex::lru`.
+    lru: (u64, CheckpointId),
+    /// A leaf: its key in `leaves`; a one-child ancestor: its key in `thin`.
+    leaf: bool,
+    thin: Option<ThinKey>,
+}
+
+/// Thinning order: interior before root, shortest surviving parent..child interval, then least
+/// recent use, then id.
+type ThinKey = (bool, u64, u64, CheckpointId);
+
+/// Victims in eviction order, maintained on every change to a checkpoint's pins, children,
+/// parent or recency. Invariant: exactly the evictable checkpoints, each under the key its
+/// current state gives (checked against a scan by [`PrefixCache::check_invariants`]).
+#[derive(Clone, Debug, Default)]
+struct EvictionIndex {
+    /// Unpinned leaves and one-child ancestors by (last access, id): page pressure's victim.
+    lru: BTreeSet<(u64, CheckpointId)>,
+    /// Unpinned leaves by (last access, id): snapshot pressure's victim when nothing thins.
+    leaves: BTreeSet<(u64, CheckpointId)>,
+    /// Unpinned one-child ancestors by [`ThinKey`]: snapshot pressure's first choice.
+    thin: BTreeSet<ThinKey>,
+    at: HashMap<CheckpointId, Indexed>,
+}
+
+impl EvictionIndex {
+    fn remove(&mut self, id: CheckpointId) {
+        if let Some(old) = self.at.remove(&id) {
+            self.lru.remove(&old.lru);
+            if old.leaf {
+                self.leaves.remove(&old.lru);
+            }
+            if let Some(t) = old.thin {
+                self.thin.remove(&t);
+            }
+        }
+    }
+
+    fn insert(&mut self, id: CheckpointId, entry: Indexed) {
+        self.lru.insert(entry.lru);
+        if entry.leaf {
+            self.leaves.insert(entry.lru);
+        }
+        if let Some(t) = entry.thin {
+            self.thin.insert(t);
+        }
+        self.at.insert(id, entry);
+    }
+}
+
 /// Content-addressed checkpoint store. Storage lives in pools the caller owns.
 #[derive(Clone, Debug)]
 pub struct PrefixCache {
@@ -87,6 +142,7 @@ pub struct PrefixCache {
     checkpoints: HashMap<CheckpointId, Checkpoint>,
     by_key: HashMap<Digest, CheckpointId>,
     by_block: HashMap<Digest, Vec<CheckpointId>>,
+    eviction: EvictionIndex,
     next_id: CheckpointId,
     clock: u64,
     stats: PressureStats,
@@ -100,9 +156,35 @@ impl PrefixCache {
             checkpoints: HashMap::new(),
             by_key: HashMap::new(),
             by_block: HashMap::new(),
+            eviction: EvictionIndex::default(),
             next_id: 1,
             clock: 0,
             stats: PressureStats::default(),
+        }
+    }
+
+    /// The index entry `id`'s current state gives (None: not evictable now).
+    fn index_entry(&self, id: CheckpointId) -> Option<Indexed> {
+        let cp = self.checkpoints.get(&id)?;
+        let leaf = Self::evictable_leaf(cp);
+        if !leaf && !Self::removable_ancestor(cp) {
+            return None;
+        }
+        let thin = (!leaf).then(|| {
+            let parent_tokens = cp.parent.and_then(|p| self.checkpoints.get(&p)).map_or(0, Checkpoint::tokens);
+            let child_tokens = self.checkpoints.get(&cp.children[0]).map_or(cp.tokens(), Checkpoint::tokens);
+            (cp.parent.is_none(), child_tokens - parent_tokens, cp.last_access, cp.id)
+        });
+        Some(Indexed { lru: (cp.last_access, cp.id), leaf, thin })
+    }
+
+    /// Brings the eviction index up to date for checkpoints whose state changed.
+    fn reindex(&mut self, ids: &[Option<CheckpointId>]) {
+        for id in ids.iter().flatten() {
+            self.eviction.remove(*id);
+            if let Some(entry) = self.index_entry(*id) {
+                self.eviction.insert(*id, entry);
+            }
         }
     }
 
@@ -178,6 +260,8 @@ impl PrefixCache {
         if let Some(cp) = self.checkpoints.get_mut(&id) {
             cp.last_access = self.clock;
             cp.last_use = cp.last_use.max(fence);
+            // A parent thins by its own recency, and its child's key does not read it.
+            self.reindex(&[Some(id)]);
         }
     }
 
@@ -185,6 +269,7 @@ impl PrefixCache {
     pub fn pin(&mut self, id: CheckpointId) {
         if let Some(cp) = self.checkpoints.get_mut(&id) {
             cp.pins += 1;
+            self.reindex(&[Some(id)]);
         }
     }
 
@@ -193,6 +278,7 @@ impl PrefixCache {
         if let Some(cp) = self.checkpoints.get_mut(&id) {
             assert!(cp.pins > 0, "unpin of unpinned checkpoint {id}");
             cp.pins -= 1;
+            self.reindex(&[Some(id)]);
         }
     }
 
@@ -258,6 +344,8 @@ impl PrefixCache {
                 last_use: fence,
             },
         );
+        // The parent gained a child (no longer a leaf; a second child: no longer thinnable).
+        self.reindex(&[Some(id), parent]);
         PublishOutcome::Published(id)
     }
 
@@ -279,6 +367,9 @@ impl PrefixCache {
         if let Some(p) = cp.parent.and_then(|p| self.checkpoints.get_mut(&p)) {
             p.children.retain(|&c| c != id);
         }
+        // The parent lost a child: it may now be a leaf or thinnable; its parent's interval
+        // does not read it.
+        self.reindex(&[Some(id), cp.parent]);
         for &page in &cp.segment {
             pages.release(page, cp.last_use);
         }
@@ -309,6 +400,9 @@ impl PrefixCache {
                 }
             }
         }
+        // The child's parent moved up (its interval widened); the parent's only child is now
+        // further away (its interval widened too).
+        self.reindex(&[Some(id), Some(child_id), cp.parent]);
         if let Some(tail) = cp.tail_page {
             pages.release(tail, cp.last_use);
         }
@@ -327,29 +421,13 @@ impl PrefixCache {
     /// shortest surviving parent..child interval, then least recent use); otherwise evict
     /// the least recently used unpinned leaf. Returns false when nothing is evictable.
     pub fn evict_for_snapshot(&mut self, pages: &mut FencedPool, snapshots: &mut FencedPool) -> bool {
-        let thin = self
-            .checkpoints
-            .values()
-            .filter(|cp| Self::removable_ancestor(cp))
-            .map(|cp| {
-                let parent_tokens = cp.parent.map_or(0, |p| self.checkpoints[&p].tokens());
-                let child_tokens = self.checkpoints[&cp.children[0]].tokens();
-                ((cp.parent.is_none(), child_tokens - parent_tokens, cp.last_access), cp.id)
-            })
-            .min();
-        if let Some((_, id)) = thin {
+        if let Some(&(_, _, _, id)) = self.eviction.thin.first() {
             self.remove_ancestor(id, pages, snapshots);
             self.stats.snapshot_thinnings += 1;
             return true;
         }
-        let leaf = self
-            .checkpoints
-            .values()
-            .filter(|cp| Self::evictable_leaf(cp))
-            .min_by_key(|cp| (cp.last_access, cp.id))
-            .map(|cp| cp.id);
-        match leaf {
-            Some(id) => {
+        match self.eviction.leaves.first() {
+            Some(&(_, id)) => {
                 self.evict_leaf(id, pages, snapshots);
                 self.stats.snapshot_leaf_evictions += 1;
                 true
@@ -361,25 +439,15 @@ impl PrefixCache {
     /// One retirement under KV-page pressure: the least recently used unpinned leaf or
     /// removable ancestor. The caller rechecks physical backing after each call.
     pub fn evict_for_pages(&mut self, pages: &mut FencedPool, snapshots: &mut FencedPool) -> bool {
-        let victim = self
-            .checkpoints
-            .values()
-            .filter(|cp| Self::evictable_leaf(cp) || Self::removable_ancestor(cp))
-            .min_by_key(|cp| (cp.last_access, cp.id))
-            .map(|cp| (cp.id, cp.children.is_empty()));
-        match victim {
-            Some((id, true)) => {
-                self.evict_leaf(id, pages, snapshots);
-                self.stats.page_leaf_evictions += 1;
-                true
-            }
-            Some((id, false)) => {
-                self.remove_ancestor(id, pages, snapshots);
-                self.stats.page_ancestor_removals += 1;
-                true
-            }
-            None => false,
+        let Some(&(_, id)) = self.eviction.lru.first() else { return false };
+        if self.eviction.at.get(&id).is_some_and(|e| e.leaf) {
+            self.evict_leaf(id, pages, snapshots);
+            self.stats.page_leaf_evictions += 1;
+        } else {
+            self.remove_ancestor(id, pages, snapshots);
+            self.stats.page_ancestor_removals += 1;
         }
+        true
     }
 
     /// Evicts every unpinned checkpoint that can go (draining).
@@ -391,6 +459,17 @@ impl PrefixCache {
     /// cache holds per page and per snapshot, for the owner's pool cross-check.
     pub fn check_invariants(&self, page_refs: &mut [u32], snapshot_refs: &mut [u32]) {
         assert_eq!(self.by_key.len(), self.checkpoints.len(), "key index out of sync");
+        // The eviction index, against a scan of every checkpoint.
+        let mut expected = EvictionIndex::default();
+        for &id in self.checkpoints.keys() {
+            if let Some(entry) = self.index_entry(id) {
+                expected.insert(id, entry);
+            }
+        }
+        assert_eq!(self.eviction.at, expected.at, "eviction index out of sync");
+        assert_eq!(self.eviction.lru, expected.lru, "eviction LRU order out of sync");
+        assert_eq!(self.eviction.leaves, expected.leaves, "eviction leaf order out of sync");
+        assert_eq!(self.eviction.thin, expected.thin, "thinning order out of sync");
         let indexed: usize = self.by_block.values().map(Vec::len).sum();
         assert_eq!(indexed, self.checkpoints.len(), "block index out of sync");
         for cp in self.checkpoints.values() {
