@@ -52,6 +52,8 @@ class GemvConfig:
     block_k: int
     num_warps: int
     wide: bool = False
+    # The tensor-core variant (`flare_gemv_dot`): rows in groups of DOT_ROWS through `tl.dot`.
+    dot: bool = False
 
 
 # Used until a shape is tuned (CPU interpreter runs, tests).
@@ -65,7 +67,9 @@ CANDIDATES: tuple[GemvConfig, ...] = tuple(
     for w in (4, 8)
     for wide in (False, True)
     if 2 <= n * k // (32 * w) <= (16 if wide else 64)
-)
+) + tuple(GemvConfig(n, k, 4, dot=True) for n in (16, 32, 64) for k in (64, 128, 256))
+# Activation rows per tensor-core group (the MMA's row tile; rows past M are zeros).
+DOT_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,13 @@ def _kernel() -> Any:  # a triton.JITFunction (Triton ships no type information)
     return flare_gemv
 
 
+@functools.cache
+def _dot_kernel() -> Any:
+    from ignition.capture.gemv_triton import flare_gemv_dot
+
+    return flare_gemv_dot
+
+
 def launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -160,6 +171,32 @@ def launch(
     if m == 0:
         return y
     r = residual.contiguous() if residual is not None else x
+    if cfg.dot:
+        _dot_kernel()[(-(-n // cfg.block_n), -(-m // DOT_ROWS))](
+            x,
+            weight,
+            bias if bias is not None else x,
+            norm if norm is not None else x,
+            r,
+            y,
+            m,
+            n,
+            k,
+            x.stride(0),
+            weight.stride(0),
+            r.stride(0),
+            y.stride(0),
+            eps,
+            BLOCK_M=DOT_ROWS,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            NORM=norm is not None,
+            GLU=glu,
+            BIAS=bias is not None,
+            RESIDUAL=residual is not None,
+            num_warps=cfg.num_warps,
+        )
+        return y
     rows = min(m, MAX_GROUP_ROWS)
     grid = (-(-n // cfg.block_n), -(-m // rows))
     _kernel()[grid](

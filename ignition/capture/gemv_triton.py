@@ -199,3 +199,73 @@ def flare_gemv(
         _store(Y, R, B, a6, r6, m0 + 6, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
     if ROWS > 7:
         _store(Y, R, B, a7, r7, m0 + 7, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
+
+
+@triton.jit
+def flare_gemv_dot(
+    X,
+    W,
+    B,
+    NW,
+    R,
+    Y,
+    M,
+    N,
+    K,
+    stride_x,
+    stride_w,
+    stride_r,
+    stride_y,
+    eps,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr,
+    GLU: tl.constexpr,
+    BIAS: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+):
+    """The tensor-core variant: program (n, g) multiplies activation rows [g*BLOCK_M, +BLOCK_M)
+    (rows past M are zeros) by weight rows [n*BLOCK_N, +BLOCK_N) with `tl.dot`. A row's result
+    does not depend on the other rows' values (an MMA reduces each output element on its own)
+    and every bucket launches the same BLOCK_M, so buckets agree bitwise here too."""
+    pid_n = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = cols < N
+    wrow = tl.minimum(cols, N - 1)
+    dt = Y.dtype.element_ty
+    rstd = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    if NORM:
+        ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            xs = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=rmask[:, None] & (ks < K)[None, :], other=0.0)
+            xs = xs.to(tl.float32)
+            ss += xs * xs
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, 1) / K + eps)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        xm = rmask[:, None] & (ks < K)[None, :]
+        if GLU:
+            g = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+            u = tl.load(X + rows[:, None] * stride_x + K + ks[None, :], mask=xm, other=0.0)
+            h = (g / (1.0 + tl.exp(-g))).to(u.dtype) * u
+        else:
+            h = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=xm, other=0.0)
+            if NORM:
+                nw = tl.load(NW + ks, mask=ks < K, other=0.0)
+                h = nw[None, :] * (h.to(tl.float32) * rstd[:, None]).to(h.dtype)
+        w = tl.load(W + wrow[:, None] * stride_w + ks[None, :], mask=(ks < K)[None, :], other=0.0)
+        acc = tl.dot(h.to(w.dtype), tl.trans(w), acc)
+    y = acc
+    if BIAS:
+        y += tl.load(B + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    y = y.to(dt)
+    out_mask = rmask[:, None] & nmask[None, :]
+    if RESIDUAL:
+        r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=out_mask, other=0.0)
+        y = (r.to(tl.float32) + y.to(tl.float32)).to(dt)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y, mask=out_mask)

@@ -11,23 +11,27 @@ import sys
 
 import torch
 
-from ignition.capture.gemv import MAX_GROUP_ROWS, GemvConfig, launch, reference
+from ignition.capture.gemv import DOT_ROWS, MAX_GROUP_ROWS, GemvConfig, launch, reference
 
 gen = torch.Generator().manual_seed(0)
 n, k = 37, 300  # neither a multiple of any tile
 worst = 0.0
 invariant = True
 cases = 0
-for cfg, variants in (
-    (GemvConfig(8, 128, 4), ("plain", "norm", "glu", "bias", "res", "norm+bias+res", "glu+res")),
-    (GemvConfig(16, 64, 2, wide=True), ("norm+bias+res", "glu+res")),
+# Row counts: one, a partial group, a group and a partial second (MAX_GROUP_ROWS + 3), and past
+# one tensor-core group (DOT_ROWS + 2).
+for cfg, variants, counts in (
+    (GemvConfig(8, 128, 4), ("plain", "norm", "glu", "bias", "res"), (1, 3)),
+    (GemvConfig(8, 128, 4), ("norm+bias+res", "glu+res"), (1, 3, MAX_GROUP_ROWS, MAX_GROUP_ROWS + 3)),
+    (GemvConfig(16, 64, 2, wide=True), ("norm+bias+res", "glu+res"), (3, MAX_GROUP_ROWS + 3)),
+    (GemvConfig(16, 64, 4, dot=True), ("norm+bias+res", "glu+res"), (1, DOT_ROWS + 2)),
 ):
     for variant in variants:
         w = torch.randn(n, k, generator=gen) * 0.05
         bias = torch.randn(n, generator=gen) if "bias" in variant else None
         norm = torch.rand(k, generator=gen) + 0.5 if "norm" in variant else None
         glu = "glu" in variant
-        for m in (1, 3, MAX_GROUP_ROWS, MAX_GROUP_ROWS + 3):
+        for m in counts:
             x = torch.randn(m, 2 * k if glu else k, generator=gen)
             r = torch.randn(m, n, generator=gen) if "res" in variant else None
             want = reference(x, w, bias, norm, r, 1e-6, glu)
