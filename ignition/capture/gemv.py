@@ -171,35 +171,7 @@ def launch(
     if m == 0:
         return y
     r = residual.contiguous() if residual is not None else x
-    if cfg.dot:
-        _dot_kernel()[(-(-n // cfg.block_n), -(-m // DOT_ROWS))](
-            x,
-            weight,
-            bias if bias is not None else x,
-            norm if norm is not None else x,
-            r,
-            y,
-            m,
-            n,
-            k,
-            x.stride(0),
-            weight.stride(0),
-            r.stride(0),
-            y.stride(0),
-            eps,
-            BLOCK_M=DOT_ROWS,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k,
-            NORM=norm is not None,
-            GLU=glu,
-            BIAS=bias is not None,
-            RESIDUAL=residual is not None,
-            num_warps=cfg.num_warps,
-        )
-        return y
-    rows = min(m, MAX_GROUP_ROWS)
-    grid = (-(-n // cfg.block_n), -(-m // rows))
-    _kernel()[grid](
+    args = (
         x,
         weight,
         bias if bias is not None else x,
@@ -214,16 +186,21 @@ def launch(
         r.stride(0),
         y.stride(0),
         eps,
-        ROWS=rows,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        NORM=norm is not None,
-        GLU=glu,
-        BIAS=bias is not None,
-        RESIDUAL=residual is not None,
-        WIDE=cfg.wide,
-        num_warps=cfg.num_warps,
     )
+    flags = {
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_K": cfg.block_k,
+        "NORM": norm is not None,
+        "GLU": glu,
+        "BIAS": bias is not None,
+        "RESIDUAL": residual is not None,
+        "num_warps": cfg.num_warps,
+    }
+    if cfg.dot:
+        _dot_kernel()[(-(-n // cfg.block_n), -(-m // DOT_ROWS))](*args, BLOCK_M=DOT_ROWS, **flags)
+    else:
+        rows = min(m, MAX_GROUP_ROWS)
+        _kernel()[(-(-n // cfg.block_n), -(-m // rows))](*args, ROWS=rows, WIDE=cfg.wide, **flags)
     return y
 
 

@@ -207,13 +207,7 @@ class PagedQwen35(PagedLlama):
             raise ValueError("the hybrid forward needs the live rows and the continuation rows")
         g, w = self.geo, self.w
         n = tok.shape[0]
-        x = w["embed_tokens"][tok.long()]
-        ang = pos.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([ang, ang], -1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        valid = slots >= 0
-        page = torch.where(valid, slots // g.page_tokens, self.trash_page)
-        off = torch.where(valid, slots % g.page_tokens, 0)
+        x, cos, sin, page, off = self._embed(tok, pos, slots)
         tables = page_table.long().clamp(min=0)
         hd, rd = g.head_dim, g.rotary_dim
         attention = {layer: j for j, layer in enumerate(g.attention_layers)}
@@ -331,13 +325,10 @@ class Qwen35ProgramPlan:
         return self._geometry().as_dict()
 
     def state_bytes(self) -> int:
-        g = self._geometry()
-        pages = (self.capacities.max_kv_pages + 1) * g.bytes_per_page
-        return int(pages + g.total_rows * g.row_bytes + (1 + g.request_slots) * (g.vocab + 1) * 4)
+        return self._geometry().state_bytes()
 
     def pool_bytes(self) -> int:
-        g = self._geometry()
-        return int((256 << 20) + self.capacities.prefill_chunks[-1] * (g.ffn * 2 + g.vocab) * 4 * 4)
+        return self._geometry().pool_bytes(self.capacities.prefill_chunks[-1])
 
     def build(self, weights: dict[str, Any], device: Any, options: Any) -> Any:
         from ignition.capture.program import Program, catalog

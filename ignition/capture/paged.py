@@ -97,6 +97,20 @@ class Geometry:
         return 2 * self.kv_layers * self.region_bytes
 
     @property
+    def row_bytes(self) -> int:
+        """One continuation row: the final hidden vector (bf16)."""
+        return self.hidden * 2
+
+    def state_bytes(self) -> int:
+        """KV pages (with the trash page), continuation rows, histograms and pending tokens."""
+        rows = self.total_rows * self.row_bytes
+        return (self.max_kv_pages + 1) * self.bytes_per_page + rows + (1 + self.request_slots) * (self.vocab + 1) * 4
+
+    def pool_bytes(self, largest_chunk: int) -> int:
+        """Upper bound of one graph's private pool: the largest chunk's float32 temporaries."""
+        return (256 << 20) + largest_chunk * (self.ffn * 2 + self.vocab) * 4 * 4
+
+    @property
     def mask_words(self) -> int:
         return -(-self.vocab // 32)
 
@@ -219,6 +233,22 @@ class PagedLlama:
         return self.w.get(name)
 
     # -- the forward -----------------------------------------------------------------------
+    def _embed(
+        self, tok: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What every layer shares: the embedded tokens, RoPE cos/sin of the positions (over
+        the rotary dims), and each token's KV page and offset (padding: the trash page)."""
+        g = self.geo
+        x = self.w["embed_tokens"][tok.long()]
+        ang = pos.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([ang, ang], -1)
+        cos = (emb.cos() * self.rope_scaling).to(x.dtype)
+        sin = (emb.sin() * self.rope_scaling).to(x.dtype)
+        valid = slots >= 0
+        page = torch.where(valid, slots // g.page_tokens, self.trash_page)
+        off = torch.where(valid, slots % g.page_tokens, 0)
+        return x, cos, sin, page, off
+
     def hidden(
         self,
         tok: torch.Tensor,
@@ -240,14 +270,7 @@ class PagedLlama:
         state."""
         g, w, proj = self.geo, self.w, self.proj
         n = tok.shape[0]
-        x = w["embed_tokens"][tok.long()]
-        ang = pos.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([ang, ang], -1)
-        cos = (emb.cos() * self.rope_scaling).to(x.dtype)
-        sin = (emb.sin() * self.rope_scaling).to(x.dtype)
-        valid = slots >= 0
-        page = torch.where(valid, slots // g.page_tokens, self.trash_page)
-        off = torch.where(valid, slots % g.page_tokens, 0)
+        x, cos, sin, page, off = self._embed(tok, pos, slots)
         tables = page_table if self.kernel else page_table.long().clamp(min=0)
         hq, hk = g.heads * g.head_dim, g.kv_heads * g.head_dim
         scale = g.head_dim**-0.5

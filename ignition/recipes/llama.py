@@ -37,6 +37,7 @@ from ignition.recipes.mapping import (
     Tied,
     UnknownTensorError,
     WeightMapping,
+    positive_int,
     stream_execution_layout,
 )
 
@@ -93,10 +94,7 @@ class LlamaFamilyConfig:
             raise UnsupportedArchitectureError(archs, tuple(sorted(ARCHITECTURES)))
 
         def need(key: str) -> int:
-            v = cfg.get(key)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ConfigError(key, f"must be a positive integer, got {v!r}")
-            return v
+            return positive_int(cfg, key)
 
         heads = need("num_attention_heads")
         hidden = need("hidden_size")
@@ -241,14 +239,10 @@ class LlamaProgramPlan:
         return out
 
     def state_bytes(self) -> int:
-        g = self._geometry()
-        pages = (self.capacities.max_kv_pages + 1) * g.bytes_per_page
-        # Continuation rows, then histograms and pending tokens.
-        return int(pages + g.total_rows * g.hidden * 2 + (1 + g.request_slots) * (g.vocab + 1) * 4)
+        return int(self._geometry().state_bytes())
 
     def pool_bytes(self) -> int:
-        g = self._geometry()
-        return int((256 << 20) + self.capacities.prefill_chunks[-1] * (g.ffn * 2 + g.vocab) * 4 * 4)
+        return int(self._geometry().pool_bytes(self.capacities.prefill_chunks[-1]))
 
     def build(self, weights: dict[str, Any], device: Any, options: Any) -> Any:
         from ignition.capture.paged import GEMV_MAX_ROWS, PagedLlama, rope_parameters

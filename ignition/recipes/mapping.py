@@ -29,6 +29,14 @@ class ConfigError(RecipeError):
         return f"config.json {self.field}: {self.reason}"
 
 
+def positive_int(fields: dict[str, Any], key: str, where: str = "") -> int:
+    """config.json's `key` (under `where`, e.g. "text_config.") as a positive integer."""
+    v = fields.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ConfigError(where + key, f"must be a positive integer, got {v!r}")
+    return v
+
+
 @dataclass(eq=False)
 class UnknownTensorError(RecipeError):
     tensor: str

@@ -27,7 +27,7 @@ from typing import Any
 from ignition.core import safetensors_io as st
 from ignition.core.manifest import SamplingDefaults
 from ignition.recipes import UnsupportedArchitectureError, cards, mapping
-from ignition.recipes.mapping import ConfigError, Disposition, Layout, Sources, Tied, WeightMapping
+from ignition.recipes.mapping import ConfigError, Disposition, Layout, Sources, Tied, WeightMapping, positive_int
 
 # Transformers class -> model_type; the prefix of the text model's tensors.
 ARCHITECTURES: dict[str, str] = {"Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3_5ForConditionalGeneration": "qwen3_5"}
@@ -95,10 +95,7 @@ class Qwen35Config:
         where = "text_config." if text is not cfg else ""
 
         def need(key: str) -> int:
-            v = text.get(key)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ConfigError(where + key, f"must be a positive integer, got {v!r}")
-            return v
+            return positive_int(text, key, where)
 
         layers = need("num_hidden_layers")
         heads = need("num_attention_heads")
