@@ -19,7 +19,7 @@ use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
-use crate::error::{ApiError, Flavor, escape_for_log};
+use crate::error::{ApiCode, ApiError, Flavor, escape_for_log};
 
 /// The key requests must present. Its `Debug` form does not show it.
 #[derive(Clone, PartialEq, Eq)]
@@ -101,13 +101,16 @@ pub(crate) async fn require_key(
     }
     let flavor = Flavor::for_path(req.uri().path());
     let (code, message) = if presented {
-        ("invalid_api_key", "invalid API key")
+        (ApiCode::InvalidApiKey, "invalid API key")
     } else {
-        ("missing_api_key", "this server requires an API key: send `Authorization: Bearer KEY` or `x-api-key: KEY`")
+        (
+            ApiCode::MissingApiKey,
+            "this server requires an API key: send `Authorization: Bearer KEY` or `x-api-key: KEY`",
+        )
     };
     tracing::info!(
         path = %escape_for_log(req.uri().path()),
-        reason = code,
+        reason = code.as_str(),
         "request rejected: no valid API key"
     );
     // OpenAI answers `invalid_request_error`/`invalid_api_key`; the Anthropic envelope says

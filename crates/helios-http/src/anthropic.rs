@@ -13,7 +13,7 @@ use serde::Deserialize;
 use serde_json::{Value as Json, json};
 
 use crate::AppState;
-use crate::error::{ApiError, Flavor};
+use crate::error::{ApiCode, ApiError, Flavor};
 use crate::extract::{AnthropicEnvelope, ApiJson};
 use crate::generate::{Api, ChoiceEnd, Piece, RequestLog, handle, logged, start};
 use crate::openai::{check_model, merged};
@@ -36,7 +36,7 @@ pub(crate) struct MessagesRequest {
     pub thinking: Option<Json>,
 }
 
-fn bad(code: &'static str, m: impl Into<String>) -> ApiError {
+fn bad(code: ApiCode, m: impl Into<String>) -> ApiError {
     ApiError::invalid(code, Some("messages"), m).flavor(Flavor::Anthropic)
 }
 
@@ -50,12 +50,12 @@ fn convert_messages(system: Option<Json>, messages: Vec<Json>) -> Result<Vec<Jso
     for (i, m) in messages.into_iter().enumerate() {
         let role = m.get("role").and_then(Json::as_str).unwrap_or_default().to_owned();
         if role != "user" && role != "assistant" {
-            return Err(bad("invalid_role", format!("messages[{i}].role must be user or assistant")));
+            return Err(bad(ApiCode::InvalidRole, format!("messages[{i}].role must be user or assistant")));
         }
         let blocks = match m.get("content") {
             Some(Json::String(s)) => vec![json!({"type": "text", "text": s})],
             Some(Json::Array(b)) => b.clone(),
-            _ => return Err(bad("invalid_content", format!("messages[{i}].content must be a string or blocks"))),
+            _ => return Err(bad(ApiCode::InvalidContent, format!("messages[{i}].content must be a string or blocks"))),
         };
         let mut text = String::new();
         let mut reasoning: Option<String> = None;
@@ -84,11 +84,11 @@ fn convert_messages(system: Option<Json>, messages: Vec<Json>) -> Result<Vec<Jso
                 }
                 Some(other) => {
                     return Err(bad(
-                        "unsupported_content",
+                        ApiCode::UnsupportedContent,
                         format!("content block type {other:?} is not supported here"),
                     ));
                 }
-                None => return Err(bad("invalid_content", "content block lacks `type`")),
+                None => return Err(bad(ApiCode::InvalidContent, "content block lacks `type`")),
             }
         }
         if role == "assistant" {
@@ -105,7 +105,7 @@ fn convert_messages(system: Option<Json>, messages: Vec<Json>) -> Result<Vec<Jso
         }
     }
     if out.iter().all(|m| m["role"] == "system") {
-        return Err(bad("empty_messages", "`messages` must not be empty"));
+        return Err(bad(ApiCode::EmptyMessages, "`messages` must not be empty"));
     }
     Ok(out)
 }
@@ -117,7 +117,7 @@ fn convert_tools(tools: Option<Vec<Json>>) -> Result<Vec<Json>, ApiError> {
         .enumerate()
         .map(|(i, t)| {
             let name = t.get("name").and_then(Json::as_str).filter(|n| !n.is_empty()).ok_or_else(|| {
-                ApiError::invalid("invalid_tools", Some("tools"), format!("tools[{i}] lacks name"))
+                ApiError::invalid(ApiCode::InvalidTools, Some("tools"), format!("tools[{i}] lacks name"))
                     .flavor(Flavor::Anthropic)
             })?;
             Ok(json!({"type": "function", "function": {"name": name,
@@ -138,7 +138,7 @@ fn convert_tool_choice(v: Option<&Json>, has_tools: bool) -> Result<ToolChoice, 
             Some(n) => ToolChoice::Named(n.to_owned()),
             None => {
                 return Err(ApiError::invalid(
-                    "invalid_tool_choice",
+                    ApiCode::InvalidToolChoice,
                     Some("tool_choice"),
                     "tool_choice.name is required",
                 )
@@ -147,7 +147,7 @@ fn convert_tool_choice(v: Option<&Json>, has_tools: bool) -> Result<ToolChoice, 
         },
         Some(other) => {
             return Err(ApiError::invalid(
-                "invalid_tool_choice",
+                ApiCode::InvalidToolChoice,
                 Some("tool_choice"),
                 format!("unknown tool_choice type {other:?}"),
             )
@@ -155,7 +155,7 @@ fn convert_tool_choice(v: Option<&Json>, has_tools: bool) -> Result<ToolChoice, 
         }
     };
     if !has_tools && !matches!(choice, ToolChoice::None) {
-        return Err(ApiError::invalid("invalid_tool_choice", Some("tool_choice"), "tool_choice requires `tools`")
+        return Err(ApiError::invalid(ApiCode::InvalidToolChoice, Some("tool_choice"), "tool_choice requires `tools`")
             .flavor(Flavor::Anthropic));
     }
     Ok(choice)

@@ -4,7 +4,7 @@ use std::borrow::Cow;
 
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use helios_worker::{ErrorClass, RequestError};
+use helios_worker::{ErrorClass, ErrorCode, RequestError};
 use serde_json::json;
 
 /// Which envelope an error is rendered in.
@@ -22,13 +22,72 @@ impl Flavor {
     }
 }
 
+macro_rules! api_codes {
+    ($($variant:ident => $text:literal,)+) => {
+        /// Every code an API error carries: the HTTP layer's own, and the worker's
+        /// ([`ErrorCode`]) for failures it reports.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum ApiCode {
+            $($variant,)+
+            Request(ErrorCode),
+        }
+
+        impl ApiCode {
+            /// The HTTP layer's own codes, in declaration order.
+            pub const HTTP: &'static [ApiCode] = &[$(ApiCode::$variant,)+];
+
+            /// The wire form (snake case).
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $(ApiCode::$variant => $text,)+
+                    ApiCode::Request(code) => code.as_str(),
+                }
+            }
+        }
+    };
+}
+
+api_codes! {
+        BodyTimeout => "body_timeout",
+        BodyTooLarge => "body_too_large",
+        EmptyMessages => "empty_messages",
+        HostNotAllowed => "host_not_allowed",
+        InvalidApiKey => "invalid_api_key",
+        InvalidBody => "invalid_body",
+        InvalidContent => "invalid_content",
+        InvalidField => "invalid_field",
+        InvalidInput => "invalid_input",
+        InvalidJson => "invalid_json",
+        InvalidMessage => "invalid_message",
+        InvalidPrompt => "invalid_prompt",
+        InvalidResponseFormat => "invalid_response_format",
+        InvalidRole => "invalid_role",
+        InvalidToolChoice => "invalid_tool_choice",
+        InvalidTools => "invalid_tools",
+        MethodNotAllowed => "method_not_allowed",
+        MissingApiKey => "missing_api_key",
+        ModelNotFound => "model_not_found",
+        NotFound => "not_found",
+        TooManyConnections => "too_many_connections",
+        UnsupportedContent => "unsupported_content",
+        UnsupportedMediaType => "unsupported_media_type",
+        UnsupportedParameter => "unsupported_parameter",
+        UnsupportedTool => "unsupported_tool",
+}
+
+impl From<ErrorCode> for ApiCode {
+    fn from(code: ErrorCode) -> Self {
+        ApiCode::Request(code)
+    }
+}
+
 /// An error response.
 #[derive(Clone, Debug)]
 pub struct ApiError {
     pub status: StatusCode,
     /// OpenAI `type` (`invalid_request_error`, …).
     pub kind: &'static str,
-    pub code: &'static str,
+    pub code: ApiCode,
     pub message: String,
     pub param: Option<String>,
     pub flavor: Flavor,
@@ -36,11 +95,11 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    pub fn invalid(code: &'static str, param: Option<&str>, message: impl Into<String>) -> Self {
+    pub fn invalid(code: impl Into<ApiCode>, param: Option<&str>, message: impl Into<String>) -> Self {
         ApiError {
             status: StatusCode::BAD_REQUEST,
             kind: "invalid_request_error",
-            code,
+            code: code.into(),
             message: message.into(),
             param: param.map(str::to_owned),
             flavor: Flavor::OpenAi,
@@ -57,7 +116,7 @@ impl ApiError {
         ApiError {
             status: StatusCode::NOT_FOUND,
             kind: "not_found_error",
-            ..ApiError::invalid("model_not_found", Some("model"), format!("the model `{model}` does not exist"))
+            ..ApiError::invalid(ApiCode::ModelNotFound, Some("model"), format!("the model `{model}` does not exist"))
         }
     }
 
@@ -81,7 +140,7 @@ impl ApiError {
         ApiError {
             status,
             kind,
-            code: e.code(),
+            code: e.code().into(),
             message: e.to_string(),
             param: e.param().map(str::to_owned),
             flavor: Flavor::OpenAi,
@@ -109,9 +168,9 @@ impl ApiError {
     pub fn body(&self) -> serde_json::Value {
         match self.flavor {
             Flavor::OpenAi => json!({"error": {
-                "message": self.message, "type": self.kind, "param": self.param, "code": self.code}}),
+                "message": self.message, "type": self.kind, "param": self.param, "code": self.code.as_str()}}),
             Flavor::Anthropic => json!({"type": "error", "error": {
-                "type": self.anthropic_type(), "message": self.message, "code": self.code}}),
+                "type": self.anthropic_type(), "message": self.message, "code": self.code.as_str()}}),
         }
     }
 }
@@ -172,6 +231,17 @@ mod tests {
     use super::*;
 
     #[test]
+    fn http_codes_are_distinct_and_apart_from_the_workers() {
+        let worker: std::collections::HashSet<&str> = ErrorCode::ALL.iter().map(|c| c.as_str()).collect();
+        let mut seen = std::collections::HashSet::new();
+        for code in ApiCode::HTTP {
+            let s = code.as_str();
+            assert!(seen.insert(s) && !worker.contains(s), "{s} twice");
+        }
+        assert_eq!(ApiCode::from(ErrorCode::QueueFull).as_str(), "queue_full");
+    }
+
+    #[test]
     fn log_text_has_no_raw_control_characters() {
         assert!(matches!(escape_for_log("plain text, ünïcode"), Cow::Borrowed(_)));
         let forged = "a\nINFO fake line\r\t\u{1b}[31m\u{202e}x";
@@ -182,18 +252,20 @@ mod tests {
 
     #[test]
     fn every_503_carries_retry_after_and_408_closes() {
-        let r =
-            ApiError::invalid("queue_full", None, "busy").with_status(StatusCode::SERVICE_UNAVAILABLE).into_response();
+        let r = ApiError::invalid(ErrorCode::QueueFull, None, "busy")
+            .with_status(StatusCode::SERVICE_UNAVAILABLE)
+            .into_response();
         assert_eq!(r.headers().get(header::RETRY_AFTER).map(HeaderValue::as_bytes), Some(&b"1"[..]));
         let r = ApiError::from_request(&helios_worker::RequestError::Unavailable(helios_worker::Unavailable::Draining))
             .into_response();
         assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert!(r.headers().contains_key(header::RETRY_AFTER));
-        let r =
-            ApiError::invalid("body_timeout", None, "slow").with_status(StatusCode::REQUEST_TIMEOUT).into_response();
+        let r = ApiError::invalid(ApiCode::BodyTimeout, None, "slow")
+            .with_status(StatusCode::REQUEST_TIMEOUT)
+            .into_response();
         assert_eq!(r.headers().get(header::CONNECTION).map(HeaderValue::as_bytes), Some(&b"close"[..]));
         assert!(!r.headers().contains_key(header::RETRY_AFTER));
-        let r = ApiError::invalid("invalid_json", None, "bad").into_response();
+        let r = ApiError::invalid(ApiCode::InvalidJson, None, "bad").into_response();
         assert!(!r.headers().contains_key(header::RETRY_AFTER));
     }
 }

@@ -5,7 +5,7 @@ use axum::http::{StatusCode, header};
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
 
-use crate::error::{ApiError, Flavor};
+use crate::error::{ApiCode, ApiError, Flavor};
 
 /// Which error envelope the route uses.
 pub(crate) trait Envelope {
@@ -47,18 +47,23 @@ where
                 m == "application/json" || (m.starts_with("application/") && m.ends_with("+json"))
             });
         if json_type != Some(true) {
-            return Err(ApiError::invalid("unsupported_media_type", None, "expected Content-Type: application/json")
-                .with_status(StatusCode::UNSUPPORTED_MEDIA_TYPE)
-                .flavor(F::FLAVOR));
+            return Err(ApiError::invalid(
+                ApiCode::UnsupportedMediaType,
+                None,
+                "expected Content-Type: application/json",
+            )
+            .with_status(StatusCode::UNSUPPORTED_MEDIA_TYPE)
+            .flavor(F::FLAVOR));
         }
         let bytes = Bytes::from_request(req, state).await.map_err(|e| {
             if crate::serve::is_body_timeout(&e) {
-                return ApiError::invalid("body_timeout", None, "the request body did not arrive in time")
+                return ApiError::invalid(ApiCode::BodyTimeout, None, "the request body did not arrive in time")
                     .with_status(StatusCode::REQUEST_TIMEOUT)
                     .flavor(F::FLAVOR);
             }
             let status = e.status();
-            let code = if status == StatusCode::PAYLOAD_TOO_LARGE { "body_too_large" } else { "invalid_body" };
+            let code =
+                if status == StatusCode::PAYLOAD_TOO_LARGE { ApiCode::BodyTooLarge } else { ApiCode::InvalidBody };
             ApiError::invalid(code, None, e.body_text()).with_status(status).flavor(F::FLAVOR)
         })?;
         // Parsing costs about a millisecond per hundred KB: large bodies parse on a blocking
@@ -67,11 +72,11 @@ where
             serde_json::from_slice::<T>(&bytes)
         } else {
             tokio::task::spawn_blocking(move || serde_json::from_slice::<T>(&bytes)).await.map_err(|_| {
-                ApiError::invalid("invalid_body", None, "request body parsing was interrupted").flavor(F::FLAVOR)
+                ApiError::invalid(ApiCode::InvalidBody, None, "request body parsing was interrupted").flavor(F::FLAVOR)
             })?
         };
         let value = parsed.map_err(|e| {
-            let code = if e.is_syntax() || e.is_eof() { "invalid_json" } else { "invalid_field" };
+            let code = if e.is_syntax() || e.is_eof() { ApiCode::InvalidJson } else { ApiCode::InvalidField };
             ApiError::invalid(code, None, format!("invalid request body: {e}")).flavor(F::FLAVOR)
         })?;
         Ok(ApiJson(value, std::marker::PhantomData))

@@ -398,7 +398,7 @@ impl RequestLog {
                 r.end = Some(End::Failed {
                     at: Instant::now(),
                     status: e.status.as_u16(),
-                    code: e.code,
+                    code: e.code.as_str(),
                     stage,
                     message: escape_for_log(&e.message).into_owned(),
                 });

@@ -10,7 +10,7 @@ use axum::http::{StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
-use crate::error::{ApiError, Flavor, escape_for_log};
+use crate::error::{ApiCode, ApiError, Flavor, escape_for_log};
 
 /// Which `Host` values the router serves.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -100,7 +100,7 @@ pub(crate) async fn check_host(State(policy): State<Arc<HostPolicy>>, req: Reque
             let err = ApiError {
                 kind: "permission_error",
                 ..ApiError::invalid(
-                    "host_not_allowed",
+                    ApiCode::HostNotAllowed,
                     None,
                     format!(
                         "the Host `{host}` is not served here; a server bound to a loopback address serves only \

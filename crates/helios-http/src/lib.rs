@@ -35,7 +35,7 @@ use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::http::{Method, StatusCode, Uri};
 use axum::routing::{get, post};
-pub use error::{ApiError, Flavor, escape_for_log};
+pub use error::{ApiCode, ApiError, Flavor, escape_for_log};
 use helios_worker::Engine;
 pub use host::HostPolicy;
 pub use serve::{ConnectionLimits, ServeError, serve};
@@ -106,13 +106,13 @@ pub fn router(engine: Arc<Engine>, options: HttpOptions) -> Router {
         .route("/health", get(misc::health))
         .route("/metrics", get(misc::metrics))
         .fallback(|uri: Uri| async move {
-            ApiError::invalid("not_found", None, "no such route")
+            ApiError::invalid(ApiCode::NotFound, None, "no such route")
                 .with_status(StatusCode::NOT_FOUND)
                 .flavor(Flavor::for_path(uri.path()))
         })
         // After the routes: it applies to the routes present. axum adds `Allow`.
         .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
-            ApiError::invalid("method_not_allowed", None, format!("{method} is not allowed on this route"))
+            ApiError::invalid(ApiCode::MethodNotAllowed, None, format!("{method} is not allowed on this route"))
                 .with_status(StatusCode::METHOD_NOT_ALLOWED)
                 .flavor(Flavor::for_path(uri.path()))
         })

@@ -11,6 +11,7 @@ use crate::AppState;
 use crate::error::ApiError;
 use crate::extract::ApiJson;
 use crate::params;
+use helios_worker::ErrorCode;
 
 pub(crate) async fn health(State(state): State<AppState>) -> Response {
     match state.engine.health() {
@@ -62,7 +63,11 @@ pub(crate) async fn tokenize(State(state): State<AppState>, ApiJson(req, _): Api
                 template_kwargs: Default::default(),
             }),
             _ => {
-                return Err(ApiError::invalid("invalid_parameter", None, "send exactly one of `prompt` or `messages`"));
+                return Err(ApiError::invalid(
+                    ErrorCode::InvalidParameter,
+                    None,
+                    "send exactly one of `prompt` or `messages`",
+                ));
             }
         };
         let add_special = req.add_special_tokens;
@@ -93,7 +98,7 @@ pub(crate) async fn detokenize(State(state): State<AppState>, ApiJson(req, _): A
     let vocab = state.engine.frontend().vocab_size;
     if let Some(&t) = req.tokens.iter().find(|&&t| t >= vocab) {
         return ApiError::invalid(
-            "token_out_of_vocabulary",
+            ErrorCode::TokenOutOfVocabulary,
             Some("tokens"),
             format!("token {t} outside the vocabulary of {vocab}"),
         )

@@ -13,10 +13,11 @@ use serde::Deserialize;
 use serde_json::{Map, Value as Json, json};
 
 use crate::AppState;
-use crate::error::{ApiError, Flavor};
+use crate::error::{ApiCode, ApiError, Flavor};
 use crate::extract::ApiJson;
 use crate::generate::{Api, ChoiceEnd, ChoiceRun, Generation, Piece, RequestLog, handle, logged, start, unix_now};
 use crate::params::{self, RawSampling, StopSpec};
+use helios_worker::ErrorCode;
 
 #[derive(Debug, Deserialize)]
 pub(crate) struct StreamOptions {
@@ -93,12 +94,16 @@ pub(crate) fn check_model(state: &AppState, model: &str, flavor: Flavor) -> Resu
 impl ChatRequest {
     fn into_input(self, request_id: String) -> Result<(GenerationInput, bool, bool), ApiError> {
         if self.logprobs {
-            return Err(ApiError::invalid("unsupported_parameter", Some("logprobs"), "logprobs are not supported"));
+            return Err(ApiError::invalid(
+                ApiCode::UnsupportedParameter,
+                Some("logprobs"),
+                "logprobs are not supported",
+            ));
         }
         self.unsupported.check()?;
         if self.stream_options.is_some() && !self.stream {
             return Err(ApiError::invalid(
-                "invalid_parameter",
+                ErrorCode::InvalidParameter,
                 Some("stream_options"),
                 "stream_options is only allowed when stream is true",
             ));
@@ -361,7 +366,7 @@ pub(crate) struct CompletionRequest {
 fn completion_prompt(v: Json) -> Result<PromptInput, ApiError> {
     let bad = || {
         ApiError::invalid(
-            "invalid_prompt",
+            ApiCode::InvalidPrompt,
             Some("prompt"),
             "prompt must be a string, a token list, or a list of one of them",
         )
@@ -395,7 +400,11 @@ async fn completions_inner(
 ) -> Result<Response, ApiError> {
     let model = check_model(&state, &req.model, Flavor::OpenAi)?;
     if req.echo || req.suffix.is_some() || req.logprobs.as_ref().is_some_and(|l| !l.is_null()) {
-        return Err(ApiError::invalid("unsupported_parameter", None, "echo, suffix and logprobs are not supported"));
+        return Err(ApiError::invalid(
+            ApiCode::UnsupportedParameter,
+            None,
+            "echo, suffix and logprobs are not supported",
+        ));
     }
     req.unsupported.check()?;
     let sampling = req.sampling.raw(req.max_tokens).validate("max_tokens")?;

@@ -4,7 +4,8 @@ use helios_frontend::{AnswerFormat, SamplingRequest, ToolChoice};
 use serde::Deserialize;
 use serde_json::{Map, Value as Json};
 
-use crate::error::ApiError;
+use crate::error::{ApiCode, ApiError};
+use helios_worker::ErrorCode;
 
 /// `stop`: one string or a list.
 #[derive(Clone, Debug, Deserialize)]
@@ -29,7 +30,7 @@ fn range(name: &str, v: Option<f64>, lo: f64, hi: f64, lo_open: bool) -> Result<
         if !x.is_finite() || below || x > hi {
             let open = if lo_open { "(" } else { "[" };
             return Err(ApiError::invalid(
-                "invalid_parameter",
+                ErrorCode::InvalidParameter,
                 Some(name),
                 format!("`{name}` must be in {open}{lo}, {hi}], got {x}"),
             ));
@@ -64,14 +65,18 @@ impl RawSampling {
         if let Some(k) = self.top_k
             && (!k.is_finite() || k < -1.0 || k.fract() != 0.0)
         {
-            return Err(ApiError::invalid("invalid_parameter", Some("top_k"), "`top_k` must be an integer >= -1"));
+            return Err(ApiError::invalid(
+                ErrorCode::InvalidParameter,
+                Some("top_k"),
+                "`top_k` must be an integer >= -1",
+            ));
         }
         let max_output_tokens = match self.max_tokens {
             None => None,
             Some(n) if n >= 1 => Some(u32::try_from(n).unwrap_or(u32::MAX)),
             Some(n) => {
                 return Err(ApiError::invalid(
-                    "invalid_max_tokens",
+                    ErrorCode::InvalidMaxTokens,
                     Some(max_tokens_param),
                     format!("`{max_tokens_param}` must be at least 1, got {n}"),
                 ));
@@ -103,7 +108,11 @@ pub(crate) struct Unsupported {
 impl Unsupported {
     pub(crate) fn check(&self) -> Result<(), ApiError> {
         let refuse = |name: &'static str, what: &str| {
-            Err(ApiError::invalid("unsupported_parameter", Some(name), format!("`{name}` is not supported: {what}")))
+            Err(ApiError::invalid(
+                ApiCode::UnsupportedParameter,
+                Some(name),
+                format!("`{name}` is not supported: {what}"),
+            ))
         };
         if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
             return refuse("logit_bias", "sampling has no per-token bias");
@@ -124,7 +133,7 @@ pub(crate) fn choices(n: Option<i64>) -> Result<u32, ApiError> {
         None => Ok(1),
         Some(n) if (1..=i64::from(helios_worker::MAX_CHOICES)).contains(&n) => Ok(n as u32),
         Some(n) => Err(ApiError::invalid(
-            "invalid_choice_count",
+            ErrorCode::InvalidChoiceCount,
             Some("n"),
             format!("`n` must be between 1 and {}, got {n}", helios_worker::MAX_CHOICES),
         )),
@@ -139,7 +148,7 @@ pub(crate) fn seed(v: Option<i64>) -> Option<u64> {
 /// OpenAI `response_format` (plus a `regex` extension).
 pub(crate) fn answer_format(v: Option<&Json>) -> Result<AnswerFormat, ApiError> {
     let Some(v) = v else { return Ok(AnswerFormat::Text) };
-    let bad = |m: &str| ApiError::invalid("invalid_response_format", Some("response_format"), m.to_owned());
+    let bad = |m: &str| ApiError::invalid(ApiCode::InvalidResponseFormat, Some("response_format"), m.to_owned());
     match v.get("type").and_then(Json::as_str) {
         Some("text") => Ok(AnswerFormat::Text),
         Some("json_object") => Ok(AnswerFormat::JsonSchema(compact(serde_json::json!({"type": "object"})))),
@@ -175,7 +184,7 @@ fn compact(mut schema: Json) -> Json {
 
 /// OpenAI `tool_choice`.
 pub(crate) fn tool_choice(v: Option<&Json>, has_tools: bool) -> Result<ToolChoice, ApiError> {
-    let bad = |m: String| ApiError::invalid("invalid_tool_choice", Some("tool_choice"), m);
+    let bad = |m: String| ApiError::invalid(ApiCode::InvalidToolChoice, Some("tool_choice"), m);
     let choice = match v {
         None => return Ok(if has_tools { ToolChoice::Auto } else { ToolChoice::None }),
         Some(Json::String(s)) => match s.as_str() {
@@ -207,11 +216,15 @@ pub(crate) fn tools(v: Option<Vec<Json>>) -> Result<Vec<Json>, ApiError> {
     for (i, t) in tools.iter().enumerate() {
         let f = t.get("function").unwrap_or(t);
         if f.get("name").and_then(Json::as_str).is_none_or(str::is_empty) {
-            return Err(ApiError::invalid("invalid_tools", Some("tools"), format!("tools[{i}] lacks function.name")));
+            return Err(ApiError::invalid(
+                ApiCode::InvalidTools,
+                Some("tools"),
+                format!("tools[{i}] lacks function.name"),
+            ));
         }
         if f.get("strict").and_then(Json::as_bool) == Some(true) {
             return Err(ApiError::invalid(
-                "unsupported_parameter",
+                ApiCode::UnsupportedParameter,
                 Some("tools"),
                 format!("tools[{i}]: strict function schemas are not supported"),
             ));
@@ -234,17 +247,25 @@ pub(crate) fn text_content(v: &Json, param: &str) -> Result<Option<String>, ApiE
                     }
                     Some(other) => {
                         return Err(ApiError::invalid(
-                            "unsupported_content",
+                            ApiCode::UnsupportedContent,
                             Some(param),
                             format!("content part type {other:?} is not supported by this model"),
                         ));
                     }
-                    None => return Err(ApiError::invalid("invalid_content", Some(param), "content part lacks `type`")),
+                    None => {
+                        return Err(ApiError::invalid(
+                            ApiCode::InvalidContent,
+                            Some(param),
+                            "content part lacks `type`",
+                        ));
+                    }
                 }
             }
             Ok(Some(out))
         }
-        _ => Err(ApiError::invalid("invalid_content", Some(param), "content must be a string or a list of parts")),
+        _ => {
+            Err(ApiError::invalid(ApiCode::InvalidContent, Some(param), "content must be a string or a list of parts"))
+        }
     }
 }
 
@@ -252,13 +273,13 @@ pub(crate) fn text_content(v: &Json, param: &str) -> Result<Option<String>, ApiE
 /// arguments parsed from JSON strings into objects (what chat templates expect).
 pub(crate) fn normalize_messages(messages: Vec<Json>) -> Result<Vec<Json>, ApiError> {
     if messages.is_empty() {
-        return Err(ApiError::invalid("empty_messages", Some("messages"), "`messages` must not be empty"));
+        return Err(ApiError::invalid(ApiCode::EmptyMessages, Some("messages"), "`messages` must not be empty"));
     }
     let mut out = Vec::with_capacity(messages.len());
     for (i, m) in messages.into_iter().enumerate() {
         let Json::Object(mut m) = m else {
             return Err(ApiError::invalid(
-                "invalid_message",
+                ApiCode::InvalidMessage,
                 Some("messages"),
                 format!("messages[{i}] is not an object"),
             ));
@@ -267,7 +288,7 @@ pub(crate) fn normalize_messages(messages: Vec<Json>) -> Result<Vec<Json>, ApiEr
         let role = if role == "developer" { "system".to_owned() } else { role };
         if !matches!(role.as_str(), "system" | "user" | "assistant" | "tool") {
             return Err(ApiError::invalid(
-                "invalid_role",
+                ApiCode::InvalidRole,
                 Some("messages"),
                 format!("messages[{i}].role must be system, developer, user, assistant or tool"),
             ));
@@ -279,7 +300,7 @@ pub(crate) fn normalize_messages(messages: Vec<Json>) -> Result<Vec<Json>, ApiEr
             None if role == "assistant" => m.insert("content".into(), Json::String(String::new())),
             None => {
                 return Err(ApiError::invalid(
-                    "invalid_content",
+                    ApiCode::InvalidContent,
                     Some("messages"),
                     format!("messages[{i}] ({role}) needs content"),
                 ));

@@ -14,7 +14,7 @@ use serde::Deserialize;
 use serde_json::{Value as Json, json};
 
 use crate::AppState;
-use crate::error::{ApiError, Flavor};
+use crate::error::{ApiCode, ApiError, Flavor};
 use crate::extract::ApiJson;
 use crate::generate::{Api, ChoiceEnd, Piece, RequestLog, handle, logged, start, unix_now};
 use crate::openai::{check_model, merged};
@@ -37,7 +37,7 @@ pub(crate) struct ResponsesRequest {
 }
 
 fn bad(m: impl Into<String>) -> ApiError {
-    ApiError::invalid("invalid_input", Some("input"), m)
+    ApiError::invalid(ApiCode::InvalidInput, Some("input"), m)
 }
 
 /// Response input items → template messages.
@@ -97,7 +97,7 @@ fn convert_tools(tools: Option<Vec<Json>>) -> Result<Vec<Json>, ApiError> {
     for (i, t) in tools.into_iter().enumerate() {
         if t.get("type").and_then(Json::as_str) != Some("function") {
             return Err(ApiError::invalid(
-                "unsupported_tool",
+                ApiCode::UnsupportedTool,
                 Some("tools"),
                 format!("tools[{i}]: only function tools are supported"),
             ));
@@ -187,7 +187,7 @@ async fn responses_inner(
     let model = check_model(&state, &req.model, Flavor::OpenAi)?;
     if req.previous_response_id.is_some() {
         return Err(ApiError::invalid(
-            "unsupported_parameter",
+            ApiCode::UnsupportedParameter,
             Some("previous_response_id"),
             "responses are not stored; send the whole input",
         ));
@@ -337,7 +337,7 @@ async fn responses_inner(
                     Piece::Failed(e) => {
                         let mut obj = response_object(&id, &model, created, None);
                         obj["status"] = json!("failed");
-                        obj["error"] = json!({"code": e.code, "message": e.message});
+                        obj["error"] = json!({"code": e.code.as_str(), "message": e.message});
                         out.push(ev(&mut st, "response.failed", json!({"response": obj})));
                         st.done = true;
                         break;

@@ -42,7 +42,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
 use tokio::time::Sleep;
 
-use crate::error::ApiError;
+use crate::error::{ApiCode, ApiError};
 
 /// Per-connection limits of [`serve`]. Every duration must be positive and `max_connections`
 /// at least one ([`ServeError::ZeroLimit`] otherwise).
@@ -304,7 +304,7 @@ static REFUSAL: LazyLock<Vec<u8>> = LazyLock::new(|| {
 });
 
 fn too_many_connections() -> ApiError {
-    ApiError::invalid("too_many_connections", None, "the server is at its connection limit; retry shortly")
+    ApiError::invalid(ApiCode::TooManyConnections, None, "the server is at its connection limit; retry shortly")
         .with_status(StatusCode::SERVICE_UNAVAILABLE)
 }
 

@@ -105,10 +105,6 @@ pub enum ExecutorError {
     PageTableShort { position: u32, pages: usize },
     #[error("grammar mask for request {0} allows no token")]
     EmptyMask(u64),
-    #[error("completion reports fence {got}, expected {expected}")]
-    UnexpectedFence { got: u64, expected: u64 },
-    #[error("completion samples token {token} outside the vocabulary of {vocab}")]
-    SampledOutOfVocabulary { token: u32, vocab: u32 },
     #[error("step needs a graph the core lacks: {0}")]
     Capacity(#[from] helios_contract::CapacityError),
     #[error("packing step inputs: {0}")]

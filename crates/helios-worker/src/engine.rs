@@ -25,7 +25,7 @@ use helios_scheduler::{
 };
 use tokio::sync::oneshot;
 
-use crate::error::{RequestError, Stage, Unavailable};
+use crate::error::{ErrorCode, LoopError, RequestError, Stage, Unavailable};
 use crate::frontend::{Frontend, StartError};
 use crate::grammar_pool::{GrammarOutcome, GrammarWork, ReadyGrammar};
 use crate::metrics::Metrics;
@@ -463,8 +463,12 @@ impl<E: Executor> ModelLoop<E> {
             if self.scheduler.is_idle() {
                 // A step whose samples were all dropped (the step after an EOS) may still be in
                 // flight: land it before sleeping, so its pages and slot retire.
-                if let Err(e) = self.executor.synchronize().and_then(|done| self.apply(done)) {
-                    tracing::error!(stage = "execution", code = "execution_failed", "executor failed: {e}");
+                if let Err(e) = self.executor.synchronize().map_err(LoopError::from).and_then(|done| self.apply(done)) {
+                    tracing::error!(
+                        stage = "execution",
+                        code = ErrorCode::ExecutionFailed.as_str(),
+                        "executor failed: {e}"
+                    );
                     self.health.fail(e.to_string());
                     self.fail_all(&RequestError::Execution(e));
                     break;
@@ -483,7 +487,11 @@ impl<E: Executor> ModelLoop<E> {
                 self.handle(cmd);
             }
             if let Err(e) = self.turn() {
-                tracing::error!(stage = "execution", code = "execution_failed", "executor failed: {e}");
+                tracing::error!(
+                    stage = "execution",
+                    code = ErrorCode::ExecutionFailed.as_str(),
+                    "executor failed: {e}"
+                );
                 self.health.fail(e.to_string());
                 self.fail_all(&RequestError::Execution(e));
                 break;
@@ -553,7 +561,7 @@ impl<E: Executor> ModelLoop<E> {
         }
     }
 
-    fn turn(&mut self) -> Result<(), ExecutorError> {
+    fn turn(&mut self) -> Result<(), LoopError> {
         self.collect_grammars(None);
         let step = self.scheduler.schedule();
         for id in self.scheduler.take_admitted() {
@@ -595,7 +603,7 @@ impl<E: Executor> ModelLoop<E> {
     }
 
     /// Validates completions in fence order, applies them and retires finished requests.
-    fn apply(&mut self, completions: Vec<Completion>) -> Result<(), ExecutorError> {
+    fn apply(&mut self, completions: Vec<Completion>) -> Result<(), LoopError> {
         for c in completions {
             self.validate(&c)?;
             let accepted = self.scheduler.complete(&c);
@@ -623,7 +631,7 @@ impl<E: Executor> ModelLoop<E> {
                 },
                 GrammarOutcome::Failed(id, e) => {
                     if let Some(a) = self.active.get_mut(&id) {
-                        tracing::info!(request = id.0, code = e.code(), "grammar failed: {e}");
+                        tracing::info!(request = id.0, code = e.code().as_str(), "grammar failed: {e}");
                         a.failure.get_or_insert(e);
                         self.scheduler.cancel(id);
                     }
@@ -663,12 +671,12 @@ impl<E: Executor> ModelLoop<E> {
     }
 
     /// Completions must arrive in fence order and sample ids inside the vocabulary.
-    fn validate(&mut self, c: &Completion) -> Result<(), ExecutorError> {
+    fn validate(&mut self, c: &Completion) -> Result<(), LoopError> {
         if c.fence.0 != self.next_fence {
-            return Err(ExecutorError::UnexpectedFence { got: c.fence.0, expected: self.next_fence });
+            return Err(LoopError::UnexpectedFence { got: c.fence.0, expected: self.next_fence });
         }
         if let Some(s) = c.sampled.iter().find(|s| s.token >= self.vocab) {
-            return Err(ExecutorError::SampledOutOfVocabulary { token: s.token, vocab: self.vocab });
+            return Err(LoopError::SampledOutOfVocabulary { token: s.token, vocab: self.vocab });
         }
         self.next_fence += 1;
         Ok(())

@@ -6,6 +6,78 @@ use helios_frontend::{FrontendError, GrammarError, OutputError, SamplingError, T
 use helios_replay::ExecutorError;
 use helios_scheduler::AdmissionError;
 
+/// Every error code a request failure is reported with: snake case on the wire (the OpenAI
+/// envelope's `code`, Anthropic's `error.code`), in logs and in the failure metric's label.
+/// The HTTP layer adds its own ([`ErrorCode::Http`] kinds live in `helios-http`).
+macro_rules! error_codes {
+    ($($variant:ident => $text:literal,)+) => {
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum ErrorCode {
+            $($variant,)+
+        }
+
+        impl ErrorCode {
+            /// Every code, in declaration order.
+            pub const ALL: &'static [ErrorCode] = &[$(ErrorCode::$variant,)+];
+
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $(ErrorCode::$variant => $text,)+
+                }
+            }
+        }
+    };
+}
+
+error_codes! {
+    InvalidChoiceCount => "invalid_choice_count",
+    UnknownToolChoice => "unknown_tool_choice",
+    TokenOutOfVocabulary => "token_out_of_vocabulary",
+    EmptyPrompt => "empty_prompt",
+    InvalidParameter => "invalid_parameter",
+    TooManyMessages => "too_many_messages",
+    ContextLengthExceeded => "context_length_exceeded",
+    TokenizationFailed => "tokenization_failed",
+    TemplateRaised => "template_raised",
+    TemplateFailed => "template_failed",
+    InvalidTemperature => "invalid_temperature",
+    InvalidMaxTokens => "invalid_max_tokens",
+    InvalidSamplingParameter => "invalid_sampling_parameter",
+    InvalidRequest => "invalid_request",
+    ExceedsCacheCapacity => "exceeds_cache_capacity",
+    QueueFull => "queue_full",
+    WorkerStarting => "worker_starting",
+    ShuttingDown => "shutting_down",
+    WorkerFailed => "worker_failed",
+    ExecutionFailed => "execution_failed",
+    InvalidGrammar => "invalid_grammar",
+    GrammarFailed => "grammar_failed",
+    GrammarTooComplex => "grammar_too_complex",
+    GrammarTooSlow => "grammar_too_slow",
+    RequiredToolCallMissing => "required_tool_call_missing",
+    UndeclaredTool => "undeclared_tool",
+    MalformedToolCall => "malformed_tool_call",
+    ChannelClosed => "channel_closed",
+}
+
+impl std::fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why the model loop stopped: the executor failed, or its completions broke what the worker
+/// checks of them (fence order, sampled ids inside the vocabulary).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum LoopError {
+    #[error(transparent)]
+    Executor(#[from] ExecutorError),
+    #[error("completion reports fence {got}, expected {expected}")]
+    UnexpectedFence { got: u64, expected: u64 },
+    #[error("completion samples token {token} outside the vocabulary of {vocab}")]
+    SampledOutOfVocabulary { token: u32, vocab: u32 },
+}
+
 /// Where a request failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stage {
@@ -81,7 +153,7 @@ pub enum RequestError {
     #[error(transparent)]
     Unavailable(#[from] Unavailable),
     #[error("execution failed: {0}")]
-    Execution(#[from] ExecutorError),
+    Execution(#[from] LoopError),
     /// A grammar that does not compile (400 `invalid_grammar`), or a matcher failing mid-run
     /// on its own (500 `grammar_failed`).
     #[error("grammar: {0}")]
@@ -176,51 +248,51 @@ impl RequestError {
     }
 
     /// A stable, typed error code (snake case) for clients and logs.
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> ErrorCode {
         match self {
             RequestError::Invalid(e) => match e {
-                InvalidRequest::ChoiceCount { .. } => "invalid_choice_count",
-                InvalidRequest::UnknownToolChoice(_) => "unknown_tool_choice",
-                InvalidRequest::TokenOutOfVocabulary { .. } => "token_out_of_vocabulary",
-                InvalidRequest::EmptyPrompt => "empty_prompt",
-                InvalidRequest::Parameter { .. } => "invalid_parameter",
-                InvalidRequest::TooManyMessages { .. } => "too_many_messages",
-                InvalidRequest::PromptTooLong { .. } => "context_length_exceeded",
+                InvalidRequest::ChoiceCount { .. } => ErrorCode::InvalidChoiceCount,
+                InvalidRequest::UnknownToolChoice(_) => ErrorCode::UnknownToolChoice,
+                InvalidRequest::TokenOutOfVocabulary { .. } => ErrorCode::TokenOutOfVocabulary,
+                InvalidRequest::EmptyPrompt => ErrorCode::EmptyPrompt,
+                InvalidRequest::Parameter { .. } => ErrorCode::InvalidParameter,
+                InvalidRequest::TooManyMessages { .. } => ErrorCode::TooManyMessages,
+                InvalidRequest::PromptTooLong { .. } => ErrorCode::ContextLengthExceeded,
             },
             RequestError::Frontend(e) => match &**e {
-                FrontendError::Tokenizer(_) => "tokenization_failed",
-                FrontendError::Template(TemplateError::Raised(_)) => "template_raised",
-                FrontendError::Template(_) => "template_failed",
-                FrontendError::Sampling(SamplingError::NonPositiveTemperature(_)) => "invalid_temperature",
-                FrontendError::Sampling(SamplingError::ZeroMaxTokens) => "invalid_max_tokens",
-                FrontendError::Sampling(_) => "invalid_sampling_parameter",
-                _ => "invalid_request",
+                FrontendError::Tokenizer(_) => ErrorCode::TokenizationFailed,
+                FrontendError::Template(TemplateError::Raised(_)) => ErrorCode::TemplateRaised,
+                FrontendError::Template(_) => ErrorCode::TemplateFailed,
+                FrontendError::Sampling(SamplingError::NonPositiveTemperature(_)) => ErrorCode::InvalidTemperature,
+                FrontendError::Sampling(SamplingError::ZeroMaxTokens) => ErrorCode::InvalidMaxTokens,
+                FrontendError::Sampling(_) => ErrorCode::InvalidSamplingParameter,
+                _ => ErrorCode::InvalidRequest,
             },
             RequestError::Admission(e) => match e {
-                AdmissionError::EmptyPrompt => "empty_prompt",
-                AdmissionError::NoOutput => "invalid_max_tokens",
-                AdmissionError::ContextLimit { .. } => "context_length_exceeded",
-                AdmissionError::TokenOutOfVocabulary { .. } => "token_out_of_vocabulary",
-                AdmissionError::LargerThanPool { .. } => "exceeds_cache_capacity",
-                AdmissionError::QueueFull { .. } => "queue_full",
+                AdmissionError::EmptyPrompt => ErrorCode::EmptyPrompt,
+                AdmissionError::NoOutput => ErrorCode::InvalidMaxTokens,
+                AdmissionError::ContextLimit { .. } => ErrorCode::ContextLengthExceeded,
+                AdmissionError::TokenOutOfVocabulary { .. } => ErrorCode::TokenOutOfVocabulary,
+                AdmissionError::LargerThanPool { .. } => ErrorCode::ExceedsCacheCapacity,
+                AdmissionError::QueueFull { .. } => ErrorCode::QueueFull,
             },
             RequestError::Unavailable(e) => match e {
-                Unavailable::Starting => "worker_starting",
-                Unavailable::Draining => "shutting_down",
-                Unavailable::Failed(_) => "worker_failed",
-                Unavailable::PreparationQueueFull(_) => "queue_full",
+                Unavailable::Starting => ErrorCode::WorkerStarting,
+                Unavailable::Draining => ErrorCode::ShuttingDown,
+                Unavailable::Failed(_) => ErrorCode::WorkerFailed,
+                Unavailable::PreparationQueueFull(_) => ErrorCode::QueueFull,
             },
-            RequestError::Execution(_) => "execution_failed",
-            RequestError::Grammar(g) if matches!(**g, GrammarError::Compile(_)) => "invalid_grammar",
-            RequestError::Grammar(_) => "grammar_failed",
-            RequestError::GrammarTooComplex { .. } => "grammar_too_complex",
-            RequestError::GrammarTooSlow { .. } => "grammar_too_slow",
+            RequestError::Execution(_) => ErrorCode::ExecutionFailed,
+            RequestError::Grammar(g) if matches!(**g, GrammarError::Compile(_)) => ErrorCode::InvalidGrammar,
+            RequestError::Grammar(_) => ErrorCode::GrammarFailed,
+            RequestError::GrammarTooComplex { .. } => ErrorCode::GrammarTooComplex,
+            RequestError::GrammarTooSlow { .. } => ErrorCode::GrammarTooSlow,
             RequestError::Output(e) => match e {
-                OutputError::NoRequiredToolCall => "required_tool_call_missing",
-                OutputError::UndeclaredTool { .. } => "undeclared_tool",
-                _ => "malformed_tool_call",
+                OutputError::NoRequiredToolCall => ErrorCode::RequiredToolCallMissing,
+                OutputError::UndeclaredTool { .. } => ErrorCode::UndeclaredTool,
+                _ => ErrorCode::MalformedToolCall,
             },
-            RequestError::ChannelClosed => "channel_closed",
+            RequestError::ChannelClosed => ErrorCode::ChannelClosed,
         }
     }
 
@@ -253,15 +325,25 @@ mod tests {
     use super::*;
 
     #[test]
+    fn error_codes_are_distinct_snake_case() {
+        let mut seen = std::collections::HashSet::new();
+        for code in ErrorCode::ALL {
+            let s = code.as_str();
+            assert!(seen.insert(s), "{s} twice");
+            assert!(!s.is_empty() && s.chars().all(|c| c.is_ascii_lowercase() || c == '_'), "{s}");
+        }
+    }
+
+    #[test]
     fn classes_follow_the_design_mapping() {
         let queue = RequestError::Admission(AdmissionError::QueueFull { limit: 1 });
         assert_eq!(queue.class(), ErrorClass::Unavailable);
         let ctx = RequestError::Admission(AdmissionError::ContextLimit { tokens: 9, limit: 8 });
         assert_eq!(
             (ctx.class(), ctx.code(), ctx.stage()),
-            (ErrorClass::InvalidRequest, "context_length_exceeded", Stage::Admission)
+            (ErrorClass::InvalidRequest, ErrorCode::ContextLengthExceeded, Stage::Admission)
         );
-        let exec = RequestError::Execution(ExecutorError::BadRow(3));
+        let exec = RequestError::Execution(LoopError::Executor(ExecutorError::BadRow(3)));
         assert_eq!(exec.class(), ErrorClass::Execution);
         let bad = RequestError::from(SamplingError::NonPositiveTemperature(0.0));
         assert_eq!((bad.class(), bad.param()), (ErrorClass::InvalidRequest, Some("temperature")));
@@ -273,21 +355,21 @@ mod tests {
         let e = RequestError::grammar(GrammarError::Limit(limit.into()), Stage::Execution);
         assert_eq!(
             (e.class(), e.code(), e.stage(), e.param()),
-            (ErrorClass::InvalidRequest, "grammar_too_complex", Stage::Execution, Some("response_format"))
+            (ErrorClass::InvalidRequest, ErrorCode::GrammarTooComplex, Stage::Execution, Some("response_format"))
         );
         let e = RequestError::from(GrammarError::Limit("grammar size (number of symbols) too big (limit 5)".into()));
         assert_eq!(
             (e.class(), e.code(), e.stage()),
-            (ErrorClass::InvalidRequest, "grammar_too_complex", Stage::Preparation)
+            (ErrorClass::InvalidRequest, ErrorCode::GrammarTooComplex, Stage::Preparation)
         );
         let e = RequestError::from(GrammarError::Compile("unknown type".into()));
-        assert_eq!((e.class(), e.code()), (ErrorClass::InvalidRequest, "invalid_grammar"));
+        assert_eq!((e.class(), e.code()), (ErrorClass::InvalidRequest, ErrorCode::InvalidGrammar));
         let slow = RequestError::GrammarTooSlow { elapsed_ms: 900, budget_ms: 500 };
-        assert_eq!((slow.class(), slow.code()), (ErrorClass::Unavailable, "grammar_too_slow"));
+        assert_eq!((slow.class(), slow.code()), (ErrorClass::Unavailable, ErrorCode::GrammarTooSlow));
         // A matcher failing on its own, or rejecting a token its mask allowed: the server's fault.
         for e in [GrammarError::Matcher("internal".into()), GrammarError::Rejected(5)] {
             let e = RequestError::grammar(e, Stage::Execution);
-            assert_eq!((e.class(), e.code()), (ErrorClass::Execution, "grammar_failed"));
+            assert_eq!((e.class(), e.code()), (ErrorClass::Execution, ErrorCode::GrammarFailed));
         }
     }
 }

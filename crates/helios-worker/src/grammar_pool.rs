@@ -376,7 +376,7 @@ mod tests {
         assert!(stopped.is_cancelled());
         work.dispatch(RequestId(8), Box::new(stopped), open).expect("dispatches");
         match next(&mut work) {
-            GrammarOutcome::Failed(_, e) => assert_eq!(e.code(), "grammar_failed", "{e}"),
+            GrammarOutcome::Failed(_, e) => assert_eq!(e.code(), crate::ErrorCode::GrammarFailed, "{e}"),
             o => panic!("{o:?}"),
         }
         work.dispatch(RequestId(9), Box::new(m.fork()), open).expect("dispatches");

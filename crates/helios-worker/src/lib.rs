@@ -29,7 +29,7 @@ mod trim;
 
 pub use decode::{ChoiceDecoder, Decoded, StopHit};
 pub use engine::{Engine, EngineOptions, Health};
-pub use error::{ErrorClass, InvalidRequest, RequestError, Stage, Unavailable};
+pub use error::{ErrorClass, ErrorCode, InvalidRequest, LoopError, RequestError, Stage, Unavailable};
 pub use frontend::{Frontend, StartError};
 pub use metrics::Metrics;
 pub use output::{ChoiceEvent, ChoiceStream, FinishCause, FinishInfo};

@@ -195,7 +195,7 @@ async fn executor_failure_fails_requests_and_health() {
     assert_eq!(err.class(), ErrorClass::Execution);
     assert!(matches!(engine.health(), Health::Failed(ref why) if why.contains("9999")));
     let again = engine.prepare(input("hello", 5)).await.expect_err("refused");
-    assert_eq!((again.class(), again.code()), (ErrorClass::Unavailable, "worker_failed"));
+    assert_eq!((again.class(), again.code().as_str()), (ErrorClass::Unavailable, "worker_failed"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -388,7 +388,7 @@ async fn a_heavy_grammar_never_stalls_an_unrelated_stream() {
             Ok(f) => assert!(matches!(f.cause, FinishCause::Eos | FinishCause::Length), "{f:?}"),
             Err(e) => assert!(
                 [("grammar_too_complex", ErrorClass::InvalidRequest), ("grammar_too_slow", ErrorClass::Unavailable)]
-                    .contains(&(e.code(), e.class())),
+                    .contains(&(e.code().as_str(), e.class())),
                 "{e}"
             ),
         }
@@ -414,7 +414,7 @@ async fn a_schema_over_the_parser_limits_is_a_client_error() {
     req.answer = AnswerFormat::JsonSchema(object_schema(1000, false));
     let e = engine.prepare(req).await.expect_err("too complex");
     assert_eq!(
-        (e.class(), e.code(), e.stage(), e.param()),
+        (e.class(), e.code().as_str(), e.stage(), e.param()),
         (ErrorClass::InvalidRequest, "grammar_too_complex", helios_worker::Stage::Preparation, Some("response_format"))
     );
     assert!(e.to_string().contains("max is 2000"), "{e}");
@@ -422,7 +422,7 @@ async fn a_schema_over_the_parser_limits_is_a_client_error() {
     let mut req = input("Reply with JSON.", 16);
     req.answer = AnswerFormat::JsonSchema(json!({"type": "object", "properties": 7}));
     let e = engine.prepare(req).await.expect_err("rejected");
-    assert_eq!((e.class(), e.code()), (ErrorClass::InvalidRequest, "invalid_grammar"), "{e}");
+    assert_eq!((e.class(), e.code().as_str()), (ErrorClass::InvalidRequest, "invalid_grammar"), "{e}");
     let m = engine.metrics_text();
     assert!(m.contains("flare_requests_admitted_total 0"), "{m}");
 }
@@ -442,7 +442,7 @@ async fn a_grammar_over_its_time_budget_fails_alone() {
     let s = engine.generate(&mut c, 0).await.expect("admitted");
     let (tokens, _, end) = timed(s, || false).await;
     let e = end.expect("ended").expect_err("over budget");
-    assert_eq!((e.code(), e.class()), ("grammar_too_slow", ErrorClass::Unavailable), "{e}");
+    assert_eq!((e.code().as_str(), e.class()), ("grammar_too_slow", ErrorClass::Unavailable), "{e}");
     assert!(matches!(e, RequestError::GrammarTooSlow { budget_ms: 0, .. }), "{e:?}");
     assert_eq!(tokens, 1, "the first sample used the mask computed in preparation");
     let (plain_tokens, _, end) = plain.await.expect("joins");
@@ -513,7 +513,7 @@ async fn shutdown_does_not_wait_for_a_heavy_preparation() {
     engine.shutdown(Duration::from_millis(50)).await;
     assert!(t0.elapsed() < Duration::from_secs(3), "shutdown took {:?}", t0.elapsed());
     let err = heavy.await.expect("joins").expect_err("cancelled by shutdown");
-    assert_eq!((err.class(), err.code()), (ErrorClass::Unavailable, "shutting_down"), "{err}");
+    assert_eq!((err.class(), err.code().as_str()), (ErrorClass::Unavailable, "shutting_down"), "{err}");
 }
 
 fn refused_quickly(engine: &Engine, input: GenerationInput) -> RequestError {
@@ -529,12 +529,12 @@ async fn cheap_limits_refuse_before_any_rendering() {
     let engine = long_context_engine(EngineOptions::default());
     // More messages than the context has tokens.
     let err = refused_quickly(&engine, chat_input(tiny_messages(100_001), 4));
-    assert_eq!((err.code(), err.param()), ("too_many_messages", Some("messages")));
+    assert_eq!((err.code().as_str(), err.param()), ("too_many_messages", Some("messages")));
     // 10,000 stop strings of 1 KB.
     let mut many = chat_input(tiny_messages(1), 4);
     many.stop = (0..10_000).map(|i| format!("{i:05}{}", "x".repeat(1019))).collect();
     let err = refused_quickly(&engine, many);
-    assert_eq!((err.code(), err.param()), ("invalid_parameter", Some("stop")));
+    assert_eq!((err.code().as_str(), err.param()), ("invalid_parameter", Some("stop")));
     let mut long = chat_input(tiny_messages(1), 4);
     long.stop = vec!["y".repeat(helios_frontend::MAX_STOP_BYTES + 1)];
     assert_eq!(refused_quickly(&engine, long).param(), Some("stop"));
@@ -545,12 +545,12 @@ async fn cheap_limits_refuse_before_any_rendering() {
     // A 30 MB completion prompt: refused by the tokenizer's byte bound, never encoded.
     let mut text = chat_input(vec![], 4);
     text.prompt = PromptInput::Text("z".repeat(30 << 20));
-    assert_eq!(refused_quickly(&engine, text).code(), "context_length_exceeded");
+    assert_eq!(refused_quickly(&engine, text).code().as_str(), "context_length_exceeded");
     // A chat that renders past the byte bound stops rendering early, with the same code.
     let big = vec![json!({"role": "user", "content": "w ".repeat(4 << 20)})];
     let t0 = Instant::now();
     let err = engine.prepare(chat_input(big, 4)).await.expect_err("too long");
-    assert_eq!(err.code(), "context_length_exceeded", "{err}");
+    assert_eq!(err.code().as_str(), "context_length_exceeded", "{err}");
     assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
     // At the limits, a request is prepared.
     let mut ok = chat_input(tiny_messages(3), 4);
@@ -577,7 +577,7 @@ async fn queued_requests_at_shutdown_are_unavailable_not_started() {
     }
     engine.shutdown(Duration::from_millis(50)).await;
     let err = queued.await.expect("joins").expect_err("refused");
-    assert_eq!((err.class(), err.code()), (ErrorClass::Unavailable, "shutting_down"), "{err}");
+    assert_eq!((err.class(), err.code().as_str()), (ErrorClass::Unavailable, "shutting_down"), "{err}");
     // The running one was admitted, so it ends in its stream (cancelled after the grace).
     while let Some(ChoiceEvent::Tokens(_)) = running.next().await {}
 }
@@ -590,7 +590,7 @@ async fn tokenize_is_bounded_and_cancellable() {
     let never = helios_frontend::Cancel::default();
     let t0 = Instant::now();
     let err = helios_worker::tokenize(f, PromptInput::Text("z".repeat(30 << 20)), false, &never).expect_err("too long");
-    assert_eq!(err.code(), "context_length_exceeded");
+    assert_eq!(err.code().as_str(), "context_length_exceeded");
     assert!(t0.elapsed() < Duration::from_millis(100), "{:?}", t0.elapsed());
     let chat = |n: usize| {
         PromptInput::Chat(ChatPrompt {
@@ -602,7 +602,7 @@ async fn tokenize_is_bounded_and_cancellable() {
         })
     };
     let err = helios_worker::tokenize(f, chat(5_000), false, &never).expect_err("too many messages");
-    assert_eq!(err.code(), "too_many_messages");
+    assert_eq!(err.code().as_str(), "too_many_messages");
     let cancelled = helios_frontend::Cancel::new();
     cancelled.cancel();
     assert!(helios_worker::tokenize(f, chat(3), false, &cancelled).is_err());
