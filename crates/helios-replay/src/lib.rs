@@ -5,7 +5,7 @@
 //! its consumed positions, and of the request's seed and sampling counter. Any wrong page,
 //! stale row, off-by-one endpoint or lost token changes the output.
 
-use helios_contract::model::{CacheScheme, Capacities, PageRegion, RowRegion, RowRegionKind};
+use helios_contract::model::{CacheScheme, Capacities};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -15,6 +15,8 @@ use helios_scheduler::{Completion, ConsumeRow, RequestId, SampleSpec, SampledTok
 pub mod cuda;
 pub mod graph;
 pub mod memory;
+/// Test support: agent-like workloads and the solo-run oracle (feature `testkit`).
+#[cfg(any(test, feature = "testkit"))]
 pub mod workload;
 
 /// Request-level sampling controls, packed beside the step for the device sampler.
@@ -513,7 +515,11 @@ pub fn turn<E: Executor>(scheduler: &mut Scheduler, executor: &mut E) -> Result<
 
 /// The three reference geometries: 64-token attention pages, 256-token pages, and a hybrid
 /// with recurrent rows, verification width 2 and 32-token pages (partial tails everywhere).
+/// Test support (feature `testkit`).
+#[cfg(any(test, feature = "testkit"))]
 pub fn reference_schemes() -> Vec<CacheScheme> {
+    use helios_contract::model::{PageRegion, RowRegion, RowRegionKind};
+
     let attention = |page_tokens: u32| CacheScheme {
         page_tokens,
         page_regions: vec![PageRegion { name: "kv".into(), bytes_per_page: u64::from(page_tokens) * 8 }],
@@ -540,7 +546,8 @@ pub fn reference_schemes() -> Vec<CacheScheme> {
     vec![attention(64), attention(256), hybrid]
 }
 
-/// Capacities for tests: `pages` KV pages, `snapshots` snapshot rows.
+/// Capacities for tests: `pages` KV pages, `snapshots` snapshot rows (feature `testkit`).
+#[cfg(any(test, feature = "testkit"))]
 pub fn test_capacities(slots: u32, pages: u32, snapshots: u32) -> Capacities {
     Capacities {
         context_limit: 1024,
