@@ -141,11 +141,18 @@ class PagedQwen35(PagedLlama):
     geo: HybridGeometry
 
     def __init__(
-        self, geo: HybridGeometry, weights: dict[str, torch.Tensor], inv_freq: torch.Tensor, kernels: bool = False
+        self,
+        geo: HybridGeometry,
+        weights: dict[str, torch.Tensor],
+        inv_freq: torch.Tensor,
+        kernels: bool = False,
+        attention_kernel: bool | None = None,
     ) -> None:
-        """`kernels`: the Triton ops (`flare::write_attend`, `flare::gdn_conv`, `flare::gdn_delta`,
-        `flare::store_row`) that the graphs run; otherwise the eager reference (CPU)."""
-        super().__init__(geo, weights, inv_freq, 1.0, attention_kernel=kernels, gemv=False)
+        """`kernels`: the Triton ops (`flare::gdn_conv`, `flare::gdn_delta`, `flare::store_row`,
+        and `flare::write_attend` unless `attention_kernel` says otherwise) that the graphs run;
+        otherwise the eager reference (CPU)."""
+        attention = kernels if attention_kernel is None else attention_kernel
+        super().__init__(geo, weights, inv_freq, 1.0, attention_kernel=attention, gemv=False)
         # Created before tracing (Dynamo does not trace their creation).
         self.gdn = gdn.gdn_ops() if kernels else None
         self.offsets = {r["name"]: int(r["offset"]) for r in geo.row_regions()}

@@ -176,3 +176,13 @@ def test_prepare_exactness_check_on_eager_steps(tmp_path: Path) -> None:
     assert out["split_vs_whole"]["chunks"] == [32, 128]
     assert out["restore_bitwise"] and out["restore_into_reused_row_bitwise"], out
     assert out["split_vs_whole"]["hidden_rel_l2"] < 0.02 and out["split_vs_whole"]["recurrent_rel_l2_max"] < 0.02, out
+
+
+def test_compiled_graph_path_matches_the_reference_under_the_interpreter() -> None:
+    """Decode and prefill compiled (fullgraph) with the GDN and row-store ops, against the
+    eager reference: hidden vectors, every row region and the KV pages, padded lanes included."""
+    from tests.ignition.test_paged_cpu import _interpreted
+
+    report = _interpreted("hybrid_compiled.py", 900)
+    assert report["unnamed_rows_untouched"], report
+    assert max(report["hidden_rel_l2_max"], report["rows_rel_l2_max"], report["kv_rel_l2"]) < 0.02, report

@@ -1,0 +1,94 @@
+"""The Qwen3.5 forward's graph path on CPU: decode and prefill compiled with torch.compile
+(fullgraph) with the GDN and row-store ops (`flare::gdn_conv`, `flare::gdn_delta`,
+`flare::store_row`; Triton's interpreter runs the kernels, in bf16 as the graphs do) against the
+eager reference on the same weights and state: hidden vectors, every row region and the KV
+pages after a prefill chunk, a padded prefill chunk and decode steps in two buckets (lanes
+padded). Attention stays the gather reference here: the interpreter computes the paged-attention
+kernel wrongly in bf16 (right in float32, and on the GPU, where it is qualified). Prints one JSON
+line; exit 1 on a mismatch. Needs TRITON_INTERPRET=1 before Triton is imported."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ignition.capture.hybrid import PagedQwen35, Qwen35ProgramPlan
+from ignition.capture.program import GraphSpec, Program
+from ignition.capture.runner import Row, fill, pack_rows
+from ignition.prepare import Capacities, PrepareOptions
+from ignition.recipes.mapping import Checkpoint, stream_execution_layout
+from ignition.recipes.qwen3_5 import Qwen35Config, plan_weight_mapping
+from tests.ignition.test_hybrid_cpu import CFG, _checkpoint
+
+root = Path(tempfile.mkdtemp())
+_checkpoint(root)
+config = Qwen35Config.from_dict(dict(CFG))
+ckpt = Checkpoint.open(root)
+weights = {
+    name: torch.frombuffer(bytearray(tb.data), dtype=torch.bfloat16).view(tb.shape).clone()
+    for name, tb in stream_execution_layout(plan_weight_mapping(config, ckpt.tensors, ckpt.files), ckpt)
+}
+caps = Capacities([1, 4], [64], 256, 4, 4, 24)
+plan = Qwen35ProgramPlan(config, (2,), caps)
+ref = plan.build(weights, torch.device("cpu"), PrepareOptions(attention_kernel=False))
+ker = plan.build(weights, torch.device("cpu"), PrepareOptions(attention_kernel=True))
+geo = ker.model.geo
+ker.model = PagedQwen35(geo, weights, ker.model.inv_freq, kernels=True, attention_kernel=False)
+compiled: dict[str, Any] = {}
+
+
+def step(prog: Program, name: str, rows: list[Row], kernel: bool) -> torch.Tensor:
+    spec: GraphSpec = next(g for g in prog.graphs if g.name == name)
+    fill(spec, pack_rows(prog.geo, spec, rows))
+    fn = prog.method(spec)
+    if kernel:
+        fn = compiled.setdefault(name, torch.compile(fn, fullgraph=True, dynamic=False))
+    return prog.call(spec, fn).clone()
+
+
+ids = list(range(10, 140))
+pages = [3, 7, 5]
+plan_steps = [
+    ("prefill_t64", [Row(1, pages, 0, ids[:64])]),
+    ("prefill_t64", [Row(1, pages, 64, ids[64:100])]),  # a padded chunk
+    ("decode_b1", [Row(1, pages, 100, [ids[100]])]),
+    ("prefill_t64", [Row(2, [9, 11], 0, ids[20:60])]),
+    ("decode_b4", [Row(1, pages, 101, [ids[101]]), Row(2, [9, 11], 40, [ids[60]])]),  # two lanes padded
+    ("decode_b4", [Row(2, [9, 11], 41, [ids[61]]), Row(1, pages, 102, [ids[102]])]),
+]
+worst = 0.0
+for name, rows in plan_steps:
+    a, b = step(ref, name, rows, False), step(ker, name, rows, True)
+    # The real rows: one per decode lane, one per prefill token.
+    n = len(rows) if name.startswith("decode") else len(rows[0].tokens)
+    a, b = a[:n].float(), b[:n].float()
+    worst = max(worst, float((a - b).norm() / a.norm()))
+model = ref.model
+region_err: dict[str, float] = {}
+for r in model.geo.row_regions():
+    name = str(r["name"])
+    if name.endswith(".recurrent"):
+        layer = int(name.split(".")[0].removeprefix("layer"))
+        x, y = model.recurrent_rows(ref.rows, layer), model.recurrent_rows(ker.rows, layer)
+    elif name.endswith(".conv"):
+        layer = int(name.split(".")[0].removeprefix("layer"))
+        x, y = model.conv_rows(ref.rows, layer).float(), model.conv_rows(ker.rows, layer).float()
+    else:
+        x, y = model.hidden_rows(ref.rows).float(), model.hidden_rows(ker.rows).float()
+    region_err[name] = float((x - y).norm() / x.norm().clamp(min=1e-30))
+kv_err = float((ref.kv_all.float() - ker.kv_all.float()).norm() / ref.kv_all.float().norm())
+untouched = bool(torch.equal(ker.rows[[0, 3, 4]], torch.zeros_like(ker.rows[[0, 3, 4]])))
+report = {
+    "hidden_rel_l2_max": worst,
+    "rows_rel_l2_max": max(region_err.values()),
+    "kv_rel_l2": kv_err,
+    "unnamed_rows_untouched": untouched,
+}
+print(json.dumps(report))
+ok = worst < 0.02 and report["rows_rel_l2_max"] < 0.02 and kv_err < 0.02 and untouched
+sys.exit(0 if ok else 1)
