@@ -489,8 +489,11 @@ impl Executor for SimulatedExecutor {
     }
 }
 
-/// One serving-loop turn: apply completions, plan, submit; with nothing to plan, wait for
-/// the executor. Returns whether anything happened.
+/// One turn of a minimal test driver: apply completions, plan, submit; with nothing to plan,
+/// wait for the executor. Returns whether anything happened. Not the serving loop (that is the
+/// worker's model thread); test support for driving a scheduler and an executor directly
+/// (feature `testkit`).
+#[cfg(any(test, feature = "testkit"))]
 pub fn turn<E: Executor>(scheduler: &mut Scheduler, executor: &mut E) -> Result<bool, ExecutorError> {
     for completion in executor.poll()? {
         scheduler.complete(&completion);
