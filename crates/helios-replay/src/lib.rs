@@ -9,7 +9,7 @@ use helios_contract::model::{CacheScheme, Capacities};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use helios_scheduler::{Completion, ConsumeRow, RequestId, SampleSpec, SampledToken, Scheduler, Step, StepOp};
+use helios_scheduler::{Completion, ConsumeRow, RequestId, SampleSpec, SampledToken, Step, StepOp};
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -494,7 +494,7 @@ impl Executor for SimulatedExecutor {
 /// worker's model thread); test support for driving a scheduler and an executor directly
 /// (feature `testkit`).
 #[cfg(any(test, feature = "testkit"))]
-pub fn turn<E: Executor>(scheduler: &mut Scheduler, executor: &mut E) -> Result<bool, ExecutorError> {
+pub fn turn<E: Executor>(scheduler: &mut helios_scheduler::Scheduler, executor: &mut E) -> Result<bool, ExecutorError> {
     for completion in executor.poll()? {
         scheduler.complete(&completion);
     }

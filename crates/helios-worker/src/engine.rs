@@ -252,6 +252,7 @@ impl Engine {
                         next_fence: 1,
                         vocab,
                         grammars,
+                        occupancy_at: Instant::now(),
                     }
                     .run();
                 })
@@ -443,9 +444,23 @@ struct ModelLoop<E: Executor> {
     next_fence: u64,
     vocab: u32,
     grammars: GrammarWork,
+    /// When the occupancy gauges were last published: the scheduler's occupancy walks every
+    /// page and checkpoint, so busy turns publish it at most every `OCCUPANCY_PERIOD`.
+    occupancy_at: Instant,
 }
 
+/// How often busy turns refresh the occupancy gauges (idle and exit always do).
+const OCCUPANCY_PERIOD: Duration = Duration::from_millis(20);
+
 impl<E: Executor> ModelLoop<E> {
+    fn publish_occupancy(&mut self, force: bool) {
+        let now = Instant::now();
+        if force || now.duration_since(self.occupancy_at) >= OCCUPANCY_PERIOD {
+            self.metrics.set_occupancy(self.scheduler.occupancy());
+            self.occupancy_at = now;
+        }
+    }
+
     /// Samples device memory growth since readiness into the metrics (every 1024 steps and
     /// when the loop ends); a driver query, so not on every step.
     fn sample_device_memory(&mut self) {
@@ -473,7 +488,7 @@ impl<E: Executor> ModelLoop<E> {
                     self.fail_all(&RequestError::Execution(e));
                     break;
                 }
-                self.metrics.set_occupancy(self.scheduler.occupancy());
+                self.publish_occupancy(true);
                 if self.draining {
                     break;
                 }
@@ -496,9 +511,9 @@ impl<E: Executor> ModelLoop<E> {
                 self.fail_all(&RequestError::Execution(e));
                 break;
             }
-            self.metrics.set_occupancy(self.scheduler.occupancy());
+            self.publish_occupancy(false);
         }
-        self.metrics.set_occupancy(self.scheduler.occupancy());
+        self.publish_occupancy(true);
         self.sample_device_memory();
         if self.metrics.device_memory_sampled.load(Ordering::Relaxed) {
             let growth = self.metrics.device_memory_growth.load(Ordering::Relaxed);
