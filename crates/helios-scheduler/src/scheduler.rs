@@ -838,36 +838,63 @@ impl Scheduler {
         }
     }
 
+    /// Admits one waiting request if its storage fits: finds its deepest cached prefix,
+    /// reserves pages and a slot, attaches the prefix (or initializes the row) and starts it.
     fn try_admit(&mut self, id: RequestId, fence: Fence, ops: &mut Vec<StepOp>) -> bool {
-        let pt = self.pt();
-        let Some(request) = self.requests.get(&id) else { return false };
+        let Some((hit, hit_tokens, total)) = self.lookup_prefix(id) else { return false };
+        let Some(slot) = self.reserve(hit, hit_tokens, total) else { return false };
+        let live_row = self.rows.live_row(slot);
+        let page_table = self.attach_prefix(hit, live_row, total, fence, ops);
+        self.stats.prefix_hit_tokens += u64::from(hit_tokens);
+        self.start(id, slot, live_row, page_table, hit, hit_tokens, fence, ops)
+    }
+
+    /// The request's deepest cached prefix (marked recently used), its length in tokens, and
+    /// the pages the request reserves in all; None for an unknown request.
+    fn lookup_prefix(&mut self, id: RequestId) -> Option<(Option<CheckpointId>, u32, usize)> {
+        let request = self.requests.get(&id)?;
         let digests = PromptDigests::new(self.config.identity, &request.tokens, &request.spec.images);
-        let prompt_len = request.prompt_len;
-        let hit = self.prefix.lookup(&digests, &request.tokens, &request.spec.images, prompt_len as usize);
+        let hit = self.prefix.lookup(&digests, &request.tokens, &request.spec.images, request.prompt_len as usize);
         let hit_tokens = hit.and_then(|h| self.prefix.get(h)).map_or(0, |c| c.tokens()) as u32;
-        let total = self.reservation_pages(request) as usize;
-        let shared = (hit_tokens / pt) as usize;
+        Some((hit, hit_tokens, self.reservation_pages(request) as usize))
+    }
+
+    /// Pins the prefix and reserves the pages beyond it and a slot; on a shortfall nothing
+    /// stays reserved or pinned (the request keeps waiting).
+    fn reserve(&mut self, hit: Option<CheckpointId>, hit_tokens: u32, total: usize) -> Option<u32> {
+        let shared = (hit_tokens / self.pt()) as usize;
         if let Some(h) = hit {
             self.prefix.pin(h);
         }
-        if !self.ensure_free_pages(total - shared) {
-            if let Some(h) = hit {
-                self.prefix.unpin(h);
-            }
+        let slot = if self.ensure_free_pages(total - shared) {
+            self.rows.slots.allocate()
+        } else {
             self.stats.admission_page_waits += 1;
-            return false;
-        }
-        let Some(slot) = self.rows.slots.allocate() else {
-            if let Some(h) = hit {
-                self.prefix.unpin(h);
-            }
-            return false;
+            None
         };
+        if slot.is_none()
+            && let Some(h) = hit
+        {
+            self.prefix.unpin(h);
+        }
+        slot
+    }
+
+    /// The page table a request starts with: the prefix's complete-page chain (shared), a
+    /// private copy of its tail page, then fresh pages up to `total`; and the op that fills
+    /// the live row (restore from the prefix's snapshot, or initialize).
+    fn attach_prefix(
+        &mut self,
+        hit: Option<CheckpointId>,
+        live_row: u32,
+        total: usize,
+        fence: Fence,
+        ops: &mut Vec<StepOp>,
+    ) -> Vec<PageId> {
         let mut page_table = hit.map(|h| self.prefix.chain_pages(h)).unwrap_or_default();
         for &page in &page_table {
             self.pages.retain(page);
         }
-        let live_row = self.rows.live_row(slot);
         match hit.and_then(|h| self.prefix.get(h)) {
             Some(cp) => {
                 let snapshot_row = self.rows.snapshot_row(cp.snapshot);
@@ -890,7 +917,23 @@ impl Scheduler {
                 None => break,
             }
         }
-        self.stats.prefix_hit_tokens += u64::from(hit_tokens);
+        page_table
+    }
+
+    /// The admitted request starts running: its prompt counted into the histogram, the
+    /// endpoints it will capture, and sampling resumed at once on a full-prompt hit.
+    #[allow(clippy::too_many_arguments)]
+    fn start(
+        &mut self,
+        id: RequestId,
+        slot: u32,
+        live_row: u32,
+        page_table: Vec<PageId>,
+        hit: Option<CheckpointId>,
+        hit_tokens: u32,
+        fence: Fence,
+        ops: &mut Vec<StepOp>,
+    ) -> bool {
         let Some(request) = self.requests.get_mut(&id) else { return false };
         ops.push(StepOp::AdmitHistogram { live_row, tokens: request.tokens[..request.prompt_len as usize].to_vec() });
         let mut captures: VecDeque<u32> = select_message_endpoints(
