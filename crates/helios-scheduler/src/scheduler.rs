@@ -309,6 +309,21 @@ impl Scheduler {
         self.scheme.page_tokens
     }
 
+    /// A request the scheduler tracks (running, waiting or finishing).
+    ///
+    /// # Panics
+    /// If `id` is not in the request table: every id in `running` and `waiting` is, by the
+    /// module's invariants, so a miss is a scheduler bug, not an input condition.
+    fn request(&self, id: impl std::borrow::Borrow<RequestId>) -> &Request {
+        let id = *id.borrow();
+        match self.requests.get(&id) {
+            Some(r) => r,
+            None => {
+                panic!("scheduler invariant broken: request {id:?} is queued or running but not in the request table")
+            }
+        }
+    }
+
     fn reservation_pages(&self, request: &Request) -> u64 {
         let output = if request.full_reservation { request.max_output - request.generated } else { self.pt() };
         let tokens = (u64::from(request.prompt_len) + u64::from(output)).min(u64::from(self.capacities.context_limit));
@@ -704,9 +719,9 @@ impl Scheduler {
         }
 
         let finishing: Vec<(RequestId, FinishReason)> =
-            self.running.iter().filter_map(|id| self.requests[id].finishing.map(|f| (*id, f))).collect();
+            self.running.iter().filter_map(|id| self.request(id).finishing.map(|f| (*id, f))).collect();
         for (id, reason) in finishing {
-            if self.requests[&id].capture_terminal {
+            if self.request(id).capture_terminal {
                 self.capture(id, fence, &mut ops, true);
             }
             self.finish(id, reason);
@@ -717,7 +732,7 @@ impl Scheduler {
             .iter()
             .copied()
             .filter(|id| {
-                let live = self.requests[id].live.as_ref();
+                let live = self.request(id).live.as_ref();
                 live.is_some_and(|l| l.captures.front() == Some(&l.consumed))
             })
             .collect();
@@ -758,14 +773,14 @@ impl Scheduler {
             if rows.len() >= max_bucket {
                 continue;
             }
-            if self.requests[&id].held {
+            if self.request(id).held {
                 continue;
             }
             let Some(input) = self.decode_input(id, device_fed) else { continue };
-            let consumed = self.requests[&id].live.as_ref().map_or(0, |l| l.consumed);
+            let consumed = self.request(id).live.as_ref().map_or(0, |l| l.consumed);
             let need = self.scheme.pages_for(u64::from(consumed) + 1) as usize;
             let want = (self.scheme.pages_for(u64::from(consumed) + 1 + pt) as usize).min(page_limit).max(need);
-            let mut have = self.requests[&id].live.as_ref().map_or(0, |l| l.page_table.len());
+            let mut have = self.request(id).live.as_ref().map_or(0, |l| l.page_table.len());
             while have < want {
                 let Some(page) = self.allocate_page(have < need) else { break };
                 if let Some(live) = self.requests.get_mut(&id).and_then(|r| r.live.as_mut()) {
@@ -785,9 +800,9 @@ impl Scheduler {
                     .running
                     .iter()
                     .copied()
-                    .filter(|&v| self.is_idle_decoder(v) && !self.requests[&v].full_reservation)
+                    .filter(|&v| self.is_idle_decoder(v) && !self.request(v).full_reservation)
                     .filter(|&v| v == id || !rows.iter().any(|(r, _): &(RequestId, ConsumeRow)| *r == v))
-                    .max_by_key(|v| self.requests[v].live.as_ref().map_or(0, |l| l.admitted));
+                    .max_by_key(|v| self.request(v).live.as_ref().map_or(0, |l| l.admitted));
                 match victim {
                     Some(v) if v != id || self.running.len() > 1 => self.preempt(v, fence, ops),
                     _ => self.finish(id, FinishReason::PoolExhausted),
@@ -991,7 +1006,7 @@ impl Scheduler {
             stop.min(r.prompt_len).min(l.consumed + max_chunk)
         };
         let next = self.running.iter().copied().find(|id| {
-            let r = &self.requests[id];
+            let r = self.request(id);
             r.finishing.is_none()
                 && !r.cancelling
                 && r.live.as_ref().is_some_and(|l| {
@@ -1049,7 +1064,7 @@ impl Scheduler {
         assert!(self.running.len() <= self.config.max_concurrency as usize, "too many running");
         let mut slots = vec![false; self.rows.slots.len() as usize];
         for id in &self.running {
-            let request = &self.requests[id];
+            let request = self.request(id);
             let live = request.live.as_ref().expect("running request is live");
             assert!(!slots[live.slot as usize], "slot {} shared", live.slot);
             slots[live.slot as usize] = true;
