@@ -169,6 +169,16 @@ class PagedQwen35(PagedLlama):
     def hidden_rows(self, rows: torch.Tensor) -> torch.Tensor:
         return self._region(rows, "final_hidden", torch.bfloat16, (self.geo.hidden,))
 
+    def randomize_rows(self, rows: torch.Tensor, generator: torch.Generator) -> None:
+        """Finite values in every region's own dtype (random bytes would read as NaN floats)."""
+        rows.zero_()
+        views = [self.hidden_rows(rows)]
+        for layer in self.geo.gdn_layers:
+            views += [self.conv_rows(rows, layer), self.recurrent_rows(rows, layer)]
+        for v in views:
+            scale = 0.1 if v.dtype == torch.float32 else 1.0
+            v.copy_((torch.randn(v.shape, generator=generator, device=rows.device) * scale).to(v.dtype))
+
     def conv_rows(self, rows: torch.Tensor, layer: int) -> torch.Tensor:
         g = self.geo
         return self._region(rows, f"layer{layer}.conv", torch.bfloat16, (g.conv_channels, g.conv_kernel - 1))

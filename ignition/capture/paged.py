@@ -369,6 +369,10 @@ class PagedLlama:
         """The [R, hidden] view of the rows' saved final hidden vectors."""
         return rows
 
+    def randomize_rows(self, rows: torch.Tensor, generator: torch.Generator) -> None:
+        """Finite random contents for every row (the replay checks' inputs)."""
+        rows.copy_(torch.randn(rows.shape, generator=generator, device=rows.device).to(rows.dtype))
+
     def cache_scheme(self) -> dict[str, Any]:
         """The core's cache scheme: KV page regions and the continuation row layout."""
         g = self.geo

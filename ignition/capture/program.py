@@ -240,7 +240,7 @@ class Program:
         dgen = torch.Generator(device=self.kv_all.device).manual_seed(2000 + seed)
         dev = self.kv_all.device
         self.kv_all.copy_((torch.randn(self.kv_all.shape, generator=dgen, device=dev) * 0.5).to(torch.bfloat16))
-        self.rows.copy_(torch.randn(self.rows.shape, generator=dgen, device=dev).to(torch.bfloat16))
+        self.model.randomize_rows(self.rows, dgen)
         self.hist.copy_(torch.randint(0, 3, self.hist.shape, generator=dgen, device=dev, dtype=torch.int32))
         # Entry 0 too: a step must leave it as it found it, whatever it holds.
         self.pending.copy_(torch.randint(0, g.vocab, self.pending.shape, generator=dgen, device=dev, dtype=torch.int32))

@@ -186,3 +186,22 @@ def test_compiled_graph_path_matches_the_reference_under_the_interpreter() -> No
     report = _interpreted("hybrid_compiled.py", 900)
     assert report["unnamed_rows_untouched"], report
     assert max(report["hidden_rel_l2_max"], report["rows_rel_l2_max"], report["kv_rel_l2"]) < 0.02, report
+
+
+def test_every_graph_runs_on_its_replay_check_inputs(tmp_path: Path) -> None:
+    """`Program.set_inputs` (the GPU replay checks' contents) gives the hybrid rows finite values
+    in each region's dtype, and every graph's eager step runs on them with finite outputs and
+    finite state."""
+    require_torch()
+    import torch
+
+    _checkpoint(tmp_path)
+    model, prog = _program(tmp_path)
+    for i, spec in enumerate(prog.graphs):
+        prog.set_inputs(spec, i)
+        out = prog.call(spec, prog.method(spec))
+        assert torch.isfinite(out.float()).all(), spec.name
+        for layer in model.geo.gdn_layers:
+            assert torch.isfinite(model.recurrent_rows(prog.rows, layer)).all(), (spec.name, layer)
+            assert torch.isfinite(model.conv_rows(prog.rows, layer).float()).all(), (spec.name, layer)
+        assert torch.isfinite(model.hidden_rows(prog.rows).float()).all(), spec.name
