@@ -200,22 +200,24 @@ class Recorder:
         self._t("capture_s", t0)
         self.report["arena"]["used_bytes"] = self.arena.used
         self.report["arena"]["failed_allocs"] = self.arena.failed_allocs
-        # A compiled graph that functionalized a KV write holds a copy of the whole cache in its
-        # pool and copies it every replay (see attention.write_attend_op). Find any such block.
+        # A compiled graph that functionalized a KV or continuation-row write holds a copy of the
+        # whole buffer in its pool and copies it every replay (see attention.write_attend_op and
+        # gdn.gdn_ops). Find blocks of that size: any block at least as large as the KV cache,
+        # and for the rows (small for dense recipes, where activations outgrow them) a block of
+        # their size up to the allocator's 2 MiB rounding.
+        blocks = [size for seg in self._segments()[0] if seg["pool"] == "graph" for _, size, _ in seg["blocks"]]
         kv_bytes = self.program.kv_all.numel() * self.program.kv_all.element_size()
-        big = [
-            size
-            for seg in self._segments()[0]
-            if seg["pool"] == "graph"
-            for _, size, _ in seg["blocks"]
-            if size >= kv_bytes
-        ]
-        self.report["kv_sized_graph_pool_blocks"] = big
-        if big:
-            progress(
-                f"WARNING: graph pools hold {len(big)} KV-sized blocks ({kv_bytes} B each or more): "
-                "a graph copies the KV cache"
-            )
+        row_bytes = self.program.rows.numel() * self.program.rows.element_size()
+        for name, nbytes, hits in (
+            ("kv", kv_bytes, [b for b in blocks if b >= kv_bytes]),
+            ("rows", row_bytes, [b for b in blocks if row_bytes <= b < row_bytes + (2 << 20)]),
+        ):
+            self.report[f"{name}_sized_graph_pool_blocks"] = hits
+            if hits:
+                progress(
+                    f"WARNING: graph pools hold {len(hits)} {name}-sized blocks ({nbytes} B): "
+                    f"a graph may copy the {name} buffer"
+                )
 
     # -- memory map ----------------------------------------------------------------------
     def _named(self) -> dict[str, tuple[torch.Tensor, str, Any, str]]:
