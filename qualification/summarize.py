@@ -20,6 +20,7 @@ peak memory, numerics), `kernels` (per graph from kernel_breakdown), and free-fo
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,31 @@ def ttft_section(fed: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return ttft, rate
 
 
+def agent_section(fed: Any) -> dict[str, Any]:
+    """The agent conversation's turns (a tool call and its result appended per turn): what each
+    turn found cached against where the previous turn's prompt ended. With a ChatML-style
+    template the whole previous prompt is a prefix of the next one, so a turn that resumed at the
+    previous conversation's endpoint caches at least all of it (not a block-rounded part); it may
+    cache more where the previous turn's output matched the next rendering (its terminal
+    capture)."""
+    turns = (fed or {}).get("bench", {}).get("agent_turns") if isinstance(fed, dict) else None
+    if not turns:
+        return {}
+    rows = [{k: t.get(k) for k in ("turn", "prompt_tokens", "cached_tokens", "ttft_ms")} for t in turns]
+    later = list(itertools.pairwise(rows))
+    out: dict[str, Any] = {"turns": rows}
+    if later:
+        out["cached_at_message_endpoints"] = all(
+            a["prompt_tokens"] <= b["cached_tokens"] <= b["prompt_tokens"] for a, b in later
+        )
+        out["turns_cached_past_the_previous_prompt"] = sum(b["cached_tokens"] > a["prompt_tokens"] for a, b in later)
+        ttfts = [b["ttft_ms"] for _, b in later if b["ttft_ms"] is not None]
+        if ttfts and rows[0]["ttft_ms"]:
+            out["later_turn_ttft_ms_median"] = round(sorted(ttfts)[len(ttfts) // 2], 3)
+            out["first_turn_ttft_ms"] = round(rows[0]["ttft_ms"], 3)
+    return out
+
+
 def prepare_section(report: Any) -> dict[str, Any]:
     if report is None:
         return {}
@@ -173,6 +199,9 @@ def summarize(raw: Path, tag: str | None) -> dict[str, Any]:
         entry["ttft_ms"] = ttft
     if rate:
         entry["prefill_tokens_per_s"] = rate
+    agent = agent_section(fed)
+    if agent:
+        entry["agent"] = agent
     work = load(paths["core_workload.json"])
     if work is not None:
         keys = ("compared", "identical_to_solo_run", "prefix_hit_tokens")

@@ -27,6 +27,9 @@ def test_summary_of_the_2026_12_04_session_matches_what_it_recorded() -> None:
         assert round(step_ms * 1000, 1) == old["python_floor"]["decode_b1"]["step_us"]
         assert entry["tokens"]["flare_cold_and_prefix_hit_equal_torch_replay"] is True
         assert all(Path(REPO / s).is_file() for s in entry["sources"])
+        # The agent conversation resumed every later turn at the previous prompt's end.
+        assert entry["agent"]["cached_at_message_endpoints"] is True
+        assert [t["turn"] for t in entry["agent"]["turns"]] == [1, 2, 3, 4]
     # Without a bound in the raw files, none is reported (never guessed).
     smol = summarize.summarize(REPO / "qualification" / "raw" / "2026-12-04" / "smollm2", None)
     assert "hbm_bound_ms_b1" not in smol["decode"]
@@ -39,3 +42,15 @@ def test_tagged_files_win_over_untagged(tmp_path: Path) -> None:
     assert summarize.summarize(tmp_path, "gemv")["prepare"]["compile_s"] == 2.0
     assert summarize.summarize(tmp_path, None)["prepare"]["compile_s"] == 1.0
     assert summarize.summarize(tmp_path, "other")["prepare"]["compile_s"] == 1.0
+
+
+def test_an_agent_turn_cached_short_of_the_previous_prompt_is_reported() -> None:
+    fed = {
+        "bench": {
+            "agent_turns": [
+                {"turn": 1, "prompt_tokens": 460, "cached_tokens": 0, "ttft_ms": 9.0},
+                {"turn": 2, "prompt_tokens": 487, "cached_tokens": 448, "ttft_ms": 6.0},
+            ]
+        }
+    }
+    assert summarize.agent_section(fed)["cached_at_message_endpoints"] is False
