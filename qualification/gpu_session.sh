@@ -15,6 +15,7 @@
 #   r1b-bw       (carry .dev/b2)         the ~1B prepared with gemv and with GEMM-template decode projections; kernel
 #                                        breakdown, Python floor and flare bench of each (bg, ~15 min)
 #   q35-prepare                          the seeded random Qwen3.5 (0.8B text geometry): random-checkpoint, prepare
+#   q35-all      (carry .dev/b1 .dev/b2) after q35-prepare: serving + agent bench, floor, bitwise, lifecycle, breakdown
 #   r1b-measure-only                     as smol-measure for the 1B core (no Transformers run)
 #   r1b-serve, r1b-native                r1b-measure-only in two calls (serving; Rust bitwise + lifecycle +
 #                                        compiled Transformers generate); DUMP_IO=1 at r1b-prepare for the bitwise part
@@ -170,6 +171,13 @@ case "$STAGE" in
     python3 -m ignition random-checkpoint --config qualification/configs/qwen3_5_0p8b_random.json --out /tmp/q35 \
       --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
     prepare /tmp/q35 /tmp/q35core qwen3_5-0.8b-random 560 ;;
+  q35-all)  # after q35-prepare (bg beside it; carry .dev/b1 .dev/b2): serving with the agent bench, the torch
+            # replay floor, the Rust bitwise check and lifecycle scenarios, the kernel breakdown
+    SHORT=1 SPLIT_MEASURE=1 measure /tmp/q35 /tmp/q35core
+    SHORT=1 native /tmp/q35core
+    timeout 240 python3 qualification/kernel_breakdown.py /tmp/q35core "$OUT/kernel_breakdown.json" \
+      > "$OUT/kernel_breakdown.log" 2>&1
+    echo "kernel_breakdown rc=$?"; head -40 "$OUT/kernel_breakdown.log" ;;
   r1b-measure-only)
     measure /tmp/r1b /tmp/r1bcore ;;
   r1b-serve)  # SPLIT_MEASURE=1: the serving half of r1b-measure-only; r1b-native runs the rest
