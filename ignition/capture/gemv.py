@@ -16,12 +16,17 @@ sat separate kernels for the norm, the activation and the residual add (the ~1B 
 token through 244 kernels). One program owns BLOCK_N weight rows and every activation row of its
 group, so the weight is read once per step.
 
+Two kernels, chosen per shape by the tuner: the per-row one (`flare_gemv`) and a tensor-core one
+(`flare_gemv_dot`: rows in groups of `DOT_ROWS` through `tl.dot`, zeros past M).
+
 Invariants:
-- A row's result does not depend on how many rows were launched with it: rows are processed in
-  groups of at most `MAX_GROUP_ROWS` by one code path per row (its own accumulator, the same tile
-  layout, the same reduction order), so decode buckets agree bitwise with each other (the
-  lifecycle checks compare requests batched together with their solo runs). The configuration
-  is chosen per weight shape, never per bucket, and the tuner checks this property on the device.
+- A row's result does not depend on how many rows were launched with it: the per-row kernel
+  processes rows in groups of at most `MAX_GROUP_ROWS` by one code path per row (its own
+  accumulator, the same tile layout, the same reduction order); the tensor-core one always
+  launches `DOT_ROWS`-row tiles, and an MMA reduces each output element on its own. So decode
+  buckets agree bitwise with each other (the lifecycle checks compare requests batched together
+  with their solo runs). The configuration is chosen per weight shape, never per bucket, and the
+  tuner keeps only tiles it has seen keep this property on the device.
 - Deterministic: no atomics, no split-K; every output element is reduced by one program.
 """
 
