@@ -262,7 +262,7 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
         with phase("stream weights onto the fixed-address arena"):
             rec.prepare()
             note(f"arena at {rec.report['arena']['base']} ({rec.arena.mapped / 2**30:.2f} GiB mapped)")
-        gemv = bool(getattr(rec.program.model, "gemv", False))
+        gemv = bool(rec.program.model.gemv)
         report["decode_projections"] = "gemv" if gemv else "gemm"
         if o.decode_projections == "gemv" and not gemv:
             note("decode projections as GEMM templates: a bucket exceeds the few-row kernel or attention is gathered")

@@ -88,13 +88,8 @@ def check(runner: GraphRunner, prompt_len: int = 300, steps: int = 8, seed: int 
             "hidden_rel_l2": float((hidden[0] - hidden[1]).norm() / hidden[0].norm().clamp(min=1e-30)),
         },
     }
-    recurrent = getattr(p.model, "recurrent_rows", None)
-    gdn_layers = getattr(geo, "gdn_layers", [])
-    if recurrent is not None and gdn_layers:
-        both = torch.stack([whole, split])
-        worst = 0.0
-        for layer in gdn_layers:
-            s = recurrent(both, layer)
-            worst = max(worst, float((s[0] - s[1]).norm() / s[0].norm().clamp(min=1e-30)))
+    states = p.model.recurrent_states(torch.stack([whole, split]))
+    if states:
+        worst = max(float((s[0] - s[1]).norm() / s[0].norm().clamp(min=1e-30)) for s in states)
         out["split_vs_whole"]["recurrent_rel_l2_max"] = worst
     return out

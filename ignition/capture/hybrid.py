@@ -155,19 +155,23 @@ class PagedQwen35(PagedLlama):
         super().__init__(geo, weights, inv_freq, 1.0, attention_kernel=attention, gemv=False)
         # Created before tracing (Dynamo does not trace their creation).
         self.gdn = gdn.gdn_ops() if kernels else None
-        self.offsets = {r["name"]: int(r["offset"]) for r in geo.row_regions()}
+        # Row regions by name (offset, byte_size): the views below and the ops' offsets.
+        self.regions = {str(r["name"]): r for r in geo.row_regions()}
 
     # -- continuation rows -----------------------------------------------------------------------
     def row_storage(self) -> tuple[tuple[int, ...], torch.dtype]:
         return (self.geo.total_rows, self.geo.row_bytes), torch.uint8
 
     def _region(self, rows: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        r = next(x for x in self.geo.row_regions() if x["name"] == name)
+        r = self.regions[name]
         raw = rows[:, r["offset"] : r["offset"] + r["byte_size"]]
         return raw.view(dtype).view(rows.shape[0], *shape)
 
     def hidden_rows(self, rows: torch.Tensor) -> torch.Tensor:
         return self._region(rows, "final_hidden", torch.bfloat16, (self.geo.hidden,))
+
+    def recurrent_states(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        return [self.recurrent_rows(rows, layer) for layer in self.geo.gdn_layers]
 
     def randomize_rows(self, rows: torch.Tensor, generator: torch.Generator) -> None:
         """Finite values in every region's own dtype (random bytes would read as NaN floats)."""
@@ -192,7 +196,7 @@ class PagedQwen35(PagedLlama):
         if self.gdn is None:
             return super()._store_rows(rows, slots, h)
         live = torch.where((slots >= 0) & (slots < rows.shape[0]), slots, -1).int()
-        out: torch.Tensor = self.gdn[2](h.to(torch.bfloat16), rows, live, self.offsets["final_hidden"])
+        out: torch.Tensor = self.gdn[2](h.to(torch.bfloat16), rows, live, self.regions["final_hidden"]["offset"])
         return out
 
     def cache_scheme(self) -> dict[str, Any]:
@@ -284,9 +288,9 @@ class PagedQwen35(PagedLlama):
             conv_op, delta_op, _ = self.gdn
             lv = live.int()
             ln = None if length is None else length.int()
-            y = conv_op(mixed, conv_w, rows, lv, ln, self.offsets[f"layer{layer}.conv"], g.conv_kernel)
+            y = conv_op(mixed, conv_w, rows, lv, ln, self.regions[f"layer{layer}.conv"]["offset"], g.conv_kernel)
             q, k, v = split(y)
-            recurrent = self.offsets[f"layer{layer}.recurrent"]
+            recurrent = self.regions[f"layer{layer}.recurrent"]["offset"]
             core = delta_op(q, k, v, decay.contiguous(), beta.float().contiguous(), rows, lv, ln, recurrent)
         elif length is None:  # decode: one token per lane, each on its own row
             hist, state = self.conv_rows(rows, layer), self.recurrent_rows(rows, layer)
@@ -319,38 +323,10 @@ class PagedQwen35(PagedLlama):
         return F.linear(o.reshape(n, vd), w[p + "out_proj"])
 
 
-@dataclass(frozen=True)
-class Qwen35ProgramPlan:
-    """`ignition.recipes.ProgramPlan` of the hybrid forward."""
-
-    config: Qwen35Config
-    eos: tuple[int, ...]
-    capacities: Any
-
-    def _geometry(self) -> HybridGeometry:
-        c = self.capacities
-        return HybridGeometry.from_qwen35(
-            self.config,
-            self.eos,
-            context_limit=c.context_limit,
-            request_slots=c.request_slots,
-            snapshot_rows=c.snapshot_rows,
-            max_kv_pages=c.max_kv_pages,
-        )
-
-    def geometry(self) -> dict[str, Any]:
-        return self._geometry().as_dict()
-
-    def state_bytes(self) -> int:
-        return self._geometry().state_bytes()
-
-    def pool_bytes(self) -> int:
-        return self._geometry().pool_bytes(self.capacities.prefill_chunks[-1])
-
-    def build(self, weights: dict[str, Any], device: Any, options: Any) -> Any:
-        from ignition.capture.program import Program, catalog
-
-        geo = self._geometry()
-        kernels = bool(options is not None and options.attention_kernel)
-        model = PagedQwen35(geo, weights, rope_inv_freq(self.config, geo.rotary_dim).to(device), kernels)
-        return Program(model, catalog(geo, self.capacities.decode_buckets, self.capacities.prefill_chunks))
+def build_model(
+    config: Qwen35Config, geo: HybridGeometry, weights: dict[str, torch.Tensor], device: Any, options: Any
+) -> PagedQwen35:
+    """The hybrid forward over the streamed weights; the Triton ops when preparing for the
+    device (`options.attention_kernel`), the eager reference otherwise (or without options)."""
+    kernels = bool(options is not None and options.attention_kernel)
+    return PagedQwen35(geo, weights, rope_inv_freq(config, geo.rotary_dim).to(device), kernels)

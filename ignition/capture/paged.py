@@ -369,6 +369,10 @@ class PagedLlama:
         """The [R, hidden] view of the rows' saved final hidden vectors."""
         return rows
 
+    def recurrent_states(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Views of the rows' recurrent state per layer that keeps one (none for this recipe)."""
+        return []
+
     def randomize_rows(self, rows: torch.Tensor, generator: torch.Generator) -> None:
         """Finite random contents for every row (the replay checks' inputs)."""
         rows.copy_(torch.randn(rows.shape, generator=generator, device=rows.device).to(rows.dtype))

@@ -299,3 +299,37 @@ class Program:
             if "source_rows" in x:
                 x["source_rows"].fill_(g.request_slots + 1 if spec.maintenance_op == "restore" else 2)
                 x["expected_consumed"].fill_(-1)
+
+
+def capacity_fields(capacities: Any) -> dict[str, int]:
+    """The geometry's capacity fields from planned capacities (`ignition.prepare.Capacities`)."""
+    return {
+        "context_limit": capacities.context_limit,
+        "request_slots": capacities.request_slots,
+        "snapshot_rows": capacities.snapshot_rows,
+        "max_kv_pages": capacities.max_kv_pages,
+    }
+
+
+@dataclass(frozen=True)
+class ProgramPlan:
+    """A recipe's prepared forward for one config and capacities (`ignition.recipes.ProgramPlan`):
+    its geometry, what it will hold, and how its model is built over the streamed weights.
+    `make_model(weights, device, options)` returns the forward (a `PagedLlama` or subclass)."""
+
+    geo: Geometry
+    capacities: Any
+    make_model: Callable[[dict[str, torch.Tensor], Any, Any], PagedLlama]
+
+    def geometry(self) -> dict[str, Any]:
+        return self.geo.as_dict()
+
+    def state_bytes(self) -> int:
+        return self.geo.state_bytes()
+
+    def pool_bytes(self) -> int:
+        return self.geo.pool_bytes(self.capacities.prefill_chunks[-1])
+
+    def build(self, weights: dict[str, torch.Tensor], device: Any, options: Any) -> Program:
+        model = self.make_model(weights, device, options)
+        return Program(model, catalog(self.geo, self.capacities.decode_buckets, self.capacities.prefill_chunks))

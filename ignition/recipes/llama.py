@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -213,48 +214,16 @@ def plan_weight_mapping(
 # The recipe
 
 
-@dataclass(frozen=True)
-class LlamaProgramPlan:
-    """The paged Llama forward (`ignition.capture.paged.PagedLlama`) for one config and capacities."""
+def _paged_llama(
+    config: LlamaFamilyConfig, geo: Any, largest_bucket: int, weights: dict[str, Any], device: Any, options: Any
+) -> Any:
+    """The paged Llama forward (`ignition.capture.paged.PagedLlama`) over the streamed weights;
+    decode projections through `flare::gemv` when asked and every bucket fits it."""
+    from ignition.capture.paged import GEMV_MAX_ROWS, PagedLlama, rope_parameters
 
-    config: LlamaFamilyConfig
-    eos: tuple[int, ...]
-    capacities: Any  # ignition.prepare.Capacities, as planned
-
-    def _geometry(self) -> Any:
-        from ignition.capture.paged import Geometry
-
-        c = self.capacities
-        return Geometry.from_recipe(
-            self.config,
-            self.eos,
-            context_limit=c.context_limit,
-            request_slots=c.request_slots,
-            snapshot_rows=c.snapshot_rows,
-            max_kv_pages=c.max_kv_pages,
-        )
-
-    def geometry(self) -> dict[str, Any]:
-        out: dict[str, Any] = self._geometry().as_dict()
-        return out
-
-    def state_bytes(self) -> int:
-        return int(self._geometry().state_bytes())
-
-    def pool_bytes(self) -> int:
-        return int(self._geometry().pool_bytes(self.capacities.prefill_chunks[-1]))
-
-    def build(self, weights: dict[str, Any], device: Any, options: Any) -> Any:
-        from ignition.capture.paged import GEMV_MAX_ROWS, PagedLlama, rope_parameters
-        from ignition.capture.program import Program, catalog
-
-        c = self.capacities
-        gemv = (
-            options.decode_projections == "gemv" and options.attention_kernel and max(c.decode_buckets) <= GEMV_MAX_ROWS
-        )
-        inv, scaling = rope_parameters(self.config.raw, device)
-        model = PagedLlama(self._geometry(), weights, inv.to(device), scaling, options.attention_kernel, gemv)
-        return Program(model, catalog(model.geo, c.decode_buckets, c.prefill_chunks))
+    gemv = options.decode_projections == "gemv" and options.attention_kernel and largest_bucket <= GEMV_MAX_ROWS
+    inv, scaling = rope_parameters(config.raw, device)
+    return PagedLlama(geo, weights, inv.to(device), scaling, options.attention_kernel, gemv)
 
 
 class LlamaRecipe:
@@ -286,8 +255,13 @@ class LlamaRecipe:
             card = "smollm2-135m-instruct" if smollm2 else "neutral"
         return cards.SMOLLM2_135M_INSTRUCT if card == "smollm2-135m-instruct" else cards.NEUTRAL
 
-    def plan_program(self, config: LlamaFamilyConfig, eos: tuple[int, ...], capacities: Any) -> LlamaProgramPlan:
-        return LlamaProgramPlan(config, eos, capacities)
+    def plan_program(self, config: LlamaFamilyConfig, eos: tuple[int, ...], capacities: Any) -> Any:
+        from ignition.capture.paged import Geometry
+        from ignition.capture.program import ProgramPlan, capacity_fields
+
+        geo = Geometry.from_recipe(config, eos, **capacity_fields(capacities))
+        largest = max(capacities.decode_buckets)
+        return ProgramPlan(geo, capacities, functools.partial(_paged_llama, config, geo, largest))
 
 
 RECIPE = LlamaRecipe()

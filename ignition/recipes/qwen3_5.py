@@ -239,12 +239,16 @@ class Qwen35Recipe:
         """The hybrid forward (`ignition.capture.hybrid`). A continuation row holds every GDN
         layer's recurrent matrix (MiBs, where a dense recipe's row is one hidden vector), so
         snapshot rows are budgeted per slot instead of matching the pages."""
+        import functools
         from dataclasses import replace
 
-        from ignition.capture.hybrid import Qwen35ProgramPlan
+        from ignition.capture.hybrid import HybridGeometry, build_model
+        from ignition.capture.program import ProgramPlan, capacity_fields
 
         rows = min(capacities.snapshot_rows, SNAPSHOT_ROWS_PER_SLOT * capacities.request_slots)
-        return Qwen35ProgramPlan(config, eos, replace(capacities, snapshot_rows=rows))
+        caps = replace(capacities, snapshot_rows=rows)
+        geo = HybridGeometry.from_qwen35(config, eos, **capacity_fields(caps))
+        return ProgramPlan(geo, caps, functools.partial(build_model, config, geo))
 
 
 RECIPE = Qwen35Recipe()

@@ -62,10 +62,10 @@ def _program(
 ) -> tuple[PagedQwen35, Program]:
     import torch
 
-    from ignition.capture.hybrid import PagedQwen35, Qwen35ProgramPlan
+    from ignition.capture.hybrid import PagedQwen35
     from ignition.prepare import Capacities
     from ignition.recipes.mapping import Checkpoint, stream_execution_layout
-    from ignition.recipes.qwen3_5 import Qwen35Config, plan_weight_mapping
+    from ignition.recipes.qwen3_5 import RECIPE, Qwen35Config, plan_weight_mapping
 
     config = Qwen35Config.from_dict({**CFG})
     ckpt = Checkpoint.open(tmp)
@@ -74,7 +74,7 @@ def _program(
         dt = {"BF16": torch.bfloat16, "F32": torch.float32}[tb.dtype.name]
         weights[name] = torch.frombuffer(bytearray(tb.data), dtype=dt).view(tb.shape).to(torch.bfloat16)
     caps = Capacities(list(buckets), list(chunks), 256, 4, 4, 24)
-    prog: Program = Qwen35ProgramPlan(config, (2,), caps).build(weights, torch.device("cpu"), None)
+    prog: Program = RECIPE.plan_program(config, (2,), caps).build(weights, torch.device("cpu"), None)
     assert isinstance(prog.model, PagedQwen35)
     return prog.model, prog
 

@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from ignition.capture.hybrid import PagedQwen35, Qwen35ProgramPlan
+from ignition.capture.hybrid import PagedQwen35
 from ignition.capture.program import GraphSpec, Program
 from ignition.capture.runner import Row, fill, pack_rows
 from ignition.prepare import Capacities, PrepareOptions
 from ignition.recipes.mapping import Checkpoint, stream_execution_layout
-from ignition.recipes.qwen3_5 import Qwen35Config, plan_weight_mapping
+from ignition.recipes.qwen3_5 import RECIPE, Qwen35Config, plan_weight_mapping
 from tests.ignition.test_hybrid_cpu import CFG, _checkpoint
 
 root = Path(tempfile.mkdtemp())
@@ -34,7 +34,7 @@ weights = {
     for name, tb in stream_execution_layout(plan_weight_mapping(config, ckpt.tensors, ckpt.files), ckpt)
 }
 caps = Capacities([1, 4], [64], 256, 4, 4, 24)
-plan = Qwen35ProgramPlan(config, (2,), caps)
+plan = RECIPE.plan_program(config, (2,), caps)
 ref = plan.build(weights, torch.device("cpu"), PrepareOptions(attention_kernel=False))
 ker = plan.build(weights, torch.device("cpu"), PrepareOptions(attention_kernel=True))
 geo = ker.model.geo
