@@ -205,9 +205,6 @@ class PagedQwen35(PagedLlama):
         scheme["row_layout"] = self.geo.row_regions()
         return scheme
 
-    def projection_problems(self) -> list[Any]:
-        return []
-
     # -- the forward ---------------------------------------------------------------------------
     def hidden(
         self,

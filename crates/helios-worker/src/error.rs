@@ -6,11 +6,12 @@ use helios_frontend::{FrontendError, GrammarError, OutputError, SamplingError, T
 use helios_replay::ExecutorError;
 use helios_scheduler::AdmissionError;
 
-/// Every error code a request failure is reported with: snake case on the wire (the OpenAI
-/// envelope's `code`, Anthropic's `error.code`), in logs and in the failure metric's label.
-/// The HTTP layer adds its own ([`ErrorCode::Http`] kinds live in `helios-http`).
+/// Declares [`ErrorCode`] with each variant's wire string written once.
 macro_rules! error_codes {
     ($($variant:ident => $text:literal,)+) => {
+        /// Every error code a request failure is reported with: snake case on the wire (the
+        /// OpenAI envelope's `code`, Anthropic's `error.code`), in logs and in the failure
+        /// metric's label. The HTTP layer's own codes are `helios_http::ApiCode`.
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
         pub enum ErrorCode {
             $($variant,)+
