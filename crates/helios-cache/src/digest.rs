@@ -99,6 +99,37 @@ impl PromptDigests {
         PrefixKey { block_digest, digest: mix(tail, len as u64), tokens: len as u64 }
     }
 
+    /// The deepest stored prefix of `tokens` no longer than `max_tokens`. Walks hash blocks from
+    /// the deepest; `bucket` lists the entries stored under a block digest and `key` gives an
+    /// entry's key. Cost: one fold of at most a block's tail per candidate examined.
+    pub fn deepest<'a, I: Copy + 'a>(
+        &self,
+        tokens: &[u32],
+        images: &[ImageSpan],
+        max_tokens: usize,
+        bucket: impl Fn(&Digest) -> Option<&'a [I]>,
+        key: impl Fn(I) -> PrefixKey,
+    ) -> Option<I> {
+        let max_tokens = max_tokens.min(tokens.len());
+        for b in (0..=max_tokens / HASH_BLOCK_TOKENS).rev() {
+            let Some(ids) = self.block(b).and_then(|d| bucket(&d)) else { continue };
+            let mut best: Option<(u64, I)> = None;
+            for &id in ids {
+                let k = key(id);
+                if k.tokens as usize > max_tokens || best.is_some_and(|(l, _)| l >= k.tokens) {
+                    continue;
+                }
+                if self.key_at(tokens, images, k.tokens as usize).digest == k.digest {
+                    best = Some((k.tokens, id));
+                }
+            }
+            if let Some((_, id)) = best {
+                return Some(id);
+            }
+        }
+        None
+    }
+
     /// Key of `tokens[..len]` without precomputed digests.
     pub fn key_of(identity: PrefixIdentity, tokens: &[u32], images: &[ImageSpan], len: usize) -> PrefixKey {
         Self::new(identity, &tokens[..len], images).key_at(tokens, images, len)

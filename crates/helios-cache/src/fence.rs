@@ -19,6 +19,9 @@ pub struct FencedPool {
     free: Vec<u32>,
     retiring: Vec<u32>,
     completed: Fence,
+    /// Allocations of each entry so far: an entry's content is one allocation's, so a copy
+    /// taken under one generation is stale under another.
+    generation: Vec<u64>,
 }
 
 impl FencedPool {
@@ -30,6 +33,7 @@ impl FencedPool {
             free: (0..len).rev().collect(),
             retiring: Vec::new(),
             completed: Fence(0),
+            generation: vec![0; len as usize],
         }
     }
 
@@ -67,7 +71,13 @@ impl FencedPool {
     pub fn allocate(&mut self) -> Option<u32> {
         let index = self.free.pop()?;
         self.refs[index as usize] = 1;
+        self.generation[index as usize] += 1;
         Some(index)
+    }
+
+    /// How many times `index` was allocated: unchanged while anyone holds it.
+    pub fn generation(&self, index: u32) -> u64 {
+        self.generation[index as usize]
     }
 
     /// Adds a reference to an entry that is already referenced (sharing, never resurrection).

@@ -12,5 +12,5 @@ mod rows;
 
 pub use digest::{Digest, HASH_BLOCK_TOKENS, ImageSpan, PrefixIdentity, PrefixKey, PromptDigests};
 pub use fence::{Fence, FencedPool};
-pub use prefix::{Checkpoint, CheckpointId, PageId, PrefixCache, PressureStats, Publication, PublishOutcome};
+pub use prefix::{Checkpoint, CheckpointId, PageId, PrefixCache, PressureStats, Publication, PublishOutcome, Retired};
 pub use rows::RowPool;

@@ -72,6 +72,20 @@ pub enum PublishOutcome {
     Duplicate(CheckpointId),
 }
 
+/// A checkpoint the cache just retired, described for demotion to a lower tier.
+///
+/// Its storage was released at the checkpoint's last use, so a page may be handed out again
+/// in the step being planned: the caller copies it out at the start of that step, before any
+/// op can write it. Generations identify the page contents copied.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Retired {
+    pub key: PrefixKey,
+    /// Complete pages of its chain in token order, with their allocation generations.
+    pub chain: Vec<(PageId, u64)>,
+    pub tail_page: Option<PageId>,
+    pub snapshot: u32,
+}
+
 /// Eviction counters, page and snapshot pressure kept apart.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PressureStats {
@@ -146,6 +160,8 @@ pub struct PrefixCache {
     next_id: CheckpointId,
     clock: u64,
     stats: PressureStats,
+    /// Retirements not yet taken; `None` when nobody demotes them.
+    retired: Option<Vec<Retired>>,
 }
 
 impl PrefixCache {
@@ -160,6 +176,27 @@ impl PrefixCache {
             next_id: 1,
             clock: 0,
             stats: PressureStats::default(),
+            retired: None,
+        }
+    }
+
+    /// Keeps a description of every checkpoint retired from now on, for [`Self::take_retired`].
+    pub fn record_retirements(&mut self) {
+        self.retired.get_or_insert_with(Vec::new);
+    }
+
+    /// Checkpoints retired since the last call, in retirement order.
+    pub fn take_retired(&mut self) -> Vec<Retired> {
+        self.retired.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    fn note_retired(&mut self, id: CheckpointId, pages: &FencedPool) {
+        let Some(cp) = self.checkpoints.get(&id).filter(|_| self.retired.is_some()) else { return };
+        let (key, tail_page, snapshot) = (cp.key, cp.tail_page, cp.snapshot);
+        let chain = self.chain_pages(id).into_iter().map(|p| (p, pages.generation(p))).collect();
+        let retired = Retired { key, chain, tail_page, snapshot };
+        if let Some(list) = self.retired.as_mut() {
+            list.push(retired);
         }
     }
 
@@ -231,27 +268,16 @@ impl PrefixCache {
         images: &[ImageSpan],
         max_tokens: usize,
     ) -> Option<CheckpointId> {
-        let max_tokens = max_tokens.min(tokens.len());
-        for b in (0..=max_tokens / crate::HASH_BLOCK_TOKENS).rev() {
-            let Some(block) = digests.block(b) else { continue };
-            let Some(ids) = self.by_block.get(&block) else { continue };
-            let mut best: Option<(u64, CheckpointId)> = None;
-            for id in ids {
-                let cp = &self.checkpoints[id];
-                let len = cp.key.tokens;
-                if len as usize > max_tokens || best.is_some_and(|(l, _)| l >= len) {
-                    continue;
-                }
-                if digests.key_at(tokens, images, len as usize).digest == cp.key.digest {
-                    best = Some((len, *id));
-                }
-            }
-            if let Some((_, id)) = best {
-                self.touch(id, Fence(0));
-                return Some(id);
-            }
-        }
-        None
+        let checkpoints = &self.checkpoints;
+        let id = digests.deepest(
+            tokens,
+            images,
+            max_tokens,
+            |block| self.by_block.get(block).map(Vec::as_slice),
+            |id| checkpoints[&id].key,
+        )?;
+        self.touch(id, Fence(0));
+        Some(id)
     }
 
     /// Marks a checkpoint used now, by the GPU up to `fence`.
@@ -361,6 +387,7 @@ impl PrefixCache {
 
     /// Evicts a leaf: releases its segment, tail page and snapshot.
     fn evict_leaf(&mut self, id: CheckpointId, pages: &mut FencedPool, snapshots: &mut FencedPool) {
+        self.note_retired(id, pages);
         let Some(cp) = self.checkpoints.remove(&id) else { return };
         debug_assert!(cp.children.is_empty() && cp.pins == 0);
         self.unindex(&cp);
@@ -382,6 +409,7 @@ impl PrefixCache {
     /// Removes a one-child ancestor: its segment and last-use fence move to the child, the
     /// chain bypasses it, and only its snapshot and tail page are retired.
     fn remove_ancestor(&mut self, id: CheckpointId, pages: &mut FencedPool, snapshots: &mut FencedPool) {
+        self.note_retired(id, pages);
         let Some(cp) = self.checkpoints.remove(&id) else { return };
         debug_assert!(cp.children.len() == 1 && cp.pins == 0);
         self.unindex(&cp);

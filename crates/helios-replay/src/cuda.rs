@@ -59,6 +59,8 @@ pub enum CudaError {
     PartiallyBacked(&'static str),
     #[error("no deferred read {0} is outstanding")]
     UnknownRead(u64),
+    #[error("a host transfer outside the attached host arena, or none is attached")]
+    NoHostArena,
 }
 
 fn error_text(r: cu::CUresult) -> (String, String) {
@@ -385,6 +387,8 @@ pub struct DeviceCore {
     next_read: u64,
     /// Device memory in use when loading finished (for the after-readiness growth check).
     used_at_ready: u64,
+    /// The host tier's arena, page-locked (registered) while attached.
+    host: Option<std::sync::Arc<helios_offload::HostArena>>,
 }
 
 impl std::fmt::Debug for DeviceCore {
@@ -447,6 +451,7 @@ impl DeviceCore {
             reads: HashMap::new(),
             next_read: 0,
             used_at_ready: 0,
+            host: None,
         };
         // From here on, Drop releases whatever was created.
         // SAFETY: out-pointer to a field; the context is current.
@@ -810,6 +815,48 @@ impl DeviceCore {
         &self.manifest
     }
 
+    /// Whether the device shares physical memory with the host (integrated GPUs, unified-memory
+    /// systems): a host copy of device data then costs the same DRAM.
+    pub fn integrated(&self) -> Result<bool, CudaError> {
+        let mut v = 0;
+        // SAFETY: out-pointer to a live local; the device handle is valid.
+        check("cuDeviceGetAttribute", unsafe {
+            cu::cuDeviceGetAttribute(&mut v, cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_INTEGRATED, self.device)
+        })?;
+        Ok(v != 0)
+    }
+
+    /// Page-locks `arena` so transfers to and from it run asynchronously on the model stream.
+    /// Before readiness only: registering maps memory for the device.
+    pub fn attach_host_arena(&mut self, arena: std::sync::Arc<helios_offload::HostArena>) -> Result<(), CudaError> {
+        self.detach_host_arena();
+        // SAFETY: the arena's memory is live for as long as the Arc this object keeps.
+        check("cuMemHostRegister", unsafe {
+            cu::cuMemHostRegister_v2(arena.as_ptr().cast(), arena.len() as usize, 0)
+        })?;
+        self.host = Some(arena);
+        Ok(())
+    }
+
+    fn detach_host_arena(&mut self) {
+        if let Some(arena) = self.host.take() {
+            // SAFETY: drained first, so no copy still reads or writes the registered memory.
+            unsafe {
+                cu::cuStreamSynchronize(self.stream);
+                cu::cuMemHostUnregister(arena.as_ptr().cast());
+            }
+        }
+    }
+
+    fn host_ptr(&self, extent: helios_offload::HostExtent) -> Result<*mut u8, CudaError> {
+        let arena = self.host.as_ref().ok_or(CudaError::NoHostArena)?;
+        if extent.offset.checked_add(extent.len).is_none_or(|end| end > arena.len()) {
+            return Err(CudaError::NoHostArena);
+        }
+        // SAFETY: in bounds of the arena (checked).
+        Ok(unsafe { arena.as_ptr().add(extent.offset as usize) })
+    }
+
     fn range(&self, buffer: BufferId, offset: u64, len: u64) -> Result<u64, CudaError> {
         let b = self.manifest.buffer(buffer).ok_or(CudaError::UnknownBuffer(buffer.0))?;
         if offset.checked_add(len).is_none_or(|end| end > b.byte_size) {
@@ -1103,6 +1150,42 @@ impl crate::graph::GraphBackend for DeviceCore {
     fn kv_pages(&self) -> Option<u32> {
         Some(self.report.kv_pages)
     }
+
+    fn attach_host_arena(
+        &mut self,
+        arena: std::sync::Arc<helios_offload::HostArena>,
+    ) -> Result<(), crate::ExecutorError> {
+        Ok(DeviceCore::attach_host_arena(self, arena)?)
+    }
+
+    fn copy_to_host(
+        &mut self,
+        src: (BufferId, u64),
+        dst: helios_offload::HostExtent,
+    ) -> Result<(), crate::ExecutorError> {
+        let from = self.range(src.0, src.1, dst.len)?;
+        let to = self.host_ptr(dst)?;
+        // SAFETY: a mapped device range and a registered host range of `dst.len` bytes; the
+        // scheduler keeps the extent untouched until the step completes.
+        check("cuMemcpyDtoHAsync", unsafe {
+            cu::cuMemcpyDtoHAsync_v2(to.cast(), from, dst.len as usize, self.stream)
+        })?;
+        Ok(())
+    }
+
+    fn copy_from_host(
+        &mut self,
+        src: helios_offload::HostExtent,
+        dst: (BufferId, u64),
+    ) -> Result<(), crate::ExecutorError> {
+        let from = self.host_ptr(src)?;
+        let to = self.range(dst.0, dst.1, src.len)?;
+        // SAFETY: as in `copy_to_host`, the other way.
+        check("cuMemcpyHtoDAsync", unsafe {
+            cu::cuMemcpyHtoDAsync_v2(to, from.cast(), src.len as usize, self.stream)
+        })?;
+        Ok(())
+    }
 }
 
 fn set_launch_attribute(node: cu::CUgraphNode, a: &LaunchAttribute) -> Result<(), CudaError> {
@@ -1169,6 +1252,7 @@ fn topological(g: &Graph) -> Option<Vec<usize>> {
 
 impl Drop for DeviceCore {
     fn drop(&mut self) {
+        self.detach_host_arena();
         // Drain first: nothing may be destroyed while a replay can still touch it.
         // SAFETY: every handle below was created by this object and is destroyed once.
         unsafe {

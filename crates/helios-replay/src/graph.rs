@@ -16,6 +16,8 @@
 //! Conventions this executor fixes (the contract leaves them to the executor):
 //! - a KV page `p` is the byte range `p * bytes_per_page ..` of the core's `KvPages` buffer,
 //!   regions in declaration order inside it; checkpoint tail copies copy whole pages;
+//! - a row `r` is the byte range `r * continuation_row_bytes ..` of the `ContinuationRows`
+//!   buffer; host transfers copy whole pages and whole rows, in step order with the replays;
 //! - rows the scheduler did not fill are padded with `padding_slot` (slots, slot mappings)
 //!   or `-1` (page tables, rows), zero for counts, and records are cleared before each replay,
 //!   so a record the graph did not write is rejected rather than read stale.
@@ -23,7 +25,9 @@
 use helios_contract::model::{BufferId, BufferRole, GraphId, GraphKind, MaintenanceOp, Manifest, ValueKind};
 use helios_contract::record::{CompletionRecord, FLAG_SAMPLED, RecordError};
 use helios_contract::{BoundContract, BoundGraph, ByteView, Element};
+use helios_offload::{HostArena, HostExtent};
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use helios_cache::Fence;
 use helios_scheduler::{Completion, ConsumeRow, RequestId, SampleSpec, SampledToken, Step, StepOp};
@@ -67,6 +71,22 @@ pub trait GraphBackend {
     fn kv_pages(&self) -> Option<u32> {
         None
     }
+    /// See [`Executor::attach_host_arena`]. The default has no host transfers.
+    fn attach_host_arena(&mut self, arena: Arc<HostArena>) -> Result<(), ExecutorError> {
+        let _ = arena;
+        Err(ExecutorError::NoHostTransfers)
+    }
+    /// Enqueues a copy of `dst.len` bytes of `src` into a host extent of the attached arena,
+    /// ordered after everything enqueued before it and before everything after.
+    fn copy_to_host(&mut self, src: (BufferId, u64), dst: HostExtent) -> Result<(), ExecutorError> {
+        let _ = (src, dst);
+        Err(ExecutorError::NoHostTransfers)
+    }
+    /// Enqueues a copy of a host extent of the attached arena into `dst`, ordered likewise.
+    fn copy_from_host(&mut self, src: HostExtent, dst: (BufferId, u64)) -> Result<(), ExecutorError> {
+        let _ = (src, dst);
+        Err(ExecutorError::NoHostTransfers)
+    }
 }
 
 /// Records of one sampling replay: where their bytes are and whose samples they hold.
@@ -95,6 +115,7 @@ pub struct GraphExecutor<B> {
     staging: BufferId,
     staging_mirror: Vec<u8>,
     kv: Option<BufferId>,
+    rows_buffer: Option<BufferId>,
     in_flight: VecDeque<InFlight>,
     /// Completed steps not yet handed out, in fence order.
     ready: Vec<Completion>,
@@ -131,6 +152,7 @@ impl<B: GraphBackend> GraphExecutor<B> {
         };
         let size = manifest.buffer(id).map_or(0, |b| b.byte_size) as usize;
         let kv = manifest.buffers.iter().find(|b| b.role == BufferRole::KvPages).map(|b| b.id);
+        let rows_buffer = manifest.buffers.iter().find(|b| b.role == BufferRole::ContinuationRows).map(|b| b.id);
         let samplers = || {
             bound
                 .graphs()
@@ -147,6 +169,7 @@ impl<B: GraphBackend> GraphExecutor<B> {
             staging: id,
             staging_mirror: vec![0; size],
             kv,
+            rows_buffer,
             in_flight: VecDeque::new(),
             ready: Vec::new(),
         })
@@ -154,6 +177,11 @@ impl<B: GraphBackend> GraphExecutor<B> {
 
     pub fn backend(&self) -> &B {
         &self.backend
+    }
+
+    /// The backend, writable (tests seed storage through it).
+    pub fn backend_mut(&mut self) -> &mut B {
+        &mut self.backend
     }
 
     fn pack<T: Element>(
@@ -184,6 +212,50 @@ impl<B: GraphBackend> GraphExecutor<B> {
         let kv = self.kv.ok_or(ExecutorError::BadPage(source))?;
         let bytes = self.manifest.cache_scheme.bytes_per_page();
         self.backend.copy((kv, u64::from(source) * bytes), (kv, u64::from(destination) * bytes), bytes)
+    }
+
+    /// Where page `p` and row `r` live, and their sizes, for host transfers.
+    fn page_at(&self, page: u32) -> Result<((BufferId, u64), u64), ExecutorError> {
+        let kv = self.kv.ok_or(ExecutorError::BadPage(page))?;
+        let bytes = self.manifest.cache_scheme.bytes_per_page();
+        Ok(((kv, u64::from(page) * bytes), bytes))
+    }
+
+    fn row_at(&self, row: u32) -> Result<((BufferId, u64), u64), ExecutorError> {
+        let bytes = self.manifest.cache_scheme.continuation_row_bytes;
+        match self.rows_buffer {
+            Some(b) => Ok(((b, u64::from(row) * bytes), bytes)),
+            // A scheme without row bytes has nothing to copy.
+            None if bytes == 0 => Ok(((BufferId(u32::MAX), 0), 0)),
+            None => Err(ExecutorError::BadRow(row)),
+        }
+    }
+
+    /// Copies storage (pages, rows) to host extents (`out`) or from them, in op order.
+    fn transfer(
+        &mut self,
+        pages: &[(u32, HostExtent)],
+        rows: &[(u32, HostExtent)],
+        out: bool,
+    ) -> Result<(), ExecutorError> {
+        let pages = pages.iter().map(|&(p, e)| (self.page_at(p), e));
+        let rows = rows.iter().map(|&(r, e)| (self.row_at(r), e));
+        let all: Vec<_> = pages.chain(rows).collect();
+        for (at, extent) in all {
+            let (at, bytes) = at?;
+            if bytes != extent.len {
+                return Err(ExecutorError::TransferSize { extent, expected: bytes });
+            }
+            if bytes == 0 {
+                continue;
+            }
+            if out {
+                self.backend.copy_to_host(at, extent)?;
+            } else {
+                self.backend.copy_from_host(extent, at)?;
+            }
+        }
+        Ok(())
     }
 
     fn maintenance(&mut self, op: MaintenanceOp, source: Option<u32>, destination: u32) -> Result<(), ExecutorError> {
@@ -413,6 +485,12 @@ impl<B: GraphBackend> Executor for GraphExecutor<B> {
                     let g = self.bound.prefill(*capacity)?.clone();
                     self.rows(&g, &[(row, row.sample)], inputs, &mut reads)?;
                 }
+                StepOp::CopyOut { pages, rows } => self.transfer(pages, rows, true)?,
+                StepOp::CopyIn { pages, rows } => {
+                    let pages: Vec<(u32, HostExtent)> = pages.iter().map(|&(e, p)| (p, e)).collect();
+                    let rows: Vec<(u32, HostExtent)> = rows.iter().map(|&(e, r)| (r, e)).collect();
+                    self.transfer(&pages, &rows, false)?;
+                }
                 StepOp::ResumeSampling { live_row, consumed, page_table, sample } => {
                     let g = self.bound.resume_sampling(1)?.clone();
                     let row = ConsumeRow {
@@ -459,6 +537,10 @@ impl<B: GraphBackend> Executor for GraphExecutor<B> {
     fn kv_pages(&self) -> Option<u32> {
         self.backend.kv_pages()
     }
+
+    fn attach_host_arena(&mut self, arena: Arc<HostArena>) -> Result<(), ExecutorError> {
+        self.backend.attach_host_arena(arena)
+    }
 }
 
 /// Which graph a step op replays (reports, tests).
@@ -471,6 +553,7 @@ pub fn graph_for(bound: &BoundContract, op: &StepOp) -> Option<GraphId> {
         StepOp::Restore { .. } => bound.maintenance(MaintenanceOp::Restore, 1).ok(),
         StepOp::Snapshot { .. } => bound.maintenance(MaintenanceOp::Snapshot, 1).ok(),
         StepOp::AdmitHistogram { .. } => bound.maintenance(MaintenanceOp::AdmitHistogram, 1).ok(),
+        StepOp::CopyOut { .. } | StepOp::CopyIn { .. } => None,
     };
     g.map(|g| g.id)
 }

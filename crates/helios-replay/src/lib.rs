@@ -6,6 +6,7 @@
 //! stale row, off-by-one endpoint or lost token changes the output.
 
 use helios_contract::model::{CacheScheme, Capacities};
+use helios_offload::{HostArena, HostExtent};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -92,6 +93,13 @@ pub trait Executor {
     fn kv_pages(&self) -> Option<u32> {
         None
     }
+    /// Attaches the host memory that [`StepOp::CopyOut`] and [`StepOp::CopyIn`] address. Called
+    /// once, before readiness (executors that copy asynchronously page-lock it here). The
+    /// default refuses: such an executor serves without a host tier.
+    fn attach_host_arena(&mut self, arena: Arc<HostArena>) -> Result<(), ExecutorError> {
+        let _ = arena;
+        Err(ExecutorError::NoHostTransfers)
+    }
 }
 
 /// Executor failures: metadata that does not match the storage it addresses.
@@ -121,6 +129,10 @@ pub enum ExecutorError {
     DeviceFedUnsupported,
     #[error("no deferred read {0} is outstanding")]
     UnknownRead(u64),
+    #[error("this executor has no host transfers (or no host arena is attached)")]
+    NoHostTransfers,
+    #[error("host extent {extent:?} does not hold the {expected} bytes of the storage it copies")]
+    TransferSize { extent: HostExtent, expected: u64 },
     #[error("the core cannot be driven: {0}")]
     Contract(#[from] graph::GraphExecutorError),
     /// A CUDA failure: operation, driver code, name and description.
@@ -175,6 +187,7 @@ pub struct SimulatedExecutor {
     /// initialized or restored (outside every checkpoint).
     pending: Vec<Option<u32>>,
     device_fed: bool,
+    host: Option<Arc<HostArena>>,
 }
 
 impl SimulatedExecutor {
@@ -198,6 +211,7 @@ impl SimulatedExecutor {
             model: SimModel::Hash,
             pending: vec![None; rows],
             device_fed: false,
+            host: None,
         }
     }
 
@@ -247,6 +261,41 @@ impl SimulatedExecutor {
     fn copy_page(&mut self, from: u32, to: u32) -> Result<(), ExecutorError> {
         let source = self.pages.get(from as usize).ok_or(ExecutorError::BadPage(from))?.clone();
         self.pages.get_mut(to as usize).ok_or(ExecutorError::BadPage(to))?.copy_from_slice(&source);
+        Ok(())
+    }
+
+    /// Copies pages and rows into host extents (`out`) or back (`!out`); sizes must match.
+    fn transfer(
+        &mut self,
+        pages: &[(u32, HostExtent)],
+        rows: &[(u32, HostExtent)],
+        out: bool,
+    ) -> Result<(), ExecutorError> {
+        let arena = self.host.clone().ok_or(ExecutorError::NoHostTransfers)?;
+        let copy = |storage: &mut [u8], extent: HostExtent| {
+            if storage.len() as u64 != extent.len {
+                return Err(ExecutorError::TransferSize { extent, expected: storage.len() as u64 });
+            }
+            // SAFETY: the scheduler owns the extent and orders every access to it with the steps;
+            // this executor runs steps one at a time on this thread.
+            unsafe {
+                if out {
+                    arena.bytes_mut(extent).copy_from_slice(storage);
+                } else {
+                    storage.copy_from_slice(arena.bytes(extent));
+                }
+            }
+            Ok(())
+        };
+        for &(page, extent) in pages {
+            copy(self.pages.get_mut(page as usize).ok_or(ExecutorError::BadPage(page))?, extent)?;
+        }
+        for &(row, extent) in rows {
+            if !out && row == 0 {
+                return Err(ExecutorError::BadRow(row));
+            }
+            copy(self.rows.get_mut(row as usize).ok_or(ExecutorError::BadRow(row))?, extent)?;
+        }
         Ok(())
     }
 
@@ -465,6 +514,12 @@ impl Executor for SimulatedExecutor {
                 StepOp::AdmitHistogram { live_row, .. } => {
                     self.row_state(*live_row)?;
                 }
+                StepOp::CopyOut { pages, rows } => self.transfer(pages, rows, true)?,
+                StepOp::CopyIn { pages, rows } => {
+                    let pages: Vec<(u32, HostExtent)> = pages.iter().map(|&(e, p)| (p, e)).collect();
+                    let rows: Vec<(u32, HostExtent)> = rows.iter().map(|&(e, r)| (r, e)).collect();
+                    self.transfer(&pages, &rows, false)?;
+                }
             }
         }
         Ok(())
@@ -486,6 +541,11 @@ impl Executor for SimulatedExecutor {
 
     fn device_fed_decode(&self) -> bool {
         self.device_fed
+    }
+
+    fn attach_host_arena(&mut self, arena: Arc<HostArena>) -> Result<(), ExecutorError> {
+        self.host = Some(arena);
+        Ok(())
     }
 }
 

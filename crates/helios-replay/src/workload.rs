@@ -107,6 +107,9 @@ pub struct WorkloadReport {
     pub preemptions: u64,
     pub captures: u64,
     pub evictions: u64,
+    /// Host tier activity (zero without one).
+    pub demotions: u64,
+    pub host_restores: u64,
 }
 
 /// Runs `actions` against one scheduler, checking invariants after every turn, then drains.
@@ -133,8 +136,28 @@ pub fn run_workload_on<E: Executor>(
     eos_tokens: &[u32],
     actions: &[Action],
 ) -> Result<WorkloadReport, ExecutorError> {
+    run_workload_tiered(executor, scheme, capacities, max_concurrency, eos_tokens, None, actions)
+}
+
+/// [`run_workload_on`] with a host tier of `host_tier_bytes` below the GPU prefix cache (an
+/// arena of that size is attached to the executor). After draining, the host tier must empty
+/// out completely: no extent, pin or ticket left behind.
+pub fn run_workload_tiered<E: Executor>(
+    executor: &mut E,
+    scheme: &CacheScheme,
+    capacities: &Capacities,
+    max_concurrency: u32,
+    eos_tokens: &[u32],
+    host_tier_bytes: Option<u64>,
+    actions: &[Action],
+) -> Result<WorkloadReport, ExecutorError> {
     let config = SchedulerConfig { device_fed_decode: executor.device_fed_decode(), ..test_config(max_concurrency) };
     let mut scheduler = Scheduler::new(scheme.clone(), capacities.clone(), config).expect("test config");
+    if let Some(bytes) = host_tier_bytes {
+        let arena = helios_offload::HostArena::new(bytes).expect("host arena");
+        executor.attach_host_arena(std::sync::Arc::new(arena))?;
+        scheduler = scheduler.with_host_tier(bytes);
+    }
     let mut conversations: Vec<Conversation> = Vec::new();
     let mut specs: HashMap<RequestId, (usize, RequestSpec)> = HashMap::new();
     let mut report = WorkloadReport::default();
@@ -259,9 +282,15 @@ pub fn run_workload_on<E: Executor>(
         + pressure.page_ancestor_removals
         + pressure.snapshot_thinnings
         + pressure.snapshot_leaf_evictions;
+    let stats = scheduler.stats();
+    report.host_restores = stats.host_restores;
+    report.demotions = scheduler.host_stats().map_or(0, |h| h.demotions);
     scheduler.evict_cache();
     scheduler.check_invariants();
     assert!(scheduler.all_storage_free(), "storage leaked after draining");
+    if let Some(host) = scheduler.clear_host_tier() {
+        assert_eq!((host.entries, host.resident_bytes), (0, 0), "host tier leaked after draining");
+    }
     Ok(report)
 }
 

@@ -192,3 +192,67 @@ fn device_fed_rows_need_graphs_that_keep_the_pending_token() {
     assert_eq!(finished.len(), 3);
     assert!(finished.iter().all(|f| f.output.len() == 10 && f.reason == FinishReason::Length));
 }
+
+/// Host transfers address whole pages of the KV buffer and whole rows of the row buffer: bytes
+/// copied out of page 3 and row 5 come back, unchanged, into page 7 and row 6.
+#[test]
+fn host_transfers_copy_whole_pages_and_rows() {
+    use helios_contract::model::BufferRole;
+    use helios_offload::{HostArena, HostExtent, UNIT_BYTES};
+    use helios_replay::Executor;
+    use helios_scheduler::{Step, StepOp};
+
+    let dir = tempfile::tempdir().unwrap();
+    let core = device_fixture(dir.path(), &FixtureSpec::default());
+    let m = core.manifest().clone();
+    let scheme = &m.cache_scheme;
+    let (page_bytes, row_bytes) = (scheme.bytes_per_page(), scheme.continuation_row_bytes);
+    assert!(page_bytes > 0 && row_bytes > 0, "the fixture declares pages and rows");
+    let buffer = |role| m.buffers.iter().find(|b| b.role == role).unwrap().id;
+    let (kv, rows) = (buffer(BufferRole::KvPages), buffer(BufferRole::ContinuationRows));
+    let mut executor = GraphExecutor::new(&m, Emulator::new(&core)).unwrap();
+    let refused = executor.submit(
+        &Step {
+            fence: helios_cache::Fence(1),
+            ops: vec![StepOp::CopyOut { pages: vec![], rows: vec![(1, HostExtent { offset: 0, len: row_bytes })] }],
+        },
+        &Default::default(),
+    );
+    assert_eq!(refused, Err(helios_replay::ExecutorError::NoHostTransfers));
+    executor.attach_host_arena(std::sync::Arc::new(HostArena::new(16 * UNIT_BYTES).unwrap())).unwrap();
+    let page: Vec<u8> = (0..page_bytes).map(|i| (i * 7 + 1) as u8).collect();
+    let row: Vec<u8> = (0..row_bytes).map(|i| (i * 5 + 3) as u8).collect();
+    // Seed the sources in the emulated device memory.
+    let write = |e: &mut GraphExecutor<Emulator>, buffer, offset, bytes: &[u8]| {
+        let b = m.buffer(buffer).unwrap();
+        let start = (b.offset + offset) as usize;
+        let arena = &mut e.backend_mut().arena;
+        arena[start..start + bytes.len()].copy_from_slice(bytes);
+    };
+    write(&mut executor, kv, 3 * page_bytes, &page);
+    write(&mut executor, rows, 5 * row_bytes, &row);
+    let (pe, re) = (HostExtent { offset: 0, len: page_bytes }, HostExtent { offset: 8 * UNIT_BYTES, len: row_bytes });
+    let out = Step {
+        fence: helios_cache::Fence(1),
+        ops: vec![StepOp::CopyOut { pages: vec![(3, pe)], rows: vec![(5, re)] }],
+    };
+    let back =
+        Step { fence: helios_cache::Fence(2), ops: vec![StepOp::CopyIn { pages: vec![(pe, 7)], rows: vec![(re, 6)] }] };
+    executor.submit(&out, &Default::default()).unwrap();
+    executor.submit(&back, &Default::default()).unwrap();
+    executor.synchronize().unwrap();
+    let read = |e: &GraphExecutor<Emulator>, buffer, offset, len| {
+        let b = m.buffer(buffer).unwrap();
+        let start = (b.offset + offset) as usize;
+        e.backend().arena[start..start + len as usize].to_vec()
+    };
+    assert_eq!(read(&executor, kv, 7 * page_bytes, page_bytes), page);
+    assert_eq!(read(&executor, rows, 6 * row_bytes, row_bytes), row);
+    let short = HostExtent { offset: 0, len: page_bytes - 1 };
+    let bad =
+        Step { fence: helios_cache::Fence(3), ops: vec![StepOp::CopyOut { pages: vec![(3, short)], rows: vec![] }] };
+    assert_eq!(
+        executor.submit(&bad, &Default::default()),
+        Err(helios_replay::ExecutorError::TransferSize { extent: short, expected: page_bytes })
+    );
+}

@@ -2,7 +2,9 @@
 #![allow(clippy::unwrap_used)]
 
 use helios_contract::model::CacheScheme;
-use helios_replay::workload::{Action, assert_matches_oracle, run_alone, run_workload, run_workload_on, test_config};
+use helios_replay::workload::{
+    Action, assert_matches_oracle, run_alone, run_workload, run_workload_tiered, test_config,
+};
 use helios_replay::{Executor, SimulatedExecutor, reference_schemes, test_capacities, turn};
 use helios_scheduler::{AdmissionError, FinishReason, RequestSpec, Scheduler, SchedulerConfig, StepOp};
 use proptest::prelude::*;
@@ -173,25 +175,95 @@ fn action() -> impl Strategy<Value = Action> {
 }
 
 /// `device_fed`: decode reads the pending token on the "device", so with a lag two decode steps
-/// are in flight; the oracle is always the host-fed solo run.
-fn check(scheme_index: usize, tight: bool, lag: usize, device_fed: bool, actions: Vec<Action>) {
+/// are in flight; the oracle is always the host-fed solo run. `host_pages`: a host tier of that
+/// many pages' worth of bytes (rows included), 0 for none.
+fn check(scheme_index: usize, tight: bool, lag: usize, device_fed: bool, host_pages: u64, actions: Vec<Action>) {
     let scheme = reference_schemes().remove(scheme_index);
     let min_pages = scheme.pages_for(1024) as u32 + 2;
     let caps = if tight { test_capacities(4, min_pages, 3) } else { test_capacities(4, min_pages * 3, 16) };
-    let report = if device_fed {
-        let mut executor = SimulatedExecutor::with_completion_lag(&scheme, &caps, lag).with_device_fed_decode();
-        run_workload_on(&mut executor, &scheme, &caps, 4, &[0], &actions).unwrap()
-    } else {
-        run_workload(&scheme, &caps, 4, &[0], lag, &actions).unwrap()
-    };
+    let mut executor = SimulatedExecutor::with_completion_lag(&scheme, &caps, lag);
+    if device_fed {
+        executor = executor.with_device_fed_decode();
+    }
+    // Extents are 4 KiB units: one per page or row of these small schemes.
+    let host = (host_pages > 0).then_some(host_pages * helios_offload::UNIT_BYTES);
+    let report = run_workload_tiered(&mut executor, &scheme, &caps, 4, &[0], host, &actions).unwrap();
     assert_matches_oracle(&scheme, &caps, &report);
+}
+
+/// Conversations that outgrow a tight GPU pool come back from the host tier: every output
+/// equals its solo run, restores happen, and nothing is left behind.
+#[test]
+fn evicted_conversations_are_restored_from_the_host_tier() {
+    for scheme in reference_schemes() {
+        let min_pages = scheme.pages_for(1024) as u32 + 2;
+        let caps = test_capacities(4, min_pages, 3);
+        let mut actions = Vec::new();
+        for seed in 0..6u64 {
+            actions.push(Action::Start { messages: 3, message_len: 70, max_output: 12, seed });
+            actions.push(Action::Run { turns: 30 });
+        }
+        // Every conversation again, in start order: the early ones were evicted by the later.
+        for round in 0..2u8 {
+            for c in 0..6u8 {
+                actions.push(Action::Append { conversation: c, len: 20 + u16::from(round), max_output: 8 });
+                actions.push(Action::Run { turns: 30 });
+            }
+        }
+        let mut executor = SimulatedExecutor::new(&scheme, &caps);
+        let host = Some(4096 * helios_offload::UNIT_BYTES);
+        let report = run_workload_tiered(&mut executor, &scheme, &caps, 4, &[], host, &actions).unwrap();
+        assert_matches_oracle(&scheme, &caps, &report);
+        assert!(report.demotions > 0 && report.host_restores > 0, "{report:?}");
+        // Appends hit the previous turn's terminal checkpoint, wherever it was cached: the whole
+        // history but its last sampled token (never consumed).
+        let appended = report.finished.iter().filter(|(s, _)| s.message_endpoints.len() >= 3);
+        for (spec, done) in appended {
+            let previous = *spec.message_endpoints.last().unwrap();
+            assert!(done.cached_tokens + 1 >= previous, "{} of {previous} cached", done.cached_tokens);
+        }
+        // Without the host tier the same workload recomputes evicted prefixes.
+        let mut executor = SimulatedExecutor::new(&scheme, &caps);
+        let plain = run_workload_tiered(&mut executor, &scheme, &caps, 4, &[], None, &actions).unwrap();
+        let cached = |r: &helios_replay::workload::WorkloadReport| -> u32 {
+            r.finished.iter().map(|(_, d)| d.cached_tokens).sum()
+        };
+        assert!(cached(&report) > cached(&plain), "{} vs {}", cached(&report), cached(&plain));
+    }
 }
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
     #[test]
-    fn random_agent_workloads(scheme in 0usize..3, tight in any::<bool>(), lag in 0usize..3, device_fed in any::<bool>(), actions in prop::collection::vec(action(), 1..24)) {
-        check(scheme, tight, lag, device_fed, actions);
+    fn random_agent_workloads(scheme in 0usize..3, tight in any::<bool>(), lag in 0usize..3, device_fed in any::<bool>(), host_pages in prop_oneof![Just(0u64), 4u64..40, Just(4096)], actions in prop::collection::vec(action(), 1..24)) {
+        check(scheme, tight, lag, device_fed, host_pages, actions);
+    }
+}
+
+/// Actions that revisit conversations often, so a tight pool evicts them and the host tier
+/// restores them.
+fn revisiting_action() -> impl Strategy<Value = Action> {
+    prop_oneof![
+        1 => (1u8..4, 20u16..80, 1u16..20, any::<u64>()).prop_map(|(messages, message_len, max_output, seed)| {
+            Action::Start { messages, message_len, max_output, seed }
+        }),
+        3 => (any::<u8>(), 1u16..40, 1u16..12).prop_map(|(conversation, len, max_output)| Action::Append {
+            conversation,
+            len,
+            max_output
+        }),
+        1 => (any::<u8>(), any::<u8>(), 1u16..30, 1u16..12)
+            .prop_map(|(conversation, cut, len, max_output)| Action::Branch { conversation, cut, len, max_output }),
+        1 => any::<u8>().prop_map(|index| Action::Cancel { index }),
+        2 => (5u8..40).prop_map(|turns| Action::Run { turns }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+    #[test]
+    fn random_workloads_over_a_host_tier(scheme in 0usize..3, lag in 0usize..3, device_fed in any::<bool>(), host_pages in prop_oneof![4u64..40, Just(4096)], actions in prop::collection::vec(revisiting_action(), 8..40)) {
+        check(scheme, true, lag, device_fed, host_pages, actions);
     }
 }
 
@@ -199,8 +271,8 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 4000, ..ProptestConfig::default() })]
     #[test]
     #[ignore = "soak: cargo test -p helios-replay -- --ignored"]
-    fn random_agent_workloads_soak(scheme in 0usize..3, tight in any::<bool>(), lag in 0usize..3, device_fed in any::<bool>(), actions in prop::collection::vec(action(), 1..48)) {
-        check(scheme, tight, lag, device_fed, actions);
+    fn random_agent_workloads_soak(scheme in 0usize..3, tight in any::<bool>(), lag in 0usize..3, device_fed in any::<bool>(), host_pages in prop_oneof![Just(0u64), 4u64..40, Just(4096)], actions in prop::collection::vec(action(), 1..48)) {
+        check(scheme, tight, lag, device_fed, host_pages, actions);
     }
 }
 
@@ -453,4 +525,68 @@ fn stay_batched(lag: usize, device_fed: bool) {
     let first_shared = batch_sizes.iter().position(|&n| n == 2).unwrap();
     let last_shared = batch_sizes.iter().rposition(|&n| n == 2).unwrap();
     assert!(batch_sizes[first_shared..=last_shared].iter().all(|&n| n == 2), "drifted apart: {batch_sizes:?}");
+}
+
+/// Requests sharing a prefix join one restore; a waiter that cancels only leaves it; a restore
+/// nobody waits for any more still completes and publishes; nothing leaks.
+#[test]
+fn restore_tickets_are_shared_and_outlive_their_waiters() {
+    let scheme = reference_schemes().remove(2);
+    let caps = test_capacities(4, 64, 8);
+    let host_bytes = 512 * helios_offload::UNIT_BYTES;
+    let mut scheduler =
+        Scheduler::new(scheme.clone(), caps.clone(), test_config(4)).unwrap().with_host_tier(host_bytes);
+    // Completions arrive one submission late: restores stay in flight across planning.
+    let mut executor = SimulatedExecutor::with_completion_lag(&scheme, &caps, 1);
+    executor.attach_host_arena(std::sync::Arc::new(helios_offload::HostArena::new(host_bytes).unwrap())).unwrap();
+    let first = spec(prompt(150, 4), 5, 1);
+    scheduler.submit(first.clone()).unwrap();
+    drain(&mut scheduler, &mut executor);
+    let out = scheduler.take_finished().pop().unwrap().output;
+    let mut history = first.tokens.clone();
+    history.extend(&out);
+    let terminal = (history.len() - 1) as u32;
+
+    scheduler.evict_cache();
+    assert_eq!(scheduler.cached_checkpoints(), 0);
+    let mut next = history.clone();
+    next.extend(prompt(9, 40));
+    let a = scheduler.submit(spec(next.clone(), 4, 2)).unwrap();
+    let b = scheduler.submit(spec(next.clone(), 4, 3)).unwrap();
+    let step = scheduler.schedule().unwrap();
+    assert!(matches!(step.ops[0], StepOp::CopyOut { .. }), "demotions come first");
+    assert_eq!(step.ops.iter().filter(|op| matches!(op, StepOp::CopyIn { .. })).count(), 1, "one transfer");
+    assert!(!step.ops.iter().any(|op| matches!(op, StepOp::Prefill { .. })), "both wait for the restore");
+    executor.submit(&step, &Default::default()).unwrap();
+    assert_eq!((scheduler.stats().host_restores, scheduler.stats().host_restore_joins), (1, 1));
+    scheduler.cancel(b);
+    scheduler.check_invariants();
+    drain(&mut scheduler, &mut executor);
+    let done = scheduler.take_finished();
+    let (da, db) = (done.iter().find(|d| d.id == a).unwrap(), done.iter().find(|d| d.id == b).unwrap());
+    assert_eq!(db.reason, FinishReason::Cancelled);
+    assert_eq!(da.output, run_alone(&scheme, &caps, &spec(next.clone(), 4, 2)));
+    assert_eq!(da.cached_tokens, terminal, "restored the previous turn's terminal checkpoint");
+
+    // A restore whose only waiter cancels still publishes: a later request hits it on the GPU.
+    scheduler.evict_cache();
+    let c = scheduler.submit(spec(next.clone(), 4, 4)).unwrap();
+    let step = scheduler.schedule().unwrap();
+    assert!(step.ops.iter().any(|op| matches!(op, StepOp::CopyIn { .. })));
+    executor.submit(&step, &Default::default()).unwrap();
+    scheduler.cancel(c);
+    drain(&mut scheduler, &mut executor);
+    let restores = scheduler.stats().host_restores;
+    let d = spec(next.clone(), 4, 5);
+    scheduler.submit(d.clone()).unwrap();
+    drain(&mut scheduler, &mut executor);
+    let done = scheduler.take_finished().into_iter().find(|f| f.reason != FinishReason::Cancelled).unwrap();
+    assert_eq!(done.output, run_alone(&scheme, &caps, &d));
+    assert!(done.cached_tokens >= terminal);
+    assert_eq!(scheduler.stats().host_restores, restores, "served from the GPU, no second transfer");
+    scheduler.evict_cache();
+    scheduler.check_invariants();
+    assert!(scheduler.all_storage_free());
+    let host = scheduler.clear_host_tier().unwrap();
+    assert_eq!((host.entries, host.resident_bytes), (0, 0));
 }

@@ -1,6 +1,7 @@
 //! The planned step handed to an executor, and what the executor hands back.
 
 use helios_cache::{Fence, PageId};
+use helios_offload::HostExtent;
 
 /// Identifies a request for the lifetime of the scheduler.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -66,6 +67,13 @@ pub enum StepOp {
     /// prompt is everything consumed so far, generated tokens included. Sampling graphs count
     /// each sampled token afterwards. Cores without a penalty histogram skip it.
     AdmitHistogram { live_row: u32, tokens: Vec<u32> },
+    /// Copy retired checkpoints out to the host tier: pages and snapshot rows into host
+    /// extents. Always first in its step: the storage was released when it retired and may be
+    /// written by a later op of the same step (ops and steps run in order).
+    CopyOut { pages: Vec<(PageId, HostExtent)>, rows: Vec<(u32, HostExtent)> },
+    /// Copy host extents into pages and a snapshot row (a restore); the checkpoint they form
+    /// publishes when the step completes, so nothing reads them before.
+    CopyIn { pages: Vec<(HostExtent, PageId)>, rows: Vec<(HostExtent, u32)> },
 }
 
 /// Everything submitted between two scheduling decisions; completes as one fence.

@@ -249,6 +249,7 @@ pub struct Emulator {
     pub reads_land_at_once: bool,
     reads: std::collections::HashMap<u64, (Vec<u8>, bool)>,
     next_read: u64,
+    host: Option<std::sync::Arc<helios_offload::HostArena>>,
 }
 
 impl Emulator {
@@ -268,6 +269,7 @@ impl Emulator {
             deferred: false,
             reads_land_at_once: false,
             reads: Default::default(),
+            host: None,
             next_read: 0,
         }
     }
@@ -326,6 +328,24 @@ impl GraphBackend for Emulator {
             return Ok(None);
         }
         Ok(self.reads.remove(&ticket.0).map(|(bytes, _)| bytes))
+    }
+    fn attach_host_arena(&mut self, arena: std::sync::Arc<helios_offload::HostArena>) -> Result<(), ExecutorError> {
+        self.host = Some(arena);
+        Ok(())
+    }
+    fn copy_to_host(&mut self, src: (BufferId, u64), dst: helios_offload::HostExtent) -> Result<(), ExecutorError> {
+        let r = self.at(src.0, src.1, dst.len)?;
+        let host = self.host.as_ref().ok_or(ExecutorError::NoHostTransfers)?;
+        // SAFETY: single-threaded emulation; the scheduler owns the extent.
+        unsafe { host.bytes_mut(dst) }.copy_from_slice(&self.arena[r]);
+        Ok(())
+    }
+    fn copy_from_host(&mut self, src: helios_offload::HostExtent, dst: (BufferId, u64)) -> Result<(), ExecutorError> {
+        let r = self.at(dst.0, dst.1, src.len)?;
+        let host = self.host.as_ref().ok_or(ExecutorError::NoHostTransfers)?;
+        // SAFETY: as above.
+        self.arena[r].copy_from_slice(unsafe { host.bytes(src) });
+        Ok(())
     }
     fn replay(&mut self, graph: GraphId) -> Result<(), ExecutorError> {
         let base = self.manifest.arena.base_address;

@@ -1,0 +1,521 @@
+//! The host tier: byte images of checkpoints the GPU prefix cache retired.
+//!
+//! An entry is one retired checkpoint: the complete pages of its chain, its private tail page
+//! and its continuation row, under its chained prefix key. Entries of one conversation share
+//! their common pages: a page is copied once per *source* (a GPU page and the allocation
+//! generation it had), because a page's bytes never change while a checkpoint holds it. Pages
+//! with equal prefix digests but different sources are kept apart: they were computed by
+//! different requests and need not be bitwise equal, and a restored chain must be exactly the
+//! one its row was computed against.
+//!
+//! Invariants (asserted by [`HostTier::check_invariants`]):
+//! - a host page's `refs` is the number of entries whose chain lists it; pages with no
+//!   reference are freed at once, and `by_source` indexes exactly the live pages;
+//! - `by_key` and `by_block` index exactly the live entries;
+//! - `lru` holds exactly the unpinned entries, under their last access;
+//! - the allocator's used bytes are the spans of every live page, tail and row extent.
+
+use std::collections::{BTreeSet, HashMap};
+
+use helios_cache::{Digest, Fence, ImageSpan, PageId, PrefixKey, PromptDigests};
+
+use crate::StoreGeometry;
+use crate::arena::{ExtentAllocator, HostExtent};
+
+/// Identifies a host entry; never reused.
+pub type HostEntryId = u64;
+
+/// Where a page copy came from: a GPU page and its allocation generation. Two copies with one
+/// source hold the same bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PageSource {
+    pub page: PageId,
+    pub generation: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct HostPage {
+    extent: HostExtent,
+    refs: u32,
+    source: PageSource,
+}
+
+/// One retained checkpoint.
+#[derive(Clone, Debug)]
+pub struct HostEntry {
+    pub key: PrefixKey,
+    /// Host pages of its chain, token order (ids into the tier's page table).
+    pages: Vec<u64>,
+    /// Its private partial page, when the endpoint is not page-aligned.
+    pub tail: Option<HostExtent>,
+    pub row: HostExtent,
+    /// Restores reading it.
+    pins: u32,
+    last_access: u64,
+    /// The step whose copy-out fills it: readers off the model stream wait for this fence.
+    pub ready: Fence,
+}
+
+/// The copies one demotion needs: GPU pages into new host extents (pages the host already
+/// holds from the same source are shared, not copied), the tail page and the row.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Demotion {
+    pub entry: HostEntryId,
+    pub pages: Vec<(PageId, HostExtent)>,
+    pub tail: Option<(PageId, HostExtent)>,
+    pub row: HostExtent,
+}
+
+/// Result of [`HostTier::demote`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DemoteOutcome {
+    Copy(Demotion),
+    /// The key is already on the host: nothing copied, the entry marked used.
+    Present(HostEntryId),
+}
+
+/// Why a demotion was not taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DemoteError {
+    #[error("{needed} bytes do not fit the host tier's {capacity} bytes beside its pinned entries")]
+    NoRoom { needed: u64, capacity: u64 },
+    #[error("a chain of {chain} pages for {tokens} tokens does not match {page_tokens}-token pages")]
+    Geometry { chain: usize, tokens: u64, page_tokens: u32 },
+}
+
+/// Counters and gauges of one tier.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierStats {
+    pub entries: u64,
+    pub resident_bytes: u64,
+    pub capacity_bytes: u64,
+    /// Checkpoints copied in.
+    pub demotions: u64,
+    /// Bytes those copies moved (shared pages excluded).
+    pub demoted_bytes: u64,
+    /// Retired checkpoints not taken: no room beside pinned entries.
+    pub demotion_skips: u64,
+    /// Entries dropped to make room.
+    pub evictions: u64,
+    /// Lookups where this tier held the deepest prefix.
+    pub hits: u64,
+}
+
+/// Host-memory checkpoint tier: an index over extents of a [`crate::HostArena`] that the
+/// executor copies into and out of. Plans copies; never touches the bytes.
+#[derive(Debug)]
+pub struct HostTier {
+    geometry: StoreGeometry,
+    extents: ExtentAllocator,
+    pages: HashMap<u64, HostPage>,
+    by_source: HashMap<PageSource, u64>,
+    entries: HashMap<HostEntryId, HostEntry>,
+    by_key: HashMap<Digest, HostEntryId>,
+    by_block: HashMap<Digest, Vec<HostEntryId>>,
+    /// Unpinned entries by (last access, id): eviction order.
+    lru: BTreeSet<(u64, HostEntryId)>,
+    next_page: u64,
+    next_entry: HostEntryId,
+    clock: u64,
+    stats: TierStats,
+}
+
+impl HostTier {
+    /// An empty tier over `capacity` bytes of arena (from offset 0).
+    pub fn new(geometry: StoreGeometry, capacity: u64) -> Self {
+        let extents = ExtentAllocator::new(capacity);
+        let stats = TierStats { capacity_bytes: extents.capacity(), ..TierStats::default() };
+        HostTier {
+            geometry,
+            extents,
+            pages: HashMap::new(),
+            by_source: HashMap::new(),
+            entries: HashMap::new(),
+            by_key: HashMap::new(),
+            by_block: HashMap::new(),
+            lru: BTreeSet::new(),
+            next_page: 0,
+            next_entry: 1,
+            clock: 0,
+            stats,
+        }
+    }
+
+    /// The geometry images are laid out in.
+    pub fn geometry(&self) -> StoreGeometry {
+        self.geometry
+    }
+
+    /// Counters and gauges.
+    pub fn stats(&self) -> TierStats {
+        TierStats { entries: self.entries.len() as u64, resident_bytes: self.extents.used(), ..self.stats }
+    }
+
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether the tier holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// An entry by id.
+    pub fn entry(&self, id: HostEntryId) -> Option<&HostEntry> {
+        self.entries.get(&id)
+    }
+
+    /// Whether an entry with this key exists.
+    pub fn contains(&self, key: &PrefixKey) -> bool {
+        self.by_key.contains_key(&key.digest)
+    }
+
+    /// Extents of an entry's chain pages, token order.
+    pub fn page_extents(&self, id: HostEntryId) -> Vec<HostExtent> {
+        self.chain(id).map(|p| p.extent).collect()
+    }
+
+    /// Sources of an entry's chain pages, token order.
+    pub fn page_sources(&self, id: HostEntryId) -> Vec<PageSource> {
+        self.chain(id).map(|p| p.source).collect()
+    }
+
+    fn chain(&self, id: HostEntryId) -> impl Iterator<Item = &HostPage> {
+        self.entries.get(&id).into_iter().flat_map(|e| e.pages.iter().filter_map(|p| self.pages.get(p)))
+    }
+
+    fn touch(&mut self, id: HostEntryId) {
+        self.clock += 1;
+        if let Some(e) = self.entries.get_mut(&id) {
+            if e.pins == 0 {
+                self.lru.remove(&(e.last_access, id));
+                self.lru.insert((self.clock, id));
+            }
+            e.last_access = self.clock;
+        }
+    }
+
+    /// The deepest entry that is a prefix of `tokens`, at most `max_tokens` long and longer
+    /// than `min_tokens`; marks it used and counts a hit. Cost as [`PromptDigests::deepest`].
+    pub fn lookup(
+        &mut self,
+        digests: &PromptDigests,
+        tokens: &[u32],
+        images: &[ImageSpan],
+        max_tokens: usize,
+        min_tokens: u64,
+    ) -> Option<(HostEntryId, u64)> {
+        let entries = &self.entries;
+        let id = digests.deepest(
+            tokens,
+            images,
+            max_tokens,
+            |block| self.by_block.get(block).map(Vec::as_slice),
+            |id| entries[&id].key,
+        )?;
+        let found = self.entries[&id].key.tokens;
+        if found <= min_tokens {
+            return None;
+        }
+        self.touch(id);
+        self.stats.hits += 1;
+        Some((id, found))
+    }
+
+    /// Pins an entry against eviction (a restore reads it).
+    pub fn pin(&mut self, id: HostEntryId) {
+        if let Some(e) = self.entries.get_mut(&id) {
+            if e.pins == 0 {
+                self.lru.remove(&(e.last_access, id));
+            }
+            e.pins += 1;
+        }
+    }
+
+    /// Drops a pin.
+    pub fn unpin(&mut self, id: HostEntryId) {
+        if let Some(e) = self.entries.get_mut(&id) {
+            assert!(e.pins > 0, "unpin of unpinned host entry {id}");
+            e.pins -= 1;
+            if e.pins == 0 {
+                self.lru.insert((e.last_access, id));
+            }
+        }
+    }
+
+    fn release_page(&mut self, page: u64) {
+        let Some(p) = self.pages.get_mut(&page) else { return };
+        p.refs -= 1;
+        if p.refs == 0 {
+            let p = *p;
+            self.pages.remove(&page);
+            self.by_source.remove(&p.source);
+            self.extents.free(p.extent);
+        }
+    }
+
+    /// Drops an unpinned entry (eviction, or an image found unusable).
+    pub fn remove(&mut self, id: HostEntryId) -> bool {
+        let Some(e) = self.entries.get(&id).filter(|e| e.pins == 0) else { return false };
+        let e = e.clone();
+        self.entries.remove(&id);
+        self.lru.remove(&(e.last_access, id));
+        self.by_key.remove(&e.key.digest);
+        if let Some(ids) = self.by_block.get_mut(&e.key.block_digest) {
+            ids.retain(|&i| i != id);
+            if ids.is_empty() {
+                self.by_block.remove(&e.key.block_digest);
+            }
+        }
+        for &page in &e.pages {
+            self.release_page(page);
+        }
+        if let Some(t) = e.tail {
+            self.extents.free(t);
+        }
+        self.extents.free(e.row);
+        true
+    }
+
+    /// Drops every unpinned entry.
+    pub fn clear(&mut self) {
+        let unpinned: Vec<HostEntryId> = self.lru.iter().map(|&(_, id)| id).collect();
+        for id in unpinned {
+            self.remove(id);
+        }
+    }
+
+    /// An extent of `len` bytes, evicting least recently used unpinned entries as needed.
+    fn allocate(&mut self, len: u64) -> Option<HostExtent> {
+        loop {
+            if let Some(e) = self.extents.allocate(len) {
+                return Some(e);
+            }
+            let &(_, victim) = self.lru.first()?;
+            self.remove(victim);
+            self.stats.evictions += 1;
+        }
+    }
+
+    /// Plans the demotion of a retired checkpoint: its chain pages (with their sources), its
+    /// tail page and its row, copied by the step `ready`. All or nothing: on `NoRoom` the tier
+    /// is as before, except for entries evicted while looking for room.
+    pub fn demote(
+        &mut self,
+        key: PrefixKey,
+        chain: &[PageSource],
+        tail_page: Option<PageId>,
+        ready: Fence,
+    ) -> Result<DemoteOutcome, DemoteError> {
+        let pt = u64::from(self.geometry.page_tokens.max(1));
+        if chain.len() as u64 != key.tokens / pt || tail_page.is_some() == key.tokens.is_multiple_of(pt) {
+            return Err(DemoteError::Geometry {
+                chain: chain.len(),
+                tokens: key.tokens,
+                page_tokens: self.geometry.page_tokens,
+            });
+        }
+        if let Some(&id) = self.by_key.get(&key.digest) {
+            self.touch(id);
+            return Ok(DemoteOutcome::Present(id));
+        }
+        // Shared pages first: held by this entry, they survive the evictions below.
+        let mut pages: Vec<Option<u64>> = Vec::with_capacity(chain.len());
+        for source in chain {
+            let shared = self.by_source.get(source).copied();
+            if let Some(p) = shared.and_then(|p| self.pages.get_mut(&p)) {
+                p.refs += 1;
+            }
+            pages.push(shared);
+        }
+        let page_bytes = self.geometry.bytes_per_page;
+        let mut fresh: Vec<HostExtent> = Vec::new();
+        let fresh_count = pages.iter().filter(|p| p.is_none()).count() + usize::from(tail_page.is_some());
+        let mut row = None;
+        for i in 0..=fresh_count {
+            let len = if i == fresh_count { self.geometry.continuation_row_bytes } else { page_bytes };
+            match self.allocate(len) {
+                Some(e) if i == fresh_count => row = Some(e),
+                Some(e) => fresh.push(e),
+                None => break,
+            }
+        }
+        let Some(row) = row else {
+            let span = |len| HostExtent { offset: 0, len }.span();
+            let needed = fresh_count as u64 * span(page_bytes) + span(self.geometry.continuation_row_bytes);
+            for e in fresh {
+                self.extents.free(e);
+            }
+            for p in pages.into_iter().flatten() {
+                self.release_page(p);
+            }
+            self.stats.demotion_skips += 1;
+            return Err(DemoteError::NoRoom { needed, capacity: self.extents.capacity() });
+        };
+        let mut fresh = fresh.into_iter();
+        let mut copies = Vec::new();
+        let mut ids = Vec::with_capacity(chain.len());
+        for (source, shared) in chain.iter().zip(pages) {
+            let id = match (shared, if shared.is_none() { fresh.next() } else { None }) {
+                (Some(id), _) => id,
+                (None, Some(extent)) => {
+                    let id = self.next_page;
+                    self.next_page += 1;
+                    self.pages.insert(id, HostPage { extent, refs: 1, source: *source });
+                    self.by_source.insert(*source, id);
+                    copies.push((source.page, extent));
+                    id
+                }
+                (None, None) => unreachable!("one fresh extent was allocated per unshared page"),
+            };
+            ids.push(id);
+        }
+        let tail = tail_page.and_then(|page| fresh.next().map(|extent| (page, extent)));
+        let id = self.next_entry;
+        self.next_entry += 1;
+        self.clock += 1;
+        self.entries.insert(
+            id,
+            HostEntry { key, pages: ids, tail: tail.map(|(_, e)| e), row, pins: 0, last_access: self.clock, ready },
+        );
+        self.by_key.insert(key.digest, id);
+        self.by_block.entry(key.block_digest).or_default().push(id);
+        self.lru.insert((self.clock, id));
+        self.stats.demotions += 1;
+        self.stats.demoted_bytes +=
+            (copies.len() as u64 + u64::from(tail.is_some())) * page_bytes + self.geometry.continuation_row_bytes;
+        Ok(DemoteOutcome::Copy(Demotion { entry: id, pages: copies, tail, row }))
+    }
+
+    /// Asserts that each entry's pins are `expected` (absent: none), as the pin holders count them.
+    pub fn check_pins(&self, expected: &HashMap<HostEntryId, u32>) {
+        for (id, e) in &self.entries {
+            assert_eq!(e.pins, expected.get(id).copied().unwrap_or(0), "pins of host entry {id}");
+        }
+        assert!(expected.keys().all(|id| self.entries.contains_key(id)), "a pin holder's host entry is gone");
+    }
+
+    /// Asserts the invariants in the module documentation.
+    pub fn check_invariants(&self) {
+        self.extents.check_invariants();
+        assert_eq!(self.by_key.len(), self.entries.len(), "key index out of sync");
+        assert_eq!(self.by_block.values().map(Vec::len).sum::<usize>(), self.entries.len(), "block index out of sync");
+        let mut refs: HashMap<u64, u32> = HashMap::new();
+        let mut used = 0;
+        let mut lru = BTreeSet::new();
+        for (&id, e) in &self.entries {
+            assert_eq!(self.by_key.get(&e.key.digest), Some(&id));
+            assert!(self.by_block[&e.key.block_digest].contains(&id));
+            for p in &e.pages {
+                *refs.entry(*p).or_default() += 1;
+            }
+            used += e.tail.map_or(0, |t| t.span()) + e.row.span();
+            if e.pins == 0 {
+                lru.insert((e.last_access, id));
+            }
+        }
+        assert_eq!(lru, self.lru, "eviction order out of sync");
+        assert_eq!(refs.len(), self.pages.len(), "a host page without an entry, or an entry's page missing");
+        for (id, p) in &self.pages {
+            assert_eq!(refs.get(id), Some(&p.refs), "refs of host page {id}");
+            assert_eq!(self.by_source.get(&p.source), Some(id), "source index of host page {id}");
+            used += p.extent.span();
+        }
+        assert_eq!(self.by_source.len(), self.pages.len(), "source index out of sync");
+        assert_eq!(used, self.extents.used(), "allocated bytes out of sync");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::arena::UNIT_BYTES;
+    use helios_cache::PrefixIdentity;
+
+    const PT: u32 = 64;
+    const GEOMETRY: StoreGeometry = StoreGeometry { page_tokens: PT, bytes_per_page: 100, continuation_row_bytes: 30 };
+    const ID: PrefixIdentity = PrefixIdentity { model: 3, token_layout: 1 };
+
+    fn tokens() -> Vec<u32> {
+        (0..400).map(|i| i * 13 % 97).collect()
+    }
+
+    fn key(len: usize) -> PrefixKey {
+        PromptDigests::key_of(ID, &tokens(), &[], len)
+    }
+
+    fn chain(len: usize, first_page: u32, generation: u64) -> Vec<PageSource> {
+        (0..len as u32 / PT).map(|i| PageSource { page: first_page + i, generation }).collect()
+    }
+
+    fn tail(len: usize) -> Option<PageId> {
+        (!(len as u32).is_multiple_of(PT)).then_some(99)
+    }
+
+    fn demote(tier: &mut HostTier, len: usize, first_page: u32, generation: u64) -> Result<DemoteOutcome, DemoteError> {
+        tier.demote(key(len), &chain(len, first_page, generation), tail(len), Fence(1))
+    }
+
+    #[test]
+    fn a_conversation_copies_each_page_once() {
+        let mut tier = HostTier::new(GEOMETRY, 64 * UNIT_BYTES);
+        let DemoteOutcome::Copy(a) = demote(&mut tier, 130, 0, 1).unwrap() else { panic!() };
+        assert_eq!(a.pages.len(), 2);
+        assert!(a.tail.is_some());
+        // The next turn's checkpoint shares the first two pages (same GPU pages, same generations).
+        let DemoteOutcome::Copy(b) = demote(&mut tier, 300, 0, 1).unwrap() else { panic!() };
+        assert_eq!(b.pages.iter().map(|p| p.0).collect::<Vec<_>>(), vec![2, 3]);
+        assert_eq!(tier.page_extents(b.entry)[..2], tier.page_extents(a.entry)[..]);
+        assert_eq!(demote(&mut tier, 300, 0, 1).unwrap(), DemoteOutcome::Present(b.entry));
+        // The same prefix computed by another request (other pages): copied, not shared.
+        tier.remove(b.entry);
+        let DemoteOutcome::Copy(c) = demote(&mut tier, 300, 10, 1).unwrap() else { panic!() };
+        assert_eq!(c.pages.len(), 4);
+        tier.check_invariants();
+        let digests = PromptDigests::new(ID, &tokens(), &[]);
+        assert_eq!(tier.lookup(&digests, &tokens(), &[], 400, 0), Some((c.entry, 300)));
+        assert_eq!(tier.lookup(&digests, &tokens(), &[], 299, 0), Some((a.entry, 130)));
+        assert_eq!(tier.lookup(&digests, &tokens(), &[], 400, 300), None, "not deeper than the GPU hit");
+        assert_eq!(tier.stats().hits, 2);
+    }
+
+    #[test]
+    fn eviction_spares_pinned_entries_and_rolls_back_when_full() {
+        // 2 units per page (100 bytes -> one unit), rows one unit: a 64-token entry takes 2 units.
+        let mut tier = HostTier::new(GEOMETRY, 4 * UNIT_BYTES);
+        let DemoteOutcome::Copy(a) = demote(&mut tier, 64, 0, 1).unwrap() else { panic!() };
+        let DemoteOutcome::Copy(b) = demote(&mut tier, 128, 10, 1).unwrap() else { panic!() };
+        // b took three units; the full tier evicts a (least recent) to fit c.
+        assert!(tier.entry(a.entry).is_none());
+        tier.pin(b.entry);
+        assert_eq!(
+            demote(&mut tier, 64, 20, 1),
+            Err(DemoteError::NoRoom { needed: 2 * UNIT_BYTES, capacity: 4 * UNIT_BYTES })
+        );
+        tier.check_invariants();
+        assert_eq!(tier.stats().demotion_skips, 1);
+        tier.unpin(b.entry);
+        assert!(matches!(demote(&mut tier, 64, 20, 1), Ok(DemoteOutcome::Copy(_))));
+        assert!(tier.entry(b.entry).is_none());
+        tier.check_invariants();
+        assert!(matches!(
+            tier.demote(key(64), &chain(128, 0, 1), None, Fence(1)),
+            Err(DemoteError::Geometry { chain: 2, tokens: 64, .. })
+        ));
+    }
+
+    #[test]
+    fn a_shared_page_survives_the_eviction_that_makes_room() {
+        // a (one page + row = 2 units) fills half; b extends a's chain by one page: it shares
+        // page 0, needs 2 more units, and must not lose page 0 when a is evicted for them.
+        let mut tier = HostTier::new(GEOMETRY, 3 * UNIT_BYTES);
+        let DemoteOutcome::Copy(a) = demote(&mut tier, 64, 0, 1).unwrap() else { panic!() };
+        let DemoteOutcome::Copy(b) = demote(&mut tier, 128, 0, 1).unwrap() else { panic!() };
+        assert!(tier.entry(a.entry).is_none(), "a was evicted for room");
+        assert_eq!(b.pages.len(), 1, "page 0 shared");
+        assert_eq!(tier.page_sources(b.entry), chain(128, 0, 1));
+        tier.check_invariants();
+    }
+}
