@@ -68,6 +68,11 @@ pub(crate) struct RunArgs {
     /// GPU memory kept free for other processes, in GiB (applied by the CUDA executor).
     #[arg(long, default_value_t = 0.0)]
     gpu_reserve_gib: f64,
+    /// Host memory for checkpoints evicted from the GPU prefix cache, in GiB (page-locked at
+    /// startup); 0 turns the host tier off. Default: a quarter of the available host memory,
+    /// at most 16 GiB, and none on unified-memory devices (a host copy would take the same DRAM).
+    #[arg(long, value_parser = parse_gib)]
+    host_cache_gib: Option<f64>,
     /// Chat template file overriding the core's.
     #[arg(long)]
     chat_template: Option<PathBuf>,
@@ -237,6 +242,7 @@ pub(crate) fn run(args: RunArgs) -> Result<(), CliError> {
         prep_threads: args.prep_threads,
         prep_queue: args.queue_limit.max(1),
         device_fed_decode: !args.host_fed_decode,
+        host_cache_bytes: args.host_cache_gib.map(|g| (g * (1u64 << 30) as f64) as u64),
         // Options without a flag keep the engine's defaults.
         ..EngineOptions::default()
     };
@@ -281,6 +287,7 @@ pub(crate) fn run(args: RunArgs) -> Result<(), CliError> {
             max_output_tokens = f.max_output_tokens,
             default_output_tokens = f.sampling.max_output_tokens.min(f.max_output_tokens),
             concurrency = engine.max_concurrency(),
+            host_cache_gib = engine.metrics().host_tier().map_or(0.0, |t| t.tier.capacity_bytes as f64 / (1u64 << 30) as f64),
             elapsed_ms = started.elapsed().as_millis() as u64,
             "ready: listening on http://{bound}"
         );
@@ -520,5 +527,13 @@ async fn wait_for_signal() {
     tokio::select! {
         () = ctrl_c => {},
         () = term => {},
+    }
+}
+
+/// A size in GiB: finite and not negative.
+fn parse_gib(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(g) if g.is_finite() && g >= 0.0 => Ok(g),
+        _ => Err(format!("expected a size in GiB (0 or more), got {text:?}")),
     }
 }

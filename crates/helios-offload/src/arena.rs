@@ -5,7 +5,6 @@
 //! [`UNIT_BYTES`] boundaries, the alignment `O_DIRECT` I/O needs, so a disk tier can read and
 //! write them in place.
 
-use std::alloc::Layout;
 use std::collections::BTreeMap;
 use std::ptr::NonNull;
 
@@ -36,14 +35,15 @@ pub enum ArenaError {
     OutOfMemory(u64),
 }
 
-/// Fixed host memory, zeroed at creation.
+/// Fixed host memory: an anonymous private mapping, zero-filled and committed page by page as
+/// it is first touched (or all at once when a device page-locks it).
 ///
 /// Ownership of the bytes is not tracked here: the scheduler owns every extent and orders the
 /// accesses to it (transfer ops run in step order; a disk tier touches an extent only while it
 /// holds it). The unsafe accessors state that contract.
 pub struct HostArena {
     ptr: NonNull<u8>,
-    layout: Layout,
+    len: usize,
 }
 
 // SAFETY: the arena is plain memory; concurrent access to one extent is excluded by the
@@ -54,33 +54,43 @@ unsafe impl Sync for HostArena {}
 
 impl std::fmt::Debug for HostArena {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HostArena").field("bytes", &self.layout.size()).finish()
+        f.debug_struct("HostArena").field("bytes", &self.len).finish()
     }
 }
 
 impl HostArena {
-    /// Allocates `bytes` (rounded up to a unit, at least one) of zeroed memory. Zeroed
-    /// allocations of this size are mapped lazily, so nothing is touched until used or pinned.
+    /// Maps `bytes` (rounded up to a unit, at least one) of zeroed memory. Nothing is
+    /// committed until touched, so creating a large arena is cheap.
     pub fn new(bytes: u64) -> Result<Self, ArenaError> {
         let size = bytes.div_ceil(UNIT_BYTES).max(1) * UNIT_BYTES;
-        let layout = usize::try_from(size)
-            .ok()
-            .and_then(|s| Layout::from_size_align(s, UNIT_BYTES as usize).ok())
-            .ok_or(ArenaError::Layout(size))?;
-        // SAFETY: the layout has a nonzero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(ptr).ok_or(ArenaError::OutOfMemory(size))?;
-        Ok(HostArena { ptr, layout })
+        let len = usize::try_from(size).map_err(|_| ArenaError::Layout(size))?;
+        // SAFETY: an anonymous private mapping at an address of the kernel's choosing; the
+        // result is checked below.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(ArenaError::OutOfMemory(size));
+        }
+        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or(ArenaError::OutOfMemory(size))?;
+        Ok(HostArena { ptr, len })
     }
 
     /// Bytes in the arena.
     pub fn len(&self) -> u64 {
-        self.layout.size() as u64
+        self.len as u64
     }
 
     /// Whether the arena holds no bytes (never: creation rounds up to one unit).
     pub fn is_empty(&self) -> bool {
-        self.layout.size() == 0
+        self.len == 0
     }
 
     /// Start of the memory, for registering it with a device.
@@ -126,8 +136,8 @@ impl HostArena {
 
 impl Drop for HostArena {
     fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+        // SAFETY: mapped in `new` with this length; no slice of it outlives the arena.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
     }
 }
 

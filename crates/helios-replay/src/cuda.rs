@@ -1158,6 +1158,11 @@ impl crate::graph::GraphBackend for DeviceCore {
         Ok(DeviceCore::attach_host_arena(self, arena)?)
     }
 
+    fn unified_memory(&self) -> bool {
+        // A device whose kind cannot be read is treated as discrete: the host tier stays on.
+        self.integrated().unwrap_or(false)
+    }
+
     fn copy_to_host(
         &mut self,
         src: (BufferId, u64),

@@ -25,7 +25,7 @@
 use helios_contract::model::{BufferId, BufferRole, GraphId, GraphKind, MaintenanceOp, Manifest, ValueKind};
 use helios_contract::record::{CompletionRecord, FLAG_SAMPLED, RecordError};
 use helios_contract::{BoundContract, BoundGraph, ByteView, Element};
-use helios_offload::{HostArena, HostExtent};
+use helios_offload::{HostArena, HostExtent, StoreGeometry};
 use std::collections::VecDeque;
 use std::sync::Arc;
 
@@ -75,6 +75,10 @@ pub trait GraphBackend {
     fn attach_host_arena(&mut self, arena: Arc<HostArena>) -> Result<(), ExecutorError> {
         let _ = arena;
         Err(ExecutorError::NoHostTransfers)
+    }
+    /// See [`Executor::unified_memory`].
+    fn unified_memory(&self) -> bool {
+        false
     }
     /// Enqueues a copy of `dst.len` bytes of `src` into a host extent of the attached arena,
     /// ordered after everything enqueued before it and before everything after.
@@ -538,8 +542,18 @@ impl<B: GraphBackend> Executor for GraphExecutor<B> {
         self.backend.kv_pages()
     }
 
-    fn attach_host_arena(&mut self, arena: Arc<HostArena>) -> Result<(), ExecutorError> {
+    fn attach_host_arena(&mut self, arena: Arc<HostArena>, geometry: StoreGeometry) -> Result<(), ExecutorError> {
+        if geometry != StoreGeometry::from(&self.manifest.cache_scheme) {
+            return Err(ExecutorError::TransferGeometry {
+                page_bytes: geometry.bytes_per_page,
+                row_bytes: geometry.continuation_row_bytes,
+            });
+        }
         self.backend.attach_host_arena(arena)
+    }
+
+    fn unified_memory(&self) -> bool {
+        self.backend.unified_memory()
     }
 }
 

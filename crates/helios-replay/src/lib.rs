@@ -6,7 +6,7 @@
 //! stale row, off-by-one endpoint or lost token changes the output.
 
 use helios_contract::model::{CacheScheme, Capacities};
-use helios_offload::{HostArena, HostExtent};
+use helios_offload::{HostArena, HostExtent, StoreGeometry};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -93,12 +93,18 @@ pub trait Executor {
     fn kv_pages(&self) -> Option<u32> {
         None
     }
-    /// Attaches the host memory that [`StepOp::CopyOut`] and [`StepOp::CopyIn`] address. Called
-    /// once, before readiness (executors that copy asynchronously page-lock it here). The
-    /// default refuses: such an executor serves without a host tier.
-    fn attach_host_arena(&mut self, arena: Arc<HostArena>) -> Result<(), ExecutorError> {
-        let _ = arena;
+    /// Attaches the host memory that [`StepOp::CopyOut`] and [`StepOp::CopyIn`] address, for
+    /// extents laid out in `geometry` (pages and rows of these sizes). Called once, before
+    /// readiness (executors that copy asynchronously page-lock it here); refuses a geometry it
+    /// cannot copy. The default refuses: such an executor serves without a host tier.
+    fn attach_host_arena(&mut self, arena: Arc<HostArena>, geometry: StoreGeometry) -> Result<(), ExecutorError> {
+        let _ = (arena, geometry);
         Err(ExecutorError::NoHostTransfers)
+    }
+    /// Whether the device shares physical memory with the host (integrated and unified-memory
+    /// systems): a host tier then spends the same DRAM as the device cache.
+    fn unified_memory(&self) -> bool {
+        false
     }
 }
 
@@ -133,6 +139,10 @@ pub enum ExecutorError {
     NoHostTransfers,
     #[error("host extent {extent:?} does not hold the {expected} bytes of the storage it copies")]
     TransferSize { extent: HostExtent, expected: u64 },
+    #[error(
+        "host extents of {page_bytes}-byte pages and {row_bytes}-byte rows do not fit this executor's pages and rows"
+    )]
+    TransferGeometry { page_bytes: u64, row_bytes: u64 },
     #[error("the core cannot be driven: {0}")]
     Contract(#[from] graph::GraphExecutorError),
     /// A CUDA failure: operation, driver code, name and description.
@@ -264,7 +274,8 @@ impl SimulatedExecutor {
         Ok(())
     }
 
-    /// Copies pages and rows into host extents (`out`) or back (`!out`); sizes must match.
+    /// Copies pages and rows into host extents (`out`) or back (`!out`). The simulated storage
+    /// is smaller than a real core's pages and rows: it fills the start of each extent.
     fn transfer(
         &mut self,
         pages: &[(u32, HostExtent)],
@@ -273,16 +284,17 @@ impl SimulatedExecutor {
     ) -> Result<(), ExecutorError> {
         let arena = self.host.clone().ok_or(ExecutorError::NoHostTransfers)?;
         let copy = |storage: &mut [u8], extent: HostExtent| {
-            if storage.len() as u64 != extent.len {
+            if storage.len() as u64 > extent.len {
                 return Err(ExecutorError::TransferSize { extent, expected: storage.len() as u64 });
             }
+            let part = HostExtent { len: storage.len() as u64, ..extent };
             // SAFETY: the scheduler owns the extent and orders every access to it with the steps;
             // this executor runs steps one at a time on this thread.
             unsafe {
                 if out {
-                    arena.bytes_mut(extent).copy_from_slice(storage);
+                    arena.bytes_mut(part).copy_from_slice(storage);
                 } else {
-                    storage.copy_from_slice(arena.bytes(extent));
+                    storage.copy_from_slice(arena.bytes(part));
                 }
             }
             Ok(())
@@ -543,7 +555,15 @@ impl Executor for SimulatedExecutor {
         self.device_fed
     }
 
-    fn attach_host_arena(&mut self, arena: Arc<HostArena>) -> Result<(), ExecutorError> {
+    fn attach_host_arena(&mut self, arena: Arc<HostArena>, geometry: StoreGeometry) -> Result<(), ExecutorError> {
+        let page = self.pages.first().map_or(0, Vec::len) as u64;
+        let row = self.rows.first().map_or(0, Vec::len) as u64;
+        if geometry.bytes_per_page < page || geometry.continuation_row_bytes < row {
+            return Err(ExecutorError::TransferGeometry {
+                page_bytes: geometry.bytes_per_page,
+                row_bytes: geometry.continuation_row_bytes,
+            });
+        }
         self.host = Some(arena);
         Ok(())
     }

@@ -50,6 +50,27 @@ fn down(x: u64, g: u64) -> u64 {
     x / g * g
 }
 
+/// Default host-tier size: a quarter of the host memory available now, at most
+/// [`HOST_TIER_DEFAULT_CAP`]; none where the device shares the host's memory (a host copy of
+/// device data would spend the same DRAM twice). Rounded down to whole 4 KiB units.
+pub fn plan_host_tier(available_host: u64, unified_memory: bool) -> u64 {
+    if unified_memory {
+        return 0;
+    }
+    (available_host / 4).min(HOST_TIER_DEFAULT_CAP) / 4096 * 4096
+}
+
+/// Largest default host tier: page-locking it at startup takes time and memory from the host.
+pub const HOST_TIER_DEFAULT_CAP: u64 = 16 << 30;
+
+/// Host memory available for new allocations (`MemAvailable` of `/proc/meminfo`), when known.
+pub fn host_available_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// Plans the backing of `manifest`'s arena for `free` device bytes; see the module docs.
 pub fn plan_memory(manifest: &Manifest, granularity: u64, free: u64, reserve: u64) -> Result<MemoryPlan, PlanError> {
     let g = granularity.max(1);
@@ -114,6 +135,14 @@ mod tests {
     fn kv(m: &Manifest) -> (u64, u64) {
         let b = m.buffers.iter().find(|b| b.role == BufferRole::KvPages).unwrap();
         (b.offset, b.byte_size)
+    }
+
+    #[test]
+    fn the_default_host_tier_is_a_capped_quarter_and_none_on_unified_memory() {
+        assert_eq!(plan_host_tier(8 << 30, false), 2 << 30);
+        assert_eq!(plan_host_tier(1 << 40, false), HOST_TIER_DEFAULT_CAP);
+        assert_eq!(plan_host_tier(1 << 40, true), 0);
+        assert_eq!(plan_host_tier(4 * 4096 + 12, false) % 4096, 0);
     }
 
     #[test]

@@ -155,7 +155,7 @@ pub fn run_workload_tiered<E: Executor>(
     let mut scheduler = Scheduler::new(scheme.clone(), capacities.clone(), config).expect("test config");
     if let Some(bytes) = host_tier_bytes {
         let arena = helios_offload::HostArena::new(bytes).expect("host arena");
-        executor.attach_host_arena(std::sync::Arc::new(arena))?;
+        executor.attach_host_arena(std::sync::Arc::new(arena), helios_offload::StoreGeometry::from(scheme))?;
         scheduler = scheduler.with_host_tier(bytes);
     }
     let mut conversations: Vec<Conversation> = Vec::new();

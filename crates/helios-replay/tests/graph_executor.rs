@@ -219,7 +219,14 @@ fn host_transfers_copy_whole_pages_and_rows() {
         &Default::default(),
     );
     assert_eq!(refused, Err(helios_replay::ExecutorError::NoHostTransfers));
-    executor.attach_host_arena(std::sync::Arc::new(HostArena::new(16 * UNIT_BYTES).unwrap())).unwrap();
+    let arena = std::sync::Arc::new(HostArena::new(16 * UNIT_BYTES).unwrap());
+    let mut other = helios_offload::StoreGeometry::from(scheme);
+    other.bytes_per_page += 1;
+    assert!(matches!(
+        executor.attach_host_arena(arena.clone(), other),
+        Err(helios_replay::ExecutorError::TransferGeometry { .. })
+    ));
+    executor.attach_host_arena(arena, helios_offload::StoreGeometry::from(scheme)).unwrap();
     let page: Vec<u8> = (0..page_bytes).map(|i| (i * 7 + 1) as u8).collect();
     let row: Vec<u8> = (0..row_bytes).map(|i| (i * 5 + 3) as u8).collect();
     // Seed the sources in the emulated device memory.

@@ -538,7 +538,8 @@ fn restore_tickets_are_shared_and_outlive_their_waiters() {
         Scheduler::new(scheme.clone(), caps.clone(), test_config(4)).unwrap().with_host_tier(host_bytes);
     // Completions arrive one submission late: restores stay in flight across planning.
     let mut executor = SimulatedExecutor::with_completion_lag(&scheme, &caps, 1);
-    executor.attach_host_arena(std::sync::Arc::new(helios_offload::HostArena::new(host_bytes).unwrap())).unwrap();
+    let arena = std::sync::Arc::new(helios_offload::HostArena::new(host_bytes).unwrap());
+    executor.attach_host_arena(arena, helios_offload::StoreGeometry::from(&scheme)).unwrap();
     let first = spec(prompt(150, 4), 5, 1);
     scheduler.submit(first.clone()).unwrap();
     drain(&mut scheduler, &mut executor);

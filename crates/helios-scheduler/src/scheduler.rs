@@ -362,6 +362,11 @@ impl Scheduler {
         self
     }
 
+    /// The cache scheme it plans for.
+    pub fn scheme(&self) -> &CacheScheme {
+        &self.scheme
+    }
+
     /// Host tier counters and gauges, when there is one.
     pub fn host_stats(&self) -> Option<TierStats> {
         self.host.as_ref().map(HostTier::stats)

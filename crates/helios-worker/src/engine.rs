@@ -28,7 +28,7 @@ use tokio::sync::oneshot;
 use crate::error::{ErrorCode, LoopError, RequestError, Stage, Unavailable};
 use crate::frontend::{Frontend, StartError};
 use crate::grammar_pool::{GrammarOutcome, GrammarWork, ReadyGrammar};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, TierMetrics};
 use crate::output::{ChoiceStream, FinishCause, FinishInfo, OutputCell};
 use crate::prep::PrepPool;
 use crate::request::{GenerationInput, Prepared, prepare_checked};
@@ -70,6 +70,11 @@ pub struct EngineOptions {
     /// the same decode batch as the others; bounds what a slow one costs the others to this
     /// much per constrained token. Default 2 ms (about one decode step on the GPU).
     pub grammar_join_wait: Duration,
+    /// Bytes of host memory for the checkpoint tier below the GPU prefix cache. `None`: the
+    /// memory plan's default ([`helios_replay::memory::plan_host_tier`]: none on unified
+    /// memory); `Some(0)`: no host tier. An executor without host transfers serves without one
+    /// by default, and refuses to start when a size was asked for.
+    pub host_cache_bytes: Option<u64>,
 }
 
 impl Default for EngineOptions {
@@ -84,6 +89,7 @@ impl Default for EngineOptions {
             grammar_threads: std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8)),
             grammar_mask_budget: Duration::from_millis(500),
             grammar_join_wait: Duration::from_millis(2),
+            host_cache_bytes: None,
         }
     }
 }
@@ -194,6 +200,7 @@ impl Engine {
             device_fed_decode: false,
         };
         let device_fed_option = options.device_fed_decode;
+        let host_cache_bytes = options.host_cache_bytes;
         let scheduler = Scheduler::new(manifest.cache_scheme.clone(), manifest.capacities.clone(), config)?;
         let vocab = manifest.capacities.vocab_size;
         let (scheme, capacities) = (manifest.cache_scheme.clone(), manifest.capacities.clone());
@@ -239,6 +246,18 @@ impl Engine {
                             }
                         }
                     };
+                    let mut executor = executor;
+                    let scheduler = match attach_host_tier(&mut executor, scheduler, host_cache_bytes) {
+                        Ok(s) => s,
+                        Err(e) => {
+                            health.fail(e.clone());
+                            let _ = ready_tx.send(Err(e));
+                            return;
+                        }
+                    };
+                    if let Some(t) = scheduler.host_stats() {
+                        metrics.set_host_tier(TierMetrics { tier: t, ..TierMetrics::default() });
+                    }
                     health.status.store(READY, Ordering::Release);
                     let _ = ready_tx.send(Ok(()));
                     ModelLoop {
@@ -253,6 +272,7 @@ impl Engine {
                         vocab,
                         grammars,
                         occupancy_at: Instant::now(),
+                        restores_in_flight: HashMap::new(),
                     }
                     .run();
                 })
@@ -447,6 +467,36 @@ struct ModelLoop<E: Executor> {
     /// When the occupancy gauges were last published: the scheduler's occupancy walks every
     /// page and checkpoint, so busy turns publish it at most every `OCCUPANCY_PERIOD`.
     occupancy_at: Instant,
+    /// Submission time of each step that copies a restore in, by fence.
+    restores_in_flight: HashMap<u64, Instant>,
+}
+
+/// Gives the executor a host arena and the scheduler a host tier over it, sized as
+/// [`EngineOptions::host_cache_bytes`] says. Before readiness: the arena is allocated (and
+/// page-locked by the executor) here, never later.
+fn attach_host_tier<E: Executor>(
+    executor: &mut E,
+    scheduler: Scheduler,
+    requested: Option<u64>,
+) -> Result<Scheduler, String> {
+    let bytes = requested.unwrap_or_else(|| {
+        let available = helios_replay::memory::host_available_bytes().unwrap_or(0);
+        helios_replay::memory::plan_host_tier(available, executor.unified_memory())
+    });
+    if bytes == 0 {
+        return Ok(scheduler);
+    }
+    let arena = helios_offload::HostArena::new(bytes).map_err(|e| format!("host cache tier: {e}"))?;
+    let geometry = helios_offload::StoreGeometry::from(scheduler.scheme());
+    match executor.attach_host_arena(Arc::new(arena), geometry) {
+        Ok(()) => Ok(scheduler.with_host_tier(bytes)),
+        Err(helios_replay::ExecutorError::NoHostTransfers | helios_replay::ExecutorError::TransferGeometry { .. })
+            if requested.is_none() =>
+        {
+            Ok(scheduler)
+        }
+        Err(e) => Err(format!("host cache tier of {bytes} bytes: {e}")),
+    }
 }
 
 /// How often busy turns refresh the occupancy gauges (idle and exit always do).
@@ -457,6 +507,16 @@ impl<E: Executor> ModelLoop<E> {
         let now = Instant::now();
         if force || now.duration_since(self.occupancy_at) >= OCCUPANCY_PERIOD {
             self.metrics.set_occupancy(self.scheduler.occupancy());
+            if let Some(tier) = self.scheduler.host_stats() {
+                let s = self.scheduler.stats();
+                self.metrics.set_host_tier(TierMetrics {
+                    tier,
+                    restores: s.host_restores,
+                    restore_joins: s.host_restore_joins,
+                    restore_skips: s.host_restore_skips,
+                    restore_failures: 0,
+                });
+            }
             self.occupancy_at = now;
         }
     }
@@ -589,6 +649,9 @@ impl<E: Executor> ModelLoop<E> {
             Some(step) => {
                 let inputs = self.pack(&step);
                 let t0 = Instant::now();
+                if step.ops.iter().any(|op| matches!(op, StepOp::CopyIn { .. })) {
+                    self.restores_in_flight.insert(step.fence.0, t0);
+                }
                 self.executor.submit(&step, &inputs)?;
                 let done = self.executor.poll()?;
                 self.metrics.executor.observe(t0.elapsed().as_secs_f64());
@@ -623,6 +686,11 @@ impl<E: Executor> ModelLoop<E> {
             self.validate(&c)?;
             let accepted = self.scheduler.complete(&c);
             self.publish(&accepted);
+        }
+        for r in self.scheduler.take_restored() {
+            if let Some(t0) = self.restores_in_flight.remove(&r.fence.0) {
+                self.metrics.host_restore.observe(t0.elapsed().as_secs_f64());
+            }
         }
         for f in self.scheduler.take_finished() {
             self.retire(f);

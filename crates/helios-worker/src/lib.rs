@@ -31,7 +31,7 @@ pub use decode::{ChoiceDecoder, Decoded, StopHit};
 pub use engine::{Engine, EngineOptions, Health};
 pub use error::{ErrorClass, ErrorCode, InvalidRequest, LoopError, RequestError, Stage, Unavailable};
 pub use frontend::{Frontend, StartError};
-pub use metrics::Metrics;
+pub use metrics::{Metrics, TierMetrics};
 pub use output::{ChoiceEvent, ChoiceStream, FinishCause, FinishInfo};
 pub use prep::PrepPool;
 pub use request::{

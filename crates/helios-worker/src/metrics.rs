@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
 
+use helios_offload::TierStats;
 use helios_scheduler::Occupancy;
 
 use crate::output::{CellTimes, FinishCause};
@@ -144,6 +145,24 @@ pub struct Metrics {
     /// been sampled (`device_memory_sampled`).
     pub device_memory_growth: std::sync::atomic::AtomicI64,
     pub device_memory_sampled: std::sync::atomic::AtomicBool,
+    /// The host tier's state, when the worker has one (published with the occupancy).
+    host_tier: Mutex<Option<TierMetrics>>,
+    /// Submission of a restore's copy to the publication of its checkpoint.
+    pub host_restore: Histogram,
+}
+
+/// One cache tier's gauges and counters, with the scheduler's restore counts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierMetrics {
+    pub tier: TierStats,
+    /// Transfers started (one per prefix, however many requests join it).
+    pub restores: u64,
+    /// Requests that joined a transfer already running.
+    pub restore_joins: u64,
+    /// Hits not restored: the GPU storage they needed was not available.
+    pub restore_skips: u64,
+    /// Restores that failed (their prefix recomputed instead).
+    pub restore_failures: u64,
 }
 
 /// A [`Histogram`] with the request-latency buckets by default.
@@ -177,6 +196,17 @@ impl Metrics {
 
     pub fn occupancy(&self) -> Occupancy {
         self.occupancy.lock().map(|o| *o).unwrap_or_default()
+    }
+
+    pub fn set_host_tier(&self, t: TierMetrics) {
+        if let Ok(mut g) = self.host_tier.lock() {
+            *g = Some(t);
+        }
+    }
+
+    /// The host tier's last published state; `None` without a host tier.
+    pub fn host_tier(&self) -> Option<TierMetrics> {
+        self.host_tier.lock().ok().and_then(|t| *t)
     }
 
     /// Finished (any cause) plus failed requests.
@@ -305,8 +335,62 @@ impl Metrics {
                 self.device_memory_growth.load(Ordering::Relaxed)
             );
         }
+        self.render_tiers(&mut out);
         self.render_model_families(&o, &mut out);
         out
+    }
+
+    /// Families of the cache tiers below the GPU, labeled by tier (absent without tiers).
+    fn render_tiers(&self, out: &mut String) {
+        let Some(t) = self.host_tier() else { return };
+        let s = t.tier;
+        let families: [(&str, &str, &str, u64); 11] = [
+            ("gauge", "flare_cache_tier_capacity_bytes", "Bytes the tier may hold.", s.capacity_bytes),
+            ("gauge", "flare_cache_tier_resident_bytes", "Bytes the tier holds.", s.resident_bytes),
+            ("gauge", "flare_cache_tier_checkpoints", "Checkpoints the tier holds.", s.entries),
+            ("counter", "flare_cache_tier_demotions_total", "Checkpoints copied into the tier.", s.demotions),
+            (
+                "counter",
+                "flare_cache_tier_demoted_bytes_total",
+                "Bytes copied into the tier (pages it already held excluded).",
+                s.demoted_bytes,
+            ),
+            (
+                "counter",
+                "flare_cache_tier_demotion_skips_total",
+                "Retired checkpoints the tier had no room for.",
+                s.demotion_skips,
+            ),
+            ("counter", "flare_cache_tier_evictions_total", "Checkpoints dropped from the tier for room.", s.evictions),
+            ("counter", "flare_cache_tier_restores_total", "Restores started from the tier.", t.restores),
+            (
+                "counter",
+                "flare_cache_tier_restore_joins_total",
+                "Requests that joined a restore already running.",
+                t.restore_joins,
+            ),
+            (
+                "counter",
+                "flare_cache_tier_restore_skips_total",
+                "Hits not restored for lack of GPU storage.",
+                t.restore_skips,
+            ),
+            (
+                "counter",
+                "flare_cache_tier_restore_failures_total",
+                "Restores that failed; their prefix was recomputed.",
+                t.restore_failures,
+            ),
+        ];
+        for (kind, name, help, v) in families {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{tier=\"host\"}} {v}");
+        }
+        self.host_restore.render(
+            "flare_cache_tier_restore_seconds",
+            "Submission of a restore's copy to the publication of its checkpoint.",
+            "tier=\"host\",",
+            out,
+        );
     }
 
     /// The vLLM-style families, labeled with `model_name`.

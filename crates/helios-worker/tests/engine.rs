@@ -611,3 +611,68 @@ async fn tokenize_is_bounded_and_cancellable() {
     assert_eq!(ids, p.prompt_ids.to_vec(), "the same tokens generation would use");
     drop(engine.generate(&mut p, 0).await.expect("admitted"));
 }
+
+/// With a host tier, a conversation whose checkpoints the GPU cache evicted comes back with its
+/// prompt cached: restored from host memory, with identical tokens, and the tier's families in
+/// `/metrics`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn evicted_conversations_come_back_from_the_host_tier() {
+    let m = manifest();
+    let (scheme, caps) = (m.cache_scheme.clone(), m.capacities.clone());
+    let options = EngineOptions { host_cache_bytes: Some(64 << 20), ..EngineOptions::default() };
+    let engine = Engine::start(&m, frontend(&m), options, move || {
+        Ok(SimulatedExecutor::with_completion_lag(&scheme, &caps, 1)
+            .with_model(SimModel::Induction)
+            .with_device_fed_decode())
+    })
+    .expect("starts");
+    let conversation = |i: usize| input(&format!("conversation {i}: {}", "tool output line\n".repeat(60)), 8);
+    let (first, _) = drain(&engine, conversation(0)).await;
+    // More conversations than the GPU cache's snapshot rows hold.
+    for i in 1..12 {
+        drain(&engine, conversation(i)).await.1.expect("finishes");
+    }
+    let (again, end) = drain(&engine, conversation(0)).await;
+    assert_eq!(again, first);
+    assert!(end.expect("finishes").cached_tokens > 0);
+    // The gauges are published when the model thread turns idle: wait for that.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let tier = loop {
+        let tier = engine.metrics().host_tier().expect("a host tier");
+        if tier.restores > 0 || Instant::now() > deadline {
+            break tier;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    assert!(tier.tier.demotions > 0 && tier.restores > 0, "{tier:?}");
+    let text = engine.metrics_text();
+    assert!(text.contains("flare_cache_tier_restores_total{tier=\"host\"}"), "{text}");
+    assert!(text.contains("flare_cache_tier_restore_seconds_count{tier=\"host\"} "), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_tier_the_executor_cannot_serve_fails_startup_when_asked_for() {
+    struct NoTransfers(SimulatedExecutor);
+    impl Executor for NoTransfers {
+        fn submit(&mut self, step: &Step, inputs: &StepInputs) -> Result<(), ExecutorError> {
+            self.0.submit(step, inputs)
+        }
+        fn poll(&mut self) -> Result<Vec<Completion>, ExecutorError> {
+            self.0.poll()
+        }
+        fn synchronize(&mut self) -> Result<Vec<Completion>, ExecutorError> {
+            self.0.synchronize()
+        }
+    }
+    let m = manifest();
+    let start = |bytes: Option<u64>| {
+        let (scheme, caps) = (m.cache_scheme.clone(), m.capacities.clone());
+        let options = EngineOptions { host_cache_bytes: bytes, ..EngineOptions::default() };
+        Engine::start(&m, frontend(&m), options, move || Ok(NoTransfers(SimulatedExecutor::new(&scheme, &caps))))
+    };
+    let e = start(Some(1 << 20)).expect_err("asked for a host tier it cannot serve");
+    assert!(e.to_string().contains("host transfers"), "{e}");
+    // By default it serves without one.
+    let engine = start(None).expect("starts");
+    assert!(engine.metrics().host_tier().is_none());
+}
