@@ -8,10 +8,18 @@
 //! different requests and need not be bitwise equal, and a restored chain must be exactly the
 //! one its row was computed against.
 //!
+//! Every page also has a [`PageUid`], kept when it goes to disk and comes back: the disk tier
+//! shares pages between files by uid the same way.
+//!
+//! Entries being filled from disk ([`HostTier::begin_fill`]) are pinned and invisible to
+//! lookups until [`HostTier::finish_fill`]; their fresh pages are not shared until then.
+//!
 //! Invariants (asserted by [`HostTier::check_invariants`]):
 //! - a host page's `refs` is the number of entries whose chain lists it; pages with no
-//!   reference are freed at once, and `by_source` indexes exactly the live pages;
-//! - `by_key` and `by_block` index exactly the live entries;
+//!   reference are freed at once; `by_source` indexes exactly the live pages copied from the
+//!   GPU; `by_uid` names, per uid, one live page not being filled (two copies of a uid can live
+//!   when fills raced; sharing by uid is best effort);
+//! - `by_key` and `by_block` index exactly the visible (not filling) entries;
 //! - `lru` holds exactly the unpinned entries, under their last access;
 //! - the allocator's used bytes are the spans of every live page, tail and row extent.
 
@@ -33,11 +41,20 @@ pub struct PageSource {
     pub generation: u64,
 }
 
+/// Identity of a page's bytes across tiers and restarts: assigned when the page is first
+/// copied off the GPU, kept by every copy of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PageUid(pub u128);
+
 #[derive(Clone, Copy, Debug)]
 struct HostPage {
     extent: HostExtent,
     refs: u32,
-    source: PageSource,
+    /// The GPU page it was copied from (none for pages read from disk).
+    source: Option<PageSource>,
+    uid: PageUid,
+    /// Its bytes are still being read from disk.
+    filling: bool,
 }
 
 /// One retained checkpoint.
@@ -54,6 +71,18 @@ pub struct HostEntry {
     last_access: u64,
     /// The step whose copy-out fills it: readers off the model stream wait for this fence.
     pub ready: Fence,
+    /// Being filled from disk: pinned, and invisible to lookups.
+    filling: bool,
+}
+
+/// What a fill from disk must read: the chain pages the host does not hold yet (by chain
+/// index), the tail page and the row.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fill {
+    pub entry: HostEntryId,
+    pub pages: Vec<(usize, HostExtent)>,
+    pub tail: Option<HostExtent>,
+    pub row: HostExtent,
 }
 
 /// The copies one demotion needs: GPU pages into new host extents (pages the host already
@@ -109,12 +138,15 @@ pub struct HostTier {
     extents: ExtentAllocator,
     pages: HashMap<u64, HostPage>,
     by_source: HashMap<PageSource, u64>,
+    by_uid: HashMap<PageUid, u64>,
     entries: HashMap<HostEntryId, HostEntry>,
     by_key: HashMap<Digest, HostEntryId>,
     by_block: HashMap<Digest, Vec<HostEntryId>>,
     /// Unpinned entries by (last access, id): eviction order.
     lru: BTreeSet<(u64, HostEntryId)>,
     next_page: u64,
+    /// High half of every uid this tier assigns (distinct per process start).
+    uid_seed: u64,
     next_entry: HostEntryId,
     clock: u64,
     stats: TierStats,
@@ -130,11 +162,13 @@ impl HostTier {
             extents,
             pages: HashMap::new(),
             by_source: HashMap::new(),
+            by_uid: HashMap::new(),
             entries: HashMap::new(),
             by_key: HashMap::new(),
             by_block: HashMap::new(),
             lru: BTreeSet::new(),
             next_page: 0,
+            uid_seed: uid_seed(),
             next_entry: 1,
             clock: 0,
             stats,
@@ -176,9 +210,24 @@ impl HostTier {
         self.chain(id).map(|p| p.extent).collect()
     }
 
-    /// Sources of an entry's chain pages, token order.
-    pub fn page_sources(&self, id: HostEntryId) -> Vec<PageSource> {
+    /// Sources of an entry's chain pages, token order (`None`: read from disk).
+    pub fn page_sources(&self, id: HostEntryId) -> Vec<Option<PageSource>> {
         self.chain(id).map(|p| p.source).collect()
+    }
+
+    /// Uids of an entry's chain pages, token order.
+    pub fn page_uids(&self, id: HostEntryId) -> Vec<PageUid> {
+        self.chain(id).map(|p| p.uid).collect()
+    }
+
+    /// Visible entries, for write-behind (any order).
+    pub fn entry_ids(&self) -> impl Iterator<Item = HostEntryId> + '_ {
+        self.by_key.values().copied()
+    }
+
+    /// An entry's pins (restores and disk writes reading it).
+    pub fn pins(&self, id: HostEntryId) -> u32 {
+        self.entries.get(&id).map_or(0, |e| e.pins)
     }
 
     fn chain(&self, id: HostEntryId) -> impl Iterator<Item = &HostPage> {
@@ -250,7 +299,13 @@ impl HostTier {
         if p.refs == 0 {
             let p = *p;
             self.pages.remove(&page);
-            self.by_source.remove(&p.source);
+            if let Some(source) = p.source {
+                self.by_source.remove(&source);
+            }
+            // Two copies of one uid can live (a fill that raced another); the index names one.
+            if self.by_uid.get(&p.uid) == Some(&page) {
+                self.by_uid.remove(&p.uid);
+            }
             self.extents.free(p.extent);
         }
     }
@@ -261,12 +316,8 @@ impl HostTier {
         let e = e.clone();
         self.entries.remove(&id);
         self.lru.remove(&(e.last_access, id));
-        self.by_key.remove(&e.key.digest);
-        if let Some(ids) = self.by_block.get_mut(&e.key.block_digest) {
-            ids.retain(|&i| i != id);
-            if ids.is_empty() {
-                self.by_block.remove(&e.key.block_digest);
-            }
+        if !e.filling {
+            self.unindex(&e.key, id);
         }
         for &page in &e.pages {
             self.release_page(page);
@@ -276,6 +327,153 @@ impl HostTier {
         }
         self.extents.free(e.row);
         true
+    }
+
+    fn unindex(&mut self, key: &PrefixKey, id: HostEntryId) {
+        self.by_key.remove(&key.digest);
+        if let Some(ids) = self.by_block.get_mut(&key.block_digest) {
+            ids.retain(|&i| i != id);
+            if ids.is_empty() {
+                self.by_block.remove(&key.block_digest);
+            }
+        }
+    }
+
+    fn index(&mut self, key: &PrefixKey, id: HostEntryId) {
+        self.by_key.insert(key.digest, id);
+        self.by_block.entry(key.block_digest).or_default().push(id);
+    }
+
+    fn new_page(&mut self, extent: HostExtent, source: Option<PageSource>, uid: PageUid, filling: bool) -> u64 {
+        let id = self.next_page;
+        self.next_page += 1;
+        self.pages.insert(id, HostPage { extent, refs: 1, source, uid, filling });
+        if let Some(s) = source {
+            self.by_source.insert(s, id);
+        }
+        if !filling {
+            self.by_uid.insert(uid, id);
+        }
+        id
+    }
+
+    /// Extents for `fresh` pages, then a tail page when `tail`, then a row, evicting as
+    /// needed; all or nothing (`None`, with the room counted for the caller's error).
+    fn allocate_image(
+        &mut self,
+        fresh: usize,
+        tail: bool,
+    ) -> Result<(Vec<HostExtent>, Option<HostExtent>, HostExtent), u64> {
+        let page_bytes = self.geometry.bytes_per_page;
+        let row_bytes = self.geometry.continuation_row_bytes;
+        let count = fresh + usize::from(tail);
+        let mut got: Vec<HostExtent> = Vec::with_capacity(count);
+        let mut row = None;
+        for i in 0..=count {
+            let len = if i == count { row_bytes } else { page_bytes };
+            match self.allocate(len) {
+                Some(e) if i == count => row = Some(e),
+                Some(e) => got.push(e),
+                None => break,
+            }
+        }
+        let Some(row) = row else {
+            let span = |len| HostExtent { offset: 0, len }.span();
+            for e in got {
+                self.extents.free(e);
+            }
+            return Err(count as u64 * span(page_bytes) + span(row_bytes));
+        };
+        let tail_extent = if tail { got.pop() } else { None };
+        Ok((got, tail_extent, row))
+    }
+
+    /// Prepares an entry to receive a disk image of `key` (chain page uids, and whether it
+    /// has a tail page): pages the host already holds under those uids are shared, the rest,
+    /// the tail and the row get fresh extents for the caller to read into. The entry is
+    /// pinned and invisible until [`Self::finish_fill`] (or dropped by [`Self::abort_fill`]).
+    pub fn begin_fill(&mut self, key: PrefixKey, chain: &[PageUid], tail: bool) -> Result<Fill, DemoteError> {
+        let mut pages: Vec<Option<u64>> = Vec::with_capacity(chain.len());
+        for uid in chain {
+            let shared = self.by_uid.get(uid).copied();
+            if let Some(p) = shared.and_then(|p| self.pages.get_mut(&p)) {
+                p.refs += 1;
+            }
+            pages.push(shared);
+        }
+        let fresh_count = pages.iter().filter(|p| p.is_none()).count();
+        let (fresh, tail_extent, row) = match self.allocate_image(fresh_count, tail) {
+            Ok(image) => image,
+            Err(needed) => {
+                for p in pages.into_iter().flatten() {
+                    self.release_page(p);
+                }
+                return Err(DemoteError::NoRoom { needed, capacity: self.extents.capacity() });
+            }
+        };
+        let mut fresh = fresh.into_iter();
+        let mut reads = Vec::new();
+        let mut ids = Vec::with_capacity(chain.len());
+        for (i, (uid, shared)) in chain.iter().zip(pages).enumerate() {
+            let id = match (shared, if shared.is_none() { fresh.next() } else { None }) {
+                (Some(id), _) => id,
+                (None, Some(extent)) => {
+                    reads.push((i, extent));
+                    self.new_page(extent, None, *uid, true)
+                }
+                (None, None) => unreachable!("one fresh extent was allocated per unshared page"),
+            };
+            ids.push(id);
+        }
+        let id = self.next_entry;
+        self.next_entry += 1;
+        self.clock += 1;
+        let entry = HostEntry {
+            key,
+            pages: ids,
+            tail: tail_extent,
+            row,
+            pins: 1,
+            last_access: self.clock,
+            ready: Fence(0),
+            filling: true,
+        };
+        self.entries.insert(id, entry);
+        Ok(Fill { entry: id, pages: reads, tail: tail_extent, row })
+    }
+
+    /// The fill's bytes arrived: the entry becomes visible (unless its key arrived meanwhile,
+    /// then it is dropped) and unpinned, its fresh pages shareable.
+    pub fn finish_fill(&mut self, id: HostEntryId) {
+        let Some(e) = self.entries.get_mut(&id).filter(|e| e.filling) else { return };
+        e.filling = false;
+        let (key, pages) = (e.key, e.pages.clone());
+        for page in pages {
+            if let Some(p) = self.pages.get_mut(&page).filter(|p| p.filling) {
+                p.filling = false;
+                let uid = p.uid;
+                self.by_uid.entry(uid).or_insert(page);
+            }
+        }
+        let duplicate = self.by_key.contains_key(&key.digest);
+        self.unpin(id);
+        if duplicate {
+            // Hidden entries are not indexed; drop it without touching the visible one.
+            if let Some(e) = self.entries.get_mut(&id) {
+                e.filling = true;
+            }
+            self.remove(id);
+        } else {
+            self.index(&key, id);
+        }
+    }
+
+    /// The fill failed: the entry and its fresh pages are dropped.
+    pub fn abort_fill(&mut self, id: HostEntryId) {
+        if self.entries.get(&id).is_some_and(|e| e.filling) {
+            self.unpin(id);
+            self.remove(id);
+        }
     }
 
     /// Drops every unpinned entry.
@@ -329,29 +527,16 @@ impl HostTier {
             }
             pages.push(shared);
         }
-        let page_bytes = self.geometry.bytes_per_page;
-        let mut fresh: Vec<HostExtent> = Vec::new();
-        let fresh_count = pages.iter().filter(|p| p.is_none()).count() + usize::from(tail_page.is_some());
-        let mut row = None;
-        for i in 0..=fresh_count {
-            let len = if i == fresh_count { self.geometry.continuation_row_bytes } else { page_bytes };
-            match self.allocate(len) {
-                Some(e) if i == fresh_count => row = Some(e),
-                Some(e) => fresh.push(e),
-                None => break,
+        let fresh_count = pages.iter().filter(|p| p.is_none()).count();
+        let (fresh, tail_extent, row) = match self.allocate_image(fresh_count, tail_page.is_some()) {
+            Ok(image) => image,
+            Err(needed) => {
+                for p in pages.into_iter().flatten() {
+                    self.release_page(p);
+                }
+                self.stats.demotion_skips += 1;
+                return Err(DemoteError::NoRoom { needed, capacity: self.extents.capacity() });
             }
-        }
-        let Some(row) = row else {
-            let span = |len| HostExtent { offset: 0, len }.span();
-            let needed = fresh_count as u64 * span(page_bytes) + span(self.geometry.continuation_row_bytes);
-            for e in fresh {
-                self.extents.free(e);
-            }
-            for p in pages.into_iter().flatten() {
-                self.release_page(p);
-            }
-            self.stats.demotion_skips += 1;
-            return Err(DemoteError::NoRoom { needed, capacity: self.extents.capacity() });
         };
         let mut fresh = fresh.into_iter();
         let mut copies = Vec::new();
@@ -360,28 +545,34 @@ impl HostTier {
             let id = match (shared, if shared.is_none() { fresh.next() } else { None }) {
                 (Some(id), _) => id,
                 (None, Some(extent)) => {
-                    let id = self.next_page;
-                    self.next_page += 1;
-                    self.pages.insert(id, HostPage { extent, refs: 1, source: *source });
-                    self.by_source.insert(*source, id);
+                    let uid = PageUid(u128::from(self.uid_seed) << 64 | u128::from(self.next_page));
                     copies.push((source.page, extent));
-                    id
+                    self.new_page(extent, Some(*source), uid, false)
                 }
                 (None, None) => unreachable!("one fresh extent was allocated per unshared page"),
             };
             ids.push(id);
         }
-        let tail = tail_page.and_then(|page| fresh.next().map(|extent| (page, extent)));
+        let tail = tail_page.zip(tail_extent);
         let id = self.next_entry;
         self.next_entry += 1;
         self.clock += 1;
         self.entries.insert(
             id,
-            HostEntry { key, pages: ids, tail: tail.map(|(_, e)| e), row, pins: 0, last_access: self.clock, ready },
+            HostEntry {
+                key,
+                pages: ids,
+                tail: tail_extent,
+                row,
+                pins: 0,
+                last_access: self.clock,
+                ready,
+                filling: false,
+            },
         );
-        self.by_key.insert(key.digest, id);
-        self.by_block.entry(key.block_digest).or_default().push(id);
+        self.index(&key, id);
         self.lru.insert((self.clock, id));
+        let page_bytes = self.geometry.bytes_per_page;
         self.stats.demotions += 1;
         self.stats.demoted_bytes +=
             (copies.len() as u64 + u64::from(tail.is_some())) * page_bytes + self.geometry.continuation_row_bytes;
@@ -399,14 +590,19 @@ impl HostTier {
     /// Asserts the invariants in the module documentation.
     pub fn check_invariants(&self) {
         self.extents.check_invariants();
-        assert_eq!(self.by_key.len(), self.entries.len(), "key index out of sync");
-        assert_eq!(self.by_block.values().map(Vec::len).sum::<usize>(), self.entries.len(), "block index out of sync");
+        let visible = self.entries.values().filter(|e| !e.filling).count();
+        assert_eq!(self.by_key.len(), visible, "key index out of sync");
+        assert_eq!(self.by_block.values().map(Vec::len).sum::<usize>(), visible, "block index out of sync");
         let mut refs: HashMap<u64, u32> = HashMap::new();
         let mut used = 0;
         let mut lru = BTreeSet::new();
         for (&id, e) in &self.entries {
-            assert_eq!(self.by_key.get(&e.key.digest), Some(&id));
-            assert!(self.by_block[&e.key.block_digest].contains(&id));
+            if e.filling {
+                assert!(e.pins > 0, "a filling entry is pinned");
+            } else {
+                assert_eq!(self.by_key.get(&e.key.digest), Some(&id));
+                assert!(self.by_block[&e.key.block_digest].contains(&id));
+            }
             for p in &e.pages {
                 *refs.entry(*p).or_default() += 1;
             }
@@ -419,12 +615,23 @@ impl HostTier {
         assert_eq!(refs.len(), self.pages.len(), "a host page without an entry, or an entry's page missing");
         for (id, p) in &self.pages {
             assert_eq!(refs.get(id), Some(&p.refs), "refs of host page {id}");
-            assert_eq!(self.by_source.get(&p.source), Some(id), "source index of host page {id}");
+            if let Some(source) = p.source {
+                assert_eq!(self.by_source.get(&source), Some(id), "source index of host page {id}");
+            }
             used += p.extent.span();
         }
-        assert_eq!(self.by_source.len(), self.pages.len(), "source index out of sync");
+        assert_eq!(self.by_source.len(), self.pages.values().filter(|p| p.source.is_some()).count());
+        for (uid, p) in &self.by_uid {
+            assert!(self.pages.get(p).is_some_and(|p| !p.filling && p.uid == *uid), "uid index out of sync");
+        }
         assert_eq!(used, self.extents.used(), "allocated bytes out of sync");
     }
+}
+
+/// A per-process value for the high half of page uids: start time and process id.
+fn uid_seed() -> u64 {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    nanos ^ (u64::from(std::process::id()) << 48)
 }
 
 #[cfg(test)]
@@ -515,7 +722,34 @@ mod tests {
         let DemoteOutcome::Copy(b) = demote(&mut tier, 128, 0, 1).unwrap() else { panic!() };
         assert!(tier.entry(a.entry).is_none(), "a was evicted for room");
         assert_eq!(b.pages.len(), 1, "page 0 shared");
-        assert_eq!(tier.page_sources(b.entry), chain(128, 0, 1));
+        assert_eq!(tier.page_sources(b.entry), chain(128, 0, 1).into_iter().map(Some).collect::<Vec<_>>());
         tier.check_invariants();
+    }
+
+    #[test]
+    fn fills_share_held_pages_and_stay_hidden_until_finished() {
+        let mut tier = HostTier::new(GEOMETRY, 64 * UNIT_BYTES);
+        let DemoteOutcome::Copy(a) = demote(&mut tier, 130, 0, 1).unwrap() else { panic!() };
+        let uids = tier.page_uids(a.entry);
+        // A deeper image of the same conversation comes back from disk: it shares a's two
+        // pages by uid and reads only its own.
+        let mut chain = uids.clone();
+        chain.extend([PageUid(7), PageUid(8)]);
+        let fill = tier.begin_fill(key(300), &chain, true).unwrap();
+        assert_eq!(fill.pages.iter().map(|p| p.0).collect::<Vec<_>>(), vec![2, 3]);
+        assert!(fill.tail.is_some());
+        let digests = PromptDigests::new(ID, &tokens(), &[]);
+        assert_eq!(tier.lookup(&digests, &tokens(), &[], 400, 0), Some((a.entry, 130)), "hidden while filling");
+        // A second fill of the same pages does not share bytes still being read.
+        let other = tier.begin_fill(key(256), &chain[..4], false).unwrap();
+        assert_eq!(other.pages.len(), 4 - 2);
+        tier.check_invariants();
+        tier.abort_fill(other.entry);
+        tier.finish_fill(fill.entry);
+        assert_eq!(tier.lookup(&digests, &tokens(), &[], 400, 0), Some((fill.entry, 300)));
+        assert_eq!(tier.page_uids(fill.entry), chain);
+        tier.check_invariants();
+        tier.clear();
+        assert_eq!(tier.stats().resident_bytes, 0);
     }
 }

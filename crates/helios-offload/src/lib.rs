@@ -11,6 +11,10 @@
 //! - [`HostTier`]: the index over that memory: lookup by chained prefix digest, demotion
 //!   planning with pages shared between entries of one conversation, pins for restores, and
 //!   least-recently-used eviction of unpinned entries.
+//! - [`DiskTier`]: checkpoint files under one directory, indexed at startup so a restarted
+//!   server serves the conversations it had; pages shared between files by uid.
+//! - [`DiskIo`]: the I/O thread that moves bytes between those files and host extents
+//!   (io_uring, `O_DIRECT`), so the model thread never blocks on the disk.
 //!
 //! The scheduler owns the tiers and the restore tickets: it plans every copy, so tiers hold no
 //! locks and do no I/O on the model thread. On unified-memory machines a host tier spends the
@@ -18,10 +22,19 @@
 //! "free host RAM".
 
 mod arena;
+mod disk;
 mod host;
+mod io;
 
 pub use arena::{ArenaError, ExtentAllocator, HostArena, HostExtent, UNIT_BYTES};
-pub use host::{DemoteError, DemoteOutcome, Demotion, HostEntry, HostEntryId, HostTier, PageSource, TierStats};
+pub use disk::{
+    BlockInfo, BlockKind, BlockRead, BlockSource, DiskError, DiskIdentity, DiskStats, DiskTier, FILE_MAGIC,
+    FORMAT_VERSION, FileHeader, FormatError, PageRef, ReadPlan, Rejection, WritePlan, checksum, source_extent,
+};
+pub use host::{
+    DemoteError, DemoteOutcome, Demotion, Fill, HostEntry, HostEntryId, HostTier, PageSource, PageUid, TierStats,
+};
+pub use io::{DiskDone, DiskIo, DiskJob, IoFailure, IoFaults};
 
 /// Geometry checkpoint images are laid out in (from the core's cache scheme).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

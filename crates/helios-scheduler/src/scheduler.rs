@@ -1080,7 +1080,10 @@ impl Scheduler {
         let parent = hit.filter(|&h| {
             let chain = self.prefix.chain_pages(h);
             chain.len() <= sources.len()
-                && chain.iter().zip(&sources).all(|(&p, s)| s.page == p && s.generation == self.pages.generation(p))
+                && chain
+                    .iter()
+                    .zip(&sources)
+                    .all(|(&p, s)| s.is_some_and(|s| s.page == p && s.generation == self.pages.generation(p)))
         });
         let shared = parent.map_or(0, |p| self.prefix.chain_pages(p).len());
         let pages_needed = extents.len() - shared + usize::from(tail_extent.is_some());
