@@ -20,7 +20,10 @@
 //!   GPU; `by_uid` names, per uid, one live page not being filled (two copies of a uid can live
 //!   when fills raced; sharing by uid is best effort);
 //! - `by_key` and `by_block` index exactly the visible (not filling) entries;
-//! - `lru` holds exactly the unpinned entries, under their last access;
+//! - `lru` holds exactly the unpinned entries, under their last access; of those, only entries
+//!   whose copy-out completed (`ready <= completed`) are evicted: until then their extents are
+//!   still the target of a device copy, and handing them out again would let two copies (or a
+//!   copy and a disk read) write the same bytes;
 //! - the allocator's used bytes are the spans of every live page, tail and row extent.
 
 use std::collections::{BTreeSet, HashMap};
@@ -149,6 +152,8 @@ pub struct HostTier {
     uid_seed: u64,
     next_entry: HostEntryId,
     clock: u64,
+    /// Newest step the executor completed.
+    completed: Fence,
     stats: TierStats,
 }
 
@@ -171,6 +176,7 @@ impl HostTier {
             uid_seed: uid_seed(),
             next_entry: 1,
             clock: 0,
+            completed: Fence(0),
             stats,
         }
     }
@@ -270,6 +276,11 @@ impl HostTier {
         self.touch(id);
         self.stats.hits += 1;
         Some((id, found))
+    }
+
+    /// Records that every step up to `fence` completed: entries demoted by them may be evicted.
+    pub fn complete(&mut self, fence: Fence) {
+        self.completed = self.completed.max(fence);
     }
 
     /// Pins an entry against eviction (a restore reads it).
@@ -476,7 +487,7 @@ impl HostTier {
         }
     }
 
-    /// Drops every unpinned entry.
+    /// Drops every unpinned entry (the caller's steps all completed).
     pub fn clear(&mut self) {
         let unpinned: Vec<HostEntryId> = self.lru.iter().map(|&(_, id)| id).collect();
         for id in unpinned {
@@ -490,7 +501,9 @@ impl HostTier {
             if let Some(e) = self.extents.allocate(len) {
                 return Some(e);
             }
-            let &(_, victim) = self.lru.first()?;
+            let completed = self.completed;
+            let entries = &self.entries;
+            let &(_, victim) = self.lru.iter().find(|(_, id)| entries.get(id).is_some_and(|e| e.ready <= completed))?;
             self.remove(victim);
             self.stats.evictions += 1;
         }
@@ -692,6 +705,7 @@ mod tests {
     fn eviction_spares_pinned_entries_and_rolls_back_when_full() {
         // 2 units per page (100 bytes -> one unit), rows one unit: a 64-token entry takes 2 units.
         let mut tier = HostTier::new(GEOMETRY, 4 * UNIT_BYTES);
+        tier.complete(Fence(1));
         let DemoteOutcome::Copy(a) = demote(&mut tier, 64, 0, 1).unwrap() else { panic!() };
         let DemoteOutcome::Copy(b) = demote(&mut tier, 128, 10, 1).unwrap() else { panic!() };
         // b took three units; the full tier evicts a (least recent) to fit c.
@@ -718,6 +732,7 @@ mod tests {
         // a (one page + row = 2 units) fills half; b extends a's chain by one page: it shares
         // page 0, needs 2 more units, and must not lose page 0 when a is evicted for them.
         let mut tier = HostTier::new(GEOMETRY, 3 * UNIT_BYTES);
+        tier.complete(Fence(1));
         let DemoteOutcome::Copy(a) = demote(&mut tier, 64, 0, 1).unwrap() else { panic!() };
         let DemoteOutcome::Copy(b) = demote(&mut tier, 128, 0, 1).unwrap() else { panic!() };
         assert!(tier.entry(a.entry).is_none(), "a was evicted for room");
@@ -751,5 +766,20 @@ mod tests {
         tier.check_invariants();
         tier.clear();
         assert_eq!(tier.stats().resident_bytes, 0);
+    }
+
+    #[test]
+    fn an_entry_is_not_evicted_before_its_copy_out_completed() {
+        // Room for one single-page entry. The second demotion of the same step cannot take the
+        // first one's extents: the device may still be writing them.
+        let mut tier = HostTier::new(GEOMETRY, 2 * UNIT_BYTES);
+        let DemoteOutcome::Copy(a) = tier.demote(key(64), &chain(64, 0, 1), None, Fence(5)).unwrap() else { panic!() };
+        assert!(matches!(tier.demote(key(128), &chain(128, 10, 1), None, Fence(5)), Err(DemoteError::NoRoom { .. })));
+        tier.complete(Fence(5));
+        assert!(matches!(tier.demote(key(64 * 3), &[], None, Fence(6)), Err(DemoteError::Geometry { .. })));
+        let b = tier.demote(PromptDigests::key_of(ID, &tokens(), &[], 1), &[], tail(1), Fence(6)).unwrap();
+        assert!(matches!(b, DemoteOutcome::Copy(_)));
+        assert!(tier.entry(a.entry).is_none(), "evicted once its copy completed");
+        tier.check_invariants();
     }
 }

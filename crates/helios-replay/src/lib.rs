@@ -591,7 +591,11 @@ pub fn turn<E: Executor>(scheduler: &mut helios_scheduler::Scheduler, executor: 
             for completion in &completions {
                 scheduler.complete(completion);
             }
-            Ok(!completions.is_empty())
+            // Nothing to run while a request waits for the disk: wait for the disk.
+            let disk = completions.is_empty()
+                && scheduler.disk_busy()
+                && scheduler.wait_disk(std::time::Duration::from_secs(10));
+            Ok(!completions.is_empty() || disk)
         }
     }
 }

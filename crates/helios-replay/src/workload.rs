@@ -110,6 +110,10 @@ pub struct WorkloadReport {
     /// Host tier activity (zero without one).
     pub demotions: u64,
     pub host_restores: u64,
+    /// Disk tier activity (zero without one): files written, fetches, failed fetches.
+    pub disk_writes: u64,
+    pub disk_fetches: u64,
+    pub disk_fetch_failures: u64,
 }
 
 /// Runs `actions` against one scheduler, checking invariants after every turn, then drains.
@@ -136,28 +140,63 @@ pub fn run_workload_on<E: Executor>(
     eos_tokens: &[u32],
     actions: &[Action],
 ) -> Result<WorkloadReport, ExecutorError> {
-    run_workload_tiered(executor, scheme, capacities, max_concurrency, eos_tokens, None, actions)
+    run_workload_tiered(executor, scheme, capacities, max_concurrency, eos_tokens, &Tiers::default(), actions)
 }
 
-/// [`run_workload_on`] with a host tier of `host_tier_bytes` below the GPU prefix cache (an
-/// arena of that size is attached to the executor). After draining, the host tier must empty
-/// out completely: no extent, pin or ticket left behind.
+/// The tiers below the GPU cache a workload runs over.
+#[derive(Clone, Debug, Default)]
+pub struct Tiers {
+    /// Host tier bytes (an arena of that size is attached to the executor).
+    pub host_bytes: Option<u64>,
+    /// Disk tier directory and byte budget (needs a host tier).
+    pub disk: Option<(std::path::PathBuf, u64)>,
+    /// Faults injected into the disk tier's I/O.
+    pub faults: helios_offload::IoFaults,
+}
+
+/// The identity disk files of test workloads carry.
+pub fn test_disk_identity(scheme: &CacheScheme) -> helios_offload::DiskIdentity {
+    helios_offload::DiskIdentity { fingerprint: [0x5a; 32], geometry: helios_offload::StoreGeometry::from(scheme) }
+}
+
+/// A scheduler over `tiers` for `executor` (which gets the host arena).
+pub fn tiered_scheduler<E: Executor>(
+    executor: &mut E,
+    scheme: &CacheScheme,
+    capacities: &Capacities,
+    max_concurrency: u32,
+    tiers: &Tiers,
+) -> Result<Scheduler, ExecutorError> {
+    let config = SchedulerConfig { device_fed_decode: executor.device_fed_decode(), ..test_config(max_concurrency) };
+    let mut scheduler = Scheduler::new(scheme.clone(), capacities.clone(), config).expect("test config");
+    if let Some(bytes) = tiers.host_bytes {
+        let arena = std::sync::Arc::new(helios_offload::HostArena::new(bytes).expect("host arena"));
+        executor.attach_host_arena(arena.clone(), helios_offload::StoreGeometry::from(scheme))?;
+        scheduler = scheduler.with_host_tier(bytes);
+        if let Some((dir, disk_bytes)) = &tiers.disk {
+            let identity = test_disk_identity(scheme);
+            let (tier, _) = helios_offload::DiskTier::open(dir, identity, *disk_bytes).expect("disk tier");
+            let io = helios_offload::DiskIo::start(arena).expect("disk I/O thread");
+            io.inject(tiers.faults);
+            scheduler = scheduler.with_disk_tier(tier, io, identity);
+        }
+    }
+    Ok(scheduler)
+}
+
+/// [`run_workload_on`] over `tiers` below the GPU prefix cache. After draining (and flushing
+/// the disk tier), the host tier must empty out completely: no extent, pin, ticket or write
+/// left behind.
 pub fn run_workload_tiered<E: Executor>(
     executor: &mut E,
     scheme: &CacheScheme,
     capacities: &Capacities,
     max_concurrency: u32,
     eos_tokens: &[u32],
-    host_tier_bytes: Option<u64>,
+    tiers: &Tiers,
     actions: &[Action],
 ) -> Result<WorkloadReport, ExecutorError> {
-    let config = SchedulerConfig { device_fed_decode: executor.device_fed_decode(), ..test_config(max_concurrency) };
-    let mut scheduler = Scheduler::new(scheme.clone(), capacities.clone(), config).expect("test config");
-    if let Some(bytes) = host_tier_bytes {
-        let arena = helios_offload::HostArena::new(bytes).expect("host arena");
-        executor.attach_host_arena(std::sync::Arc::new(arena), helios_offload::StoreGeometry::from(scheme))?;
-        scheduler = scheduler.with_host_tier(bytes);
-    }
+    let mut scheduler = tiered_scheduler(executor, scheme, capacities, max_concurrency, tiers)?;
     let mut conversations: Vec<Conversation> = Vec::new();
     let mut specs: HashMap<RequestId, (usize, RequestSpec)> = HashMap::new();
     let mut report = WorkloadReport::default();
@@ -256,6 +295,7 @@ pub fn run_workload_tiered<E: Executor>(
                 for _ in 0..turns {
                     turn(&mut scheduler, executor)?;
                     report.turns += 1;
+                    scheduler.settle_disk(std::time::Duration::from_secs(30));
                     scheduler.check_invariants();
                     collect(&mut scheduler, &mut conversations, &mut specs, &mut report);
                 }
@@ -288,6 +328,13 @@ pub fn run_workload_tiered<E: Executor>(
     scheduler.evict_cache();
     scheduler.check_invariants();
     assert!(scheduler.all_storage_free(), "storage leaked after draining");
+    assert_eq!(scheduler.flush_disk(std::time::Duration::from_secs(30)), 0, "disk writes stalled");
+    scheduler.check_invariants();
+    if let Some((disk, counters)) = scheduler.disk_stats() {
+        report.disk_writes = disk.writes;
+        report.disk_fetches = counters.fetches;
+        report.disk_fetch_failures = counters.fetch_failures;
+    }
     if let Some(host) = scheduler.clear_host_tier() {
         assert_eq!((host.entries, host.resident_bytes), (0, 0), "host tier leaked after draining");
     }
@@ -302,7 +349,16 @@ pub fn assert_matches_oracle(scheme: &CacheScheme, capacities: &Capacities, repo
             FinishReason::Cancelled | FinishReason::PoolExhausted => {
                 assert!(alone.starts_with(&done.output), "partial output diverged for {:?}", done.id)
             }
-            _ => assert_eq!(done.output, alone, "request {:?} ({:?}) diverged", done.id, done.reason),
+            _ => assert_eq!(
+                done.output,
+                alone,
+                "request {:?} ({:?}) diverged: prompt {}, cached {}, preemptions {}",
+                done.id,
+                done.reason,
+                spec.tokens.len(),
+                done.cached_tokens,
+                done.preemptions
+            ),
         }
     }
 }

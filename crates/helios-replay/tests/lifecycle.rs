@@ -3,7 +3,7 @@
 
 use helios_contract::model::CacheScheme;
 use helios_replay::workload::{
-    Action, assert_matches_oracle, run_alone, run_workload, run_workload_tiered, test_config,
+    Action, Tiers, assert_matches_oracle, run_alone, run_workload, run_workload_tiered, test_config,
 };
 use helios_replay::{Executor, SimulatedExecutor, reference_schemes, test_capacities, turn};
 use helios_scheduler::{AdmissionError, FinishReason, RequestSpec, Scheduler, SchedulerConfig, StepOp};
@@ -178,6 +178,35 @@ fn action() -> impl Strategy<Value = Action> {
 /// are in flight; the oracle is always the host-fed solo run. `host_pages`: a host tier of that
 /// many pages' worth of bytes (rows included), 0 for none.
 fn check(scheme_index: usize, tight: bool, lag: usize, device_fed: bool, host_pages: u64, actions: Vec<Action>) {
+    check_tiers(scheme_index, tight, lag, device_fed, host_pages, None, actions);
+}
+
+/// Disk faults the property test draws from: none (twice as likely), a corrupted medium, short
+/// reads, EIO on reads, ENOSPC on writes.
+const FAULTS: [helios_offload::IoFaults; 6] = [
+    helios_offload::IoFaults { write_errno: None, read_errno: None, short_reads: false, flip_bits: false },
+    helios_offload::IoFaults { write_errno: None, read_errno: None, short_reads: false, flip_bits: false },
+    helios_offload::IoFaults { write_errno: None, read_errno: None, short_reads: false, flip_bits: true },
+    helios_offload::IoFaults { write_errno: None, read_errno: None, short_reads: true, flip_bits: false },
+    helios_offload::IoFaults { write_errno: None, read_errno: Some(libc::EIO), short_reads: false, flip_bits: false },
+    helios_offload::IoFaults {
+        write_errno: Some(libc::ENOSPC),
+        read_errno: None,
+        short_reads: false,
+        flip_bits: false,
+    },
+];
+
+/// [`check`] with a disk tier of `disk_units` 4 KiB units below the host tier, with faults.
+fn check_tiers(
+    scheme_index: usize,
+    tight: bool,
+    lag: usize,
+    device_fed: bool,
+    host_pages: u64,
+    disk: Option<(u64, helios_offload::IoFaults)>,
+    actions: Vec<Action>,
+) {
     let scheme = reference_schemes().remove(scheme_index);
     let min_pages = scheme.pages_for(1024) as u32 + 2;
     let caps = if tight { test_capacities(4, min_pages, 3) } else { test_capacities(4, min_pages * 3, 16) };
@@ -187,7 +216,11 @@ fn check(scheme_index: usize, tight: bool, lag: usize, device_fed: bool, host_pa
     }
     // Extents are 4 KiB units: one per page or row of these small schemes.
     let host = (host_pages > 0).then_some(host_pages * helios_offload::UNIT_BYTES);
-    let report = run_workload_tiered(&mut executor, &scheme, &caps, 4, &[0], host, &actions).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let faults = disk.map(|d| d.1).unwrap_or_default();
+    let disk = disk.map(|(u, _)| (dir.path().to_path_buf(), u * helios_offload::UNIT_BYTES));
+    let tiers = Tiers { host_bytes: host, disk, faults };
+    let report = run_workload_tiered(&mut executor, &scheme, &caps, 4, &[0], &tiers, &actions).unwrap();
     assert_matches_oracle(&scheme, &caps, &report);
 }
 
@@ -212,7 +245,8 @@ fn evicted_conversations_are_restored_from_the_host_tier() {
         }
         let mut executor = SimulatedExecutor::new(&scheme, &caps);
         let host = Some(4096 * helios_offload::UNIT_BYTES);
-        let report = run_workload_tiered(&mut executor, &scheme, &caps, 4, &[], host, &actions).unwrap();
+        let tiers = Tiers { host_bytes: host, ..Tiers::default() };
+        let report = run_workload_tiered(&mut executor, &scheme, &caps, 4, &[], &tiers, &actions).unwrap();
         assert_matches_oracle(&scheme, &caps, &report);
         assert!(report.demotions > 0 && report.host_restores > 0, "{report:?}");
         // Appends hit the previous turn's terminal checkpoint, wherever it was cached: the whole
@@ -224,7 +258,7 @@ fn evicted_conversations_are_restored_from_the_host_tier() {
         }
         // Without the host tier the same workload recomputes evicted prefixes.
         let mut executor = SimulatedExecutor::new(&scheme, &caps);
-        let plain = run_workload_tiered(&mut executor, &scheme, &caps, 4, &[], None, &actions).unwrap();
+        let plain = run_workload_tiered(&mut executor, &scheme, &caps, 4, &[], &Tiers::default(), &actions).unwrap();
         let cached = |r: &helios_replay::workload::WorkloadReport| -> u32 {
             r.finished.iter().map(|(_, d)| d.cached_tokens).sum()
         };
@@ -264,6 +298,14 @@ proptest! {
     #[test]
     fn random_workloads_over_a_host_tier(scheme in 0usize..3, lag in 0usize..3, device_fed in any::<bool>(), host_pages in prop_oneof![4u64..40, Just(4096)], actions in prop::collection::vec(revisiting_action(), 8..40)) {
         check(scheme, true, lag, device_fed, host_pages, actions);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+    #[test]
+    fn random_workloads_over_host_and_disk_tiers(scheme in 0usize..3, lag in 0usize..3, host_pages in 2u64..14, disk_units in prop_oneof![8u64..64, Just(1 << 16)], fault in 0usize..6, actions in prop::collection::vec(revisiting_action(), 16..60)) {
+        check_tiers(scheme, true, lag, false, host_pages, Some((disk_units, FAULTS[fault])), actions);
     }
 }
 
@@ -527,6 +569,37 @@ fn stay_batched(lag: usize, device_fed: bool) {
     assert!(batch_sizes[first_shared..=last_shared].iter().all(|&n| n == 2), "drifted apart: {batch_sizes:?}");
 }
 
+/// With a host tier too small to keep them, evicted conversations go on to disk and come back
+/// from it: outputs equal solo runs, fetches happen, and everything drains.
+#[test]
+fn evicted_conversations_come_back_from_the_disk_tier() {
+    for scheme in reference_schemes() {
+        let min_pages = scheme.pages_for(1024) as u32 + 2;
+        let caps = test_capacities(4, min_pages, 3);
+        let mut actions = Vec::new();
+        for seed in 0..6u64 {
+            actions.push(Action::Start { messages: 3, message_len: 70, max_output: 12, seed });
+            actions.push(Action::Run { turns: 30 });
+        }
+        for round in 0..2u16 {
+            for c in 0..6u8 {
+                actions.push(Action::Append { conversation: c, len: 20 + round, max_output: 8 });
+                actions.push(Action::Run { turns: 30 });
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let tiers = Tiers {
+            host_bytes: Some(10 * helios_offload::UNIT_BYTES),
+            disk: Some((dir.path().to_path_buf(), 1 << 30)),
+            ..Tiers::default()
+        };
+        let mut executor = SimulatedExecutor::new(&scheme, &caps);
+        let report = run_workload_tiered(&mut executor, &scheme, &caps, 4, &[], &tiers, &actions).unwrap();
+        assert_matches_oracle(&scheme, &caps, &report);
+        assert!(report.disk_writes > 0 && report.disk_fetches > 0, "{report:?}");
+    }
+}
+
 /// Requests sharing a prefix join one restore; a waiter that cancels only leaves it; a restore
 /// nobody waits for any more still completes and publishes; nothing leaks.
 #[test]
@@ -590,4 +663,68 @@ fn restore_tickets_are_shared_and_outlive_their_waiters() {
     assert!(scheduler.all_storage_free());
     let host = scheduler.clear_host_tier().unwrap();
     assert_eq!((host.entries, host.resident_bytes), (0, 0));
+}
+
+/// A conversation cached before a restart (scheduler, executor and host memory gone; only the
+/// disk directory kept) is served after it with its history cached, identical tokens; with a
+/// corrupted medium the restore fails, the prefix is recomputed, and the tokens are still the
+/// same.
+#[test]
+fn conversations_survive_a_restart_through_the_disk_tier() {
+    use helios_replay::workload::tiered_scheduler;
+    for flip in [false, true] {
+        for scheme in reference_schemes() {
+            let caps = test_capacities(4, 64, 8);
+            let dir = tempfile::tempdir().unwrap();
+            let tiers = Tiers {
+                host_bytes: Some(1024 * helios_offload::UNIT_BYTES),
+                disk: Some((dir.path().to_path_buf(), 1 << 30)),
+                ..Tiers::default()
+            };
+            let first = spec(prompt(150, 4), 6, 1);
+            let history = {
+                let mut executor = SimulatedExecutor::new(&scheme, &caps);
+                let mut scheduler = tiered_scheduler(&mut executor, &scheme, &caps, 4, &tiers).unwrap();
+                scheduler.submit(first.clone()).unwrap();
+                drain(&mut scheduler, &mut executor);
+                let out = scheduler.take_finished().pop().unwrap().output;
+                // Graceful shutdown: demote the GPU cache, copy it out, write it all.
+                scheduler.evict_cache();
+                let step = scheduler.schedule().expect("the copy-out step");
+                executor.submit(&step, &Default::default()).unwrap();
+                for c in executor.synchronize().unwrap() {
+                    scheduler.complete(&c);
+                }
+                assert_eq!(scheduler.flush_disk(std::time::Duration::from_secs(30)), 0);
+                scheduler.check_invariants();
+                let mut h = first.tokens.clone();
+                h.extend(out);
+                h
+            };
+            let mut next = history.clone();
+            next.extend(prompt(12, 30));
+            let again = spec(next, 5, 2);
+            let mut executor = SimulatedExecutor::new(&scheme, &caps);
+            let faults = helios_offload::IoFaults { flip_bits: flip, ..Default::default() };
+            let tiers = Tiers { faults, ..tiers };
+            let mut scheduler = tiered_scheduler(&mut executor, &scheme, &caps, 4, &tiers).unwrap();
+            let (disk, _) = scheduler.disk_stats().unwrap();
+            assert!(disk.entries >= 2, "prompt and terminal checkpoints indexed at startup: {disk:?}");
+            scheduler.submit(again.clone()).unwrap();
+            drain(&mut scheduler, &mut executor);
+            let done = scheduler.take_finished().pop().unwrap();
+            assert_eq!(done.output, run_alone(&scheme, &caps, &again), "flip {flip}");
+            let (_, counters) = scheduler.disk_stats().unwrap();
+            if flip {
+                assert!(counters.fetch_failures >= 1, "{counters:?}");
+                assert_eq!(done.cached_tokens, 0, "nothing usable survived the corruption");
+            } else {
+                assert_eq!(counters.fetch_failures, 0);
+                assert_eq!(done.cached_tokens as usize, history.len() - 1, "the terminal checkpoint");
+            }
+            scheduler.evict_cache();
+            scheduler.check_invariants();
+            assert!(scheduler.all_storage_free());
+        }
+    }
 }

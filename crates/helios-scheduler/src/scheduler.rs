@@ -37,9 +37,13 @@ use helios_cache::{
     Publication, PublishOutcome, RowPool,
 };
 use helios_contract::model::{CacheScheme, Capacities};
-use helios_offload::{DemoteOutcome, HostEntryId, HostExtent, HostTier, PageSource, StoreGeometry, TierStats};
+use helios_offload::{DemoteOutcome, HostEntryId, HostTier, PageSource, StoreGeometry, TierStats};
 
 use crate::plan::{Completion, ConsumeRow, PageCopy, RequestId, SampleSpec, SampledToken, Step, StepOp};
+
+mod tiers;
+pub use tiers::DiskCounters;
+use tiers::{CopyOut, DiskState, RestoreTicket};
 
 /// Deployment choices that are not part of the core.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -258,29 +262,6 @@ struct Request {
     live: Option<Live>,
 }
 
-/// A restore from the host tier: host bytes copied into GPU storage by the step
-/// `publication.fence`. The scheduler owns it, not a request: requests sharing the prefix join
-/// it, and a request that leaves only detaches (the copy and its storage are unaffected).
-///
-/// Holds, until its fence completes: references on `publication`'s pages and snapshot row, a
-/// pin on its parent checkpoint and one on the host entry. Afterwards, while requests wait: a
-/// pin on the published checkpoint.
-#[derive(Clone, Debug)]
-struct RestoreTicket {
-    entry: HostEntryId,
-    publication: Publication,
-    copied_tokens: u64,
-    published: Option<CheckpointId>,
-    waiters: Vec<RequestId>,
-}
-
-/// The copies of one step's [`StepOp::CopyOut`], gathered while it is planned.
-#[derive(Debug, Default)]
-struct CopyOut {
-    pages: Vec<(PageId, HostExtent)>,
-    rows: Vec<(u32, HostExtent)>,
-}
-
 #[derive(Clone, Debug)]
 struct PendingCapture {
     request: RequestId,
@@ -307,6 +288,10 @@ pub struct Scheduler {
     host: Option<HostTier>,
     tickets: Vec<RestoreTicket>,
     restored: Vec<RestoreDone>,
+    /// Disk tier below the host tier, when configured.
+    disk: Option<Box<DiskState>>,
+    /// Newest fence the executor reported complete.
+    completed: Fence,
     next_request: u64,
     next_fence: u64,
     admissions: u64,
@@ -345,6 +330,8 @@ impl Scheduler {
             host: None,
             tickets: Vec::new(),
             restored: Vec::new(),
+            disk: None,
+            completed: Fence(0),
             next_request: 0,
             next_fence: 1,
             admissions: 0,
@@ -352,29 +339,9 @@ impl Scheduler {
         })
     }
 
-    /// Adds a host tier of `capacity_bytes` below the prefix cache: checkpoints the cache
-    /// retires are copied out to it ([`StepOp::CopyOut`]), and a prompt whose deepest cached
-    /// prefix is on the host is restored from it ([`StepOp::CopyIn`]) before admission. The
-    /// executor's host arena must hold at least `capacity_bytes`.
-    pub fn with_host_tier(mut self, capacity_bytes: u64) -> Self {
-        self.prefix.record_retirements();
-        self.host = Some(HostTier::new(StoreGeometry::from(&self.scheme), capacity_bytes));
-        self
-    }
-
     /// The cache scheme it plans for.
     pub fn scheme(&self) -> &CacheScheme {
         &self.scheme
-    }
-
-    /// Host tier counters and gauges, when there is one.
-    pub fn host_stats(&self) -> Option<TierStats> {
-        self.host.as_ref().map(HostTier::stats)
-    }
-
-    /// Restores that published since the last call.
-    pub fn take_restored(&mut self) -> Vec<RestoreDone> {
-        std::mem::take(&mut self.restored)
     }
 
     fn pt(&self) -> u32 {
@@ -546,7 +513,10 @@ impl Scheduler {
 
     /// Whether no request is waiting or running and no capture awaits publication.
     pub fn is_idle(&self) -> bool {
-        self.requests.is_empty() && self.pending.is_empty() && self.tickets.is_empty()
+        self.requests.is_empty()
+            && self.pending.is_empty()
+            && self.tickets.is_empty()
+            && self.disk.as_ref().is_none_or(|d| d.fetches.is_empty())
     }
 
     /// Evicts every unpinned checkpoint (draining, tests).
@@ -557,14 +527,6 @@ impl Scheduler {
         self.prefix.evict_all(&mut self.pages, &mut self.rows.snapshots);
     }
 
-    /// Drops every host entry no restore is reading; returns the tier's stats afterwards
-    /// (draining, tests). `None` without a host tier.
-    pub fn clear_host_tier(&mut self) -> Option<TierStats> {
-        let host = self.host.as_mut()?;
-        host.clear();
-        Some(host.stats())
-    }
-
     /// Whether every page, slot and snapshot row is free.
     pub fn all_storage_free(&self) -> bool {
         self.pages.all_free() && self.rows.all_free()
@@ -573,6 +535,10 @@ impl Scheduler {
     /// Applies a completion: fences, sampled tokens, publications. Returns the samples the
     /// requests accepted: a sample of a request that finished meanwhile is dropped.
     pub fn complete(&mut self, completion: &Completion) -> Vec<SampledToken> {
+        self.completed = self.completed.max(completion.fence);
+        if let Some(host) = self.host.as_mut() {
+            host.complete(completion.fence);
+        }
         self.pages.signal(completion.fence);
         self.rows.slots.signal(completion.fence);
         self.rows.snapshots.signal(completion.fence);
@@ -615,69 +581,6 @@ impl Scheduler {
         }
         self.publish_restores(completion.fence);
         accepted
-    }
-
-    /// Publishes the restores whose copies completed by `fence` as ordinary checkpoints.
-    fn publish_restores(&mut self, fence: Fence) {
-        for i in (0..self.tickets.len()).rev() {
-            let t = &self.tickets[i];
-            if t.published.is_some() || t.publication.fence > fence {
-                continue;
-            }
-            let (publication, entry) = (t.publication.clone(), t.entry);
-            let parent = publication.parent;
-            let tokens = publication.key.tokens;
-            let id = match self.prefix.publish(publication, &mut self.pages, &mut self.rows.snapshots) {
-                PublishOutcome::Published(id) | PublishOutcome::Duplicate(id) => id,
-            };
-            self.prefix.pin(id);
-            if let Some(p) = parent {
-                self.prefix.unpin(p);
-            }
-            if let Some(host) = self.host.as_mut() {
-                host.unpin(entry);
-            }
-            let t = &mut self.tickets[i];
-            t.published = Some(id);
-            self.restored.push(RestoreDone { fence: t.publication.fence, tokens, copied_tokens: t.copied_tokens });
-        }
-        self.drop_idle_tickets();
-    }
-
-    /// Drops published tickets nobody waits on, with their pins.
-    fn drop_idle_tickets(&mut self) {
-        let (idle, keep): (Vec<_>, Vec<_>) =
-            std::mem::take(&mut self.tickets).into_iter().partition(|t| t.published.is_some() && t.waiters.is_empty());
-        self.tickets = keep;
-        for id in idle.into_iter().filter_map(|t| t.published) {
-            self.prefix.unpin(id);
-        }
-    }
-
-    /// `id` no longer waits on a restore (admitted, or gone).
-    fn leave_restore(&mut self, id: RequestId) {
-        for t in &mut self.tickets {
-            t.waiters.retain(|&w| w != id);
-        }
-        self.drop_idle_tickets();
-    }
-
-    /// Plans the copy-out of what the cache retired since the last call into `out` (pages,
-    /// rows); [`Self::schedule`] places it ahead of every other op of the step.
-    fn demote_retired(&mut self, fence: Fence, out: &mut CopyOut) {
-        let retired = self.prefix.take_retired();
-        let Some(host) = self.host.as_mut() else { return };
-        let CopyOut { pages, rows } = out;
-        for r in retired {
-            let chain: Vec<PageSource> =
-                r.chain.iter().map(|&(page, generation)| PageSource { page, generation }).collect();
-            // No room beside pinned entries: the checkpoint is dropped, as without a host tier.
-            if let Ok(DemoteOutcome::Copy(d)) = host.demote(r.key, &chain, r.tail_page, fence) {
-                pages.extend(d.pages);
-                pages.extend(d.tail);
-                rows.push((self.rows.snapshot_row(r.snapshot), d.row));
-            }
-        }
     }
 
     fn allocate_page(&mut self, may_evict: bool) -> Option<PageId> {
@@ -855,6 +758,7 @@ impl Scheduler {
     pub fn schedule(&mut self) -> Option<Step> {
         let fence = Fence(self.next_fence);
         let mut ops = Vec::new();
+        self.poll_disk(self.completed);
         // Retired outside planning (`evict_cache`): on the host before this step's lookups.
         let mut copy_out = CopyOut::default();
         self.demote_retired(fence, &mut copy_out);
@@ -1029,7 +933,7 @@ impl Scheduler {
         fence: Fence,
         ops: &mut Vec<StepOp>,
     ) -> Option<(Option<CheckpointId>, u32, usize)> {
-        if self.tickets.iter().any(|t| t.published.is_none() && t.waiters.contains(&id)) {
+        if self.awaits_tier(id) {
             return None;
         }
         let request = self.requests.get(&id)?;
@@ -1038,103 +942,10 @@ impl Scheduler {
         let hit = self.prefix.lookup(&digests, &request.tokens, &request.spec.images, max);
         let hit_tokens = hit.and_then(|h| self.prefix.get(h)).map_or(0, |c| c.tokens()) as u32;
         let total = self.reservation_pages(request) as usize;
-        let deeper = self
-            .host
-            .as_mut()
-            .and_then(|host| host.lookup(&digests, &request.tokens, &request.spec.images, max, u64::from(hit_tokens)));
-        if let Some((entry, _)) = deeper
-            && self.restore(id, entry, hit, fence, ops)
-        {
+        if self.fetch_deeper(id, &digests, hit, hit_tokens, fence, ops) {
             return None;
         }
         Some((hit, hit_tokens, total))
-    }
-
-    /// Starts (or joins) the restore of host entry `entry` for request `id`; `hit` is the
-    /// request's deepest GPU prefix. Returns false when the GPU storage it needs is not
-    /// available now (the request is admitted against `hit` instead).
-    ///
-    /// The restored checkpoint extends `hit` when the entry's first pages were copied from
-    /// exactly `hit`'s chain pages; otherwise it restores the whole chain, so the restored row
-    /// always continues the very pages it was computed against.
-    fn restore(
-        &mut self,
-        id: RequestId,
-        entry: HostEntryId,
-        hit: Option<CheckpointId>,
-        fence: Fence,
-        ops: &mut Vec<StepOp>,
-    ) -> bool {
-        let Some(host) = self.host.as_ref() else { return false };
-        let Some(e) = host.entry(entry) else { return false };
-        let (key, tail_extent, row_extent) = (e.key, e.tail, e.row);
-        if let Some(t) = self.tickets.iter_mut().find(|t| t.publication.key.digest == key.digest) {
-            if !t.waiters.contains(&id) {
-                t.waiters.push(id);
-                self.stats.host_restore_joins += 1;
-            }
-            return true;
-        }
-        let sources = host.page_sources(entry);
-        let extents = host.page_extents(entry);
-        let parent = hit.filter(|&h| {
-            let chain = self.prefix.chain_pages(h);
-            chain.len() <= sources.len()
-                && chain
-                    .iter()
-                    .zip(&sources)
-                    .all(|(&p, s)| s.is_some_and(|s| s.page == p && s.generation == self.pages.generation(p)))
-        });
-        let shared = parent.map_or(0, |p| self.prefix.chain_pages(p).len());
-        let pages_needed = extents.len() - shared + usize::from(tail_extent.is_some());
-        // The GPU hit survives the evictions below either way: the ticket's parent, or the
-        // prefix the request is admitted against when the restore cannot start.
-        for h in [hit, parent].into_iter().flatten() {
-            self.prefix.pin(h);
-        }
-        if let Some(host) = self.host.as_mut() {
-            host.pin(entry);
-        }
-        let snapshot = self.rows.snapshots.allocate().or_else(|| {
-            self.prefix.evict_for_snapshot(&mut self.pages, &mut self.rows.snapshots);
-            self.rows.snapshots.allocate()
-        });
-        let snapshot = match snapshot {
-            Some(s) if self.ensure_free_pages(pages_needed) => s,
-            other => {
-                if let Some(s) = other {
-                    self.rows.snapshots.release(s, Fence(0));
-                }
-                for h in [hit, parent].into_iter().flatten() {
-                    self.prefix.unpin(h);
-                }
-                if let Some(host) = self.host.as_mut() {
-                    host.unpin(entry);
-                }
-                self.stats.host_restore_skips += 1;
-                return false;
-            }
-        };
-        let mut fresh = || self.pages.allocate().expect("pages were made free above");
-        let segment: Vec<PageId> = (shared..extents.len()).map(|_| fresh()).collect();
-        let tail_page = tail_extent.map(|_| fresh());
-        let mut copies: Vec<(HostExtent, PageId)> =
-            extents[shared..].iter().copied().zip(segment.iter().copied()).collect();
-        copies.extend(tail_extent.zip(tail_page));
-        ops.push(StepOp::CopyIn { pages: copies, rows: vec![(row_extent, self.rows.snapshot_row(snapshot))] });
-        let parent_tokens = parent.and_then(|p| self.prefix.get(p)).map_or(0, |p| p.tokens());
-        if let Some(h) = hit {
-            self.prefix.unpin(h);
-        }
-        self.tickets.push(RestoreTicket {
-            entry,
-            publication: Publication { key, parent, segment, tail_page, snapshot, fence },
-            copied_tokens: key.tokens - parent_tokens,
-            published: None,
-            waiters: vec![id],
-        });
-        self.stats.host_restores += 1;
-        true
     }
 
     /// Pins the prefix and reserves the pages beyond it and a slot; on a shortfall nothing
@@ -1324,27 +1135,7 @@ impl Scheduler {
                 *pins.entry(parent).or_default() += 1;
             }
         }
-        let mut host_pins: HashMap<HostEntryId, u32> = HashMap::new();
-        for t in &self.tickets {
-            match t.published {
-                Some(id) => *pins.entry(id).or_default() += 1,
-                None => {
-                    let p = &t.publication;
-                    for &page in p.segment.iter().chain(p.tail_page.iter()) {
-                        page_refs[page as usize] += 1;
-                    }
-                    snapshot_refs[p.snapshot as usize] += 1;
-                    if let Some(parent) = p.parent {
-                        *pins.entry(parent).or_default() += 1;
-                    }
-                    *host_pins.entry(t.entry).or_default() += 1;
-                }
-            }
-        }
-        if let Some(host) = &self.host {
-            host.check_invariants();
-            host.check_pins(&host_pins);
-        }
+        self.check_tier_invariants(&mut page_refs, &mut snapshot_refs, &mut pins);
         assert!(self.running.len() <= self.config.max_concurrency as usize, "too many running");
         let mut slots = vec![false; self.rows.slots.len() as usize];
         for id in &self.running {

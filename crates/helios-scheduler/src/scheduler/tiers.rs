@@ -1,0 +1,564 @@
+//! The tiers below the GPU prefix cache, as the scheduler drives them: demotion of retired
+//! checkpoints to the host tier, restore tickets (host → GPU), and the disk tier's fetches
+//! (disk → host) and write-behind (host → disk).
+
+use std::time::{Duration, Instant};
+
+use helios_offload::{
+    BlockRead, DiskDone, DiskIdentity, DiskIo, DiskJob, DiskStats, DiskTier, HostExtent, WritePlan, source_extent,
+};
+
+use super::*;
+
+/// Disk writes in flight at once: write-behind never queues more on the I/O thread.
+const DISK_WRITES_IN_FLIGHT: usize = 2;
+/// Host entries waiting for their disk write, at most; beyond it the oldest go unwritten.
+const DISK_WRITE_QUEUE: usize = 4096;
+
+/// The disk tier as the scheduler drives it.
+#[derive(Debug)]
+pub(super) struct DiskState {
+    pub(super) tier: DiskTier,
+    pub(super) io: DiskIo,
+    pub(super) identity: DiskIdentity,
+    /// Host entries demoted and not yet written, oldest first (write-behind order).
+    pub(super) queue: VecDeque<HostEntryId>,
+    /// Writes in flight by token: the plan and the host entry they pin.
+    pub(super) writes: HashMap<u64, (WritePlan, HostEntryId)>,
+    /// Fetches (disk → host) in flight.
+    pub(super) fetches: Vec<DiskFetch>,
+    pub(super) next_token: u64,
+    pub(super) stats: DiskCounters,
+    /// Durations of fetches finished since the last take (for metrics).
+    pub(super) fetched: Vec<Duration>,
+}
+
+/// A checkpoint being read from disk into a host entry; requests wait on it like on a
+/// restore ticket, and leave it the same way.
+#[derive(Debug)]
+pub(super) struct DiskFetch {
+    pub(super) token: u64,
+    pub(super) key: helios_cache::PrefixKey,
+    pub(super) entry: HostEntryId,
+    pub(super) waiters: Vec<RequestId>,
+    pub(super) started: Instant,
+}
+
+/// Scheduler-side disk counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DiskCounters {
+    /// Fetches started (disk → host), and requests that joined one running.
+    pub fetches: u64,
+    pub fetch_joins: u64,
+    /// Fetches that failed (I/O error, checksum): the prefix is recomputed.
+    pub fetch_failures: u64,
+    /// Disk hits not fetched: no host room for them.
+    pub fetch_skips: u64,
+}
+
+/// A restore from the host tier: host bytes copied into GPU storage by the step
+/// `publication.fence`. The scheduler owns it, not a request: requests sharing the prefix join
+/// it, and a request that leaves only detaches (the copy and its storage are unaffected).
+///
+/// Holds, until its fence completes: references on `publication`'s pages and snapshot row, a
+/// pin on its parent checkpoint and one on the host entry. Afterwards, while requests wait: a
+/// pin on the published checkpoint.
+#[derive(Clone, Debug)]
+pub(super) struct RestoreTicket {
+    pub(super) entry: HostEntryId,
+    pub(super) publication: Publication,
+    pub(super) copied_tokens: u64,
+    pub(super) published: Option<CheckpointId>,
+    pub(super) waiters: Vec<RequestId>,
+}
+
+/// The copies of one step's [`StepOp::CopyOut`], gathered while it is planned.
+#[derive(Debug, Default)]
+pub(super) struct CopyOut {
+    pub(super) pages: Vec<(PageId, HostExtent)>,
+    pub(super) rows: Vec<(u32, HostExtent)>,
+}
+
+impl Scheduler {
+    /// Adds a host tier of `capacity_bytes` below the prefix cache: checkpoints the cache
+    /// retires are copied out to it ([`StepOp::CopyOut`]), and a prompt whose deepest cached
+    /// prefix is on the host is restored from it ([`StepOp::CopyIn`]) before admission. The
+    /// executor's host arena must hold at least `capacity_bytes`.
+    pub fn with_host_tier(mut self, capacity_bytes: u64) -> Self {
+        self.prefix.record_retirements();
+        self.host = Some(HostTier::new(StoreGeometry::from(&self.scheme), capacity_bytes));
+        self
+    }
+
+    /// Host tier counters and gauges, when there is one.
+    pub fn host_stats(&self) -> Option<TierStats> {
+        self.host.as_ref().map(HostTier::stats)
+    }
+
+    /// Restores that published since the last call.
+    pub fn take_restored(&mut self) -> Vec<RestoreDone> {
+        std::mem::take(&mut self.restored)
+    }
+
+    /// Drops every host entry no restore is reading; returns the tier's stats afterwards
+    /// (draining, tests). `None` without a host tier.
+    pub fn clear_host_tier(&mut self) -> Option<TierStats> {
+        let host = self.host.as_mut()?;
+        host.clear();
+        Some(host.stats())
+    }
+
+    /// Publishes the restores whose copies completed by `fence` as ordinary checkpoints.
+    pub(super) fn publish_restores(&mut self, fence: Fence) {
+        for i in (0..self.tickets.len()).rev() {
+            let t = &self.tickets[i];
+            if t.published.is_some() || t.publication.fence > fence {
+                continue;
+            }
+            let (publication, entry) = (t.publication.clone(), t.entry);
+            let parent = publication.parent;
+            let tokens = publication.key.tokens;
+            let id = match self.prefix.publish(publication, &mut self.pages, &mut self.rows.snapshots) {
+                PublishOutcome::Published(id) | PublishOutcome::Duplicate(id) => id,
+            };
+            self.prefix.pin(id);
+            if let Some(p) = parent {
+                self.prefix.unpin(p);
+            }
+            if let Some(host) = self.host.as_mut() {
+                host.unpin(entry);
+            }
+            let t = &mut self.tickets[i];
+            t.published = Some(id);
+            self.restored.push(RestoreDone { fence: t.publication.fence, tokens, copied_tokens: t.copied_tokens });
+        }
+        self.drop_idle_tickets();
+    }
+
+    /// Drops published tickets nobody waits on, with their pins.
+    pub(super) fn drop_idle_tickets(&mut self) {
+        let (idle, keep): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.tickets).into_iter().partition(|t| t.published.is_some() && t.waiters.is_empty());
+        self.tickets = keep;
+        for id in idle.into_iter().filter_map(|t| t.published) {
+            self.prefix.unpin(id);
+        }
+    }
+
+    /// `id` no longer waits on a restore (admitted, or gone).
+    pub(super) fn leave_restore(&mut self, id: RequestId) {
+        for t in &mut self.tickets {
+            t.waiters.retain(|&w| w != id);
+        }
+        if let Some(disk) = self.disk.as_mut() {
+            for f in &mut disk.fetches {
+                f.waiters.retain(|&w| w != id);
+            }
+        }
+        self.drop_idle_tickets();
+    }
+
+    /// Plans the copy-out of what the cache retired since the last call into `out` (pages,
+    /// rows); [`Self::schedule`] places it ahead of every other op of the step.
+    pub(super) fn demote_retired(&mut self, fence: Fence, out: &mut CopyOut) {
+        let retired = self.prefix.take_retired();
+        let Some(host) = self.host.as_mut() else { return };
+        let CopyOut { pages, rows } = out;
+        let mut demoted = Vec::new();
+        for r in retired {
+            let chain: Vec<PageSource> =
+                r.chain.iter().map(|&(page, generation)| PageSource { page, generation }).collect();
+            // No room beside pinned entries: the checkpoint is dropped, as without a host tier.
+            if let Ok(DemoteOutcome::Copy(d)) = host.demote(r.key, &chain, r.tail_page, fence) {
+                pages.extend(d.pages);
+                pages.extend(d.tail);
+                rows.push((self.rows.snapshot_row(r.snapshot), d.row));
+                demoted.push(d.entry);
+            }
+        }
+        for entry in demoted {
+            self.queue_disk_write(entry);
+        }
+    }
+
+    /// Starts (or joins) the restore of host entry `entry` for request `id`; `hit` is the
+    /// request's deepest GPU prefix. Returns false when the GPU storage it needs is not
+    /// available now (the request is admitted against `hit` instead).
+    ///
+    /// The restored checkpoint extends `hit` when the entry's first pages were copied from
+    /// exactly `hit`'s chain pages; otherwise it restores the whole chain, so the restored row
+    /// always continues the very pages it was computed against.
+    pub(super) fn restore(
+        &mut self,
+        id: RequestId,
+        entry: HostEntryId,
+        hit: Option<CheckpointId>,
+        fence: Fence,
+        ops: &mut Vec<StepOp>,
+    ) -> bool {
+        let Some(host) = self.host.as_ref() else { return false };
+        let Some(e) = host.entry(entry) else { return false };
+        let (key, tail_extent, row_extent) = (e.key, e.tail, e.row);
+        if let Some(t) = self.tickets.iter_mut().find(|t| t.publication.key.digest == key.digest) {
+            if !t.waiters.contains(&id) {
+                t.waiters.push(id);
+                self.stats.host_restore_joins += 1;
+            }
+            return true;
+        }
+        let sources = host.page_sources(entry);
+        let extents = host.page_extents(entry);
+        let parent = hit.filter(|&h| {
+            let chain = self.prefix.chain_pages(h);
+            chain.len() <= sources.len()
+                && chain
+                    .iter()
+                    .zip(&sources)
+                    .all(|(&p, s)| s.is_some_and(|s| s.page == p && s.generation == self.pages.generation(p)))
+        });
+        let shared = parent.map_or(0, |p| self.prefix.chain_pages(p).len());
+        let pages_needed = extents.len() - shared + usize::from(tail_extent.is_some());
+        // The GPU hit survives the evictions below either way: the ticket's parent, or the
+        // prefix the request is admitted against when the restore cannot start.
+        for h in [hit, parent].into_iter().flatten() {
+            self.prefix.pin(h);
+        }
+        if let Some(host) = self.host.as_mut() {
+            host.pin(entry);
+        }
+        let snapshot = self.rows.snapshots.allocate().or_else(|| {
+            self.prefix.evict_for_snapshot(&mut self.pages, &mut self.rows.snapshots);
+            self.rows.snapshots.allocate()
+        });
+        let snapshot = match snapshot {
+            Some(s) if self.ensure_free_pages(pages_needed) => s,
+            other => {
+                if let Some(s) = other {
+                    self.rows.snapshots.release(s, Fence(0));
+                }
+                for h in [hit, parent].into_iter().flatten() {
+                    self.prefix.unpin(h);
+                }
+                if let Some(host) = self.host.as_mut() {
+                    host.unpin(entry);
+                }
+                self.stats.host_restore_skips += 1;
+                return false;
+            }
+        };
+        let mut fresh = || self.pages.allocate().expect("pages were made free above");
+        let segment: Vec<PageId> = (shared..extents.len()).map(|_| fresh()).collect();
+        let tail_page = tail_extent.map(|_| fresh());
+        let mut copies: Vec<(HostExtent, PageId)> =
+            extents[shared..].iter().copied().zip(segment.iter().copied()).collect();
+        copies.extend(tail_extent.zip(tail_page));
+        ops.push(StepOp::CopyIn { pages: copies, rows: vec![(row_extent, self.rows.snapshot_row(snapshot))] });
+        let parent_tokens = parent.and_then(|p| self.prefix.get(p)).map_or(0, |p| p.tokens());
+        if let Some(h) = hit {
+            self.prefix.unpin(h);
+        }
+        self.tickets.push(RestoreTicket {
+            entry,
+            publication: Publication { key, parent, segment, tail_page, snapshot, fence },
+            copied_tokens: key.tokens - parent_tokens,
+            published: None,
+            waiters: vec![id],
+        });
+        self.stats.host_restores += 1;
+        true
+    }
+
+    /// Adds a disk tier below the host tier (which it stages through: [`Self::with_host_tier`]
+    /// first). Checkpoints demoted to the host are written behind, a few at a time; a prompt
+    /// whose deepest cached prefix is on disk is read back into the host tier first.
+    ///
+    /// # Panics
+    /// Without a host tier.
+    pub fn with_disk_tier(mut self, tier: DiskTier, io: DiskIo, identity: DiskIdentity) -> Self {
+        assert!(self.host.is_some(), "the disk tier stages through the host tier");
+        self.disk = Some(Box::new(DiskState {
+            tier,
+            io,
+            identity,
+            queue: VecDeque::new(),
+            writes: HashMap::new(),
+            fetches: Vec::new(),
+            next_token: 1,
+            stats: DiskCounters::default(),
+            fetched: Vec::new(),
+        }));
+        self
+    }
+
+    /// Disk tier gauges and the scheduler's disk counters, when there is a disk tier.
+    pub fn disk_stats(&self) -> Option<(DiskStats, DiskCounters)> {
+        self.disk.as_ref().map(|d| (d.tier.stats(), d.stats))
+    }
+
+    /// How the disk tier moves bytes ("io_uring …" or "pread"), when there is one.
+    pub fn disk_backend(&self) -> Option<&'static str> {
+        self.disk.as_ref().map(|d| d.io.backend())
+    }
+
+    /// Durations of disk fetches finished since the last call.
+    pub fn take_disk_fetches(&mut self) -> Vec<Duration> {
+        self.disk.as_mut().map(|d| std::mem::take(&mut d.fetched)).unwrap_or_default()
+    }
+
+    /// Injects I/O faults into the disk tier (tests); no-op without one.
+    pub fn inject_disk_faults(&mut self, faults: helios_offload::IoFaults) {
+        if let Some(d) = &self.disk {
+            d.io.inject(faults);
+        }
+    }
+
+    /// Whether `id` waits on a transfer still running (restore or disk fetch).
+    pub(super) fn awaits_tier(&self, id: RequestId) -> bool {
+        self.tickets.iter().any(|t| t.published.is_none() && t.waiters.contains(&id))
+            || self.disk.as_ref().is_some_and(|d| d.fetches.iter().any(|f| f.waiters.contains(&id)))
+    }
+
+    /// Looks below the GPU hit (`hit_tokens` deep): a deeper host entry starts (or joins) a
+    /// restore; a deeper disk checkpoint starts (or joins) a fetch into the host. Returns
+    /// whether the request waits for one.
+    pub(super) fn fetch_deeper(
+        &mut self,
+        id: RequestId,
+        digests: &PromptDigests,
+        hit: Option<CheckpointId>,
+        hit_tokens: u32,
+        fence: Fence,
+        ops: &mut Vec<StepOp>,
+    ) -> bool {
+        let Some(request) = self.requests.get(&id) else { return false };
+        let (tokens, images, max) = (&request.tokens, &request.spec.images, request.prompt_len as usize);
+        let host_hit = self.host.as_mut().and_then(|h| h.lookup(digests, tokens, images, max, u64::from(hit_tokens)));
+        let floor = host_hit.map_or(u64::from(hit_tokens), |(_, t)| t);
+        let disk_hit = self.disk.as_mut().and_then(|d| d.tier.lookup(digests, tokens, images, max, floor));
+        if let Some(key) = disk_hit
+            && self.fetch(id, key)
+        {
+            return true;
+        }
+        host_hit.is_some_and(|(entry, _)| self.restore(id, entry, hit, fence, ops))
+    }
+
+    /// Starts (or joins) reading checkpoint `key` from disk into the host tier. Returns false
+    /// when the host has no room for it now.
+    fn fetch(&mut self, id: RequestId, key: helios_cache::PrefixKey) -> bool {
+        let (Some(disk), Some(host)) = (self.disk.as_mut(), self.host.as_mut()) else { return false };
+        if let Some(f) = disk.fetches.iter_mut().find(|f| f.key.digest == key.digest) {
+            if !f.waiters.contains(&id) {
+                f.waiters.push(id);
+                disk.stats.fetch_joins += 1;
+            }
+            return true;
+        }
+        let Some(plan) = disk.tier.begin_read(&key) else { return false };
+        let fill = match host.begin_fill(key, &plan.chain, plan.tail.is_some()) {
+            Ok(fill) => fill,
+            Err(_) => {
+                disk.tier.finish_read(&key, true);
+                disk.stats.fetch_skips += 1;
+                return false;
+            }
+        };
+        let mut reads: Vec<(BlockRead, HostExtent)> =
+            fill.pages.iter().map(|&(i, extent)| (plan.pages[i].clone(), extent)).collect();
+        reads.extend(plan.tail.clone().zip(fill.tail));
+        reads.push((plan.row.clone(), fill.row));
+        let token = disk.next_token;
+        disk.next_token += 1;
+        disk.io.submit(DiskJob::Read { token, reads });
+        disk.fetches.push(DiskFetch { token, key, entry: fill.entry, waiters: vec![id], started: Instant::now() });
+        disk.stats.fetches += 1;
+        true
+    }
+
+    /// Takes the I/O thread's outcomes (fetches land in the host tier, or are discarded;
+    /// writes become disk checkpoints), queues deletions, and starts write-behind for host
+    /// entries whose copy-out completed by `completed`.
+    pub(super) fn poll_disk(&mut self, completed: Fence) {
+        let Some(disk) = self.disk.as_mut() else { return };
+        let done = disk.io.poll();
+        self.apply_disk(done);
+        self.write_behind(completed, DISK_WRITES_IN_FLIGHT);
+    }
+
+    fn apply_disk(&mut self, done: Vec<DiskDone>) {
+        let (Some(disk), Some(host)) = (self.disk.as_mut(), self.host.as_mut()) else { return };
+        for d in done {
+            match d {
+                DiskDone::Read { token, result } => {
+                    let Some(i) = disk.fetches.iter().position(|f| f.token == token) else { continue };
+                    let f = disk.fetches.swap_remove(i);
+                    match result {
+                        Ok(()) => host.finish_fill(f.entry),
+                        Err(_) => {
+                            host.abort_fill(f.entry);
+                            disk.stats.fetch_failures += 1;
+                        }
+                    }
+                    disk.tier.finish_read(&f.key, result.is_ok());
+                    disk.fetched.push(f.started.elapsed());
+                }
+                DiskDone::Written { token, result } => {
+                    let Some((plan, entry)) = disk.writes.remove(&token) else { continue };
+                    disk.tier.finish_write(&plan, result.as_ref().ok().map(Vec::as_slice));
+                    host.unpin(entry);
+                }
+            }
+        }
+        for path in disk.tier.take_deletions() {
+            disk.io.submit(DiskJob::Delete(path));
+        }
+    }
+
+    /// Starts disk writes for queued host entries, up to `limit` in flight.
+    fn write_behind(&mut self, completed: Fence, limit: usize) {
+        let (Some(disk), Some(host)) = (self.disk.as_mut(), self.host.as_mut()) else { return };
+        while disk.writes.len() < limit {
+            let Some(&entry) = disk.queue.front() else { break };
+            let Some(e) = host.entry(entry) else {
+                disk.queue.pop_front();
+                continue;
+            };
+            // Demotions queue in fence order: the first not yet copied out stops the rest.
+            if e.ready > completed {
+                break;
+            }
+            disk.queue.pop_front();
+            let (key, tail, row) = (e.key, e.tail, e.row);
+            if disk.tier.contains(&key) {
+                continue;
+            }
+            let uids = host.page_uids(entry);
+            let Ok(plan) = disk.tier.begin_write(key, &uids, tail.is_some()) else { continue };
+            let pages = host.page_extents(entry);
+            let extents: Option<Vec<HostExtent>> =
+                plan.sources.iter().map(|&s| source_extent(s, &pages, tail, row)).collect();
+            let Some(extents) = extents else {
+                disk.tier.finish_write(&plan, None);
+                continue;
+            };
+            host.pin(entry);
+            let token = disk.next_token;
+            disk.next_token += 1;
+            disk.io.submit(DiskJob::Write { token, plan: Box::new(plan.clone()), extents, identity: disk.identity });
+            disk.writes.insert(token, (plan, entry));
+        }
+        for path in disk.tier.take_deletions() {
+            disk.io.submit(DiskJob::Delete(path));
+        }
+    }
+
+    /// Whether a disk fetch some request waits for is in flight.
+    pub fn disk_busy(&self) -> bool {
+        self.disk.as_ref().is_some_and(|d| !d.fetches.is_empty())
+    }
+
+    /// Waits up to `timeout` for disk I/O outcomes and applies them; returns whether any came.
+    /// For a loop with nothing to submit while requests wait on a fetch.
+    pub fn wait_disk(&mut self, timeout: Duration) -> bool {
+        let Some(disk) = self.disk.as_mut() else { return false };
+        let done = disk.io.wait(timeout);
+        let any = !done.is_empty();
+        self.apply_disk(done);
+        any
+    }
+
+    /// Waits (up to `timeout`) until write-behind has caught up: every queued entry already
+    /// copied out is written and nothing is in flight. Tests use it to make the disk tier's
+    /// content independent of the I/O thread's timing.
+    pub fn settle_disk(&mut self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.write_behind(self.completed, DISK_WRITES_IN_FLIGHT);
+            let Some(disk) = self.disk.as_mut() else { return };
+            let ready = disk.queue.front().is_some_and(|&e| {
+                self.host.as_ref().and_then(|h| h.entry(e)).is_none_or(|e| e.ready <= self.completed)
+            });
+            let left = deadline.saturating_duration_since(Instant::now());
+            if (!ready && disk.io.in_flight() == 0) || left.is_zero() {
+                return;
+            }
+            let done = disk.io.wait(left);
+            self.apply_disk(done);
+        }
+    }
+
+    /// Queues a host entry for its disk write.
+    pub(super) fn queue_disk_write(&mut self, entry: HostEntryId) {
+        if let Some(disk) = self.disk.as_mut() {
+            if disk.queue.len() >= DISK_WRITE_QUEUE {
+                disk.queue.pop_front();
+            }
+            disk.queue.push_back(entry);
+        }
+    }
+
+    /// Writes every host entry not on disk yet, and waits (up to `timeout`) until the writes
+    /// and fetches in flight finished. For a graceful shutdown, after the GPU cache was
+    /// demoted ([`Self::evict_cache`], then the step that copies it out). Returns the number
+    /// of entries still unwritten at the deadline.
+    pub fn flush_disk(&mut self, timeout: Duration) -> usize {
+        let deadline = Instant::now() + timeout;
+        let (Some(disk), Some(host)) = (self.disk.as_mut(), self.host.as_ref()) else { return 0 };
+        let mut all: Vec<HostEntryId> = host.entry_ids().collect();
+        all.sort_unstable();
+        disk.queue = all.into();
+        let completed = Fence(self.next_fence.saturating_sub(1));
+        loop {
+            self.write_behind(completed, DISK_WRITES_IN_FLIGHT * 4);
+            let Some(disk) = self.disk.as_mut() else { return 0 };
+            if disk.queue.is_empty() && disk.io.in_flight() == 0 {
+                return 0;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return disk.queue.len() + disk.writes.len();
+            }
+            let done = disk.io.wait(left);
+            self.apply_disk(done);
+        }
+    }
+
+    /// Tier invariants, with the references and pins tickets hold added to the counts.
+    pub(super) fn check_tier_invariants(
+        &self,
+        page_refs: &mut [u32],
+        snapshot_refs: &mut [u32],
+        pins: &mut HashMap<CheckpointId, u32>,
+    ) {
+        let mut host_pins: HashMap<HostEntryId, u32> = HashMap::new();
+        for t in &self.tickets {
+            match t.published {
+                Some(id) => *pins.entry(id).or_default() += 1,
+                None => {
+                    let p = &t.publication;
+                    for &page in p.segment.iter().chain(p.tail_page.iter()) {
+                        page_refs[page as usize] += 1;
+                    }
+                    snapshot_refs[p.snapshot as usize] += 1;
+                    if let Some(parent) = p.parent {
+                        *pins.entry(parent).or_default() += 1;
+                    }
+                    *host_pins.entry(t.entry).or_default() += 1;
+                }
+            }
+        }
+        if let Some(disk) = &self.disk {
+            for f in &disk.fetches {
+                *host_pins.entry(f.entry).or_default() += 1;
+            }
+            for (_, entry) in disk.writes.values() {
+                *host_pins.entry(*entry).or_default() += 1;
+            }
+            disk.tier.check_invariants();
+        }
+        if let Some(host) = &self.host {
+            host.check_invariants();
+            host.check_pins(&host_pins);
+        }
+    }
+}
