@@ -73,6 +73,14 @@ pub(crate) struct RunArgs {
     /// at most 16 GiB, and none on unified-memory devices (a host copy would take the same DRAM).
     #[arg(long, value_parser = parse_gib)]
     host_cache_gib: Option<f64>,
+    /// Directory for checkpoints evicted from host memory, kept across restarts: at startup its
+    /// files of this core are indexed and served; others are removed. Off by default.
+    #[arg(long, value_name = "DIR")]
+    disk_cache_dir: Option<PathBuf>,
+    /// Disk the tier may use, in GiB (default: half the free space of its filesystem at
+    /// startup, at most 256 GiB).
+    #[arg(long, value_parser = parse_gib, requires = "disk_cache_dir")]
+    disk_cache_gib: Option<f64>,
     /// Chat template file overriding the core's.
     #[arg(long)]
     chat_template: Option<PathBuf>,
@@ -243,6 +251,10 @@ pub(crate) fn run(args: RunArgs) -> Result<(), CliError> {
         prep_queue: args.queue_limit.max(1),
         device_fed_decode: !args.host_fed_decode,
         host_cache_bytes: args.host_cache_gib.map(|g| (g * (1u64 << 30) as f64) as u64),
+        disk_cache: match &args.disk_cache_dir {
+            Some(dir) => Some(disk_cache_options(dir, args.disk_cache_gib, &core_dir, simulate)?),
+            None => None,
+        },
         // Options without a flag keep the engine's defaults.
         ..EngineOptions::default()
     };
@@ -536,4 +548,41 @@ fn parse_gib(text: &str) -> Result<f64, String> {
         Ok(g) if g.is_finite() && g >= 0.0 => Ok(g),
         _ => Err(format!("expected a size in GiB (0 or more), got {text:?}")),
     }
+}
+
+/// The disk tier's options: its budget, and the fingerprint its files carry: the core's
+/// manifest (which names every payload's digest) and the executor, whose byte layouts differ.
+fn disk_cache_options(
+    dir: &std::path::Path,
+    gib: Option<f64>,
+    core_dir: &std::path::Path,
+    simulate: bool,
+) -> Result<helios_worker::DiskCacheOptions, CliError> {
+    use sha2::Digest as _;
+    std::fs::create_dir_all(dir).map_err(|e| CliError::Startup(format!("--disk-cache-dir {}: {e}", dir.display())))?;
+    let capacity_bytes = match gib {
+        Some(g) => (g * (1u64 << 30) as f64) as u64,
+        None => (free_bytes(dir).unwrap_or(0) / 2).min(256 << 30),
+    };
+    let manifest = std::fs::read(core_dir.join(helios_contract::MANIFEST_FILE))
+        .map_err(|e| CliError::Startup(format!("reading the core manifest: {e}")))?;
+    let mut h = sha2::Sha256::new();
+    h.update(&manifest);
+    h.update(if simulate { b"executor=simulated".as_slice() } else { b"executor=cuda".as_slice() });
+    Ok(helios_worker::DiskCacheOptions {
+        dir: dir.to_path_buf(),
+        capacity_bytes,
+        fingerprint: h.finalize().into(),
+        flush_timeout: Duration::from_secs(60),
+    })
+}
+
+/// Free bytes of the filesystem holding `dir`, for unprivileged users.
+fn free_bytes(dir: &std::path::Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: a zeroed statvfs is a valid out-parameter; the path is NUL-terminated.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    (unsafe { libc::statvfs(c.as_ptr(), &mut st) } == 0).then(|| st.f_bavail as u64 * st.f_frsize as u64)
 }

@@ -1509,3 +1509,57 @@ fn a_non_loopback_bind_without_a_key_warns() {
     assert!(keyed.wait_for_log("listening on", Duration::from_secs(5)).is_some());
     assert!(!keyed.log.lock().unwrap().iter().any(|l| l.contains("non-loopback")));
 }
+
+/// Sends SIGTERM and waits (bounded) for a clean exit.
+fn terminate(mut server: Server) -> Server {
+    let pid = server.child.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(status) = server.child.try_wait().unwrap() {
+            assert!(status.success(), "{status}");
+            return server;
+        }
+        assert!(Instant::now() < deadline, "server did not exit after SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// With a disk tier, a graceful shutdown writes the cached conversations out, and the next
+/// server (same core, same directory) serves the continuation with its history cached.
+#[test]
+fn a_conversation_cached_before_a_restart_is_cached_after_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let flags = ["--disk-cache-dir", dir.path().to_str().unwrap(), "--disk-cache-gib", "1", "--host-cache-gib", "0.25"];
+    let conversation = json!([
+        {"role": "system", "content": "You are a careful coding agent. ".repeat(30)},
+        {"role": "user", "content": "List the crates and what each one owns."},
+    ]);
+    let server = Server::start(&flags);
+    let (status, _, body) = server.post("/v1/chat/completions", &chat(conversation.clone(), json!({})));
+    assert_eq!(status, 200, "{body}");
+    let first: Value = serde_json::from_str(&body).unwrap();
+    let prompt_tokens = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    let server = terminate(server);
+    let flushed = server.log.lock().unwrap().iter().find(|l| l.contains("disk cache: flushed")).cloned();
+    assert!(flushed.is_some_and(|l| !l.contains("\"on_disk\":0")), "{:?}", server.log.lock().unwrap());
+
+    let server = Server::start(&flags);
+    let indexed = server.wait_for_log("disk cache tier indexed", Duration::from_secs(5)).expect("indexed");
+    assert!(!indexed.contains("\"checkpoints\":0"), "{indexed}");
+    let mut next = conversation.as_array().unwrap().clone();
+    next.push(first["choices"][0]["message"].clone());
+    next.push(json!({"role": "user", "content": "Now the tests."}));
+    let (status, _, body) = server.post("/v1/chat/completions", &chat(Value::Array(next), json!({})));
+    assert_eq!(status, 200, "{body}");
+    let again: Value = serde_json::from_str(&body).unwrap();
+    let cached = again["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    assert!(cached >= prompt_tokens, "{cached} cached of the previous {prompt_tokens}-token prompt: {again}");
+    let (_, _, metrics) = server.request("GET", "/metrics", None, "");
+    let restores = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("flare_cache_tier_restores_total{tier=\"disk\"} "))
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    assert!(restores.is_some_and(|r| r >= 1), "{metrics}");
+    terminate(server);
+}

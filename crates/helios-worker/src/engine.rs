@@ -75,6 +75,19 @@ pub struct EngineOptions {
     /// memory); `Some(0)`: no host tier. An executor without host transfers serves without one
     /// by default, and refuses to start when a size was asked for.
     pub host_cache_bytes: Option<u64>,
+    /// A disk tier below the host tier (which it stages through); `None`: off.
+    pub disk_cache: Option<DiskCacheOptions>,
+}
+
+/// Where and how large the disk tier is, and the core its files belong to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiskCacheOptions {
+    pub dir: std::path::PathBuf,
+    pub capacity_bytes: u64,
+    /// Identifies the core (sha256 of its manifest): files of another core are not used.
+    pub fingerprint: [u8; 32],
+    /// How long a graceful shutdown waits for the host tier to reach the disk.
+    pub flush_timeout: Duration,
 }
 
 impl Default for EngineOptions {
@@ -90,6 +103,7 @@ impl Default for EngineOptions {
             grammar_mask_budget: Duration::from_millis(500),
             grammar_join_wait: Duration::from_millis(2),
             host_cache_bytes: None,
+            disk_cache: None,
         }
     }
 }
@@ -201,6 +215,7 @@ impl Engine {
         };
         let device_fed_option = options.device_fed_decode;
         let host_cache_bytes = options.host_cache_bytes;
+        let disk_cache = options.disk_cache.clone();
         let scheduler = Scheduler::new(manifest.cache_scheme.clone(), manifest.capacities.clone(), config)?;
         let vocab = manifest.capacities.vocab_size;
         let (scheme, capacities) = (manifest.cache_scheme.clone(), manifest.capacities.clone());
@@ -247,7 +262,8 @@ impl Engine {
                         }
                     };
                     let mut executor = executor;
-                    let scheduler = match attach_host_tier(&mut executor, scheduler, host_cache_bytes) {
+                    let scheduler = match attach_tiers(&mut executor, scheduler, host_cache_bytes, disk_cache.as_ref())
+                    {
                         Ok(s) => s,
                         Err(e) => {
                             health.fail(e.clone());
@@ -273,6 +289,7 @@ impl Engine {
                         grammars,
                         occupancy_at: Instant::now(),
                         restores_in_flight: HashMap::new(),
+                        disk_flush_timeout: disk_cache.as_ref().map(|d| d.flush_timeout),
                     }
                     .run();
                 })
@@ -469,34 +486,60 @@ struct ModelLoop<E: Executor> {
     occupancy_at: Instant,
     /// Submission time of each step that copies a restore in, by fence.
     restores_in_flight: HashMap<u64, Instant>,
+    /// With a disk tier: how long the exit flush may take.
+    disk_flush_timeout: Option<Duration>,
 }
 
 /// Gives the executor a host arena and the scheduler a host tier over it, sized as
-/// [`EngineOptions::host_cache_bytes`] says. Before readiness: the arena is allocated (and
-/// page-locked by the executor) here, never later.
-fn attach_host_tier<E: Executor>(
+/// [`EngineOptions::host_cache_bytes`] says, and the disk tier below it when asked for (its
+/// directory indexed now: unusable files are logged and removed). Before readiness: the arena
+/// is allocated (and page-locked by the executor) here, never later.
+fn attach_tiers<E: Executor>(
     executor: &mut E,
     scheduler: Scheduler,
     requested: Option<u64>,
+    disk: Option<&DiskCacheOptions>,
 ) -> Result<Scheduler, String> {
     let bytes = requested.unwrap_or_else(|| {
         let available = helios_replay::memory::host_available_bytes().unwrap_or(0);
         helios_replay::memory::plan_host_tier(available, executor.unified_memory())
     });
     if bytes == 0 {
-        return Ok(scheduler);
+        return match disk {
+            Some(_) => Err("the disk cache tier stages through host memory: give the host tier room".into()),
+            None => Ok(scheduler),
+        };
     }
-    let arena = helios_offload::HostArena::new(bytes).map_err(|e| format!("host cache tier: {e}"))?;
+    let arena = Arc::new(helios_offload::HostArena::new(bytes).map_err(|e| format!("host cache tier: {e}"))?);
     let geometry = helios_offload::StoreGeometry::from(scheduler.scheme());
-    match executor.attach_host_arena(Arc::new(arena), geometry) {
-        Ok(()) => Ok(scheduler.with_host_tier(bytes)),
+    let scheduler = match executor.attach_host_arena(arena.clone(), geometry) {
+        Ok(()) => scheduler.with_host_tier(bytes),
         Err(helios_replay::ExecutorError::NoHostTransfers | helios_replay::ExecutorError::TransferGeometry { .. })
-            if requested.is_none() =>
+            if requested.is_none() && disk.is_none() =>
         {
-            Ok(scheduler)
+            return Ok(scheduler);
         }
-        Err(e) => Err(format!("host cache tier of {bytes} bytes: {e}")),
+        Err(e) => return Err(format!("host cache tier of {bytes} bytes: {e}")),
+    };
+    let Some(d) = disk else { return Ok(scheduler) };
+    let identity = helios_offload::DiskIdentity { fingerprint: d.fingerprint, geometry };
+    let (tier, rejected) = helios_offload::DiskTier::open(&d.dir, identity, d.capacity_bytes)
+        .map_err(|e| format!("disk cache tier: {e}"))?;
+    for r in &rejected {
+        tracing::warn!(path = %r.path.display(), reason = %r.reason, "disk cache: file not usable, removed");
     }
+    let io = helios_offload::DiskIo::start(arena).map_err(|e| format!("disk cache I/O thread: {e}"))?;
+    let stats = tier.stats();
+    tracing::info!(
+        dir = %d.dir.display(),
+        checkpoints = stats.entries,
+        resident_gib = stats.resident_bytes as f64 / (1u64 << 30) as f64,
+        capacity_gib = d.capacity_bytes as f64 / (1u64 << 30) as f64,
+        rejected = rejected.len(),
+        io = io.backend(),
+        "disk cache tier indexed"
+    );
+    Ok(scheduler.with_disk_tier(tier, io, identity))
 }
 
 /// How often busy turns refresh the occupancy gauges (idle and exit always do).
@@ -515,7 +558,30 @@ impl<E: Executor> ModelLoop<E> {
                     restore_joins: s.host_restore_joins,
                     restore_skips: s.host_restore_skips,
                     restore_failures: 0,
+                    write_failures: 0,
                 });
+            }
+            if let Some((disk, c)) = self.scheduler.disk_stats() {
+                self.metrics.set_disk_tier(TierMetrics {
+                    tier: helios_offload::TierStats {
+                        entries: disk.entries,
+                        resident_bytes: disk.resident_bytes,
+                        capacity_bytes: disk.capacity_bytes,
+                        demotions: disk.writes,
+                        demoted_bytes: disk.written_bytes,
+                        demotion_skips: disk.write_skips,
+                        evictions: disk.evictions,
+                        hits: c.fetches,
+                    },
+                    restores: c.fetches,
+                    restore_joins: c.fetch_joins,
+                    restore_skips: c.fetch_skips,
+                    restore_failures: c.fetch_failures,
+                    write_failures: disk.write_failures,
+                });
+            }
+            for d in self.scheduler.take_disk_fetches() {
+                self.metrics.disk_fetch.observe(d.as_secs_f64());
             }
             self.occupancy_at = now;
         }
@@ -553,9 +619,18 @@ impl<E: Executor> ModelLoop<E> {
                     break;
                 }
                 self.sample_device_memory();
-                match self.rx.recv() {
-                    Ok(cmd) => self.handle(cmd),
-                    Err(_) => break,
+                if self.scheduler.disk_pending() {
+                    // Write-behind still running: keep turning so its outcomes are applied.
+                    match self.rx.recv_timeout(Duration::from_millis(5)) {
+                        Ok(cmd) => self.handle(cmd),
+                        Err(RecvTimeoutError::Timeout) => {}
+                        Err(RecvTimeoutError::Disconnected) => break,
+                    }
+                } else {
+                    match self.rx.recv() {
+                        Ok(cmd) => self.handle(cmd),
+                        Err(_) => break,
+                    }
                 }
             }
             while let Ok(cmd) = self.rx.try_recv() {
@@ -573,12 +648,45 @@ impl<E: Executor> ModelLoop<E> {
             }
             self.publish_occupancy(false);
         }
+        self.flush_to_disk();
         self.publish_occupancy(true);
         self.sample_device_memory();
         if self.metrics.device_memory_sampled.load(Ordering::Relaxed) {
             let growth = self.metrics.device_memory_growth.load(Ordering::Relaxed);
             tracing::info!(growth_bytes = growth, "model loop stopped: device memory growth since readiness");
         }
+    }
+
+    /// At exit, with a disk tier and a healthy executor: demotes the GPU cache to the host,
+    /// runs the step that copies it out, and writes the host tier to disk, so a restart finds
+    /// the conversations that were open.
+    fn flush_to_disk(&mut self) {
+        let Some(timeout) = self.disk_flush_timeout else { return };
+        if !matches!(self.health.get(), Health::Ready | Health::Draining) || !self.scheduler.is_idle() {
+            return;
+        }
+        let t0 = Instant::now();
+        self.scheduler.evict_cache();
+        if let Some(step) = self.scheduler.schedule() {
+            let done = self.executor.submit(&step, &StepInputs::default()).and_then(|()| self.executor.synchronize());
+            match done.map_err(LoopError::from).and_then(|d| self.apply(d)) {
+                Ok(()) => {}
+                Err(e) => {
+                    tracing::error!("disk cache flush: the copy-out step failed: {e}");
+                    return;
+                }
+            }
+        }
+        let entries = self.scheduler.host_stats().map_or(0, |h| h.entries);
+        tracing::info!(checkpoints = entries, "disk cache: flushing the host tier");
+        let left = self.scheduler.flush_disk(timeout);
+        let disk = self.scheduler.disk_stats().map(|(d, _)| d).unwrap_or_default();
+        tracing::info!(
+            unwritten = left,
+            on_disk = disk.entries,
+            elapsed_ms = t0.elapsed().as_millis() as u64,
+            "disk cache: flushed"
+        );
     }
 
     fn handle(&mut self, cmd: Command) {
@@ -667,6 +775,9 @@ impl<E: Executor> ModelLoop<E> {
                 if done.is_empty() && !self.scheduler.is_idle() && !self.grammars.is_empty() {
                     // Held for masks: wait briefly for one (commands are taken next turn).
                     self.collect_grammars(Some(Duration::from_millis(1)));
+                } else if done.is_empty() && self.scheduler.disk_busy() {
+                    // Requests wait on a disk fetch: wait for the disk, briefly.
+                    self.scheduler.wait_disk(Duration::from_millis(1));
                 } else if done.is_empty() && !self.scheduler.is_idle() {
                     // Nothing runnable (e.g. waiting for pages): wait briefly for a command.
                     match self.rx.recv_timeout(Duration::from_millis(1)) {

@@ -28,7 +28,7 @@ mod request;
 mod trim;
 
 pub use decode::{ChoiceDecoder, Decoded, StopHit};
-pub use engine::{Engine, EngineOptions, Health};
+pub use engine::{DiskCacheOptions, Engine, EngineOptions, Health};
 pub use error::{ErrorClass, ErrorCode, InvalidRequest, LoopError, RequestError, Stage, Unavailable};
 pub use frontend::{Frontend, StartError};
 pub use metrics::{Metrics, TierMetrics};

@@ -84,8 +84,13 @@ impl Histogram {
 
     /// Writes the family; `labels` is empty or `name="value",` pairs, each with its comma.
     fn render(&self, name: &str, help: &str, labels: &str, out: &mut String) {
-        let h = self.inner.lock().map(|h| h.clone()).unwrap_or_default();
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        self.render_samples(name, labels, out);
+    }
+
+    /// The family's samples without its HELP/TYPE header (several label sets, one family).
+    fn render_samples(&self, name: &str, labels: &str, out: &mut String) {
+        let h = self.inner.lock().map(|h| h.clone()).unwrap_or_default();
         for (i, b) in self.bounds.iter().enumerate() {
             let _ = writeln!(out, "{name}_bucket{{{labels}le=\"{b}\"}} {}", h.counts.get(i).copied().unwrap_or(0));
         }
@@ -147,8 +152,12 @@ pub struct Metrics {
     pub device_memory_sampled: std::sync::atomic::AtomicBool,
     /// The host tier's state, when the worker has one (published with the occupancy).
     host_tier: Mutex<Option<TierMetrics>>,
+    /// The disk tier's state, likewise.
+    disk_tier: Mutex<Option<TierMetrics>>,
     /// Submission of a restore's copy to the publication of its checkpoint.
     pub host_restore: Histogram,
+    /// Start of a disk fetch to its bytes in the host tier (or its failure).
+    pub disk_fetch: Histogram,
 }
 
 /// One cache tier's gauges and counters, with the scheduler's restore counts.
@@ -163,6 +172,8 @@ pub struct TierMetrics {
     pub restore_skips: u64,
     /// Restores that failed (their prefix recomputed instead).
     pub restore_failures: u64,
+    /// Writes into the tier that failed (disk).
+    pub write_failures: u64,
 }
 
 /// A [`Histogram`] with the request-latency buckets by default.
@@ -202,6 +213,17 @@ impl Metrics {
         if let Ok(mut g) = self.host_tier.lock() {
             *g = Some(t);
         }
+    }
+
+    pub fn set_disk_tier(&self, t: TierMetrics) {
+        if let Ok(mut g) = self.disk_tier.lock() {
+            *g = Some(t);
+        }
+    }
+
+    /// The disk tier's last published state; `None` without a disk tier.
+    pub fn disk_tier(&self) -> Option<TierMetrics> {
+        self.disk_tier.lock().ok().and_then(|t| *t)
     }
 
     /// The host tier's last published state; `None` without a host tier.
@@ -340,57 +362,72 @@ impl Metrics {
         out
     }
 
-    /// Families of the cache tiers below the GPU, labeled by tier (absent without tiers).
+    /// Families of the cache tiers below the GPU, one sample per tier (absent without tiers).
     fn render_tiers(&self, out: &mut String) {
-        let Some(t) = self.host_tier() else { return };
-        let s = t.tier;
-        let families: [(&str, &str, &str, u64); 11] = [
-            ("gauge", "flare_cache_tier_capacity_bytes", "Bytes the tier may hold.", s.capacity_bytes),
-            ("gauge", "flare_cache_tier_resident_bytes", "Bytes the tier holds.", s.resident_bytes),
-            ("gauge", "flare_cache_tier_checkpoints", "Checkpoints the tier holds.", s.entries),
-            ("counter", "flare_cache_tier_demotions_total", "Checkpoints copied into the tier.", s.demotions),
+        let tiers: Vec<(&str, TierMetrics, &Histogram)> =
+            [("host", self.host_tier(), &self.host_restore), ("disk", self.disk_tier(), &self.disk_fetch)]
+                .into_iter()
+                .filter_map(|(name, t, h)| t.map(|t| (name, t, h)))
+                .collect();
+        if tiers.is_empty() {
+            return;
+        }
+        type Field = fn(&TierMetrics) -> u64;
+        let families: [(&str, &str, &str, Field); 12] = [
+            ("gauge", "flare_cache_tier_capacity_bytes", "Bytes the tier may hold.", |t| t.tier.capacity_bytes),
+            ("gauge", "flare_cache_tier_resident_bytes", "Bytes the tier holds.", |t| t.tier.resident_bytes),
+            ("gauge", "flare_cache_tier_checkpoints", "Checkpoints the tier holds.", |t| t.tier.entries),
+            ("counter", "flare_cache_tier_demotions_total", "Checkpoints copied into the tier.", |t| t.tier.demotions),
             (
                 "counter",
                 "flare_cache_tier_demoted_bytes_total",
                 "Bytes copied into the tier (pages it already held excluded).",
-                s.demoted_bytes,
+                |t| t.tier.demoted_bytes,
             ),
-            (
-                "counter",
-                "flare_cache_tier_demotion_skips_total",
-                "Retired checkpoints the tier had no room for.",
-                s.demotion_skips,
-            ),
-            ("counter", "flare_cache_tier_evictions_total", "Checkpoints dropped from the tier for room.", s.evictions),
-            ("counter", "flare_cache_tier_restores_total", "Restores started from the tier.", t.restores),
+            ("counter", "flare_cache_tier_demotion_skips_total", "Checkpoints the tier had no room for.", |t| {
+                t.tier.demotion_skips
+            }),
+            ("counter", "flare_cache_tier_evictions_total", "Checkpoints dropped from the tier for room.", |t| {
+                t.tier.evictions
+            }),
+            ("counter", "flare_cache_tier_restores_total", "Restores started from the tier.", |t| t.restores),
             (
                 "counter",
                 "flare_cache_tier_restore_joins_total",
                 "Requests that joined a restore already running.",
-                t.restore_joins,
+                |t| t.restore_joins,
             ),
             (
                 "counter",
                 "flare_cache_tier_restore_skips_total",
-                "Hits not restored for lack of GPU storage.",
-                t.restore_skips,
+                "Hits not restored for lack of room in the tier above.",
+                |t| t.restore_skips,
             ),
             (
                 "counter",
                 "flare_cache_tier_restore_failures_total",
-                "Restores that failed; their prefix was recomputed.",
-                t.restore_failures,
+                "Restores that failed (I/O error, checksum); their prefix was recomputed.",
+                |t| t.restore_failures,
             ),
+            ("counter", "flare_cache_tier_write_failures_total", "Writes into the tier that failed.", |t| {
+                t.write_failures
+            }),
         ];
-        for (kind, name, help, v) in families {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{tier=\"host\"}} {v}");
+        for (kind, name, help, field) in families {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for (tier, t, _) in &tiers {
+                let _ = writeln!(out, "{name}{{tier=\"{tier}\"}} {}", field(t));
+            }
         }
-        self.host_restore.render(
-            "flare_cache_tier_restore_seconds",
-            "Submission of a restore's copy to the publication of its checkpoint.",
-            "tier=\"host\",",
+        let _ = writeln!(
             out,
+            "# HELP flare_cache_tier_restore_seconds Time to bring a checkpoint up one tier: host to GPU (copy \
+             submitted to publication), disk to host (fetch start to its bytes in host memory).\n\
+             # TYPE flare_cache_tier_restore_seconds histogram"
         );
+        for (tier, _, h) in &tiers {
+            h.render_samples("flare_cache_tier_restore_seconds", &format!("tier=\"{tier}\","), out);
+        }
     }
 
     /// The vLLM-style families, labeled with `model_name`.

@@ -457,6 +457,11 @@ impl Scheduler {
         self.disk.as_ref().is_some_and(|d| !d.fetches.is_empty())
     }
 
+    /// Whether disk writes are queued or in flight (an idle loop keeps turning for them).
+    pub fn disk_pending(&self) -> bool {
+        self.disk.as_ref().is_some_and(|d| !d.queue.is_empty() || d.io.in_flight() > 0)
+    }
+
     /// Waits up to `timeout` for disk I/O outcomes and applies them; returns whether any came.
     /// For a loop with nothing to submit while requests wait on a fetch.
     pub fn wait_disk(&mut self, timeout: Duration) -> bool {
