@@ -389,6 +389,11 @@ pub struct DeviceCore {
     used_at_ready: u64,
     /// The host tier's arena, page-locked (registered) while attached.
     host: Option<std::sync::Arc<helios_offload::HostArena>>,
+    /// Restores copy in on the copy stream, overlapping the step's replays: `transfer_events[0]`
+    /// orders each copy after the model stream's work so far, `[1]` makes the model stream wait
+    /// for the copies at the end of the step (created when the arena is attached).
+    transfer_events: [cu::CUevent; 2],
+    copies_pending: bool,
 }
 
 impl std::fmt::Debug for DeviceCore {
@@ -452,6 +457,8 @@ impl DeviceCore {
             next_read: 0,
             used_at_ready: 0,
             host: None,
+            transfer_events: [std::ptr::null_mut(); 2],
+            copies_pending: false,
         };
         // From here on, Drop releases whatever was created.
         // SAFETY: out-pointer to a field; the context is current.
@@ -826,10 +833,20 @@ impl DeviceCore {
         Ok(v != 0)
     }
 
-    /// Page-locks `arena` so transfers to and from it run asynchronously on the model stream.
-    /// Before readiness only: registering maps memory for the device.
+    /// Page-locks `arena` so transfers to and from it run asynchronously: copies out on the
+    /// model stream (the storage they read may be reused by the same step), copies in on the
+    /// copy stream. Before readiness only: registering maps memory for the device, and the
+    /// ordering events are created here.
     pub fn attach_host_arena(&mut self, arena: std::sync::Arc<helios_offload::HostArena>) -> Result<(), CudaError> {
         self.detach_host_arena();
+        for e in &mut self.transfer_events {
+            if e.is_null() {
+                // SAFETY: out-pointer to a field; the context is current.
+                check("cuEventCreate", unsafe {
+                    cu::cuEventCreate(e, cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+                })?;
+            }
+        }
         // SAFETY: the arena's memory is live for as long as the Arc this object keeps.
         check("cuMemHostRegister", unsafe {
             cu::cuMemHostRegister_v2(arena.as_ptr().cast(), arena.len() as usize, 0)
@@ -843,6 +860,7 @@ impl DeviceCore {
             // SAFETY: drained first, so no copy still reads or writes the registered memory.
             unsafe {
                 cu::cuStreamSynchronize(self.stream);
+                cu::cuStreamSynchronize(self.copy_stream);
                 cu::cuMemHostUnregister(arena.as_ptr().cast());
             }
         }
@@ -1185,10 +1203,28 @@ impl crate::graph::GraphBackend for DeviceCore {
     ) -> Result<(), crate::ExecutorError> {
         let from = self.host_ptr(src)?;
         let to = self.range(dst.0, dst.1, src.len)?;
-        // SAFETY: as in `copy_to_host`, the other way.
-        check("cuMemcpyHtoDAsync", unsafe {
-            cu::cuMemcpyHtoDAsync_v2(to, from.cast(), src.len as usize, self.stream)
-        })?;
+        let [order, _] = self.transfer_events;
+        // SAFETY: live events and streams; the copy waits for the model stream's work so far
+        // (a copy-out that filled the extent), and `end_step` makes later replays wait for it.
+        unsafe {
+            check("cuEventRecord", cu::cuEventRecord(order, self.stream))?;
+            check("cuStreamWaitEvent", cu::cuStreamWaitEvent(self.copy_stream, order, 0))?;
+            check("cuMemcpyHtoDAsync", cu::cuMemcpyHtoDAsync_v2(to, from.cast(), src.len as usize, self.copy_stream))?;
+        }
+        self.copies_pending = true;
+        Ok(())
+    }
+
+    fn end_step(&mut self) -> Result<(), crate::ExecutorError> {
+        if !std::mem::take(&mut self.copies_pending) {
+            return Ok(());
+        }
+        let [_, done] = self.transfer_events;
+        // SAFETY: live event and streams.
+        unsafe {
+            check("cuEventRecord", cu::cuEventRecord(done, self.copy_stream))?;
+            check("cuStreamWaitEvent", cu::cuStreamWaitEvent(self.stream, done, 0))?;
+        }
         Ok(())
     }
 }
@@ -1279,7 +1315,7 @@ impl Drop for DeviceCore {
                 }
                 cu::cuMemAddressFree(self.base, self.reserved);
             }
-            for &e in self.read_events.iter().chain(self.half_left.iter()) {
+            for &e in self.read_events.iter().chain(self.half_left.iter()).chain(self.transfer_events.iter()) {
                 if !e.is_null() {
                     cu::cuEventDestroy_v2(e);
                 }

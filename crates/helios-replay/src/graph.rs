@@ -86,6 +86,11 @@ pub trait GraphBackend {
         let _ = (src, dst);
         Err(ExecutorError::NoHostTransfers)
     }
+    /// Called after a step's ops were enqueued: work enqueued later (the next step, and a read
+    /// that marks this step's completion) must wait for every transfer the step started.
+    fn end_step(&mut self) -> Result<(), ExecutorError> {
+        Ok(())
+    }
     /// Enqueues a copy of a host extent of the attached arena into `dst`, ordered likewise.
     fn copy_from_host(&mut self, src: HostExtent, dst: (BufferId, u64)) -> Result<(), ExecutorError> {
         let _ = (src, dst);
@@ -508,6 +513,19 @@ impl<B: GraphBackend> Executor for GraphExecutor<B> {
                     self.rows(&g, &[(&row, Some(*sample))], inputs, &mut reads)?;
                 }
             }
+        }
+        self.backend.end_step()?;
+        let transfers = step.ops.iter().any(|op| matches!(op, StepOp::CopyOut { .. } | StepOp::CopyIn { .. }));
+        if transfers {
+            // Host memory is read and written by these copies: the step completes only once a
+            // read ordered after all of them landed (a step that samples nothing would otherwise
+            // complete at once, and its host extents be reused while the copies still run).
+            let ticket = self.backend.read_later(self.staging, 0, 4)?;
+            let bytes = match ticket {
+                Some(_) => None,
+                None => Some(self.backend.read(self.staging, 0, 4)?),
+            };
+            reads.push(RecordRead { bytes, ticket, width: 0, token_capacity: 0, rows: vec![] });
         }
         self.in_flight.push_back(InFlight { fence: step.fence, reads });
         Ok(())
