@@ -152,6 +152,8 @@ pub struct Tiers {
     pub disk: Option<(std::path::PathBuf, u64)>,
     /// Faults injected into the disk tier's I/O.
     pub faults: helios_offload::IoFaults,
+    /// Bytes of restore copies per step (`None`: the scheduler's default).
+    pub restore_budget: Option<u64>,
 }
 
 /// The identity disk files of test workloads carry.
@@ -173,6 +175,9 @@ pub fn tiered_scheduler<E: Executor>(
         let arena = std::sync::Arc::new(helios_offload::HostArena::new(bytes).expect("host arena"));
         executor.attach_host_arena(arena.clone(), helios_offload::StoreGeometry::from(scheme))?;
         scheduler = scheduler.with_host_tier(bytes);
+        if let Some(budget) = tiers.restore_budget {
+            scheduler.set_restore_budget(budget);
+        }
         if let Some((dir, disk_bytes)) = &tiers.disk {
             let identity = test_disk_identity(scheme);
             let (tier, _) = helios_offload::DiskTier::open(dir, identity, *disk_bytes).expect("disk tier");

@@ -181,6 +181,12 @@ fn check(scheme_index: usize, tight: bool, lag: usize, device_fed: bool, host_pa
     check_tiers(scheme_index, tight, lag, device_fed, host_pages, None, actions);
 }
 
+/// A restore budget of `pages` page copies per step (0: the default), to split restores.
+fn restore_budget(scheme_index: usize, pages: u64) -> Option<u64> {
+    let page_bytes = reference_schemes()[scheme_index].bytes_per_page();
+    (pages > 0).then_some(pages * page_bytes)
+}
+
 /// Disk faults the property test draws from: none (twice as likely), a corrupted medium, short
 /// reads, EIO on reads, ENOSPC on writes.
 const FAULTS: [helios_offload::IoFaults; 6] = [
@@ -219,7 +225,8 @@ fn check_tiers(
     let dir = tempfile::tempdir().unwrap();
     let faults = disk.map(|d| d.1).unwrap_or_default();
     let disk = disk.map(|(u, _)| (dir.path().to_path_buf(), u * helios_offload::UNIT_BYTES));
-    let tiers = Tiers { host_bytes: host, disk, faults };
+    // Odd host sizes also split restores over steps (one or two page copies per step).
+    let tiers = Tiers { host_bytes: host, disk, faults, restore_budget: restore_budget(scheme_index, host_pages % 3) };
     let report = run_workload_tiered(&mut executor, &scheme, &caps, 4, &[0], &tiers, &actions).unwrap();
     assert_matches_oracle(&scheme, &caps, &report);
 }
@@ -245,7 +252,8 @@ fn evicted_conversations_are_restored_from_the_host_tier() {
         }
         let mut executor = SimulatedExecutor::new(&scheme, &caps);
         let host = Some(4096 * helios_offload::UNIT_BYTES);
-        let tiers = Tiers { host_bytes: host, ..Tiers::default() };
+        // Restores in single-page copies, one step each.
+        let tiers = Tiers { host_bytes: host, restore_budget: Some(1), ..Tiers::default() };
         let report = run_workload_tiered(&mut executor, &scheme, &caps, 4, &[], &tiers, &actions).unwrap();
         assert_matches_oracle(&scheme, &caps, &report);
         assert!(report.demotions > 0 && report.host_restores > 0, "{report:?}");

@@ -42,8 +42,8 @@ use helios_offload::{DemoteOutcome, HostEntryId, HostTier, PageSource, StoreGeom
 use crate::plan::{Completion, ConsumeRow, PageCopy, RequestId, SampleSpec, SampledToken, Step, StepOp};
 
 mod tiers;
-pub use tiers::DiskCounters;
 use tiers::{CopyOut, DiskState, RestoreTicket};
+pub use tiers::{DiskCounters, RESTORE_BYTES_PER_STEP};
 
 /// Deployment choices that are not part of the core.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -292,6 +292,8 @@ pub struct Scheduler {
     disk: Option<Box<DiskState>>,
     /// Newest fence the executor reported complete.
     completed: Fence,
+    /// Bytes of restore copies per step.
+    restore_budget: u64,
     next_request: u64,
     next_fence: u64,
     admissions: u64,
@@ -332,6 +334,7 @@ impl Scheduler {
             restored: Vec::new(),
             disk: None,
             completed: Fence(0),
+            restore_budget: tiers::RESTORE_BYTES_PER_STEP,
             next_request: 0,
             next_fence: 1,
             admissions: 0,
@@ -803,6 +806,7 @@ impl Scheduler {
             self.admit(fence, &mut ops);
         }
         self.plan_prefill(fence, &mut ops);
+        self.plan_restore_copies(fence, &mut ops);
         self.demote_retired(fence, &mut copy_out);
         if !copy_out.rows.is_empty() {
             ops.insert(0, StepOp::CopyOut { pages: copy_out.pages, rows: copy_out.rows });
@@ -915,7 +919,7 @@ impl Scheduler {
     /// Admits one waiting request if its storage fits: finds its deepest cached prefix,
     /// reserves pages and a slot, attaches the prefix (or initializes the row) and starts it.
     fn try_admit(&mut self, id: RequestId, fence: Fence, ops: &mut Vec<StepOp>) -> bool {
-        let Some((hit, hit_tokens, total)) = self.lookup_prefix(id, fence, ops) else { return false };
+        let Some((hit, hit_tokens, total)) = self.lookup_prefix(id, fence) else { return false };
         let Some(slot) = self.reserve(hit, hit_tokens, total) else { return false };
         let live_row = self.rows.live_row(slot);
         let page_table = self.attach_prefix(hit, live_row, total, fence, ops);
@@ -927,12 +931,7 @@ impl Scheduler {
     /// The request's deepest cached prefix on the GPU (marked recently used), its length in
     /// tokens, and the pages the request reserves in all. None for an unknown request, and
     /// while the deepest prefix is being restored from the host (started or joined here).
-    fn lookup_prefix(
-        &mut self,
-        id: RequestId,
-        fence: Fence,
-        ops: &mut Vec<StepOp>,
-    ) -> Option<(Option<CheckpointId>, u32, usize)> {
+    fn lookup_prefix(&mut self, id: RequestId, fence: Fence) -> Option<(Option<CheckpointId>, u32, usize)> {
         if self.awaits_tier(id) {
             return None;
         }
@@ -942,7 +941,7 @@ impl Scheduler {
         let hit = self.prefix.lookup(&digests, &request.tokens, &request.spec.images, max);
         let hit_tokens = hit.and_then(|h| self.prefix.get(h)).map_or(0, |c| c.tokens()) as u32;
         let total = self.reservation_pages(request) as usize;
-        if self.fetch_deeper(id, &digests, hit, hit_tokens, fence, ops) {
+        if self.fetch_deeper(id, &digests, hit, hit_tokens, fence) {
             return None;
         }
         Some((hit, hit_tokens, total))

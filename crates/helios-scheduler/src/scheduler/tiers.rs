@@ -56,17 +56,28 @@ pub struct DiskCounters {
     pub fetch_skips: u64,
 }
 
-/// A restore from the host tier: host bytes copied into GPU storage by the step
-/// `publication.fence`. The scheduler owns it, not a request: requests sharing the prefix join
-/// it, and a request that leaves only detaches (the copy and its storage are unaffected).
+/// Bytes of restore copies one step carries (at least one copy per restore in progress), so a
+/// long checkpoint comes in over several steps instead of stalling one: on the device the
+/// copies overlap the step's replays.
+pub const RESTORE_BYTES_PER_STEP: u64 = 64 << 20;
+
+/// A restore from the host tier: host bytes copied into GPU storage over one or more steps,
+/// the last being `publication.fence`. The scheduler owns it, not a request: requests sharing
+/// the prefix join it, and a request that leaves only detaches (the copy and its storage are
+/// unaffected).
 ///
-/// Holds, until its fence completes: references on `publication`'s pages and snapshot row, a
-/// pin on its parent checkpoint and one on the host entry. Afterwards, while requests wait: a
-/// pin on the published checkpoint.
+/// Holds, until its last copy's fence completes: references on `publication`'s pages and
+/// snapshot row, a pin on its parent checkpoint and one on the host entry. Afterwards, while
+/// requests wait: a pin on the published checkpoint.
 #[derive(Clone, Debug)]
 pub(super) struct RestoreTicket {
     pub(super) entry: HostEntryId,
     pub(super) publication: Publication,
+    /// Copies not yet planned into a step: pages, then the row.
+    pub(super) pending: VecDeque<(HostExtent, PageId)>,
+    pub(super) row: Option<(HostExtent, u32)>,
+    /// The step of its first copy.
+    pub(super) started: Option<Fence>,
     pub(super) copied_tokens: u64,
     pub(super) published: Option<CheckpointId>,
     pub(super) waiters: Vec<RequestId>,
@@ -112,7 +123,7 @@ impl Scheduler {
     pub(super) fn publish_restores(&mut self, fence: Fence) {
         for i in (0..self.tickets.len()).rev() {
             let t = &self.tickets[i];
-            if t.published.is_some() || t.publication.fence > fence {
+            if t.published.is_some() || !t.pending.is_empty() || t.row.is_some() || t.publication.fence > fence {
                 continue;
             }
             let (publication, entry) = (t.publication.clone(), t.entry);
@@ -130,9 +141,51 @@ impl Scheduler {
             }
             let t = &mut self.tickets[i];
             t.published = Some(id);
-            self.restored.push(RestoreDone { fence: t.publication.fence, tokens, copied_tokens: t.copied_tokens });
+            let started = t.started.unwrap_or(t.publication.fence);
+            self.restored.push(RestoreDone { fence: started, tokens, copied_tokens: t.copied_tokens });
         }
         self.drop_idle_tickets();
+    }
+
+    /// Plans this step's restore copies: for each restore in progress, oldest first, its next
+    /// copies within the step's byte budget (at least one copy each, so every restore
+    /// advances). A restore's last copy sets the fence it publishes at.
+    pub(super) fn plan_restore_copies(&mut self, fence: Fence, ops: &mut Vec<StepOp>) {
+        let mut budget = self.restore_budget;
+        let (mut pages, mut rows) = (Vec::new(), Vec::new());
+        for t in &mut self.tickets {
+            if t.published.is_some() || (t.pending.is_empty() && t.row.is_none()) {
+                continue;
+            }
+            let mut first = true;
+            while let Some(&(extent, page)) = t.pending.front() {
+                if !first && extent.len > budget {
+                    break;
+                }
+                budget = budget.saturating_sub(extent.len);
+                pages.push((extent, page));
+                t.pending.pop_front();
+                first = false;
+            }
+            if t.pending.is_empty()
+                && let Some((extent, row)) = t.row
+                && (first || extent.len <= budget)
+            {
+                budget = budget.saturating_sub(extent.len);
+                rows.push((extent, row));
+                t.row = None;
+            }
+            t.started.get_or_insert(fence);
+            t.publication.fence = fence;
+        }
+        if !pages.is_empty() || !rows.is_empty() {
+            ops.push(StepOp::CopyIn { pages, rows });
+        }
+    }
+
+    /// Sets the bytes of restore copies one step carries (tests use small budgets).
+    pub fn set_restore_budget(&mut self, bytes: u64) {
+        self.restore_budget = bytes;
     }
 
     /// Drops published tickets nobody waits on, with their pins.
@@ -194,7 +247,6 @@ impl Scheduler {
         entry: HostEntryId,
         hit: Option<CheckpointId>,
         fence: Fence,
-        ops: &mut Vec<StepOp>,
     ) -> bool {
         let Some(host) = self.host.as_ref() else { return false };
         let Some(e) = host.entry(entry) else { return false };
@@ -249,10 +301,9 @@ impl Scheduler {
         let mut fresh = || self.pages.allocate().expect("pages were made free above");
         let segment: Vec<PageId> = (shared..extents.len()).map(|_| fresh()).collect();
         let tail_page = tail_extent.map(|_| fresh());
-        let mut copies: Vec<(HostExtent, PageId)> =
+        let mut copies: VecDeque<(HostExtent, PageId)> =
             extents[shared..].iter().copied().zip(segment.iter().copied()).collect();
         copies.extend(tail_extent.zip(tail_page));
-        ops.push(StepOp::CopyIn { pages: copies, rows: vec![(row_extent, self.rows.snapshot_row(snapshot))] });
         let parent_tokens = parent.and_then(|p| self.prefix.get(p)).map_or(0, |p| p.tokens());
         if let Some(h) = hit {
             self.prefix.unpin(h);
@@ -260,6 +311,9 @@ impl Scheduler {
         self.tickets.push(RestoreTicket {
             entry,
             publication: Publication { key, parent, segment, tail_page, snapshot, fence },
+            pending: copies,
+            row: Some((row_extent, self.rows.snapshot_row(snapshot))),
+            started: None,
             copied_tokens: key.tokens - parent_tokens,
             published: None,
             waiters: vec![id],
@@ -328,7 +382,6 @@ impl Scheduler {
         hit: Option<CheckpointId>,
         hit_tokens: u32,
         fence: Fence,
-        ops: &mut Vec<StepOp>,
     ) -> bool {
         let Some(request) = self.requests.get(&id) else { return false };
         let (tokens, images, max) = (&request.tokens, &request.spec.images, request.prompt_len as usize);
@@ -340,7 +393,7 @@ impl Scheduler {
         {
             return true;
         }
-        host_hit.is_some_and(|(entry, _)| self.restore(id, entry, hit, fence, ops))
+        host_hit.is_some_and(|(entry, _)| self.restore(id, entry, hit, fence))
     }
 
     /// Starts (or joins) reading checkpoint `key` from disk into the host tier. Returns false
