@@ -14,6 +14,9 @@
 #   gemv-check                           flare::gemv tuned and checked on the ~1B shapes against torch (no core)
 #   r1b-bw       (carry .dev/b2)         the ~1B prepared with gemv and with GEMM-template decode projections; kernel
 #                                        breakdown, Python floor and flare bench of each (bg, ~15 min)
+#   tiers        (carry .dev/b2)         issue 20 (bg, ~12 min): the ~1B prepared for 33K tokens (no checks); tier_restore
+#                                        at 4K and 32K (host and disk restores vs recompute, raw io_uring, ITL
+#                                        interference) and core_workload over host and disk tiers vs solo runs
 #   q35-prepare                          the seeded random Qwen3.5 (0.8B text geometry): random-checkpoint, prepare
 #   q35-all      (carry .dev/b1 .dev/b2) after q35-prepare: serving + agent bench, floor, bitwise, lifecycle, breakdown
 #   r1b-measure-only                     as smol-measure for the 1B core (no Transformers run)
@@ -34,6 +37,7 @@
 #   cargo build --release -p flare && cargo build --release -p helios-replay --features cuda,testkit --examples
 #   xz -T2 -c target/release/flare > .dev/b2/flare.xz; xz -c target/release/examples/core_replay > .dev/b1/core_replay.xz
 #   xz -c target/release/examples/core_workload > .dev/b2/core_workload.xz; xz -c target/release/examples/core_load > .dev/b1/core_load.xz
+#   xz -c target/release/examples/tier_restore > .dev/b2/tier_restore.xz
 # Usage (repo root, device): bash qualification/gpu_session.sh STAGE DEST
 # Each stage writes its files under /tmp/gpu_out/STAGE and packs them into DEST/STAGE.tgz: the
 # device tool returns at most 8 files per call (2026-12-03: prepare.log and the references were
@@ -52,7 +56,7 @@ prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|
   local tag=${5:+_$5}
   python3 qualification/make_reference_prompts.py "$1" "$1.prompts.json"
   timeout "$4" python3 -m ignition prepare --model "$1" --out "$2" --decode-buckets 1,2,4 \
-    --prefill-chunk-size 256 --context-limit 4608 --served-name "$3" ${CORE_REPLAY:+--core-replay /tmp/core_replay} ${DUMP_IO:+--dump-io} \
+    --prefill-chunk-size 256 --context-limit "${CONTEXT_LIMIT:-4608}" --served-name "$3" ${CORE_REPLAY:+--core-replay /tmp/core_replay} ${DUMP_IO:+--dump-io} \
     --decode-projections "${DECODE_PROJECTIONS:-gemm}" ${NO_CHECK:+--no-check} \
     --reference-prompts "$1.prompts.json" > "$OUT/prepare$tag.log" 2>&1
   echo "prepare$tag rc=$?"
@@ -166,6 +170,19 @@ case "$STAGE" in
     bw_measure /tmp/r1b /tmp/r1bcore gemv
     DECODE_PROJECTIONS=gemm NO_CHECK=1 prepare /tmp/r1b /tmp/r1bcore_gemm llama-1b-random 540 gemm
     bw_measure /tmp/r1b /tmp/r1bcore_gemm gemm ;;
+  tiers)  # issue 20 (bg; carry .dev/b2 with core_workload.xz and tier_restore.xz)
+    [ -f /tmp/r1b/config.json ] || python3 -m ignition random-checkpoint --config qualification/configs/llama_1b_random.json \
+      --out /tmp/r1b --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
+    CONTEXT_LIMIT=33024 NO_CHECK=1 prepare /tmp/r1b /tmp/r1bcore_long llama-1b-random 560 long
+    unxz_to .dev/b2/tier_restore.xz /tmp/tier_restore
+    unxz_to .dev/b2/core_workload.xz /tmp/core_workload
+    rm -rf /tmp/tierdisk /tmp/tierdisk2
+    timeout 420 /tmp/tier_restore /tmp/r1bcore_long --tokens 4096,32768 --disk-dir /tmp/tierdisk \
+      > "$OUT/tier_restore.json" 2> "$OUT/tier_restore.log"
+    echo "tier_restore rc=$?"; head -c 3000 "$OUT/tier_restore.json"
+    timeout 300 /tmp/core_workload /tmp/r1bcore_long --pages 300 --host-mib 2048 --disk-dir /tmp/tierdisk2 \
+      > "$OUT/core_workload_tiers.json" 2> "$OUT/core_workload_tiers.log"
+    echo "core_workload tiers rc=$?"; head -c 1500 "$OUT/core_workload_tiers.json" ;;
   q35-prepare)  # issue 18: the seeded random Qwen3.5 at the 0.8B text geometry (vocabulary sized to the SmolLM2
                 # tokenizer that travels with it: 49,152 instead of 248,320), prepared with every check
     python3 -m ignition random-checkpoint --config qualification/configs/qwen3_5_0p8b_random.json --out /tmp/q35 \

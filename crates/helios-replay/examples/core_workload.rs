@@ -3,8 +3,10 @@
 //! runs through `GraphExecutor<DeviceCore>` with the real scheduler, then every request is run
 //! again alone on the same device (one slot, nothing cached) and the tokens are compared.
 //!
-//! `core_workload CORE [--pages N] [--relocate]`: `--pages` caps the scheduler's page pool below
-//! the core's (pressure, preemption). Prints JSON; exits 1 on an error.
+//! `core_workload CORE [--pages N] [--relocate] [--host-mib N [--disk-dir DIR]]`: `--pages` caps
+//! the scheduler's page pool below the core's (pressure, preemption); `--host-mib` adds a host
+//! tier of that size (evicted checkpoints restored from host memory, through the device's
+//! copies), `--disk-dir` a disk tier below it. Prints JSON; exits 1 on an error.
 //!
 //! Identical tokens are expected where the plan is deterministic; a prefix hit or a different
 //! chunking recomputes nothing bitwise-shared, so a near-tie may legitimately sample otherwise:
@@ -17,11 +19,11 @@ use std::time::Instant;
 use helios_contract::RuntimeCore;
 use helios_replay::cuda::{DeviceCore, LoadOptions};
 use helios_replay::graph::GraphExecutor;
-use helios_replay::workload::{device_scenario, run_alone_on, run_workload_on};
+use helios_replay::workload::{Tiers, device_scenario, run_alone_on, run_workload_tiered};
 use helios_scheduler::FinishReason;
 use serde_json::json;
 
-fn run(core: &str, pages: Option<u32>, relocate: bool) -> Result<serde_json::Value, String> {
+fn run(core: &str, pages: Option<u32>, relocate: bool, tiers: &Tiers) -> Result<serde_json::Value, String> {
     let core = RuntimeCore::open(core).map_err(|e| e.to_string())?;
     let t0 = Instant::now();
     let dev = DeviceCore::load(&core, &LoadOptions { force_relocation: relocate, ..LoadOptions::default() })
@@ -37,8 +39,8 @@ fn run(core: &str, pages: Option<u32>, relocate: bool) -> Result<serde_json::Val
     let mut executor = GraphExecutor::new(&m, dev).map_err(|e| e.to_string())?;
     let slots = caps.request_slots.max(1);
     let t1 = Instant::now();
-    let report =
-        run_workload_on(&mut executor, &scheme, &caps, slots, &eos, &device_scenario()).map_err(|e| e.to_string())?;
+    let report = run_workload_tiered(&mut executor, &scheme, &caps, slots, &eos, tiers, &device_scenario())
+        .map_err(|e| e.to_string())?;
     let workload_s = t1.elapsed().as_secs_f64();
     let mut identical = 0usize;
     let mut compared = 0usize;
@@ -65,6 +67,8 @@ fn run(core: &str, pages: Option<u32>, relocate: bool) -> Result<serde_json::Val
         "cancelled": report.finished.iter().filter(|(_, d)| d.reason == FinishReason::Cancelled).count(),
         "compared": compared, "identical_to_solo_run": identical, "differing": differing,
         "pages": caps.max_kv_pages, "relocated": relocate,
+        "host_tier_bytes": tiers.host_bytes, "demotions": report.demotions, "host_restores": report.host_restores,
+        "disk_writes": report.disk_writes, "disk_fetches": report.disk_fetches,
     }))
 }
 
@@ -72,6 +76,7 @@ fn main() -> ExitCode {
     let mut core = None;
     let mut pages = None;
     let mut relocate = false;
+    let mut tiers = Tiers::default();
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -83,18 +88,26 @@ fn main() -> ExitCode {
                 }
             },
             "--relocate" => relocate = true,
+            "--host-mib" => tiers.host_bytes = args.next().and_then(|n| n.parse::<u64>().ok()).map(|n| n << 20),
+            "--disk-dir" => tiers.disk = args.next().map(|d| (std::path::PathBuf::from(d), 64 << 30)),
             _ if core.is_none() && !a.starts_with("--") => core = Some(a),
             other => {
-                eprintln!("unknown argument {other}; usage: core_workload CORE [--pages N] [--relocate]");
+                eprintln!(
+                    "unknown argument {other}; usage: core_workload CORE [--pages N] [--relocate] [--host-mib N [--disk-dir DIR]]"
+                );
                 return ExitCode::FAILURE;
             }
         }
     }
     let Some(core) = core else {
-        eprintln!("usage: core_workload CORE [--pages N] [--relocate]");
+        eprintln!("usage: core_workload CORE [--pages N] [--relocate] [--host-mib N [--disk-dir DIR]]");
         return ExitCode::FAILURE;
     };
-    match run(&core, pages, relocate) {
+    if tiers.disk.is_some() && tiers.host_bytes.is_none() {
+        eprintln!("--disk-dir needs --host-mib: the disk tier stages through host memory");
+        return ExitCode::FAILURE;
+    }
+    match run(&core, pages, relocate, &tiers) {
         Ok(report) => {
             println!("{report}");
             ExitCode::SUCCESS
