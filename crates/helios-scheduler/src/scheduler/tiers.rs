@@ -34,7 +34,9 @@ pub(super) struct DiskState {
 }
 
 /// A checkpoint being read from disk into a host entry; requests wait on it like on a
-/// restore ticket, and leave it the same way.
+/// restore ticket, and leave it the same way. Once its bytes landed it keeps the host entry
+/// pinned until each waiter looked it up again, so host pressure cannot evict a fetched
+/// checkpoint before the requests that asked for it start restoring it.
 #[derive(Debug)]
 pub(super) struct DiskFetch {
     pub(super) token: u64,
@@ -42,6 +44,7 @@ pub(super) struct DiskFetch {
     pub(super) entry: HostEntryId,
     pub(super) waiters: Vec<RequestId>,
     pub(super) started: Instant,
+    pub(super) landed: bool,
 }
 
 /// Scheduler-side disk counters.
@@ -67,8 +70,10 @@ pub const RESTORE_BYTES_PER_STEP: u64 = 64 << 20;
 /// unaffected).
 ///
 /// Holds, until its last copy's fence completes: references on `publication`'s pages and
-/// snapshot row, a pin on its parent checkpoint and one on the host entry. Afterwards, while
-/// requests wait: a pin on the published checkpoint.
+/// snapshot row, a pin on its parent checkpoint and one on the host entry. Then it publishes an
+/// ordinary, unpinned checkpoint and ends: its waiters find it at their next lookup. A pin held
+/// for them could deadlock admission on a small pool (two restored prefixes, each waiting for
+/// pages the other's pin keeps), and retention is a preference, never a reservation.
 #[derive(Clone, Debug)]
 pub(super) struct RestoreTicket {
     pub(super) entry: HostEntryId,
@@ -79,7 +84,6 @@ pub(super) struct RestoreTicket {
     /// The step of its first copy.
     pub(super) started: Option<Fence>,
     pub(super) copied_tokens: u64,
-    pub(super) published: Option<CheckpointId>,
     pub(super) waiters: Vec<RequestId>,
 }
 
@@ -119,32 +123,27 @@ impl Scheduler {
         Some(host.stats())
     }
 
-    /// Publishes the restores whose copies completed by `fence` as ordinary checkpoints.
+    /// Publishes the restores whose copies completed by `fence` as ordinary checkpoints; their
+    /// tickets end.
     pub(super) fn publish_restores(&mut self, fence: Fence) {
-        for i in (0..self.tickets.len()).rev() {
-            let t = &self.tickets[i];
-            if t.published.is_some() || !t.pending.is_empty() || t.row.is_some() || t.publication.fence > fence {
-                continue;
-            }
-            let (publication, entry) = (t.publication.clone(), t.entry);
-            let parent = publication.parent;
-            let tokens = publication.key.tokens;
-            let id = match self.prefix.publish(publication, &mut self.pages, &mut self.rows.snapshots) {
-                PublishOutcome::Published(id) | PublishOutcome::Duplicate(id) => id,
-            };
-            self.prefix.pin(id);
+        let (done, running): (Vec<_>, Vec<_>) = std::mem::take(&mut self.tickets)
+            .into_iter()
+            .partition(|t| t.pending.is_empty() && t.row.is_none() && t.publication.fence <= fence);
+        self.tickets = running;
+        for t in done {
+            let parent = t.publication.parent;
+            let tokens = t.publication.key.tokens;
+            // A duplicate (the prefix was computed meanwhile) releases only the restored storage.
+            self.prefix.publish(t.publication, &mut self.pages, &mut self.rows.snapshots);
             if let Some(p) = parent {
                 self.prefix.unpin(p);
             }
             if let Some(host) = self.host.as_mut() {
-                host.unpin(entry);
+                host.unpin(t.entry);
             }
-            let t = &mut self.tickets[i];
-            t.published = Some(id);
-            let started = t.started.unwrap_or(t.publication.fence);
+            let started = t.started.unwrap_or(fence);
             self.restored.push(RestoreDone { fence: started, tokens, copied_tokens: t.copied_tokens });
         }
-        self.drop_idle_tickets();
     }
 
     /// Plans this step's restore copies: for each restore in progress, oldest first, its next
@@ -154,7 +153,7 @@ impl Scheduler {
         let mut budget = self.restore_budget;
         let (mut pages, mut rows) = (Vec::new(), Vec::new());
         for t in &mut self.tickets {
-            if t.published.is_some() || (t.pending.is_empty() && t.row.is_none()) {
+            if t.pending.is_empty() && t.row.is_none() {
                 continue;
             }
             let mut first = true;
@@ -188,27 +187,17 @@ impl Scheduler {
         self.restore_budget = bytes;
     }
 
-    /// Drops published tickets nobody waits on, with their pins.
-    pub(super) fn drop_idle_tickets(&mut self) {
-        let (idle, keep): (Vec<_>, Vec<_>) =
-            std::mem::take(&mut self.tickets).into_iter().partition(|t| t.published.is_some() && t.waiters.is_empty());
-        self.tickets = keep;
-        for id in idle.into_iter().filter_map(|t| t.published) {
-            self.prefix.unpin(id);
-        }
-    }
-
     /// `id` no longer waits on a restore (admitted, or gone).
     pub(super) fn leave_restore(&mut self, id: RequestId) {
         for t in &mut self.tickets {
             t.waiters.retain(|&w| w != id);
         }
         if let Some(disk) = self.disk.as_mut() {
-            for f in &mut disk.fetches {
+            for f in disk.fetches.iter_mut().filter(|f| !f.landed) {
                 f.waiters.retain(|&w| w != id);
             }
         }
-        self.drop_idle_tickets();
+        self.leave_fetches(id);
     }
 
     /// Plans the copy-out of what the cache retired since the last call into `out` (pages,
@@ -315,7 +304,6 @@ impl Scheduler {
             row: Some((row_extent, self.rows.snapshot_row(snapshot))),
             started: None,
             copied_tokens: key.tokens - parent_tokens,
-            published: None,
             waiters: vec![id],
         });
         self.stats.host_restores += 1;
@@ -368,8 +356,8 @@ impl Scheduler {
 
     /// Whether `id` waits on a transfer still running (restore or disk fetch).
     pub(super) fn awaits_tier(&self, id: RequestId) -> bool {
-        self.tickets.iter().any(|t| t.published.is_none() && t.waiters.contains(&id))
-            || self.disk.as_ref().is_some_and(|d| d.fetches.iter().any(|f| f.waiters.contains(&id)))
+        self.tickets.iter().any(|t| t.waiters.contains(&id))
+            || self.disk.as_ref().is_some_and(|d| d.fetches.iter().any(|f| !f.landed && f.waiters.contains(&id)))
     }
 
     /// Looks below the GPU hit (`hit_tokens` deep): a deeper host entry starts (or joins) a
@@ -393,14 +381,32 @@ impl Scheduler {
         {
             return true;
         }
-        host_hit.is_some_and(|(entry, _)| self.restore(id, entry, hit, fence))
+        let waits = host_hit.is_some_and(|(entry, _)| self.restore(id, entry, hit, fence));
+        // A fetch this request waited for has served its purpose: it looked the host up again.
+        self.leave_fetches(id);
+        waits
+    }
+
+    /// `id` no longer waits on landed fetches; those nobody waits on release their host entry.
+    pub(super) fn leave_fetches(&mut self, id: RequestId) {
+        let (Some(disk), Some(host)) = (self.disk.as_mut(), self.host.as_mut()) else { return };
+        disk.fetches.retain_mut(|f| {
+            if f.landed {
+                f.waiters.retain(|&w| w != id);
+                if f.waiters.is_empty() {
+                    host.unpin(f.entry);
+                    return false;
+                }
+            }
+            true
+        });
     }
 
     /// Starts (or joins) reading checkpoint `key` from disk into the host tier. Returns false
     /// when the host has no room for it now.
     fn fetch(&mut self, id: RequestId, key: helios_cache::PrefixKey) -> bool {
         let (Some(disk), Some(host)) = (self.disk.as_mut(), self.host.as_mut()) else { return false };
-        if let Some(f) = disk.fetches.iter_mut().find(|f| f.key.digest == key.digest) {
+        if let Some(f) = disk.fetches.iter_mut().find(|f| !f.landed && f.key.digest == key.digest) {
             if !f.waiters.contains(&id) {
                 f.waiters.push(id);
                 disk.stats.fetch_joins += 1;
@@ -423,7 +429,14 @@ impl Scheduler {
         let token = disk.next_token;
         disk.next_token += 1;
         disk.io.submit(DiskJob::Read { token, reads });
-        disk.fetches.push(DiskFetch { token, key, entry: fill.entry, waiters: vec![id], started: Instant::now() });
+        disk.fetches.push(DiskFetch {
+            token,
+            key,
+            entry: fill.entry,
+            waiters: vec![id],
+            started: Instant::now(),
+            landed: false,
+        });
         disk.stats.fetches += 1;
         true
     }
@@ -444,16 +457,24 @@ impl Scheduler {
             match d {
                 DiskDone::Read { token, result } => {
                     let Some(i) = disk.fetches.iter().position(|f| f.token == token) else { continue };
-                    let f = disk.fetches.swap_remove(i);
+                    let mut f = disk.fetches.swap_remove(i);
+                    disk.tier.finish_read(&f.key, result.is_ok());
+                    disk.fetched.push(f.started.elapsed());
                     match result {
-                        Ok(()) => host.finish_fill(f.entry),
+                        Ok(()) => {
+                            host.finish_fill(f.entry);
+                            // Held for its waiters' next lookup (dropped if the key arrived meanwhile).
+                            if host.entry(f.entry).is_some() && !f.waiters.is_empty() {
+                                host.pin(f.entry);
+                                f.landed = true;
+                                disk.fetches.push(f);
+                            }
+                        }
                         Err(_) => {
                             host.abort_fill(f.entry);
                             disk.stats.fetch_failures += 1;
                         }
                     }
-                    disk.tier.finish_read(&f.key, result.is_ok());
-                    disk.fetched.push(f.started.elapsed());
                 }
                 DiskDone::Written { token, result } => {
                     let Some((plan, entry)) = disk.writes.remove(&token) else { continue };
@@ -507,7 +528,7 @@ impl Scheduler {
 
     /// Whether a disk fetch some request waits for is in flight.
     pub fn disk_busy(&self) -> bool {
-        self.disk.as_ref().is_some_and(|d| !d.fetches.is_empty())
+        self.disk.as_ref().is_some_and(|d| d.fetches.iter().any(|f| !f.landed))
     }
 
     /// Whether disk writes are queued or in flight (an idle loop keeps turning for them).
@@ -590,20 +611,15 @@ impl Scheduler {
     ) {
         let mut host_pins: HashMap<HostEntryId, u32> = HashMap::new();
         for t in &self.tickets {
-            match t.published {
-                Some(id) => *pins.entry(id).or_default() += 1,
-                None => {
-                    let p = &t.publication;
-                    for &page in p.segment.iter().chain(p.tail_page.iter()) {
-                        page_refs[page as usize] += 1;
-                    }
-                    snapshot_refs[p.snapshot as usize] += 1;
-                    if let Some(parent) = p.parent {
-                        *pins.entry(parent).or_default() += 1;
-                    }
-                    *host_pins.entry(t.entry).or_default() += 1;
-                }
+            let p = &t.publication;
+            for &page in p.segment.iter().chain(p.tail_page.iter()) {
+                page_refs[page as usize] += 1;
             }
+            snapshot_refs[p.snapshot as usize] += 1;
+            if let Some(parent) = p.parent {
+                *pins.entry(parent).or_default() += 1;
+            }
+            *host_pins.entry(t.entry).or_default() += 1;
         }
         if let Some(disk) = &self.disk {
             for f in &disk.fetches {
