@@ -1,12 +1,15 @@
 //! `flare`: the Flare serving executable.
 //!
 //! - `flare check CORE` validates a runtime core without a GPU and prints its summary.
-//! - `flare run [CORE]` serves a core over HTTP. Without a core (or with `--sim`) it serves
-//!   through the simulated executor, so the whole server runs on a machine without a GPU.
+//! - `flare run [CORE]` serves a core over HTTP; `flare run --model CHECKPOINT` prepares the
+//!   checkpoint's core first (Ignition in a child process, cached). Without a core on a machine
+//!   with a GPU it prepares and serves the default model; without a GPU (or with `--sim`) it
+//!   serves through the simulated executor, so the whole server runs on a machine without a GPU.
 //!   Startup validates the core and starts the workers before binding the socket: a failed
 //!   startup exposes no endpoint.
 //! - `flare bench` / `flare load` drive any OpenAI-compatible endpoint.
 
+mod prepare;
 mod serve;
 mod sim;
 
@@ -34,7 +37,7 @@ enum Command {
         no_verify_payloads: bool,
     },
     /// Serve a runtime core over HTTP (OpenAI and Anthropic APIs).
-    Run(serve::RunArgs),
+    Run(Box<serve::RunArgs>),
     /// Benchmark an OpenAI-compatible endpoint (TTFT, ITL, throughput).
     Bench(flare_bench::BenchArgs),
     /// Load-test an OpenAI-compatible endpoint and check it drains cleanly.
@@ -81,7 +84,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             let _ = writeln!(out, "{}", Summary(core.manifest()));
             Ok(())
         }
-        Command::Run(args) => serve::run(args),
+        Command::Run(args) => serve::run(*args),
         Command::Bench(args) => runtime()?.block_on(async {
             let report = flare_bench::run_bench(&args).await.map_err(|e| CliError::Bench(e.to_string()))?;
             if args.json {

@@ -42,8 +42,25 @@ impl LogLevel {
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct RunArgs {
-    /// Directory of a runtime core. Without one, the embedded simulated core is served.
+    /// Directory of a runtime core. Without one (and without --model): on a machine with a GPU
+    /// the default model (SmolLM2-135M-Instruct) is prepared and served; without a GPU, the
+    /// embedded simulated core.
     core: Option<PathBuf>,
+    /// A checkpoint directory (Transformers layout) to serve: Ignition prepares its core in a
+    /// child process on first use (progress in the log) and caches it under a key of the
+    /// checkpoint, the device and the Flare version; later starts reuse it.
+    #[arg(long, value_name = "DIR", conflicts_with = "core")]
+    model: Option<PathBuf>,
+    /// Where prepared cores are cached (default: $XDG_CACHE_HOME/flare/cores, else
+    /// ~/.cache/flare/cores).
+    #[arg(long, value_name = "DIR")]
+    core_cache_dir: Option<PathBuf>,
+    /// The Python interpreter with Ignition, for preparing cores.
+    #[arg(long, value_name = "PATH", default_value = "python3")]
+    python: PathBuf,
+    /// Context limit a core is prepared for (Ignition's default when not given).
+    #[arg(long, value_name = "TOKENS")]
+    prepare_context_limit: Option<u32>,
     /// Serve through the simulated executor (no GPU): the embedded core, or CORE's frontend.
     #[arg(long)]
     sim: bool,
@@ -196,9 +213,27 @@ pub(crate) fn run(args: RunArgs) -> Result<(), CliError> {
         .parse()
         .map_err(|e| CliError::Startup(format!("invalid --host/--port: {e}")))?;
     let access = Access::from_args(&args)?;
+    // A checkpoint (or, with a GPU and no core, the default model) is prepared first.
+    let gpu = if args.sim { None } else { gpu_identity() };
+    let preparer = || crate::prepare::Preparer {
+        python: args.python.clone(),
+        cache_dir: args.core_cache_dir.clone().unwrap_or_else(crate::prepare::default_cache_dir),
+        context_limit: args.prepare_context_limit,
+        device: gpu.clone().unwrap_or_else(|| "simulated".into()),
+    };
+    let prepared = match (&args.model, &args.core, &gpu) {
+        (Some(model), _, _) => Some(preparer().core_for(model)?),
+        (None, None, Some(device)) => {
+            tracing::info!(device = %device, "no core given and a GPU present: preparing and serving the default model");
+            let p = preparer();
+            let checkpoint = p.default_checkpoint()?;
+            Some(p.core_for(&checkpoint)?)
+        }
+        _ => None,
+    };
     // The embedded core lives in a temporary directory for the life of the server.
     let mut _sim_dir = None;
-    let core_dir = match &args.core {
+    let core_dir = match prepared.as_ref().or(args.core.as_ref()) {
         Some(dir) => dir.clone(),
         None => {
             tracing::warn!(
@@ -213,7 +248,7 @@ pub(crate) fn run(args: RunArgs) -> Result<(), CliError> {
             path
         }
     };
-    let simulate = args.sim || args.core.is_none();
+    let simulate = args.sim || (args.core.is_none() && prepared.is_none());
     progress(started, &format!("validating core {} (hashing payloads and assets)", core_dir.display()));
     let core = RuntimeCore::open(&core_dir)?;
     if !simulate && !cfg!(feature = "cuda") {
@@ -290,6 +325,7 @@ pub(crate) fn run(args: RunArgs) -> Result<(), CliError> {
         if access.cors == helios_http::CorsPolicy::Any && access.api_key.is_none() {
             tracing::warn!("--allowed-origins '*' without an API key: any web page a user opens can use the server");
         }
+        let signals = install_signal_handlers();
         tracing::info!(
             model = %f.model_name,
             aliases = ?access.served_model_names.get(1..).unwrap_or_default(),
@@ -315,7 +351,7 @@ pub(crate) fn run(args: RunArgs) -> Result<(), CliError> {
         let draining = engine.clone();
         let (drained_tx, drained_rx) = tokio::sync::oneshot::channel();
         let shutdown = async move {
-            wait_for_signal().await;
+            wait_for_signal(signals).await;
             tracing::info!("shutdown: admission stopped, draining running requests");
             // Stop admission, let running requests finish for the grace, then cancel them.
             tokio::spawn(async move {
@@ -521,24 +557,48 @@ fn start_cuda(
     unreachable!("checked before: a build without CUDA never starts the CUDA executor")
 }
 
-async fn wait_for_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
+/// SIGINT and SIGTERM handlers, installed before the server reports readiness: a signal that
+/// arrives right after "ready" then drains the server instead of killing the process.
+struct Signals {
     #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
+    interrupt: Option<tokio::signal::unix::Signal>,
+    #[cfg(unix)]
+    terminate: Option<tokio::signal::unix::Signal>,
+}
+
+fn install_signal_handlers() -> Signals {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        Signals { interrupt: signal(SignalKind::interrupt()).ok(), terminate: signal(SignalKind::terminate()).ok() }
+    }
     #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {},
-        () = term => {},
+    {
+        Signals {}
+    }
+}
+
+async fn wait_for_signal(signals: Signals) {
+    #[cfg(unix)]
+    {
+        let Signals { interrupt, terminate } = signals;
+        let wait = |s: Option<tokio::signal::unix::Signal>| async move {
+            match s {
+                Some(mut s) => {
+                    s.recv().await;
+                }
+                None => std::future::pending::<()>().await,
+            }
+        };
+        tokio::select! {
+            () = wait(interrupt) => {},
+            () = wait(terminate) => {},
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = signals;
+        let _ = tokio::signal::ctrl_c().await;
     }
 }
 
@@ -585,4 +645,16 @@ fn free_bytes(dir: &std::path::Path) -> Option<u64> {
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
     // SAFETY: as above.
     (unsafe { libc::statvfs(c.as_ptr(), &mut st) } == 0).then(|| st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+/// The GPU a core would be prepared for, when this build drives one and the machine has it.
+fn gpu_identity() -> Option<String> {
+    #[cfg(feature = "cuda")]
+    {
+        helios_replay::cuda::device_identity(0).ok().flatten()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        None
+    }
 }

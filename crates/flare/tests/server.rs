@@ -1563,3 +1563,83 @@ fn a_conversation_cached_before_a_restart_is_cached_after_it() {
     assert!(restores.is_some_and(|r| r >= 1), "{metrics}");
     terminate(server);
 }
+
+/// A stand-in for `python3 -m ignition prepare`: copies the fixture core to `--out`, counts its
+/// runs, and prints progress lines; with FAIL set it fails like a broken preparation.
+fn fake_preparer(dir: &std::path::Path) -> std::path::PathBuf {
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/cores/abi2");
+    let script = dir.join("fake-python");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\nout=\"\"\nwhile [ $# -gt 0 ]; do case \"$1\" in --out) out=\"$2\"; shift;; esac; shift; done\n\
+             echo '[ignition] prepare ...' >&2\n\
+             if [ -n \"$FAIL\" ]; then echo 'torch.OutOfMemoryError: CUDA out of memory' >&2; exit 3; fi\n\
+             cp -r '{}' \"$out\"\necho run >> '{}'\necho '[ignition] prepare: done in 0.1 s' >&2\n",
+            fixture.display(),
+            dir.join("runs").display()
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    script
+}
+
+/// `flare run --model DIR`: the first start prepares (progress in the log) and caches the core,
+/// the next reuses it, a changed checkpoint prepares again, and a failing preparation is a
+/// startup error carrying the preparer's own message, with no port bound.
+#[test]
+fn a_checkpoint_is_prepared_once_and_served_from_the_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::write(model.join("config.json"), r#"{"architectures": ["LlamaForCausalLM"]}"#).unwrap();
+    std::fs::write(model.join("model.safetensors"), vec![0u8; 4 << 20]).unwrap();
+    let python = fake_preparer(dir.path());
+    let cache = dir.path().join("cache");
+    let args = |m: &std::path::Path| -> Vec<String> {
+        ["--sim", "--model", m.to_str().unwrap(), "--python", python.to_str().unwrap(), "--core-cache-dir"]
+            .iter()
+            .map(|s| (*s).to_owned())
+            .chain([cache.to_str().unwrap().to_owned()])
+            .collect()
+    };
+    let runs = || std::fs::read_to_string(dir.path().join("runs")).map_or(0, |s| s.lines().count());
+    let start = |m: &std::path::Path| {
+        let a = args(m);
+        let refs: Vec<&str> = a.iter().map(String::as_str).collect();
+        Server::start(&refs)
+    };
+    let server = start(&model);
+    assert!(server.wait_for_log("preparing a runtime core", Duration::from_secs(1)).is_some());
+    assert!(server.wait_for_log("[ignition] prepare: done", Duration::from_secs(1)).is_some(), "progress shown");
+    let (status, _, models) = server.request("GET", "/v1/models", None, "");
+    assert_eq!(status, 200, "{models}");
+    terminate(server);
+    assert_eq!(runs(), 1);
+    let server = start(&model);
+    assert!(server.wait_for_log("reusing the prepared core", Duration::from_secs(1)).is_some());
+    terminate(server);
+    assert_eq!(runs(), 1, "the cached core was reused");
+    std::fs::write(model.join("config.json"), r#"{"architectures": ["LlamaForCausalLM"], "x": 1}"#).unwrap();
+    terminate(start(&model));
+    assert_eq!(runs(), 2, "a changed checkpoint is prepared again");
+    // A failing preparation.
+    let failing = dir.path().join("other");
+    std::fs::create_dir_all(&failing).unwrap();
+    std::fs::write(failing.join("config.json"), "{}").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_flare"))
+        .arg("run")
+        .args(args(&failing))
+        .args(["--port", "0"])
+        .env("FAIL", "1")
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(4), "{stderr}");
+    assert!(stderr.contains("CUDA out of memory") && !stderr.contains("listening"), "{stderr}");
+    let leftovers: Vec<_> = std::fs::read_dir(&cache).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(leftovers.iter().all(|n| !n.to_string_lossy().contains(".tmp")), "{leftovers:?}");
+}

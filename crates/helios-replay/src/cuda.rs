@@ -107,6 +107,36 @@ pub fn init_driver() -> Result<i32, CudaError> {
     Ok(version)
 }
 
+/// The device a core would be prepared for and served on: its name, compute capability and
+/// the driver version (a prepared core is specific to all three). `Ok(None)`: a driver but no
+/// device at `ordinal`.
+pub fn device_identity(ordinal: i32) -> Result<Option<String>, CudaError> {
+    let driver = init_driver()?;
+    let mut count = 0;
+    // SAFETY: out-pointer to a live local; the driver is initialized.
+    check("cuDeviceGetCount", unsafe { cu::cuDeviceGetCount(&mut count) })?;
+    if ordinal >= count {
+        return Ok(None);
+    }
+    let mut device = 0;
+    let mut name = [0 as std::ffi::c_char; 256];
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: out-pointers to live locals and a 256-byte buffer; the ordinal is in range.
+    unsafe {
+        check("cuDeviceGet", cu::cuDeviceGet(&mut device, ordinal))?;
+        check("cuDeviceGetName", cu::cuDeviceGetName(name.as_mut_ptr(), 256, device))?;
+        use cu::CUdevice_attribute::{
+            CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJOR,
+            CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR as MINOR,
+        };
+        check("cuDeviceGetAttribute", cu::cuDeviceGetAttribute(&mut major, MAJOR, device))?;
+        check("cuDeviceGetAttribute", cu::cuDeviceGetAttribute(&mut minor, MINOR, device))?;
+    }
+    // SAFETY: the driver wrote a NUL-terminated string into the buffer.
+    let name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
+    Ok(Some(format!("{name} sm_{major}{minor} driver {driver}")))
+}
+
 /// How to load.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct LoadOptions {
