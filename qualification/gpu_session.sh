@@ -17,6 +17,8 @@
 #   tiers        (carry .dev/b2)         issue 20 (bg, ~12 min): the ~1B prepared for 33K tokens (no checks); tier_restore
 #                                        at 4K and 32K (host and disk restores vs recompute, raw io_uring, ITL
 #                                        interference) and core_workload over host and disk tiers vs solo runs
+#   serve-default (carry .dev/b2)        issue 22: `flare run` with no core prepares and serves SmolLM2 (cold: fetch-default
+#                                        and prepare in a child process), then starts again from the cached core
 #   q35-prepare                          the seeded random Qwen3.5 (0.8B text geometry): random-checkpoint, prepare
 #   q35-all      (carry .dev/b1 .dev/b2) after q35-prepare: serving + agent bench, floor, bitwise, lifecycle, breakdown
 #   r1b-measure-only                     as smol-measure for the 1B core (no Transformers run)
@@ -183,6 +185,20 @@ case "$STAGE" in
     timeout 300 /tmp/core_workload /tmp/r1bcore_long --pages 300 --host-mib 2048 --disk-dir /tmp/tierdisk2 \
       > "$OUT/core_workload_tiers.json" 2> "$OUT/core_workload_tiers.log"
     echo "core_workload tiers rc=$?"; head -c 1500 "$OUT/core_workload_tiers.json" ;;
+  serve-default)  # issue 22 (carry .dev/b2): time to ready of `flare run` with no core, cold and from the cache
+    unxz_to .dev/b2/flare.xz /tmp/flare
+    rm -rf /tmp/flarecache
+    for run in cold cached; do
+      t0=$(date +%s.%N)
+      /tmp/flare run --port 8123 --core-cache-dir /tmp/flarecache --python python3 > "$OUT/serve_$run.log" 2>&1 &
+      pid=$!
+      for _ in $(seq 1 540); do grep -q "ready: listening" "$OUT/serve_$run.log" && break; kill -0 $pid 2>/dev/null || break; sleep 1; done
+      t1=$(date +%s.%N)
+      curl -s http://127.0.0.1:8123/v1/chat/completions -H 'content-type: application/json' \
+        -d '{"model":"x","messages":[{"role":"user","content":"Hello"}],"max_tokens":16}' > "$OUT/reply_$run.json"
+      kill -TERM $pid; wait $pid
+      echo "$run: ready after $(python3 -c "print(round($t1-$t0,2))") s"
+    done | tee "$OUT/serve_default.txt" ;;
   q35-prepare)  # issue 18: the seeded random Qwen3.5 at the 0.8B text geometry (vocabulary sized to the SmolLM2
                 # tokenizer that travels with it: 49,152 instead of 248,320), prepared with every check
     python3 -m ignition random-checkpoint --config qualification/configs/qwen3_5_0p8b_random.json --out /tmp/q35 \
