@@ -3,6 +3,7 @@
 //! cache scheme geometry and the capacities.
 
 mod plan;
+pub mod propose;
 mod scheduler;
 
 pub use plan::{Completion, ConsumeRow, PageCopy, RequestId, SampleSpec, SampledToken, Step, StepOp};

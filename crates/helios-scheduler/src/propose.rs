@@ -1,0 +1,214 @@
+//! Copy proposals for speculative decoding, taken from the request's own history.
+//!
+//! Agents copy: a file comes back edited, a tool result is quoted, a JSON object repeats with
+//! one field changed. [`CopyProposer`] finds the most recent earlier occurrence of the
+//! history's longest suffix (between `min_n` and `max_n` tokens) and proposes what followed it.
+//! It is model-free and incremental: each committed token costs `max_n - min_n + 1` hash-map
+//! updates, and a proposal is a slice of the history.
+//!
+//! [`DepthController`] decides how deep to propose for one request: it keeps a running estimate
+//! of the chance that a proposed token is accepted and picks the depth whose expected tokens
+//! per step, over the cost of verifying that many rows on this core, is best; depth 0 (no
+//! speculation) whenever nothing beats plain decoding.
+
+use std::collections::HashMap;
+
+/// Incremental longest-suffix-match proposer over one request's committed tokens.
+///
+/// Invariant: `last[k]` maps the hash of every `(min_n + k)`-gram of `tokens` that ends before
+/// the last token to the end of its most recent occurrence (exclusive); `matched` is the end of
+/// the most recent earlier occurrence of the longest suffix that has one.
+#[derive(Clone, Debug)]
+pub struct CopyProposer {
+    min_n: usize,
+    max_n: usize,
+    tokens: Vec<u32>,
+    last: Vec<HashMap<u64, usize>>,
+    matched: Option<usize>,
+}
+
+fn hash(window: &[u32]) -> u64 {
+    window.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &t| (h ^ u64::from(t)).wrapping_mul(0x0100_0000_01b3))
+}
+
+impl CopyProposer {
+    /// A proposer matching suffixes of `min_n..=max_n` tokens (`1 <= min_n <= max_n`).
+    pub fn new(min_n: usize, max_n: usize) -> Self {
+        let min_n = min_n.max(1);
+        let max_n = max_n.max(min_n);
+        CopyProposer { min_n, max_n, tokens: Vec::new(), last: vec![HashMap::new(); max_n - min_n + 1], matched: None }
+    }
+
+    /// Tokens committed so far.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Whether nothing was committed.
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// Commits tokens (prompt, tool results, accepted output) in order.
+    pub fn extend(&mut self, tokens: &[u32]) {
+        for &t in tokens {
+            self.push(t);
+        }
+    }
+
+    /// Commits one token.
+    pub fn push(&mut self, token: u32) {
+        self.tokens.push(token);
+        let end = self.tokens.len();
+        self.matched = None;
+        // Longest first: the first n whose suffix occurred before gives the match.
+        for n in (self.min_n..=self.max_n.min(end)).rev() {
+            let key = hash(&self.tokens[end - n..]);
+            let map = &mut self.last[n - self.min_n];
+            if let Some(prev) = map.insert(key, end)
+                && self.matched.is_none()
+                && self.tokens[prev - n..prev] == self.tokens[end - n..]
+            {
+                self.matched = Some(prev);
+            }
+        }
+    }
+
+    /// Up to `depth` proposed next tokens: what followed the most recent earlier occurrence of
+    /// the longest matching suffix. Empty without a match.
+    pub fn propose(&self, depth: usize) -> &[u32] {
+        match self.matched {
+            Some(start) => &self.tokens[start..(start + depth).min(self.tokens.len())],
+            None => &[],
+        }
+    }
+}
+
+/// Chooses a request's proposal depth from its observed acceptance and the core's verification
+/// cost.
+///
+/// Model: each proposed token is accepted with probability `p` independently, so depth `d`
+/// yields `1 + p + p² + … + p^d` tokens per step (the bonus token included) at a cost of
+/// `cost[d]` plain decode steps. The estimate of `p` is an exponentially weighted average of
+/// the observed per-token acceptance, starting optimistic so a request gets to try.
+#[derive(Clone, Debug)]
+pub struct DepthController {
+    /// `cost[d]`: time of verifying `d` proposals (d + 1 rows) over a plain decode step;
+    /// `cost[0] == 1`. Measured on the core.
+    cost: Vec<f64>,
+    acceptance: f64,
+    /// Weight of a new observation.
+    alpha: f64,
+}
+
+impl DepthController {
+    /// A controller for verification costs `cost` (index = depth; `cost[0]` is 1 by
+    /// definition and is forced to it), starting from acceptance estimate `prior`.
+    pub fn new(cost: &[f64], prior: f64) -> Self {
+        let mut cost: Vec<f64> = cost.iter().map(|c| c.max(1.0)).collect();
+        if cost.is_empty() {
+            cost.push(1.0);
+        }
+        cost[0] = 1.0;
+        DepthController { cost, acceptance: prior.clamp(0.0, 1.0), alpha: 0.2 }
+    }
+
+    /// The current acceptance estimate.
+    pub fn acceptance(&self) -> f64 {
+        self.acceptance
+    }
+
+    /// Expected tokens per unit of decode cost at depth `d`.
+    fn rate(&self, d: usize) -> f64 {
+        let p = self.acceptance;
+        let tokens: f64 = (0..=d).map(|k| p.powi(k as i32)).sum();
+        tokens / self.cost[d]
+    }
+
+    /// The depth to propose next (0: decode without speculation), at most `available` (the
+    /// proposer's match length).
+    pub fn depth(&self, available: usize) -> usize {
+        let max = available.min(self.cost.len() - 1);
+        (0..=max).max_by(|&a, &b| self.rate(a).total_cmp(&self.rate(b)).then(b.cmp(&a))).unwrap_or(0)
+    }
+
+    /// Records a verification: `accepted` of `proposed` tokens were accepted (a prefix).
+    pub fn observe(&mut self, proposed: usize, accepted: usize) {
+        if proposed == 0 {
+            return;
+        }
+        // Per-token acceptance of a geometric prefix: accepted / (accepted + 1 rejection), or
+        // all accepted.
+        let sample = if accepted >= proposed { 1.0 } else { accepted as f64 / (accepted as f64 + 1.0) };
+        self.acceptance += self.alpha * (sample - self.acceptance);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Brute force: the most recent earlier occurrence of the longest suffix in `min..=max`.
+    fn brute(tokens: &[u32], min_n: usize, max_n: usize, depth: usize) -> Vec<u32> {
+        let end = tokens.len();
+        for n in (min_n..=max_n.min(end)).rev() {
+            let suffix = &tokens[end - n..];
+            for prev in (n..end).rev() {
+                if &tokens[prev - n..prev] == suffix {
+                    return tokens[prev..(prev + depth).min(end)].to_vec();
+                }
+            }
+        }
+        Vec::new()
+    }
+
+    #[test]
+    fn proposes_what_followed_the_last_occurrence() {
+        let mut p = CopyProposer::new(2, 4);
+        // "a b c d x a b c" -> suffix "a b c" occurred before, followed by "d x a".
+        p.extend(&[1, 2, 3, 4, 9, 1, 2, 3]);
+        assert_eq!(p.propose(3), &[4, 9, 1]);
+        assert_eq!(p.propose(0), &[] as &[u32]);
+        p.push(7); // "c 7" never occurred
+        assert_eq!(p.propose(3), &[] as &[u32]);
+    }
+
+    #[test]
+    fn incremental_matching_equals_brute_force() {
+        let mut seed = 0x1234_5678_u64;
+        for case in 0..200 {
+            let (min_n, max_n) = (1 + case % 3, 2 + case % 5);
+            let vocab = 2 + (case % 6) as u64;
+            let mut p = CopyProposer::new(min_n, max_n);
+            let mut tokens = Vec::new();
+            for _ in 0..120 {
+                seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                let t = ((seed >> 33) % vocab) as u32;
+                tokens.push(t);
+                p.push(t);
+                assert_eq!(p.propose(5), brute(&tokens, min_n, max_n.max(min_n), 5).as_slice(), "case {case}");
+            }
+        }
+    }
+
+    #[test]
+    fn depth_follows_acceptance_and_cost() {
+        // Verifying d proposals costs 1 + 0.1 d decode steps.
+        let cost: Vec<f64> = (0..8).map(|d| 1.0 + 0.1 * d as f64).collect();
+        let mut c = DepthController::new(&cost, 0.9);
+        assert_eq!(c.depth(7), 7, "high acceptance: as deep as the proposer reaches");
+        assert_eq!(c.depth(3), 3, "never deeper than the match");
+        for _ in 0..40 {
+            c.observe(4, 0);
+        }
+        assert!(c.acceptance() < 0.01);
+        assert_eq!(c.depth(7), 0, "nothing accepted: plain decoding");
+        for _ in 0..40 {
+            c.observe(4, 4);
+        }
+        assert!(c.depth(7) > 0, "acceptance recovered");
+        // On a core where verification costs as much as the tokens it can yield, never.
+        let expensive: Vec<f64> = (0..8).map(|d| 1.0 + d as f64).collect();
+        assert_eq!(DepthController::new(&expensive, 0.95).depth(7), 0);
+    }
+}
