@@ -323,6 +323,8 @@ struct DiskFile {
     alive: bool,
     /// Being written: not yet readable.
     writing: bool,
+    /// Being written while a file it references was discarded: fails when the write ends.
+    doomed: bool,
     refs: u32,
     pins: u32,
     last_access: u64,
@@ -405,6 +407,13 @@ fn file_name(d: Digest) -> String {
     format!("{:016x}{:016x}", d.0, d.1)
 }
 
+fn parse_file_name(s: &str) -> Option<Digest> {
+    if s.len() != 32 {
+        return None;
+    }
+    Some(Digest(u64::from_str_radix(&s[..16], 16).ok()?, u64::from_str_radix(&s[16..], 16).ok()?))
+}
+
 impl DiskTier {
     /// Opens (creating) `dir` and indexes the files of `identity` in it; everything else found
     /// there is reported and removed. Files beyond `capacity` are evicted, oldest first.
@@ -449,8 +458,16 @@ impl DiskTier {
         for (_, digest, header, len) in found {
             tier.clock += 1;
             tier.used += len;
-            let file =
-                DiskFile { header, bytes: len, alive: true, writing: false, refs: 0, pins: 0, last_access: tier.clock };
+            let file = DiskFile {
+                header,
+                bytes: len,
+                alive: true,
+                writing: false,
+                doomed: false,
+                refs: 0,
+                pins: 0,
+                last_access: tier.clock,
+            };
             tier.files.insert(digest, file);
         }
         // A checkpoint is usable when every page it references is a page block of a file found.
@@ -580,10 +597,10 @@ impl DiskTier {
         }
     }
 
-    /// Deletes a file no live checkpoint needs any more.
+    /// Deletes a file no live checkpoint needs any more and no read is using.
     fn maybe_delete(&mut self, d: Digest) {
         let Some(f) = self.files.get(&d) else { return };
-        if f.refs > 0 || f.alive {
+        if f.refs > 0 || f.alive || f.pins > 0 {
             return;
         }
         self.used -= f.bytes;
@@ -668,31 +685,82 @@ impl DiskTier {
     /// Ends a read. `ok == false` (an I/O error or a checksum mismatch): the checkpoint and
     /// every file that cannot be trusted with it are discarded.
     pub fn finish_read(&mut self, key: &PrefixKey, ok: bool) {
+        self.end_read(key, if ok { None } else { Some(key.digest) });
+    }
+
+    /// Ends a read that failed in `path` (an I/O error or checksum mismatch there): the file
+    /// holding the bad block is discarded with every checkpoint that references it, and the
+    /// checkpoint read as well.
+    pub fn fail_read(&mut self, key: &PrefixKey, path: &Path) {
+        let bad = path.file_stem().and_then(|s| s.to_str()).and_then(parse_file_name);
+        if let Some(bad) = bad {
+            self.discard(bad);
+        }
+        self.end_read(key, Some(key.digest));
+    }
+
+    fn end_read(&mut self, key: &PrefixKey, discard: Option<Digest>) {
         let d = key.digest;
         if let Some(f) = self.files.get_mut(&d) {
-            f.pins -= 1;
-            if f.pins == 0 && f.alive {
+            f.pins = f.pins.saturating_sub(1);
+            if f.pins == 0 && f.alive && !f.writing {
                 self.lru.insert((f.last_access, d));
             }
         }
-        if !ok {
-            self.discard(d);
+        if let Some(bad) = discard {
+            self.discard(bad);
         }
+        self.maybe_delete(d);
     }
 
-    /// Discards a file and every live checkpoint whose chain references it.
+    /// Discards a file and every live checkpoint whose chain references it; files being
+    /// written that reference it fail when their write ends.
     fn discard(&mut self, d: Digest) {
-        let dependents: Vec<Digest> = self
-            .files
-            .iter()
-            .filter(|(o, f)| f.alive && !f.writing && (**o == d || f.header.chain.iter().any(|r| r.file == d)))
-            .map(|(o, _)| *o)
-            .collect();
+        let uses = |o: &Digest, f: &DiskFile| *o == d || f.header.chain.iter().any(|r| r.file == d);
+        let dependents: Vec<Digest> =
+            self.files.iter().filter(|(o, f)| f.alive && !f.writing && uses(o, f)).map(|(o, _)| *o).collect();
+        for f in self.files.iter_mut().filter(|(o, f)| f.writing && uses(o, f)).map(|(_, f)| f) {
+            f.doomed = true;
+        }
         for o in dependents {
             self.kill(o);
             self.stats.discarded += 1;
         }
         self.by_uid.retain(|_, (file, _)| *file != d);
+    }
+
+    /// Bytes that evicting every evictable checkpoint would free, files in `held` kept: files
+    /// no pinned or writing checkpoint needs.
+    fn reclaimable(&self, held: &[Digest]) -> u64 {
+        let mut needed: std::collections::HashSet<Digest> = held.iter().copied().collect();
+        for (d, f) in &self.files {
+            if f.writing || f.pins > 0 {
+                needed.insert(*d);
+                needed.extend(f.header.chain.iter().map(|r| r.file));
+            }
+        }
+        self.files.iter().filter(|(d, _)| !needed.contains(d)).map(|(_, f)| f.bytes).sum()
+    }
+
+    /// Makes a file kept only for the pages others reference a live checkpoint again, when
+    /// every file its chain references is still there. Returns whether it is live now.
+    fn revive(&mut self, d: Digest) -> bool {
+        let Some(f) = self.files.get(&d) else { return false };
+        if f.alive {
+            return true;
+        }
+        if f.writing || f.pins > 0 || !f.header.chain.iter().all(|r| self.files.contains_key(&r.file)) {
+            return false;
+        }
+        let chain = f.header.chain.clone();
+        self.clock += 1;
+        if let Some(f) = self.files.get_mut(&d) {
+            f.alive = true;
+            f.last_access = self.clock;
+        }
+        self.reference(d, &chain);
+        self.index(d);
+        true
     }
 
     /// Plans a file for checkpoint `key` with chain page uids `chain` (and a tail page when
@@ -701,6 +769,8 @@ impl DiskTier {
     /// [`Self::finish_write`].
     pub fn begin_write(&mut self, key: PrefixKey, chain: &[PageUid], tail: bool) -> Result<WritePlan, DiskError> {
         if self.files.contains_key(&key.digest) {
+            // On disk already, or kept for its pages: revived instead of written again.
+            self.revive(key.digest);
             return Err(DiskError::Present);
         }
         let g = self.identity.geometry;
@@ -726,8 +796,10 @@ impl DiskTier {
                 file.refs += 1;
             }
         }
+        // Fail before evicting anything when even evicting everything evictable cannot make room.
+        let short = self.used + needed > self.capacity && self.used - self.reclaimable(&held) + needed > self.capacity;
         while self.used + needed > self.capacity {
-            if !self.evict_one() {
+            if short || !self.evict_one() {
                 for f in &held {
                     if let Some(file) = self.files.get_mut(f) {
                         file.refs -= 1;
@@ -774,6 +846,7 @@ impl DiskTier {
                 bytes,
                 alive: true,
                 writing: true,
+                doomed: false,
                 refs: 1,
                 pins: 0,
                 last_access: self.clock,
@@ -786,8 +859,9 @@ impl DiskTier {
     /// (`None`) its references and room are released.
     pub fn finish_write(&mut self, plan: &WritePlan, checksums: Option<&[u64]>) {
         let d = plan.file;
+        let doomed = self.files.get(&d).is_some_and(|f| f.doomed);
         match checksums {
-            Some(sums) if self.files.contains_key(&d) => {
+            Some(sums) if self.files.contains_key(&d) && !doomed => {
                 if let Some(f) = self.files.get_mut(&d) {
                     for (b, &s) in f.header.blocks.iter_mut().zip(sums) {
                         b.checksum = s;
@@ -803,6 +877,7 @@ impl DiskTier {
                 if let Some(f) = self.files.get_mut(&d) {
                     f.writing = false;
                     f.alive = false;
+                    f.doomed = false;
                 }
                 self.unreference(d);
             }
@@ -833,7 +908,7 @@ impl DiskTier {
         assert_eq!(lru, self.lru, "eviction order out of sync");
         for (d, f) in &self.files {
             assert_eq!(f.refs, refs.get(d).copied().unwrap_or(0), "refs of file {}", file_name(*d));
-            assert!(f.refs > 0, "unreferenced file {} kept", file_name(*d));
+            assert!(f.refs > 0 || f.pins > 0, "unreferenced file {} kept", file_name(*d));
         }
         for (uid, (d, i)) in &self.by_uid {
             let b = self.files.get(d).and_then(|f| f.header.blocks.get(*i as usize));

@@ -59,6 +59,18 @@ pub enum IoFailure {
     Short { path: PathBuf, offset: u64, got: u64, want: u64 },
     #[error("{path} at {offset}: checksum mismatch")]
     Checksum { path: PathBuf, offset: u64 },
+    #[error("the disk I/O thread is gone")]
+    ThreadGone,
+}
+
+impl IoFailure {
+    /// The file the failure happened in, when one is known.
+    pub fn path(&self) -> Option<&Path> {
+        match self {
+            IoFailure::Io { path, .. } | IoFailure::Short { path, .. } | IoFailure::Checksum { path, .. } => Some(path),
+            IoFailure::ThreadGone => None,
+        }
+    }
 }
 
 /// Faults to inject (tests): each applies to every later job until cleared.
@@ -83,6 +95,8 @@ pub struct DiskIo {
     in_flight: usize,
     faults: Arc<Mutex<IoFaults>>,
     backend: &'static str,
+    /// Outcomes of jobs the thread could not take (it is gone): failures, reported by `poll`.
+    refused: Vec<DiskDone>,
 }
 
 impl DiskIo {
@@ -114,7 +128,7 @@ impl DiskIo {
             }
         })?;
         let backend = ready_rx.recv().unwrap_or("pread");
-        Ok(DiskIo { jobs: Some(jobs), done, thread: Some(thread), in_flight: 0, faults, backend })
+        Ok(DiskIo { jobs: Some(jobs), done, thread: Some(thread), in_flight: 0, faults, backend, refused: Vec::new() })
     }
 
     /// "io_uring" or "pread": how the thread moves bytes.
@@ -129,14 +143,33 @@ impl DiskIo {
         }
     }
 
-    /// Queues a job (never blocks).
+    /// Queues a job (never blocks). A job the thread cannot take (it is gone) is reported as
+    /// failed by the next `poll`, so its owner releases what it holds.
     pub fn submit(&mut self, job: DiskJob) {
-        let counted = !matches!(job, DiskJob::Delete(_));
-        if let Some(tx) = &self.jobs
-            && tx.send(job).is_ok()
-            && counted
-        {
-            self.in_flight += 1;
+        if let DiskJob::Delete(path) = job {
+            if let Some(tx) = &self.jobs {
+                let _ = tx.send(DiskJob::Delete(path));
+            }
+            return;
+        }
+        let job = match &self.jobs {
+            Some(tx) => match tx.send(job) {
+                Ok(()) => {
+                    self.in_flight += 1;
+                    return;
+                }
+                Err(std::sync::mpsc::SendError(job)) => job,
+            },
+            None => job,
+        };
+        match job {
+            DiskJob::Write { token, .. } => {
+                self.refused.push(DiskDone::Written { token, result: Err(IoFailure::ThreadGone) })
+            }
+            DiskJob::Read { token, .. } => {
+                self.refused.push(DiskDone::Read { token, result: Err(IoFailure::ThreadGone) })
+            }
+            DiskJob::Delete(_) => {}
         }
     }
 
@@ -147,16 +180,25 @@ impl DiskIo {
 
     /// Outcomes ready now.
     pub fn poll(&mut self) -> Vec<DiskDone> {
-        let out: Vec<DiskDone> = self.done.try_iter().collect();
+        let mut out: Vec<DiskDone> = self.done.try_iter().collect();
         self.in_flight -= out.len();
+        out.append(&mut self.refused);
         out
     }
 
     /// Waits up to `timeout` for at least one outcome; returns every outcome ready.
     pub fn wait(&mut self, timeout: Duration) -> Vec<DiskDone> {
+        if !self.refused.is_empty() {
+            return self.poll();
+        }
         let mut out = match self.done.recv_timeout(timeout) {
             Ok(d) => vec![d],
-            Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => Vec::new(),
+            Err(RecvTimeoutError::Timeout) => Vec::new(),
+            Err(RecvTimeoutError::Disconnected) => {
+                // The thread is gone with jobs outstanding: nothing will report them.
+                self.in_flight = 0;
+                return Vec::new();
+            }
         };
         out.extend(self.done.try_iter());
         self.in_flight -= out.len();
@@ -313,13 +355,28 @@ impl Engine {
                         });
                     }
                 }
-                ring.submit_and_wait(wave.len()).map_err(|e| IoFailure::Io {
-                    op: op_name,
-                    path: path.into(),
-                    error: errno_text(&e),
-                })?;
-                let results: Vec<(usize, i32)> =
-                    ring.completion().map(|c| (c.user_data() as usize, c.result())).collect();
+                // Every operation of the wave completes before this returns, error or not: the
+                // kernel must be done with the extents before the scheduler may reuse them.
+                let mut results: Vec<(usize, i32)> = Vec::with_capacity(wave.len());
+                let mut failure = None;
+                while results.len() < wave.len() {
+                    match ring.submit_and_wait(wave.len() - results.len()) {
+                        Ok(_) => {}
+                        Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)) => {}
+                        Err(e) => {
+                            failure.get_or_insert(IoFailure::Io {
+                                op: op_name,
+                                path: path.into(),
+                                error: errno_text(&e),
+                            });
+                            std::thread::sleep(std::time::Duration::from_millis(1));
+                        }
+                    }
+                    results.extend(ring.completion().map(|c| (c.user_data() as usize, c.result())));
+                }
+                if let Some(f) = failure {
+                    return Err(f);
+                }
                 for (i, r) in results {
                     let o = &ops[i];
                     if r < 0 {
@@ -377,6 +434,12 @@ impl Engine {
             }
             drop(fd);
             std::fs::rename(tmp, &plan.path).map_err(|e| io("rename", e))?;
+            // The rename must be durable before a later file that references this one is.
+            if let Some(dir) = plan.path.parent()
+                && let Ok(d) = std::fs::File::open(dir)
+            {
+                let _ = d.sync_all();
+            }
             Ok(sums)
         })();
         if result.is_err() {

@@ -85,7 +85,10 @@ fn read(tier: &mut DiskTier, io: &mut DiskIo, host: &mut Host, len: usize) -> (R
         DiskDone::Read { result, .. } => result,
         other => panic!("{other:?}"),
     };
-    tier.finish_read(&plan.key, result.is_ok());
+    match result.as_ref().err().and_then(IoFailure::path) {
+        Some(path) => tier.fail_read(&plan.key, path),
+        None => tier.finish_read(&plan.key, result.is_ok()),
+    }
     (result, reads.iter().map(|(_, e)| host.bytes(*e)).collect())
 }
 
@@ -220,4 +223,74 @@ fn write_faults_and_a_full_disk_leave_nothing_behind() {
     tier.check_invariants();
     assert!(tier.stats().evictions >= 1);
     assert!(tier.stats().resident_bytes <= 9 * UNIT_BYTES);
+}
+
+#[test]
+fn a_bad_block_in_an_ancestor_file_discards_that_file_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut host = Host::new();
+    let mut io = DiskIo::start(host.arena.clone()).unwrap();
+    let (mut tier, _) = DiskTier::open(dir.path(), CORE, 1 << 30).unwrap();
+    let uids: Vec<PageUid> = (1..=4).map(PageUid).collect();
+    let a = write(&mut tier, &mut io, &mut host, 128, &uids[..2], 1);
+    write(&mut tier, &mut io, &mut host, 256, &uids, 1);
+    // Corrupt the first page block of a's file: the deeper checkpoint reads it.
+    let offset = a.header.blocks[0].offset as usize;
+    let mut bytes = std::fs::read(&a.path).unwrap();
+    bytes[offset + 10] ^= 0x40;
+    std::fs::write(&a.path, &bytes).unwrap();
+    let (result, _) = read(&mut tier, &mut io, &mut host, 256);
+    assert!(matches!(result, Err(IoFailure::Checksum { ref path, .. }) if *path == a.path), "{result:?}");
+    assert_eq!(tier.stats().entries, 0, "both checkpoints through the bad file are gone");
+    tier.check_invariants();
+    // A new checkpoint of the same pages stores them again instead of referencing a's file.
+    let c = tier.begin_write(key(192), &uids[..3], false).unwrap();
+    assert!(c.header.chain.iter().all(|r| r.file == c.file), "{:?}", c.header.chain);
+    tier.finish_write(&c, None);
+    tier.check_invariants();
+}
+
+#[test]
+fn a_write_that_cannot_fit_evicts_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut host = Host::new();
+    let mut io = DiskIo::start(host.arena.clone()).unwrap();
+    // Each page block spans two units (6000 bytes), a row one, a header one.
+    let (mut tier, _) = DiskTier::open(dir.path(), CORE, 12 * UNIT_BYTES).unwrap();
+    write(&mut tier, &mut io, &mut host, 64, &[PageUid(1)], 1);
+    write(&mut tier, &mut io, &mut host, 1, &[], 2);
+    let before = tier.stats();
+    // Six pages never fit in twelve units, whatever is evicted.
+    let six: Vec<PageUid> = (10..16).map(PageUid).collect();
+    assert!(tier.begin_write(key(64 * 6), &six, false).is_err());
+    assert_eq!(tier.stats().entries, before.entries, "nothing evicted for a write that cannot fit");
+    tier.check_invariants();
+}
+
+#[test]
+fn a_file_kept_for_its_pages_is_revived_not_rewritten() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut host = Host::new();
+    let mut io = DiskIo::start(host.arena.clone()).unwrap();
+    // a (one page), b (a's page and one more), x: four units each, twelve in all.
+    let (mut tier, _) = DiskTier::open(dir.path(), CORE, 12 * UNIT_BYTES).unwrap();
+    let uids: Vec<PageUid> = (1..=2).map(PageUid).collect();
+    write(&mut tier, &mut io, &mut host, 64, &uids[..1], 1);
+    write(&mut tier, &mut io, &mut host, 128, &uids, 1);
+    write(&mut tier, &mut io, &mut host, 1, &[], 5);
+    // While b is being read, y needs room: a's checkpoint goes (its file stays: b references
+    // it), then x's.
+    let reading = tier.begin_read(&key(128)).unwrap();
+    write(&mut tier, &mut io, &mut host, 2, &[], 6);
+    tier.finish_read(&reading.key, true);
+    tier.check_invariants();
+    let digests = PromptDigests::new(ID, &tokens(), &[]);
+    assert_eq!(tier.lookup(&digests, &tokens(), &[], 64, 63), None, "a's checkpoint was evicted");
+    // Writing a again revives the kept file instead.
+    assert!(matches!(tier.begin_write(key(64), &uids[..1], false), Err(helios_offload::DiskError::Present)));
+    assert_eq!(tier.lookup(&digests, &tokens(), &[], 64, 63), Some(key(64)));
+    tier.check_invariants();
+    let (ok, blocks) = read(&mut tier, &mut io, &mut host, 64);
+    ok.unwrap();
+    assert_eq!(blocks[0], pattern(GEOMETRY.bytes_per_page, 1));
 }

@@ -798,6 +798,9 @@ impl<E: Executor> ModelLoop<E> {
             let accepted = self.scheduler.complete(&c);
             self.publish(&accepted);
         }
+        for e in self.scheduler.take_disk_errors() {
+            tracing::warn!(error = %e, "disk cache: I/O failure (the checkpoint is dropped; its prefix is recomputed)");
+        }
         for r in self.scheduler.take_restored() {
             if let Some(t0) = self.restores_in_flight.remove(&r.fence.0) {
                 self.metrics.host_restore.observe(t0.elapsed().as_secs_f64());
