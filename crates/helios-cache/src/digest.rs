@@ -136,6 +136,99 @@ impl PromptDigests {
     }
 }
 
+/// Entries of one tier addressed by prefix: each under its whole-prefix digest, and in a bucket
+/// of its block digest for [`PrefixIndex::deepest`]. The GPU prefix cache and the host and disk
+/// tiers index their checkpoints with it.
+///
+/// Invariant: `by_key` and `by_block` hold exactly the same entries, each once.
+#[derive(Clone, Debug)]
+pub struct PrefixIndex<I> {
+    by_key: std::collections::HashMap<Digest, I>,
+    by_block: std::collections::HashMap<Digest, Vec<I>>,
+}
+
+impl<I> Default for PrefixIndex<I> {
+    fn default() -> Self {
+        PrefixIndex { by_key: Default::default(), by_block: Default::default() }
+    }
+}
+
+impl<I: Copy + PartialEq> PrefixIndex<I> {
+    /// Indexes `id` under `key`; an entry already under the same digest is replaced.
+    pub fn insert(&mut self, key: &PrefixKey, id: I) {
+        if let Some(old) = self.by_key.insert(key.digest, id) {
+            self.remove_block(key, old);
+        }
+        self.by_block.entry(key.block_digest).or_default().push(id);
+    }
+
+    fn remove_block(&mut self, key: &PrefixKey, id: I) {
+        if let Some(ids) = self.by_block.get_mut(&key.block_digest) {
+            ids.retain(|&i| i != id);
+            if ids.is_empty() {
+                self.by_block.remove(&key.block_digest);
+            }
+        }
+    }
+
+    /// Removes `id` from under `key` (no-op when another entry holds the digest).
+    pub fn remove(&mut self, key: &PrefixKey, id: I) {
+        if self.by_key.get(&key.digest) == Some(&id) {
+            self.by_key.remove(&key.digest);
+            self.remove_block(key, id);
+        }
+    }
+
+    /// The entry under `key`'s digest.
+    pub fn get(&self, key: &PrefixKey) -> Option<I> {
+        self.by_key.get(&key.digest).copied()
+    }
+
+    /// Whether an entry is under `key`'s digest.
+    pub fn contains(&self, key: &PrefixKey) -> bool {
+        self.by_key.contains_key(&key.digest)
+    }
+
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.by_key.len()
+    }
+
+    /// Whether nothing is indexed.
+    pub fn is_empty(&self) -> bool {
+        self.by_key.is_empty()
+    }
+
+    /// Every entry (any order).
+    pub fn ids(&self) -> impl Iterator<Item = I> + '_ {
+        self.by_key.values().copied()
+    }
+
+    /// Whether `id` is indexed under `key` in both maps (invariant checks).
+    pub fn holds(&self, key: &PrefixKey, id: I) -> bool {
+        self.by_key.get(&key.digest) == Some(&id)
+            && self.by_block.get(&key.block_digest).is_some_and(|v| v.contains(&id))
+    }
+
+    /// Asserts the invariant in the type documentation.
+    pub fn check_invariants(&self) {
+        assert_eq!(self.by_block.values().map(Vec::len).sum::<usize>(), self.by_key.len(), "block index out of sync");
+    }
+
+    /// The deepest indexed prefix of `tokens` no longer than `max_tokens`, as
+    /// [`PromptDigests::deepest`]; `key` gives an entry's key.
+    pub fn deepest(
+        &self,
+        digests: &PromptDigests,
+        tokens: &[u32],
+        images: &[ImageSpan],
+        max_tokens: usize,
+        key: impl Fn(I) -> PrefixKey,
+    ) -> Option<I> {
+        digests.deepest(tokens, images, max_tokens, |block| self.by_block.get(block).map(Vec::as_slice), key)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

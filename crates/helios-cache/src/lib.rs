@@ -10,7 +10,7 @@ mod fence;
 mod prefix;
 mod rows;
 
-pub use digest::{Digest, HASH_BLOCK_TOKENS, ImageSpan, PrefixIdentity, PrefixKey, PromptDigests};
+pub use digest::{Digest, HASH_BLOCK_TOKENS, ImageSpan, PrefixIdentity, PrefixIndex, PrefixKey, PromptDigests};
 pub use fence::{Fence, FencedPool};
 pub use prefix::{Checkpoint, CheckpointId, PageId, PrefixCache, PressureStats, Publication, PublishOutcome, Retired};
 pub use rows::RowPool;

@@ -10,7 +10,7 @@
 //! - parent links form a forest; `parent.tokens < child.tokens`; children lists mirror them;
 //! - `segment.len() == full(S) - full(parent.S)` (parent of a root has `S = 0`);
 //! - `tail_page.is_some() == (S % page_tokens != 0)`;
-//! - `by_key` and `by_block` index exactly the live checkpoints;
+//! - `index` holds exactly the live checkpoints, each under its key;
 //! - the eviction index holds exactly the unpinned leaves and one-child ancestors, under keys
 //!   computed from their current state (so choosing a victim is a lookup, not a scan);
 //! - the cache holds one logical reference on each segment page, tail page and snapshot row.
@@ -18,7 +18,7 @@
 use std::collections::{BTreeSet, HashMap};
 
 use crate::digest::ImageSpan;
-use crate::digest::{Digest, PrefixKey, PromptDigests};
+use crate::digest::{PrefixIndex, PrefixKey, PromptDigests};
 use crate::fence::{Fence, FencedPool};
 
 /// Index of a KV page.
@@ -154,8 +154,7 @@ impl EvictionIndex {
 pub struct PrefixCache {
     page_tokens: u64,
     checkpoints: HashMap<CheckpointId, Checkpoint>,
-    by_key: HashMap<Digest, CheckpointId>,
-    by_block: HashMap<Digest, Vec<CheckpointId>>,
+    index: PrefixIndex<CheckpointId>,
     eviction: EvictionIndex,
     next_id: CheckpointId,
     clock: u64,
@@ -170,8 +169,7 @@ impl PrefixCache {
         Self {
             page_tokens: u64::from(page_tokens.max(1)),
             checkpoints: HashMap::new(),
-            by_key: HashMap::new(),
-            by_block: HashMap::new(),
+            index: PrefixIndex::default(),
             eviction: EvictionIndex::default(),
             next_id: 1,
             clock: 0,
@@ -256,7 +254,7 @@ impl PrefixCache {
 
     /// Whether an endpoint with this key exists.
     pub fn contains(&self, key: &PrefixKey) -> bool {
-        self.by_key.contains_key(&key.digest)
+        self.index.contains(key)
     }
 
     /// Longest checkpoint that is a prefix of `tokens` with at most `max_tokens` tokens.
@@ -269,13 +267,7 @@ impl PrefixCache {
         max_tokens: usize,
     ) -> Option<CheckpointId> {
         let checkpoints = &self.checkpoints;
-        let id = digests.deepest(
-            tokens,
-            images,
-            max_tokens,
-            |block| self.by_block.get(block).map(Vec::as_slice),
-            |id| checkpoints[&id].key,
-        )?;
+        let id = self.index.deepest(digests, tokens, images, max_tokens, |id| checkpoints[&id].key)?;
         self.touch(id, Fence(0));
         Some(id)
     }
@@ -328,7 +320,7 @@ impl PrefixCache {
         snapshots: &mut FencedPool,
     ) -> PublishOutcome {
         let Publication { key, parent, segment, tail_page, snapshot, fence } = publication;
-        if let Some(&existing) = self.by_key.get(&key.digest) {
+        if let Some(existing) = self.index.get(&key) {
             for page in segment {
                 pages.release(page, fence);
             }
@@ -353,8 +345,7 @@ impl PrefixCache {
         if let Some(p) = parent.and_then(|p| self.checkpoints.get_mut(&p)) {
             p.children.push(id);
         }
-        self.by_key.insert(key.digest, id);
-        self.by_block.entry(key.block_digest).or_default().push(id);
+        self.index.insert(&key, id);
         self.checkpoints.insert(
             id,
             Checkpoint {
@@ -376,13 +367,7 @@ impl PrefixCache {
     }
 
     fn unindex(&mut self, cp: &Checkpoint) {
-        self.by_key.remove(&cp.key.digest);
-        if let Some(ids) = self.by_block.get_mut(&cp.key.block_digest) {
-            ids.retain(|&i| i != cp.id);
-            if ids.is_empty() {
-                self.by_block.remove(&cp.key.block_digest);
-            }
-        }
+        self.index.remove(&cp.key, cp.id);
     }
 
     /// Evicts a leaf: releases its segment, tail page and snapshot.
@@ -486,7 +471,8 @@ impl PrefixCache {
     /// Asserts the invariants in the module documentation; returns the logical references the
     /// cache holds per page and per snapshot, for the owner's pool cross-check.
     pub fn check_invariants(&self, page_refs: &mut [u32], snapshot_refs: &mut [u32]) {
-        assert_eq!(self.by_key.len(), self.checkpoints.len(), "key index out of sync");
+        assert_eq!(self.index.len(), self.checkpoints.len(), "key index out of sync");
+        self.index.check_invariants();
         // The eviction index, against a scan of every checkpoint.
         let mut expected = EvictionIndex::default();
         for &id in self.checkpoints.keys() {
@@ -498,11 +484,8 @@ impl PrefixCache {
         assert_eq!(self.eviction.lru, expected.lru, "eviction LRU order out of sync");
         assert_eq!(self.eviction.leaves, expected.leaves, "eviction leaf order out of sync");
         assert_eq!(self.eviction.thin, expected.thin, "thinning order out of sync");
-        let indexed: usize = self.by_block.values().map(Vec::len).sum();
-        assert_eq!(indexed, self.checkpoints.len(), "block index out of sync");
         for cp in self.checkpoints.values() {
-            assert_eq!(self.by_key.get(&cp.key.digest), Some(&cp.id));
-            assert!(self.by_block[&cp.key.block_digest].contains(&cp.id));
+            assert!(self.index.holds(&cp.key, cp.id), "checkpoint {} not indexed under its key", cp.id);
             let parent_tokens = match cp.parent {
                 Some(p) => {
                     let parent = self.checkpoints.get(&p).expect("parent of live checkpoint exists");

@@ -15,14 +15,14 @@
 //! Invariants (asserted by [`DiskTier::check_invariants`]):
 //! - a file's `refs` counts the live (or being written) entries whose chain references one of
 //!   its blocks, its own entry included; a file with no reference is deleted;
-//! - `by_uid` names, per uid, a page block of a live file; `by_key`/`by_block` index exactly
-//!   the live entries; `lru` holds exactly the live unpinned entries;
+//! - `by_uid` names, per uid, a page block of a live file; `index` holds exactly the live
+//!   checkpoints (not being written); `lru` holds exactly the live unpinned entries;
 //! - `used` is the size of every file, written or being written.
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
-use helios_cache::{Digest, ImageSpan, PrefixKey, PromptDigests};
+use helios_cache::{Digest, ImageSpan, PrefixIndex, PrefixKey, PromptDigests};
 
 use crate::StoreGeometry;
 use crate::arena::{HostExtent, UNIT_BYTES};
@@ -395,7 +395,7 @@ pub struct DiskTier {
     capacity: u64,
     used: u64,
     files: HashMap<Digest, DiskFile>,
-    by_block: HashMap<Digest, Vec<Digest>>,
+    index: PrefixIndex<Digest>,
     by_uid: HashMap<PageUid, (Digest, u32)>,
     lru: BTreeSet<(u64, Digest)>,
     clock: u64,
@@ -426,7 +426,7 @@ impl DiskTier {
             capacity,
             used: 0,
             files: HashMap::new(),
-            by_block: HashMap::new(),
+            index: PrefixIndex::default(),
             by_uid: HashMap::new(),
             lru: BTreeSet::new(),
             clock: 0,
@@ -576,7 +576,7 @@ impl DiskTier {
             .map(|(i, b)| (i as u32, b.uid))
             .collect();
         let last = f.last_access;
-        self.by_block.entry(key.block_digest).or_default().push(d);
+        self.index.insert(&key, d);
         for (i, uid) in pages {
             self.by_uid.entry(uid).or_insert((d, i));
         }
@@ -589,12 +589,7 @@ impl DiskTier {
         let Some(f) = self.files.get(&d) else { return };
         let key = f.header.key;
         self.lru.remove(&(f.last_access, d));
-        if let Some(v) = self.by_block.get_mut(&key.block_digest) {
-            v.retain(|x| *x != d);
-            if v.is_empty() {
-                self.by_block.remove(&key.block_digest);
-            }
-        }
+        self.index.remove(&key, d);
     }
 
     /// Deletes a file no live checkpoint needs any more and no read is using.
@@ -640,13 +635,7 @@ impl DiskTier {
         min_tokens: u64,
     ) -> Option<PrefixKey> {
         let files = &self.files;
-        let d = digests.deepest(
-            tokens,
-            images,
-            max_tokens,
-            |block| self.by_block.get(block).map(Vec::as_slice),
-            |d| files[&d].header.key,
-        )?;
+        let d = self.index.deepest(digests, tokens, images, max_tokens, |d| files[&d].header.key)?;
         let key = self.files[&d].header.key;
         (key.tokens > min_tokens).then_some(key)
     }
@@ -915,7 +904,11 @@ impl DiskTier {
             assert!(b.is_some_and(|b| b.kind == BlockKind::Page && b.uid == *uid), "uid index out of sync");
         }
         let live = self.files.values().filter(|f| f.alive && !f.writing).count();
-        assert_eq!(self.by_block.values().map(Vec::len).sum::<usize>(), live, "block index out of sync");
+        assert_eq!(self.index.len(), live, "checkpoint index out of sync");
+        self.index.check_invariants();
+        for (d, f) in self.files.iter().filter(|(_, f)| f.alive && !f.writing) {
+            assert!(self.index.holds(&f.header.key, *d), "file {} not indexed under its key", file_name(*d));
+        }
     }
 }
 

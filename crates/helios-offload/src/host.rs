@@ -19,7 +19,7 @@
 //!   reference are freed at once; `by_source` indexes exactly the live pages copied from the
 //!   GPU; `by_uid` names, per uid, one live page not being filled (two copies of a uid can live
 //!   when fills raced; sharing by uid is best effort);
-//! - `by_key` and `by_block` index exactly the visible (not filling) entries;
+//! - `index` holds exactly the visible (not filling) entries, each under its key;
 //! - `lru` holds exactly the unpinned entries, under their last access; of those, only entries
 //!   whose copy-out completed (`ready <= completed`) are evicted: until then their extents are
 //!   still the target of a device copy, and handing them out again would let two copies (or a
@@ -28,7 +28,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use helios_cache::{Digest, Fence, ImageSpan, PageId, PrefixKey, PromptDigests};
+use helios_cache::{Fence, ImageSpan, PageId, PrefixIndex, PrefixKey, PromptDigests};
 
 use crate::StoreGeometry;
 use crate::arena::{ExtentAllocator, HostExtent};
@@ -143,8 +143,7 @@ pub struct HostTier {
     by_source: HashMap<PageSource, u64>,
     by_uid: HashMap<PageUid, u64>,
     entries: HashMap<HostEntryId, HostEntry>,
-    by_key: HashMap<Digest, HostEntryId>,
-    by_block: HashMap<Digest, Vec<HostEntryId>>,
+    index: PrefixIndex<HostEntryId>,
     /// Unpinned entries by (last access, id): eviction order.
     lru: BTreeSet<(u64, HostEntryId)>,
     next_page: u64,
@@ -169,8 +168,7 @@ impl HostTier {
             by_source: HashMap::new(),
             by_uid: HashMap::new(),
             entries: HashMap::new(),
-            by_key: HashMap::new(),
-            by_block: HashMap::new(),
+            index: PrefixIndex::default(),
             lru: BTreeSet::new(),
             next_page: 0,
             uid_seed: uid_seed(),
@@ -208,7 +206,7 @@ impl HostTier {
 
     /// Whether an entry with this key exists.
     pub fn contains(&self, key: &PrefixKey) -> bool {
-        self.by_key.contains_key(&key.digest)
+        self.index.contains(key)
     }
 
     /// Extents of an entry's chain pages, token order.
@@ -228,7 +226,7 @@ impl HostTier {
 
     /// Visible entries, for write-behind (any order).
     pub fn entry_ids(&self) -> impl Iterator<Item = HostEntryId> + '_ {
-        self.by_key.values().copied()
+        self.index.ids()
     }
 
     /// An entry's pins (restores and disk writes reading it).
@@ -262,13 +260,7 @@ impl HostTier {
         min_tokens: u64,
     ) -> Option<(HostEntryId, u64)> {
         let entries = &self.entries;
-        let id = digests.deepest(
-            tokens,
-            images,
-            max_tokens,
-            |block| self.by_block.get(block).map(Vec::as_slice),
-            |id| entries[&id].key,
-        )?;
+        let id = self.index.deepest(digests, tokens, images, max_tokens, |id| entries[&id].key)?;
         let found = self.entries[&id].key.tokens;
         if found <= min_tokens {
             return None;
@@ -328,7 +320,7 @@ impl HostTier {
         self.entries.remove(&id);
         self.lru.remove(&(e.last_access, id));
         if !e.filling {
-            self.unindex(&e.key, id);
+            self.index.remove(&e.key, id);
         }
         for &page in &e.pages {
             self.release_page(page);
@@ -338,21 +330,6 @@ impl HostTier {
         }
         self.extents.free(e.row);
         true
-    }
-
-    fn unindex(&mut self, key: &PrefixKey, id: HostEntryId) {
-        self.by_key.remove(&key.digest);
-        if let Some(ids) = self.by_block.get_mut(&key.block_digest) {
-            ids.retain(|&i| i != id);
-            if ids.is_empty() {
-                self.by_block.remove(&key.block_digest);
-            }
-        }
-    }
-
-    fn index(&mut self, key: &PrefixKey, id: HostEntryId) {
-        self.by_key.insert(key.digest, id);
-        self.by_block.entry(key.block_digest).or_default().push(id);
     }
 
     fn new_page(&mut self, extent: HostExtent, source: Option<PageSource>, uid: PageUid, filling: bool) -> u64 {
@@ -466,7 +443,7 @@ impl HostTier {
                 self.by_uid.entry(uid).or_insert(page);
             }
         }
-        let duplicate = self.by_key.contains_key(&key.digest);
+        let duplicate = self.index.contains(&key);
         self.unpin(id);
         if duplicate {
             // Hidden entries are not indexed; drop it without touching the visible one.
@@ -475,7 +452,7 @@ impl HostTier {
             }
             self.remove(id);
         } else {
-            self.index(&key, id);
+            self.index.insert(&key, id);
         }
     }
 
@@ -527,7 +504,7 @@ impl HostTier {
                 page_tokens: self.geometry.page_tokens,
             });
         }
-        if let Some(&id) = self.by_key.get(&key.digest) {
+        if let Some(id) = self.index.get(&key) {
             self.touch(id);
             return Ok(DemoteOutcome::Present(id));
         }
@@ -583,7 +560,7 @@ impl HostTier {
                 filling: false,
             },
         );
-        self.index(&key, id);
+        self.index.insert(&key, id);
         self.lru.insert((self.clock, id));
         let page_bytes = self.geometry.bytes_per_page;
         self.stats.demotions += 1;
@@ -604,8 +581,8 @@ impl HostTier {
     pub fn check_invariants(&self) {
         self.extents.check_invariants();
         let visible = self.entries.values().filter(|e| !e.filling).count();
-        assert_eq!(self.by_key.len(), visible, "key index out of sync");
-        assert_eq!(self.by_block.values().map(Vec::len).sum::<usize>(), visible, "block index out of sync");
+        assert_eq!(self.index.len(), visible, "key index out of sync");
+        self.index.check_invariants();
         let mut refs: HashMap<u64, u32> = HashMap::new();
         let mut used = 0;
         let mut lru = BTreeSet::new();
@@ -613,8 +590,7 @@ impl HostTier {
             if e.filling {
                 assert!(e.pins > 0, "a filling entry is pinned");
             } else {
-                assert_eq!(self.by_key.get(&e.key.digest), Some(&id));
-                assert!(self.by_block[&e.key.block_digest].contains(&id));
+                assert!(self.index.holds(&e.key, id), "host entry {id} not indexed under its key");
             }
             for p in &e.pages {
                 *refs.entry(*p).or_default() += 1;
