@@ -302,22 +302,16 @@ impl Engine {
                             libc::pread(fd.as_raw_fd(), p.cast(), n, off)
                         }
                     };
-                    if r < 0 {
+                    let r = if r < 0 {
                         let e = std::io::Error::last_os_error();
                         if e.kind() == std::io::ErrorKind::Interrupted {
                             continue;
                         }
-                        return Err(IoFailure::Io { op: op_name, path: path.into(), error: errno_text(&e) });
-                    }
-                    if r == 0 {
-                        return Err(IoFailure::Short {
-                            path: path.into(),
-                            offset: o.offset,
-                            got: done[i],
-                            want: want(o),
-                        });
-                    }
-                    done[i] += r as u64;
+                        -i64::from(e.raw_os_error().unwrap_or(libc::EIO))
+                    } else {
+                        r as i64
+                    };
+                    done[i] += moved(r, o, done[i], op_name, path)?;
                 }
             }
             return Ok(());
@@ -378,20 +372,7 @@ impl Engine {
                     return Err(f);
                 }
                 for (i, r) in results {
-                    let o = &ops[i];
-                    if r < 0 {
-                        let e = std::io::Error::from_raw_os_error(-r);
-                        return Err(IoFailure::Io { op: op_name, path: path.into(), error: errno_text(&e) });
-                    }
-                    if r == 0 {
-                        return Err(IoFailure::Short {
-                            path: path.into(),
-                            offset: o.offset,
-                            got: done[i],
-                            want: want(o),
-                        });
-                    }
-                    done[i] += r as u64;
+                    done[i] += moved(i64::from(r), &ops[i], done[i], op_name, path)?;
                 }
             }
         }
@@ -479,6 +460,18 @@ impl Engine {
             }
         }
         Ok(())
+    }
+}
+
+/// Bytes one transfer moved, from its result (`-errno` on failure, 0 at end of file).
+fn moved(result: i64, o: &Op, done: u64, op: &'static str, path: &Path) -> Result<u64, IoFailure> {
+    match result {
+        r if r < 0 => {
+            let e = std::io::Error::from_raw_os_error((-r) as i32);
+            Err(IoFailure::Io { op, path: path.into(), error: errno_text(&e) })
+        }
+        0 => Err(IoFailure::Short { path: path.into(), offset: o.offset, got: done, want: o.extent.span() }),
+        r => Ok(r as u64),
     }
 }
 

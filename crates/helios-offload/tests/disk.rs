@@ -49,6 +49,13 @@ impl Host {
     }
 }
 
+/// A directory, host memory and the I/O thread over it.
+fn setup() -> (tempfile::TempDir, Host, DiskIo) {
+    let host = Host::new();
+    let io = DiskIo::start(host.arena.clone()).unwrap();
+    (tempfile::tempdir().unwrap(), host, io)
+}
+
 fn finish(io: &mut DiskIo) -> DiskDone {
     let mut done = io.wait(Duration::from_secs(10));
     assert_eq!(done.len(), 1, "one job, one outcome");
@@ -98,9 +105,7 @@ fn pattern(len: u64, fill: u8) -> Vec<u8> {
 
 #[test]
 fn files_round_trip_share_pages_and_survive_a_restart() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut host = Host::new();
-    let mut io = DiskIo::start(host.arena.clone()).unwrap();
+    let (dir, mut host, mut io) = setup();
     eprintln!("disk I/O backend: {}", io.backend());
     let (mut tier, rejected) = DiskTier::open(dir.path(), CORE, 1 << 30).unwrap();
     assert!(rejected.is_empty());
@@ -133,9 +138,7 @@ fn files_round_trip_share_pages_and_survive_a_restart() {
 
 #[test]
 fn unusable_files_are_rejected_and_removed_at_startup() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut host = Host::new();
-    let mut io = DiskIo::start(host.arena.clone()).unwrap();
+    let (dir, mut host, mut io) = setup();
     let (mut tier, _) = DiskTier::open(dir.path(), CORE, 1 << 30).unwrap();
     let uids: Vec<PageUid> = (1..=4).map(PageUid).collect();
     let a = write(&mut tier, &mut io, &mut host, 128, &uids[..2], 1);
@@ -196,9 +199,7 @@ fn read_faults_discard_the_checkpoint_and_its_dependents() {
 
 #[test]
 fn write_faults_and_a_full_disk_leave_nothing_behind() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut host = Host::new();
-    let mut io = DiskIo::start(host.arena.clone()).unwrap();
+    let (dir, mut host, mut io) = setup();
     // Room for about two single-page checkpoints.
     let (mut tier, _) = DiskTier::open(dir.path(), CORE, 9 * UNIT_BYTES).unwrap();
     io.inject(IoFaults { write_errno: Some(libc::ENOSPC), ..IoFaults::default() });
@@ -227,9 +228,7 @@ fn write_faults_and_a_full_disk_leave_nothing_behind() {
 
 #[test]
 fn a_bad_block_in_an_ancestor_file_discards_that_file_too() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut host = Host::new();
-    let mut io = DiskIo::start(host.arena.clone()).unwrap();
+    let (dir, mut host, mut io) = setup();
     let (mut tier, _) = DiskTier::open(dir.path(), CORE, 1 << 30).unwrap();
     let uids: Vec<PageUid> = (1..=4).map(PageUid).collect();
     let a = write(&mut tier, &mut io, &mut host, 128, &uids[..2], 1);
@@ -252,9 +251,7 @@ fn a_bad_block_in_an_ancestor_file_discards_that_file_too() {
 
 #[test]
 fn a_write_that_cannot_fit_evicts_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut host = Host::new();
-    let mut io = DiskIo::start(host.arena.clone()).unwrap();
+    let (dir, mut host, mut io) = setup();
     // Each page block spans two units (6000 bytes), a row one, a header one.
     let (mut tier, _) = DiskTier::open(dir.path(), CORE, 12 * UNIT_BYTES).unwrap();
     write(&mut tier, &mut io, &mut host, 64, &[PageUid(1)], 1);
@@ -269,9 +266,7 @@ fn a_write_that_cannot_fit_evicts_nothing() {
 
 #[test]
 fn a_file_kept_for_its_pages_is_revived_not_rewritten() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut host = Host::new();
-    let mut io = DiskIo::start(host.arena.clone()).unwrap();
+    let (dir, mut host, mut io) = setup();
     // a (one page), b (a's page and one more), x: four units each, twelve in all.
     let (mut tier, _) = DiskTier::open(dir.path(), CORE, 12 * UNIT_BYTES).unwrap();
     let uids: Vec<PageUid> = (1..=2).map(PageUid).collect();
