@@ -231,6 +231,23 @@ fn check_tiers(
     assert_matches_oracle(&scheme, &caps, &report);
 }
 
+/// Six conversations, then each one continued twice in start order: on a tight pool the early
+/// ones were evicted by the later ones by the time they come back.
+fn revisited_conversations() -> Vec<Action> {
+    let mut actions = Vec::new();
+    for seed in 0..6u64 {
+        actions.push(Action::Start { messages: 3, message_len: 70, max_output: 12, seed });
+        actions.push(Action::Run { turns: 30 });
+    }
+    for round in 0..2u16 {
+        for c in 0..6u8 {
+            actions.push(Action::Append { conversation: c, len: 20 + round, max_output: 8 });
+            actions.push(Action::Run { turns: 30 });
+        }
+    }
+    actions
+}
+
 /// Conversations that outgrow a tight GPU pool come back from the host tier: every output
 /// equals its solo run, restores happen, and nothing is left behind.
 #[test]
@@ -238,18 +255,7 @@ fn evicted_conversations_are_restored_from_the_host_tier() {
     for scheme in reference_schemes() {
         let min_pages = scheme.pages_for(1024) as u32 + 2;
         let caps = test_capacities(4, min_pages, 3);
-        let mut actions = Vec::new();
-        for seed in 0..6u64 {
-            actions.push(Action::Start { messages: 3, message_len: 70, max_output: 12, seed });
-            actions.push(Action::Run { turns: 30 });
-        }
-        // Every conversation again, in start order: the early ones were evicted by the later.
-        for round in 0..2u8 {
-            for c in 0..6u8 {
-                actions.push(Action::Append { conversation: c, len: 20 + u16::from(round), max_output: 8 });
-                actions.push(Action::Run { turns: 30 });
-            }
-        }
+        let actions = revisited_conversations();
         let mut executor = SimulatedExecutor::new(&scheme, &caps);
         let host = Some(4096 * helios_offload::UNIT_BYTES);
         // Restores in single-page copies, one step each.
@@ -584,17 +590,7 @@ fn evicted_conversations_come_back_from_the_disk_tier() {
     for scheme in reference_schemes() {
         let min_pages = scheme.pages_for(1024) as u32 + 2;
         let caps = test_capacities(4, min_pages, 3);
-        let mut actions = Vec::new();
-        for seed in 0..6u64 {
-            actions.push(Action::Start { messages: 3, message_len: 70, max_output: 12, seed });
-            actions.push(Action::Run { turns: 30 });
-        }
-        for round in 0..2u16 {
-            for c in 0..6u8 {
-                actions.push(Action::Append { conversation: c, len: 20 + round, max_output: 8 });
-                actions.push(Action::Run { turns: 30 });
-            }
-        }
+        let actions = revisited_conversations();
         let dir = tempfile::tempdir().unwrap();
         let tiers = Tiers {
             host_bytes: Some(10 * helios_offload::UNIT_BYTES),
