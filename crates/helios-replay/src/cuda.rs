@@ -882,6 +882,9 @@ impl DeviceCore {
             cu::cuMemHostRegister_v2(arena.as_ptr().cast(), arena.len() as usize, 0)
         })?;
         self.host = Some(arena);
+        // Still before readiness: whatever the registration and the events cost on the device
+        // is part of the baseline the after-readiness growth check compares against.
+        self.used_at_ready = self.device_used_bytes()?;
         Ok(())
     }
 
