@@ -1555,12 +1555,20 @@ fn a_conversation_cached_before_a_restart_is_cached_after_it() {
     let again: Value = serde_json::from_str(&body).unwrap();
     let cached = again["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
     assert!(cached >= prompt_tokens, "{cached} cached of the previous {prompt_tokens}-token prompt: {again}");
-    let (_, _, metrics) = server.request("GET", "/metrics", None, "");
-    let restores = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("flare_cache_tier_restores_total{tier=\"disk\"} "))
-        .and_then(|v| v.trim().parse::<u64>().ok());
-    assert!(restores.is_some_and(|r| r >= 1), "{metrics}");
+    // The tier gauges are published when the model thread turns idle: poll for them.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, _, metrics) = server.request("GET", "/metrics", None, "");
+        let restores = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("flare_cache_tier_restores_total{tier=\"disk\"} "))
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        if restores.is_some_and(|r| r >= 1) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no disk restore in /metrics: {metrics}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     terminate(server);
 }
 
