@@ -5,7 +5,9 @@
 //! - the disk tier's read rate against a raw io_uring read of a file of the same size;
 //! - decode step times of running requests before and while a restore runs (interference).
 //!
-//! `tier_restore CORE [--tokens 4096,32768] [--disk-dir DIR] [--decoders 4]` prints JSON.
+//! `tier_restore CORE [--tokens 4096,32768] [--disk-dir DIR] [--decoders 4]` prints JSON;
+//! `tier_restore --sim …` runs the same flow over the simulated executor (a dry run of the
+//! harness on a machine without a GPU; its times mean nothing).
 //! Steps run one at a time (submit, then synchronize), so each step's wall time is its device
 //! time plus the host's planning: decode step times are the inter-token latency of a batch.
 #![allow(clippy::print_stdout)]
@@ -15,6 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use helios_contract::RuntimeCore;
+use helios_contract::model::{CacheScheme, Capacities};
 use helios_offload::{DiskIdentity, DiskIo, DiskTier, HostArena, StoreGeometry};
 use helios_replay::cuda::{DeviceCore, LoadOptions};
 use helios_replay::graph::GraphExecutor;
@@ -22,8 +25,6 @@ use helios_replay::workload::test_config;
 use helios_replay::{Executor, StepInputs};
 use helios_scheduler::{RequestSpec, Scheduler, SchedulerConfig, StepOp};
 use serde_json::json;
-
-type Exec = GraphExecutor<DeviceCore>;
 
 fn spec(tokens: Vec<u32>, max_output: u32, seed: u64) -> RequestSpec {
     RequestSpec {
@@ -42,7 +43,7 @@ fn prompt(len: usize, salt: u64, vocab: u32) -> Vec<u32> {
 }
 
 /// One step, synchronously: (whether one ran, its wall time, whether it copied in/out).
-fn step(s: &mut Scheduler, e: &mut Exec) -> Result<Option<(Duration, bool, bool)>, String> {
+fn step<E: Executor + ?Sized>(s: &mut Scheduler, e: &mut E) -> Result<Option<(Duration, bool, bool)>, String> {
     let Some(st) = s.schedule() else {
         if s.disk_busy() {
             s.wait_disk(Duration::from_millis(50));
@@ -63,7 +64,7 @@ fn step(s: &mut Scheduler, e: &mut Exec) -> Result<Option<(Duration, bool, bool)
 }
 
 /// Steps until idle; returns the total wall time.
-fn drain(s: &mut Scheduler, e: &mut Exec) -> Result<Duration, String> {
+fn drain<E: Executor + ?Sized>(s: &mut Scheduler, e: &mut E) -> Result<Duration, String> {
     let t = Instant::now();
     while !s.is_idle() {
         if step(s, e)?.is_none() {
@@ -116,21 +117,46 @@ fn raw_read(path: &std::path::Path, bytes: u64) -> Result<f64, String> {
     Ok(bytes as f64 / t.elapsed().as_secs_f64() / 1e9)
 }
 
+/// The executor and its storage geometry: a core on the device, or the simulated executor.
+fn executor(core: Option<&RuntimeCore>) -> Result<(Box<dyn Executor>, CacheScheme, Capacities), String> {
+    match core {
+        Some(core) => {
+            let dev = DeviceCore::load(core, &LoadOptions::default()).map_err(|e| e.to_string())?;
+            let m = dev.manifest().clone();
+            let e = GraphExecutor::new(&m, dev).map_err(|x| x.to_string())?;
+            Ok((Box::new(e), m.cache_scheme.clone(), m.capacities.clone()))
+        }
+        None => {
+            let scheme = helios_replay::reference_schemes().remove(0);
+            let caps = Capacities {
+                context_limit: 40_000,
+                max_kv_pages: 4096,
+                request_slots: 8,
+                snapshot_rows: 16,
+                ..helios_replay::test_capacities(8, 4096, 16)
+            };
+            Ok((Box::new(helios_replay::SimulatedExecutor::new(&scheme, &caps)), scheme, caps))
+        }
+    }
+}
+
 fn measure(
-    core: &RuntimeCore,
+    core: Option<&RuntimeCore>,
     tokens: usize,
     disk_dir: Option<&std::path::Path>,
     decoders: usize,
 ) -> Result<serde_json::Value, String> {
-    let dev = DeviceCore::load(core, &LoadOptions::default()).map_err(|e| e.to_string())?;
-    let m = dev.manifest().clone();
-    let (scheme, caps) = (m.cache_scheme.clone(), m.capacities.clone());
+    let (mut boxed, scheme, caps) = executor(core)?;
+    let e: &mut dyn Executor = boxed.as_mut();
     let tokens = tokens.min(caps.context_limit as usize - 2);
     let vocab = caps.vocab_size;
     let geometry = StoreGeometry::from(&scheme);
     let image_bytes = scheme.pages_for(tokens as u64) * geometry.bytes_per_page + geometry.continuation_row_bytes;
-    let mut e = GraphExecutor::new(&m, dev).map_err(|x| x.to_string())?;
-    let host_bytes = 3 * image_bytes + (64 << 20);
+    // What an image takes in extents and file blocks (whole 4 KiB units each).
+    let span = |len: u64| len.div_ceil(helios_offload::UNIT_BYTES).max(1) * helios_offload::UNIT_BYTES;
+    let image_span =
+        scheme.pages_for(tokens as u64) * span(geometry.bytes_per_page) + span(geometry.continuation_row_bytes);
+    let host_bytes = 3 * image_span + (64 << 20);
     let arena = Arc::new(HostArena::new(host_bytes).map_err(|x| x.to_string())?);
     e.attach_host_arena(arena.clone(), geometry).map_err(|x| x.to_string())?;
     let slots = caps.request_slots.max(1);
@@ -142,7 +168,7 @@ fn measure(
         let dir = dir.join(format!("tier_restore_{tokens}"));
         let _ = std::fs::remove_dir_all(&dir);
         let identity = DiskIdentity { fingerprint: [0x42; 32], geometry };
-        let (tier, _) = DiskTier::open(&dir, identity, 8 * image_bytes).map_err(|x| x.to_string())?;
+        let (tier, _) = DiskTier::open(&dir, identity, 8 * image_span + (64 << 20)).map_err(|x| x.to_string())?;
         let io = DiskIo::start(arena.clone()).map_err(|x| x.to_string())?;
         disk_info = Some((dir, io.backend()));
         s = s.with_disk_tier(tier, io, identity);
@@ -150,14 +176,14 @@ fn measure(
     let long = prompt(tokens, 1, vocab);
     // Recompute: the prompt on an empty cache (prefill and one sample).
     s.submit(spec(long.clone(), 1, 1)).map_err(|x| format!("{x:?}"))?;
-    let recompute = drain(&mut s, &mut e)?;
+    let recompute = drain(&mut s, e)?;
     let first = s.take_finished().pop().ok_or("no result")?;
     // Demote it (GPU → host): the step that copies it out.
     s.evict_cache();
-    let (demote, _, _) = step(&mut s, &mut e)?.ok_or("no copy-out step")?;
+    let (demote, _, _) = step(&mut s, e)?.ok_or("no copy-out step")?;
     // Host restore: the same prompt again, a full hit restored from host memory.
     s.submit(spec(long.clone(), 1, 1)).map_err(|x| format!("{x:?}"))?;
-    let host_total = drain(&mut s, &mut e)?;
+    let host_total = drain(&mut s, e)?;
     let again = s.take_finished().pop().ok_or("no result")?;
     let restored = s.take_restored();
     let copied = restored.iter().map(|r| r.copied_tokens).sum::<u64>();
@@ -175,13 +201,13 @@ fn measure(
     if let Some((dir, backend)) = disk_info {
         // Write it to disk, drop the GPU and host copies, and restore from disk.
         s.evict_cache();
-        step(&mut s, &mut e)?;
+        step(&mut s, e)?;
         let t = Instant::now();
         let left = s.flush_disk(Duration::from_secs(300));
         let write = t.elapsed();
         s.clear_host_tier();
         s.submit(spec(long.clone(), 1, 1)).map_err(|x| format!("{x:?}"))?;
-        let disk_total = drain(&mut s, &mut e)?;
+        let disk_total = drain(&mut s, e)?;
         let third = s.take_finished().pop().ok_or("no result")?;
         let fetch = s.take_disk_fetches().into_iter().map(|d| d.as_secs_f64()).sum::<f64>();
         let file = std::fs::read_dir(&dir)
@@ -210,16 +236,18 @@ fn measure(
         }
         let mut before = Vec::new();
         while before.len() < 64 {
-            let Some((t, _, _)) = step(&mut s, &mut e)? else { break };
+            let Some((t, _, _)) = step(&mut s, e)? else { break };
             before.push(t.as_secs_f64() * 1e3);
         }
+        // The host copy goes first, so the long prefix is copied out again while they decode.
+        s.clear_host_tier();
         s.evict_cache();
-        let (during_demote, _, out_step) = step(&mut s, &mut e)?.ok_or("no step")?;
+        let (during_demote, _, out_step) = step(&mut s, e)?.ok_or("no step")?;
         s.submit(spec(long.clone(), 1, 7)).map_err(|x| format!("{x:?}"))?;
         let mut during = Vec::new();
         let mut restore_steps = 0;
         for _ in 0..400 {
-            let Some((t, copy_in, _)) = step(&mut s, &mut e)? else { break };
+            let Some((t, copy_in, _)) = step(&mut s, e)? else { break };
             if copy_in {
                 restore_steps += 1;
                 during.push(t.as_secs_f64() * 1e3);
@@ -241,6 +269,7 @@ fn measure(
 
 fn main() -> ExitCode {
     let mut core = None;
+    let mut sim = false;
     let mut tokens = vec![4096usize, 32768];
     let mut disk = None;
     let mut decoders = 4usize;
@@ -250,23 +279,27 @@ fn main() -> ExitCode {
             "--tokens" => tokens = args.next().unwrap_or_default().split(',').filter_map(|t| t.parse().ok()).collect(),
             "--disk-dir" => disk = args.next().map(std::path::PathBuf::from),
             "--decoders" => decoders = args.next().and_then(|n| n.parse().ok()).unwrap_or(4),
+            "--sim" => sim = true,
             _ => core = Some(a),
         }
     }
-    let Some(core) = core else {
-        eprintln!("usage: tier_restore CORE [--tokens 4096,32768] [--disk-dir DIR] [--decoders N]");
-        return ExitCode::from(2);
-    };
-    let core = match RuntimeCore::open(&core) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::FAILURE;
+    let core = match (core, sim) {
+        (_, true) => None,
+        (Some(core), false) => match RuntimeCore::open(&core) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                eprintln!("{e}");
+                return ExitCode::FAILURE;
+            }
+        },
+        (None, false) => {
+            eprintln!("usage: tier_restore CORE|--sim [--tokens 4096,32768] [--disk-dir DIR] [--decoders N]");
+            return ExitCode::from(2);
         }
     };
     let mut results = Vec::new();
     for n in tokens {
-        match measure(&core, n, disk.as_deref(), decoders) {
+        match measure(core.as_ref(), n, disk.as_deref(), decoders) {
             Ok(r) => results.push(r),
             Err(e) => results.push(json!({"tokens": n, "error": e})),
         }
