@@ -16,6 +16,7 @@ use helios_scheduler::{Completion, ConsumeRow, RequestId, SampleSpec, SampledTok
 pub mod cuda;
 pub mod graph;
 pub mod memory;
+pub mod speculative;
 /// Test support: agent-like workloads and the solo-run oracle (feature `testkit`).
 #[cfg(any(test, feature = "testkit"))]
 pub mod workload;
