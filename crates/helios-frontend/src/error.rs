@@ -60,21 +60,43 @@ pub enum OutputError {
     NoRequiredToolCall,
 }
 
+/// A parser failure: its message (the first line of llguidance's report, which may go on to
+/// dump the grammar) and, when llguidance raised it, its error kept whole as the source.
+#[derive(Debug, Error)]
+#[error("{message}")]
+pub struct ParserFailure {
+    pub message: String,
+    #[source]
+    pub source: Option<Box<dyn std::error::Error + Send + Sync>>,
+}
+
+impl From<&str> for ParserFailure {
+    fn from(message: &str) -> Self {
+        ParserFailure { message: message.to_owned(), source: None }
+    }
+}
+
+impl From<String> for ParserFailure {
+    fn from(message: String) -> Self {
+        ParserFailure { message, source: None }
+    }
+}
+
 /// Structured-output grammar construction or advancement failed.
 #[derive(Debug, Error)]
 pub enum GrammarError {
     #[error("grammar does not compile: {0}")]
-    Compile(String),
+    Compile(#[source] ParserFailure),
     #[error("token {0} is not allowed by the grammar")]
     Rejected(u32),
     #[error("cannot roll back {requested} tokens; only {available} consumed")]
     Rollback { requested: usize, available: usize },
     #[error("grammar matcher failed: {0}")]
-    Matcher(String),
+    Matcher(#[source] ParserFailure),
     /// The grammar exceeds the parser's limits, at compile or computing a mask: too complex
     /// to serve, the request's fault.
     #[error("the grammar exceeds the parser's limits: {0}")]
-    Limit(String),
+    Limit(#[source] ParserFailure),
     #[error("tokenizer environment: {0}")]
     Env(String),
 }

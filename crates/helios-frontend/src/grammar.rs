@@ -12,7 +12,7 @@ use llguidance::toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, Tokeni
 use llguidance::{Matcher, ParserFactory};
 use serde_json::Value as Json;
 
-use crate::error::GrammarError;
+use crate::error::{GrammarError, ParserFailure};
 use crate::tokenizer::Tokenizer;
 
 /// `TokenizerEnv` over a shared [`Tokenizer`]; special tokens carry toktrie's 0xFF marker.
@@ -84,17 +84,28 @@ impl GrammarError {
 
 /// An llguidance failure, typed once here: a limit of [`parser_limits`] (its messages are
 /// llguidance's only report of which), else `otherwise` (compile or matcher failure).
-fn llg_error(e: &impl std::fmt::Display, otherwise: fn(String) -> GrammarError) -> GrammarError {
-    let m = first_line(e);
-    if LIMIT_MESSAGES.iter().any(|p| m.contains(p)) { GrammarError::Limit(m) } else { otherwise(m) }
+fn llg_error<E>(e: E, otherwise: fn(ParserFailure) -> GrammarError) -> GrammarError
+where
+    E: std::fmt::Display + Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let message = first_line(&e);
+    let limit = LIMIT_MESSAGES.iter().any(|p| message.contains(p));
+    let failure = ParserFailure { message, source: Some(e.into()) };
+    if limit { GrammarError::Limit(failure) } else { otherwise(failure) }
 }
 
-fn matcher_error(e: impl std::fmt::Display) -> GrammarError {
-    llg_error(&e, GrammarError::Matcher)
+fn matcher_error<E>(e: E) -> GrammarError
+where
+    E: std::fmt::Display + Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    llg_error(e, GrammarError::Matcher)
 }
 
-fn compile_error(e: impl std::fmt::Display) -> GrammarError {
-    llg_error(&e, GrammarError::Compile)
+fn compile_error<E>(e: E) -> GrammarError
+where
+    E: std::fmt::Display + Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    llg_error(e, GrammarError::Compile)
 }
 
 /// Per-tokenizer grammar machinery; build once and share.
@@ -198,7 +209,13 @@ impl GrammarEnv {
         let answer = match format {
             AnswerFormat::Text => "answer: /(?s:.*)/".to_string(),
             AnswerFormat::JsonSchema(s) => {
-                format!("answer: %json {}", serde_json::to_string(s).map_err(|e| GrammarError::Compile(e.to_string()))?)
+                format!(
+                    "answer: %json {}",
+                    serde_json::to_string(s).map_err(|e| GrammarError::Compile(ParserFailure {
+                        message: e.to_string(),
+                        source: Some(Box::new(e))
+                    }))?
+                )
             }
             AnswerFormat::JsonObject => "answer: %json {\"type\": \"object\"}".to_string(),
             AnswerFormat::Regex(r) => format!("answer: /{}/", r.replace('/', "\\/")),
@@ -487,6 +504,13 @@ mod tests {
         assert!(!GrammarError::Matcher("boom".into()).exceeds_limits());
         assert!(!GrammarError::Rejected(3).exceeds_limits());
         assert!(compile_error("grammar size (number of symbols) too big (limit for this grammar: 9)").exceeds_limits());
+        // llguidance's error is kept whole, under the first line as the message.
+        let e = compile_error("unknown rule\n<the grammar dump follows>");
+        let GrammarError::Compile(failure) = &e else { panic!("{e:?}") };
+        assert_eq!(failure.message, "unknown rule");
+        let source = std::error::Error::source(failure).map(ToString::to_string);
+        assert_eq!(source.as_deref(), Some("unknown rule\n<the grammar dump follows>"));
+        assert!(std::error::Error::source(&e).is_some(), "the failure is the grammar error's source");
     }
 
     #[test]

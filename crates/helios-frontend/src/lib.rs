@@ -19,7 +19,9 @@ mod tokenizer;
 
 pub use cancel::{Cancel, CancelOnDrop};
 pub use detok::IncrementalDecoder;
-pub use error::{FrontendError, GrammarError, OutputError, SamplingError, TemplateError, TokenizerError};
+pub use error::{
+    FrontendError, GrammarError, OutputError, ParserFailure, SamplingError, TemplateError, TokenizerError,
+};
 pub use grammar::{AnswerFormat, GrammarEnv, GrammarMatcher, OutputProtocol, TokenMask};
 pub use parse::{OutputDelta, OutputParser, ParsedOutput, ToolCall, ToolChoice};
 pub use prompt::{Prompt, checkpoint_endpoints};

@@ -212,7 +212,7 @@ impl RequestError {
     /// [`RequestError::Grammar`] (a compile failure is still the request's fault).
     pub fn grammar(e: GrammarError, stage: Stage) -> Self {
         match e {
-            GrammarError::Limit(message) => RequestError::GrammarTooComplex { message, stage },
+            GrammarError::Limit(failure) => RequestError::GrammarTooComplex { message: failure.message, stage },
             e => RequestError::Grammar(Arc::new(e)),
         }
     }
