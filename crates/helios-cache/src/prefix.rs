@@ -183,6 +183,12 @@ impl PrefixCache {
         self.retired.get_or_insert_with(Vec::new);
     }
 
+    /// Pages (chain and tail) of the checkpoints retired and not yet taken: an upper bound on
+    /// what demoting them copies (pages their chains share count once per checkpoint).
+    pub fn retired_pages(&self) -> usize {
+        self.retired.as_ref().map_or(0, |r| r.iter().map(|c| c.chain.len() + usize::from(c.tail_page.is_some())).sum())
+    }
+
     /// Checkpoints retired since the last call, in retirement order.
     pub fn take_retired(&mut self) -> Vec<Retired> {
         self.retired.as_mut().map(std::mem::take).unwrap_or_default()

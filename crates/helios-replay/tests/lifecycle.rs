@@ -732,3 +732,67 @@ fn conversations_survive_a_restart_through_the_disk_tier() {
         }
     }
 }
+
+/// A graceful shutdown with a host tier far smaller than the GPU cache still writes every
+/// conversation out (in rounds that fit host memory), and after a restart each continuation
+/// finds its history on disk.
+#[test]
+fn a_shutdown_writes_a_gpu_cache_larger_than_host_memory_to_disk() {
+    use helios_replay::workload::tiered_scheduler;
+    let scheme = reference_schemes().remove(0);
+    let caps = test_capacities(4, 256, 32);
+    let dir = tempfile::tempdir().unwrap();
+    // Room for about two checkpoints' pages in host memory; six conversations on the GPU.
+    let tiers = Tiers {
+        host_bytes: Some(12 * helios_offload::UNIT_BYTES),
+        disk: Some((dir.path().to_path_buf(), 1 << 30)),
+        ..Tiers::default()
+    };
+    let conversations: Vec<RequestSpec> = (0..6).map(|i| spec(prompt(150, 10 + i), 4, u64::from(i))).collect();
+    let mut histories = Vec::new();
+    {
+        let mut executor = SimulatedExecutor::new(&scheme, &caps);
+        let mut scheduler = tiered_scheduler(&mut executor, &scheme, &caps, 4, &tiers).unwrap();
+        for c in &conversations {
+            scheduler.submit(c.clone()).unwrap();
+            drain(&mut scheduler, &mut executor);
+            let out = scheduler.take_finished().pop().unwrap().output;
+            let mut h = c.tokens.clone();
+            h.extend(out);
+            histories.push(h);
+        }
+        assert!(scheduler.cached_checkpoints() >= 6);
+        // The worker's exit flush: demote a round, copy it out, write it, repeat.
+        let round = scheduler.host_stats().unwrap().capacity_bytes / 2;
+        let mut rounds = 0;
+        loop {
+            let more = scheduler.evict_cache_batch(round);
+            if let Some(step) = scheduler.schedule() {
+                executor.submit(&step, &Default::default()).unwrap();
+                for c in executor.synchronize().unwrap() {
+                    scheduler.complete(&c);
+                }
+            }
+            assert_eq!(scheduler.flush_disk(std::time::Duration::from_secs(30)), 0);
+            rounds += 1;
+            if !more {
+                break;
+            }
+        }
+        assert!(rounds > 1, "the cache went out in several rounds");
+        assert_eq!(scheduler.cached_checkpoints(), 0);
+        scheduler.check_invariants();
+    }
+    let mut executor = SimulatedExecutor::new(&scheme, &caps);
+    let mut scheduler = tiered_scheduler(&mut executor, &scheme, &caps, 4, &tiers).unwrap();
+    for (i, h) in histories.iter().enumerate() {
+        let mut next = h.clone();
+        next.extend(prompt(7, 60 + i as u32));
+        let s = spec(next, 3, 100 + i as u64);
+        scheduler.submit(s.clone()).unwrap();
+        drain(&mut scheduler, &mut executor);
+        let done = scheduler.take_finished().pop().unwrap();
+        assert_eq!(done.output, run_alone(&scheme, &caps, &s));
+        assert_eq!(done.cached_tokens as usize, h.len() - 1, "conversation {i} continued from disk");
+    }
+}

@@ -37,7 +37,7 @@ use helios_cache::{
     Publication, PublishOutcome, RowPool,
 };
 use helios_contract::model::{CacheScheme, Capacities};
-use helios_offload::{DemoteOutcome, HostEntryId, HostTier, PageSource, StoreGeometry, TierStats};
+use helios_offload::{DemoteOutcome, HostEntryId, HostExtent, HostTier, PageSource, StoreGeometry, TierStats};
 
 use crate::plan::{Completion, ConsumeRow, PageCopy, RequestId, SampleSpec, SampledToken, Step, StepOp};
 
@@ -520,6 +520,27 @@ impl Scheduler {
             && self.pending.is_empty()
             && self.tickets.is_empty()
             && self.disk.as_ref().is_none_or(|d| d.fetches.is_empty())
+    }
+
+    /// Evicts unpinned checkpoints, least recently used first, until those evicted would copy
+    /// about `bytes` out (at least one); returns false once nothing is left to evict. With a host
+    /// tier the next step copies them out: a graceful shutdown writes the GPU cache to disk in
+    /// rounds that fit host memory.
+    pub fn evict_cache_batch(&mut self, bytes: u64) -> bool {
+        // What the host tier spends: whole extents.
+        let span = |len: u64| HostExtent { offset: 0, len }.span();
+        let (page_bytes, row_bytes) = (span(self.scheme.bytes_per_page()), span(self.scheme.continuation_row_bytes));
+        let start = self.prefix.len();
+        loop {
+            let evicted = (start - self.prefix.len()) as u64;
+            let planned = self.prefix.retired_pages() as u64 * page_bytes + evicted * row_bytes;
+            if planned >= bytes && evicted > 0 {
+                return true;
+            }
+            if !self.prefix.evict_for_pages(&mut self.pages, &mut self.rows.snapshots) {
+                return false;
+            }
+        }
     }
 
     /// Evicts every unpinned checkpoint (draining, tests).
