@@ -206,6 +206,12 @@ pub fn select_message_endpoints(endpoints: &[u32], reused: u32, prompt: u32, cou
     chosen
 }
 
+/// A broken scheduler invariant: a bug, not an input condition. Fails loudly, naming it.
+#[cold]
+fn broken(invariant: &str) -> ! {
+    panic!("scheduler invariant broken: {invariant}")
+}
+
 /// Request ids are dense counters: a multiplicative hash is enough and much cheaper than
 /// SipHash on the per-step path.
 #[derive(Clone, Copy, Debug, Default)]
@@ -630,8 +636,8 @@ impl Scheduler {
     /// Snapshots `id`'s live state at its consumed count, unless that endpoint is cached or no
     /// backing is available. The capture publishes when `fence` completes.
     fn capture(&mut self, id: RequestId, fence: Fence, ops: &mut Vec<StepOp>, evict_pages: bool) {
-        let Some(request) = self.requests.get(&id) else { return };
-        let Some(live) = request.live.as_ref() else { return };
+        let Some(request) = self.requests.get(&id) else { broken("a captured request is not in the request table") };
+        let Some(live) = request.live.as_ref() else { broken("a captured request has no live state") };
         let end = live.consumed as usize;
         if end == 0 {
             return;
@@ -664,7 +670,9 @@ impl Scheduler {
         } else {
             None
         };
-        let Some(live) = self.requests.get_mut(&id).and_then(|r| r.live.as_mut()) else { return };
+        let Some(live) = self.requests.get_mut(&id).and_then(|r| r.live.as_mut()) else {
+            broken("a captured request lost its live state while the capture was planned")
+        };
         let parent = live.anchor.filter(|a| self.prefix.get(*a).is_some());
         let parent_tokens = parent.and_then(|a| self.prefix.get(a)).map_or(0, |a| a.tokens()) as usize;
         let segment = live.page_table[parent_tokens / pt..end / pt].to_vec();
@@ -893,8 +901,8 @@ impl Scheduler {
                 }
                 continue;
             }
-            let Some(request) = self.requests.get_mut(&id) else { continue };
-            let Some(live) = request.live.as_mut() else { continue };
+            let Some(request) = self.requests.get_mut(&id) else { broken("a decoder is not in the request table") };
+            let Some(live) = request.live.as_mut() else { broken("a decoder has no live state") };
             let (tokens, device_token) = match input {
                 DecodeInput::Host => (vec![request.tokens[live.consumed as usize]], false),
                 DecodeInput::Device => (Vec::new(), true),
@@ -1043,7 +1051,9 @@ impl Scheduler {
         fence: Fence,
         ops: &mut Vec<StepOp>,
     ) -> bool {
-        let Some(request) = self.requests.get_mut(&id) else { return false };
+        let Some(request) = self.requests.get_mut(&id) else {
+            broken("an admitted request is not in the request table")
+        };
         ops.push(StepOp::AdmitHistogram { live_row, tokens: request.tokens[..request.prompt_len as usize].to_vec() });
         let mut captures: VecDeque<u32> = select_message_endpoints(
             &request.spec.message_endpoints,
@@ -1113,10 +1123,14 @@ impl Scheduler {
         let Some(stop) = self.requests.get(&id).and_then(|r| r.live.as_ref().map(|l| chunk_stop(r, l))) else {
             return;
         };
-        let Some(request) = self.requests.get_mut(&id) else { return };
-        let Some(live) = request.live.as_mut() else { return };
+        let Some(request) = self.requests.get_mut(&id) else {
+            broken("a prefilling request is not in the request table")
+        };
+        let Some(live) = request.live.as_mut() else { broken("a prefilling request has no live state") };
         let len = stop - live.consumed;
-        let Some(capacity) = self.capacities.prefill_capacity_for(len) else { return };
+        let Some(capacity) = self.capacities.prefill_capacity_for(len) else {
+            broken("a prefill chunk is longer than the largest captured capacity")
+        };
         let ends_prompt = stop == request.prompt_len;
         let row = ConsumeRow {
             live_row: self.rows.live_row(live.slot),
