@@ -27,15 +27,7 @@ use helios_scheduler::{RequestSpec, Scheduler, SchedulerConfig, StepOp};
 use serde_json::json;
 
 fn spec(tokens: Vec<u32>, max_output: u32, seed: u64) -> RequestSpec {
-    RequestSpec {
-        tokens,
-        images: vec![],
-        message_endpoints: vec![],
-        max_output_tokens: max_output,
-        eos_tokens: vec![],
-        seed,
-        needs_host_feedback: false,
-    }
+    RequestSpec::plain(tokens, max_output, seed)
 }
 
 fn prompt(len: usize, salt: u64, vocab: u32) -> Vec<u32> {

@@ -111,6 +111,21 @@ pub struct RequestSpec {
     pub needs_host_feedback: bool,
 }
 
+impl RequestSpec {
+    /// A text-only request: no images, no message endpoints, no EOS, no host feedback.
+    pub fn plain(tokens: Vec<u32>, max_output_tokens: u32, seed: u64) -> Self {
+        RequestSpec {
+            tokens,
+            images: vec![],
+            message_endpoints: vec![],
+            max_output_tokens,
+            eos_tokens: vec![],
+            seed,
+            needs_host_feedback: false,
+        }
+    }
+}
+
 /// How a request ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
