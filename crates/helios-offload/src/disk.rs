@@ -599,9 +599,19 @@ impl DiskTier {
             return;
         }
         self.used -= f.bytes;
-        self.by_uid.retain(|_, (file, _)| *file != d);
+        self.forget_pages(d);
         self.files.remove(&d);
         self.deletions.push(self.path(d));
+    }
+
+    /// Drops the uid index entries that point into file `d` (its page blocks only: no scan).
+    fn forget_pages(&mut self, d: Digest) {
+        let Some(f) = self.files.get(&d) else { return };
+        for (i, b) in f.header.blocks.iter().enumerate().filter(|(_, b)| b.kind == BlockKind::Page) {
+            if self.by_uid.get(&b.uid) == Some(&(d, i as u32)) {
+                self.by_uid.remove(&b.uid);
+            }
+        }
     }
 
     /// Retires a live checkpoint's own entry (its file stays while others reference it).
@@ -715,7 +725,7 @@ impl DiskTier {
             self.kill(o);
             self.stats.discarded += 1;
         }
-        self.by_uid.retain(|_, (file, _)| *file != d);
+        self.forget_pages(d);
     }
 
     /// Bytes that evicting every evictable checkpoint would free, files in `held` kept: files
