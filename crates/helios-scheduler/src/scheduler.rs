@@ -322,8 +322,9 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    /// A scheduler over empty pools sized from the scheme and capacities.
-    pub fn new(scheme: CacheScheme, capacities: Capacities, config: SchedulerConfig) -> Result<Self, ConfigError> {
+    /// Checks a configuration against the capacities without building anything (what
+    /// [`Self::new`] refuses, it refuses).
+    pub fn validate(capacities: &Capacities, config: &SchedulerConfig) -> Result<(), ConfigError> {
         if capacities.decode_request_buckets.is_empty() {
             return Err(ConfigError::NoDecodeBuckets);
         }
@@ -336,6 +337,12 @@ impl Scheduler {
                 slots: capacities.request_slots,
             });
         }
+        Ok(())
+    }
+
+    /// A scheduler over empty pools sized from the scheme and capacities.
+    pub fn new(scheme: CacheScheme, capacities: Capacities, config: SchedulerConfig) -> Result<Self, ConfigError> {
+        Self::validate(&capacities, &config)?;
         Ok(Self {
             pages: FencedPool::new(capacities.max_kv_pages),
             rows: RowPool::new(&scheme, capacities.request_slots, capacities.snapshot_rows),

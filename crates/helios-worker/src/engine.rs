@@ -216,7 +216,9 @@ impl Engine {
         let device_fed_option = options.device_fed_decode;
         let host_cache_bytes = options.host_cache_bytes;
         let disk_cache = options.disk_cache.clone();
-        let scheduler = Scheduler::new(manifest.cache_scheme.clone(), manifest.capacities.clone(), config)?;
+        // Refused here, before any thread starts; built once, on the model thread, for the
+        // storage the executor backs.
+        Scheduler::validate(&manifest.capacities, &config)?;
         let vocab = manifest.capacities.vocab_size;
         let (scheme, capacities) = (manifest.cache_scheme.clone(), manifest.capacities.clone());
         let (tx, rx) = channel();
@@ -233,38 +235,21 @@ impl Engine {
             std::thread::Builder::new()
                 .name("helios-model".into())
                 .spawn(move || {
-                    let executor = match make_executor() {
-                        Ok(e) => e,
-                        Err(e) => {
-                            health.fail(e.to_string());
-                            let _ = ready_tx.send(Err(e.to_string()));
-                            return;
-                        }
-                    };
-                    // The load-time memory plan may have backed fewer KV pages than prepared:
-                    // the page pool is what the device holds, never more.
-                    let cut = executor.kv_pages().filter(|&p| p < capacities.max_kv_pages);
-                    let device_fed = device_fed_option && executor.device_fed_decode();
-                    let scheduler = match (cut, device_fed) {
-                        (None, false) => scheduler,
-                        _ => {
-                            let pages = cut.unwrap_or(capacities.max_kv_pages);
-                            let caps = helios_contract::model::Capacities { max_kv_pages: pages, ..capacities };
-                            let config = SchedulerConfig { device_fed_decode: device_fed, ..config };
-                            match Scheduler::new(scheme, caps, config) {
-                                Ok(s) => s,
-                                Err(e) => {
-                                    health.fail(e.to_string());
-                                    let _ = ready_tx.send(Err(e.to_string()));
-                                    return;
-                                }
-                            }
-                        }
-                    };
-                    let mut executor = executor;
-                    let scheduler = match attach_tiers(&mut executor, scheduler, host_cache_bytes, disk_cache.as_ref())
-                    {
-                        Ok(s) => s,
+                    let ready = (|| -> Result<(E, Scheduler), String> {
+                        let mut executor = make_executor().map_err(|e| e.to_string())?;
+                        // The load-time memory plan may have backed fewer KV pages than
+                        // prepared: the page pool is what the device holds, never more.
+                        let pages =
+                            executor.kv_pages().map_or(capacities.max_kv_pages, |p| p.min(capacities.max_kv_pages));
+                        let caps = helios_contract::model::Capacities { max_kv_pages: pages, ..capacities };
+                        let device_fed = device_fed_option && executor.device_fed_decode();
+                        let config = SchedulerConfig { device_fed_decode: device_fed, ..config };
+                        let scheduler = Scheduler::new(scheme, caps, config).map_err(|e| e.to_string())?;
+                        let scheduler = attach_tiers(&mut executor, scheduler, host_cache_bytes, disk_cache.as_ref())?;
+                        Ok((executor, scheduler))
+                    })();
+                    let (executor, scheduler) = match ready {
+                        Ok(started) => started,
                         Err(e) => {
                             health.fail(e.clone());
                             let _ = ready_tx.send(Err(e));
@@ -605,13 +590,7 @@ impl<E: Executor> ModelLoop<E> {
                 // A step whose samples were all dropped (the step after an EOS) may still be in
                 // flight: land it before sleeping, so its pages and slot retire.
                 if let Err(e) = self.executor.synchronize().map_err(LoopError::from).and_then(|done| self.apply(done)) {
-                    tracing::error!(
-                        stage = "execution",
-                        code = ErrorCode::ExecutionFailed.as_str(),
-                        "executor failed: {e}"
-                    );
-                    self.health.fail(e.to_string());
-                    self.fail_all(&RequestError::Execution(e));
+                    self.executor_failed(e);
                     break;
                 }
                 self.publish_occupancy(true);
@@ -637,13 +616,7 @@ impl<E: Executor> ModelLoop<E> {
                 self.handle(cmd);
             }
             if let Err(e) = self.turn() {
-                tracing::error!(
-                    stage = "execution",
-                    code = ErrorCode::ExecutionFailed.as_str(),
-                    "executor failed: {e}"
-                );
-                self.health.fail(e.to_string());
-                self.fail_all(&RequestError::Execution(e));
+                self.executor_failed(e);
                 break;
             }
             self.publish_occupancy(false);
@@ -655,6 +628,14 @@ impl<E: Executor> ModelLoop<E> {
             let growth = self.metrics.device_memory_growth.load(Ordering::Relaxed);
             tracing::info!(growth_bytes = growth, "model loop stopped: device memory growth since readiness");
         }
+    }
+
+    /// The executor failed: the worker is marked failed and every request fails with it; the
+    /// loop ends.
+    fn executor_failed(&mut self, e: LoopError) {
+        tracing::error!(stage = "execution", code = ErrorCode::ExecutionFailed.as_str(), "executor failed: {e}");
+        self.health.fail(e.to_string());
+        self.fail_all(&RequestError::Execution(e));
     }
 
     /// At exit, with a disk tier and a healthy executor: demotes the GPU cache to the host,
