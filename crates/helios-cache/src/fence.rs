@@ -7,6 +7,10 @@ pub struct Fence(pub u64);
 
 /// A fixed set of entries `0..len` with logical reference counts and last-use fences.
 ///
+/// One holder may mark its references as *owned* ([`FencedPool::own`]): the prefix cache does,
+/// so the pool keeps, without a scan, how many entries the owner holds and how many only the
+/// owner holds (occupancy gauges).
+///
 /// Invariants (checked by [`FencedPool::check_invariants`]):
 /// - every entry is in exactly one state: referenced (`refs > 0`), retiring (`refs == 0`,
 ///   `last_use > completed`, listed in `retiring`) or free (`refs == 0`,
@@ -22,6 +26,11 @@ pub struct FencedPool {
     /// Allocations of each entry so far: an entry's content is one allocation's, so a copy
     /// taken under one generation is stale under another.
     generation: Vec<u64>,
+    /// Of `refs`, the owner's; `owned <= refs`.
+    owned: Vec<u32>,
+    /// Entries with `owned > 0`, and entries with `refs == owned > 0`.
+    owned_entries: usize,
+    owned_only: usize,
 }
 
 impl FencedPool {
@@ -34,6 +43,9 @@ impl FencedPool {
             retiring: Vec::new(),
             completed: Fence(0),
             generation: vec![0; len as usize],
+            owned: vec![0; len as usize],
+            owned_entries: 0,
+            owned_only: 0,
         }
     }
 
@@ -67,6 +79,44 @@ impl FencedPool {
         self.refs[index as usize]
     }
 
+    /// Whether only the owner holds entry `i`.
+    fn owned_only_at(&self, i: usize) -> bool {
+        self.owned[i] > 0 && self.refs[i] == self.owned[i]
+    }
+
+    /// Applies `change` to entry `i`, keeping the owned counters.
+    fn tracked(&mut self, i: usize, change: impl FnOnce(&mut Self)) {
+        let (was_owned, was_only) = (self.owned[i] > 0, self.owned_only_at(i));
+        change(self);
+        let (is_owned, is_only) = (self.owned[i] > 0, self.owned_only_at(i));
+        self.owned_entries = self.owned_entries + usize::from(is_owned) - usize::from(was_owned);
+        self.owned_only = self.owned_only + usize::from(is_only) - usize::from(was_only);
+    }
+
+    /// Entries the owner holds a reference on.
+    pub fn owned_count(&self) -> usize {
+        self.owned_entries
+    }
+
+    /// Entries only the owner holds.
+    pub fn owned_only_count(&self) -> usize {
+        self.owned_only
+    }
+
+    /// Marks one of the references held on `index` as the owner's (no new reference).
+    pub fn own(&mut self, index: u32) {
+        let i = index as usize;
+        assert!(self.owned[i] < self.refs[i], "own of entry {index} beyond its references");
+        self.tracked(i, |p| p.owned[i] += 1);
+    }
+
+    /// Returns one of the owner's references to an ordinary one (before releasing it).
+    pub fn disown(&mut self, index: u32) {
+        let i = index as usize;
+        assert!(self.owned[i] > 0, "disown of entry {index} the owner does not hold");
+        self.tracked(i, |p| p.owned[i] -= 1);
+    }
+
     /// Takes a free entry with one reference.
     pub fn allocate(&mut self) -> Option<u32> {
         let index = self.free.pop()?;
@@ -82,16 +132,16 @@ impl FencedPool {
 
     /// Adds a reference to an entry that is already referenced (sharing, never resurrection).
     pub fn retain(&mut self, index: u32) {
-        let refs = &mut self.refs[index as usize];
-        assert!(*refs > 0, "retain of unreferenced entry {index}");
-        *refs += 1;
+        let i = index as usize;
+        assert!(self.refs[i] > 0, "retain of unreferenced entry {index}");
+        self.tracked(i, |p| p.refs[i] += 1);
     }
 
     /// Drops a reference; `fence` is the last step in which this holder used the entry.
     pub fn release(&mut self, index: u32, fence: Fence) {
         let i = index as usize;
-        assert!(self.refs[i] > 0, "release of unreferenced entry {index}");
-        self.refs[i] -= 1;
+        assert!(self.refs[i] > self.owned[i], "release of unreferenced (or only owned) entry {index}");
+        self.tracked(i, |p| p.refs[i] -= 1);
         self.last_use[i] = self.last_use[i].max(fence);
         if self.refs[i] == 0 {
             if self.last_use[i] <= self.completed {
@@ -130,7 +180,14 @@ impl FencedPool {
         }
         for (i, &refs) in self.refs.iter().enumerate() {
             assert_eq!(refs > 0, !seen[i], "entry {i} lost or double-tracked");
+            assert!(self.owned[i] <= refs, "entry {i} owned beyond its references");
         }
+        assert_eq!(self.owned_entries, self.owned.iter().filter(|&&o| o > 0).count(), "owned count out of sync");
+        assert_eq!(
+            self.owned_only,
+            (0..self.refs.len()).filter(|&i| self.owned_only_at(i)).count(),
+            "owned-only count out of sync"
+        );
     }
 }
 

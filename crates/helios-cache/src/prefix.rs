@@ -161,6 +161,8 @@ pub struct PrefixCache {
     stats: PressureStats,
     /// Retirements not yet taken; `None` when nobody demotes them.
     retired: Option<Vec<Retired>>,
+    /// Checkpoints with a pin.
+    pinned: usize,
 }
 
 impl PrefixCache {
@@ -175,7 +177,13 @@ impl PrefixCache {
             clock: 0,
             stats: PressureStats::default(),
             retired: None,
+            pinned: 0,
         }
+    }
+
+    /// Checkpoints with a pin (kept, not counted).
+    pub fn pinned(&self) -> usize {
+        self.pinned
     }
 
     /// Keeps a description of every checkpoint retired from now on, for [`Self::take_retired`].
@@ -292,6 +300,7 @@ impl PrefixCache {
     /// Adds a direct pin: pinned checkpoints are never evicted or bypassed.
     pub fn pin(&mut self, id: CheckpointId) {
         if let Some(cp) = self.checkpoints.get_mut(&id) {
+            self.pinned += usize::from(cp.pins == 0);
             cp.pins += 1;
             self.reindex(&[Some(id)]);
         }
@@ -302,6 +311,7 @@ impl PrefixCache {
         if let Some(cp) = self.checkpoints.get_mut(&id) {
             assert!(cp.pins > 0, "unpin of unpinned checkpoint {id}");
             cp.pins -= 1;
+            self.pinned -= usize::from(cp.pins == 0);
             self.reindex(&[Some(id)]);
         }
     }
@@ -352,6 +362,10 @@ impl PrefixCache {
             p.children.push(id);
         }
         self.index.insert(&key, id);
+        // The publication's references become the cache's own.
+        for &page in segment.iter().chain(tail_page.iter()) {
+            pages.own(page);
+        }
         self.checkpoints.insert(
             id,
             Checkpoint {
@@ -388,11 +402,9 @@ impl PrefixCache {
         // The parent lost a child: it may now be a leaf or thinnable; its parent's interval
         // does not read it.
         self.reindex(&[Some(id), cp.parent]);
-        for &page in &cp.segment {
+        for &page in cp.segment.iter().chain(cp.tail_page.iter()) {
+            pages.disown(page);
             pages.release(page, cp.last_use);
-        }
-        if let Some(tail) = cp.tail_page {
-            pages.release(tail, cp.last_use);
         }
         snapshots.release(cp.snapshot, cp.last_use);
     }
@@ -423,6 +435,7 @@ impl PrefixCache {
         // further away (its interval widened too).
         self.reindex(&[Some(id), Some(child_id), cp.parent]);
         if let Some(tail) = cp.tail_page {
+            pages.disown(tail);
             pages.release(tail, cp.last_use);
         }
         snapshots.release(cp.snapshot, cp.last_use);

@@ -499,7 +499,26 @@ impl Scheduler {
     }
 
     /// Current storage use.
+    /// Constant time: every figure is a counter the pools and the cache keep.
     pub fn occupancy(&self) -> Occupancy {
+        let in_use = self.pages.len() as usize - self.pages.free_count() - self.pages.retiring_count();
+        Occupancy {
+            waiting: self.waiting.len(),
+            running: self.running.len(),
+            pages_total: self.pages.len(),
+            pages_free: self.pages.free_count(),
+            pages_retiring: self.pages.retiring_count(),
+            pages_cached: self.pages.owned_count(),
+            pages_request: in_use - self.pages.owned_only_count(),
+            snapshot_rows_total: self.rows.snapshots.len(),
+            snapshot_rows_used: (self.rows.snapshots.len() as usize).saturating_sub(self.rows.snapshots.free_count()),
+            checkpoints_pinned: self.prefix.pinned(),
+            checkpoints: self.prefix.len(),
+        }
+    }
+
+    /// [`Self::occupancy`] recomputed by walking every checkpoint (invariant checks).
+    fn occupancy_scan(&self) -> Occupancy {
         let mut cached = vec![0u32; self.pages.len() as usize];
         let mut checkpoints_pinned = 0;
         for cp in self.prefix.checkpoints() {
@@ -1192,6 +1211,7 @@ impl Scheduler {
             }
         }
         self.check_tier_invariants(&mut page_refs, &mut snapshot_refs, &mut pins);
+        assert_eq!(self.occupancy(), self.occupancy_scan(), "maintained occupancy differs from a scan");
         assert!(self.running.len() <= self.config.max_concurrency as usize, "too many running");
         let mut slots = vec![false; self.rows.slots.len() as usize];
         for id in &self.running {

@@ -466,8 +466,9 @@ struct ModelLoop<E: Executor> {
     next_fence: u64,
     vocab: u32,
     grammars: GrammarWork,
-    /// When the occupancy gauges were last published: the scheduler's occupancy walks every
-    /// page and checkpoint, so busy turns publish it at most every `OCCUPANCY_PERIOD`.
+    /// When the gauges were last published. The scheduler keeps its occupancy (constant time),
+    /// but the tiers' gauges and the metrics locks are not free: busy turns publish at most
+    /// every `OCCUPANCY_PERIOD`.
     occupancy_at: Instant,
     /// Submission time of each step that copies a restore in, by fence.
     restores_in_flight: HashMap<u64, Instant>,
