@@ -250,6 +250,9 @@ impl<B: GraphBackend> GraphExecutor<B> {
         let pages = pages.iter().map(|&(p, e)| (self.page_at(p), e));
         let rows = rows.iter().map(|&(r, e)| (self.row_at(r), e));
         let all: Vec<_> = pages.chain(rows).collect();
+        // Copies contiguous on both sides (consecutive pages into consecutive extents, as
+        // allocation mostly gives them) go as one: fewer driver calls for a long checkpoint.
+        let mut runs: Vec<((BufferId, u64), HostExtent)> = Vec::with_capacity(all.len());
         for (at, extent) in all {
             let (at, bytes) = at?;
             if bytes != extent.len {
@@ -258,6 +261,16 @@ impl<B: GraphBackend> GraphExecutor<B> {
             if bytes == 0 {
                 continue;
             }
+            match runs.last_mut() {
+                Some(((buffer, offset), run))
+                    if *buffer == at.0 && *offset + run.len == at.1 && run.offset + run.len == extent.offset =>
+                {
+                    run.len += extent.len;
+                }
+                _ => runs.push((at, extent)),
+            }
+        }
+        for (at, extent) in runs {
             if out {
                 self.backend.copy_to_host(at, extent)?;
             } else {

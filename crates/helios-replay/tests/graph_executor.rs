@@ -263,3 +263,45 @@ fn host_transfers_copy_whole_pages_and_rows() {
         Err(helios_replay::ExecutorError::TransferSize { extent: short, expected: page_bytes })
     );
 }
+
+/// Consecutive pages into consecutive extents go as one copy each way; a gap splits the run.
+/// Pages of 64 tokens × 16 hidden × 4 bytes are exactly one extent unit here.
+#[test]
+fn contiguous_host_transfers_coalesce() {
+    use helios_contract::model::BufferRole;
+    use helios_offload::{HostArena, HostExtent, UNIT_BYTES};
+    use helios_replay::Executor;
+    use helios_scheduler::{Step, StepOp};
+
+    let dir = tempfile::tempdir().unwrap();
+    let spec = FixtureSpec { hidden: 16, ..FixtureSpec::default() };
+    let core = device_fixture(dir.path(), &spec);
+    let m = core.manifest().clone();
+    let page_bytes = m.cache_scheme.bytes_per_page();
+    assert_eq!(page_bytes, UNIT_BYTES, "the fixture's pages are one unit");
+    let kv = m.buffers.iter().find(|b| b.role == BufferRole::KvPages).unwrap();
+    let mut executor = GraphExecutor::new(&m, Emulator::new(&core)).unwrap();
+    let arena = std::sync::Arc::new(HostArena::new(16 * UNIT_BYTES).unwrap());
+    executor.attach_host_arena(arena, helios_offload::StoreGeometry::from(&m.cache_scheme)).unwrap();
+    for p in 0..8u64 {
+        let start = (kv.offset + p * page_bytes) as usize;
+        executor.backend_mut().arena[start..start + page_bytes as usize].fill(p as u8 + 1);
+    }
+    let extent = |i: u64| HostExtent { offset: i * UNIT_BYTES, len: page_bytes };
+    // Pages 3, 4, 5 into extents 0, 1, 2 (one run); page 7 into extent 4 (a gap: a second).
+    let out = vec![(3, extent(0)), (4, extent(1)), (5, extent(2)), (7, extent(4))];
+    let back: Vec<(HostExtent, u32)> = vec![(extent(0), 10), (extent(1), 11), (extent(2), 12), (extent(4), 14)];
+    let steps = [
+        Step { fence: helios_cache::Fence(1), ops: vec![StepOp::CopyOut { pages: out, rows: vec![] }] },
+        Step { fence: helios_cache::Fence(2), ops: vec![StepOp::CopyIn { pages: back, rows: vec![] }] },
+    ];
+    for step in &steps {
+        executor.submit(step, &Default::default()).unwrap();
+    }
+    executor.synchronize().unwrap();
+    assert_eq!(executor.backend().host_copies, 4, "two runs each way");
+    for (page, fill) in [(10u64, 4u8), (11, 5), (12, 6), (14, 8)] {
+        let start = (kv.offset + page * page_bytes) as usize;
+        assert!(executor.backend().arena[start..start + page_bytes as usize].iter().all(|&b| b == fill), "page {page}");
+    }
+}

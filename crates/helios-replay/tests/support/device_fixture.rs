@@ -250,6 +250,8 @@ pub struct Emulator {
     reads: std::collections::HashMap<u64, (Vec<u8>, bool)>,
     next_read: u64,
     host: Option<std::sync::Arc<helios_offload::HostArena>>,
+    /// Host transfers issued (after the executor coalesced them).
+    pub host_copies: usize,
 }
 
 impl Emulator {
@@ -270,6 +272,7 @@ impl Emulator {
             reads_land_at_once: false,
             reads: Default::default(),
             host: None,
+            host_copies: 0,
             next_read: 0,
         }
     }
@@ -335,6 +338,7 @@ impl GraphBackend for Emulator {
     }
     fn copy_to_host(&mut self, src: (BufferId, u64), dst: helios_offload::HostExtent) -> Result<(), ExecutorError> {
         let r = self.at(src.0, src.1, dst.len)?;
+        self.host_copies += 1;
         let host = self.host.as_ref().ok_or(ExecutorError::NoHostTransfers)?;
         // SAFETY: single-threaded emulation; the scheduler owns the extent.
         unsafe { host.bytes_mut(dst) }.copy_from_slice(&self.arena[r]);
@@ -342,6 +346,7 @@ impl GraphBackend for Emulator {
     }
     fn copy_from_host(&mut self, src: helios_offload::HostExtent, dst: (BufferId, u64)) -> Result<(), ExecutorError> {
         let r = self.at(dst.0, dst.1, src.len)?;
+        self.host_copies += 1;
         let host = self.host.as_ref().ok_or(ExecutorError::NoHostTransfers)?;
         // SAFETY: as above.
         self.arena[r].copy_from_slice(unsafe { host.bytes(src) });
