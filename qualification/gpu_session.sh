@@ -175,6 +175,8 @@ case "$STAGE" in
   tiers)  # issue 20 (bg; carry .dev/b2 with core_workload.xz and tier_restore.xz)
     [ -f /tmp/r1b/config.json ] || python3 -m ignition random-checkpoint --config qualification/configs/llama_1b_random.json \
       --out /tmp/r1b --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
+    # The config says 8,192 positions; the random weights serve 33K as well (RoPE, no training).
+    python3 -c "import json; p='/tmp/r1b/config.json'; c=json.load(open(p)); c['max_position_embeddings']=max(c['max_position_embeddings'], 33024); json.dump(c, open(p, 'w'), indent=2)"
     CONTEXT_LIMIT=33024 NO_CHECK=1 prepare /tmp/r1b /tmp/r1bcore_long llama-1b-random 560 long
     unxz_to .dev/b2/tier_restore.xz /tmp/tier_restore
     unxz_to .dev/b2/core_workload.xz /tmp/core_workload

@@ -221,7 +221,9 @@ fn measure(
             "cached_tokens": third.cached_tokens, "same_token": third.output == first.output,
         });
     }
-    // Interference: decoders running while the long prefix is demoted, then restored.
+    // Interference: decoders running while the long prefix is demoted, then restored. One
+    // slot stays free for the restoring request.
+    let decoders = decoders.min(caps.request_slots.saturating_sub(1) as usize);
     if decoders > 0 {
         for d in 0..decoders {
             s.submit(spec(prompt(64, 100 + d as u64, vocab), 4096, d as u64)).map_err(|x| format!("{x:?}"))?;
