@@ -650,6 +650,14 @@ impl DiskTier {
         (key.tokens > min_tokens).then_some(key)
     }
 
+    /// Bytes a fetch of checkpoint `key` reads at most (its chain, tail and row).
+    pub fn image_bytes(&self, key: &PrefixKey) -> Option<u64> {
+        let f = self.files.get(&key.digest).filter(|f| f.alive && !f.writing)?;
+        let g = self.identity.geometry;
+        let tail = f.header.blocks.iter().filter(|b| b.kind == BlockKind::Tail).count() as u64;
+        Some((f.header.chain.len() as u64 + tail) * g.bytes_per_page + g.continuation_row_bytes)
+    }
+
     /// Plans the read of a live checkpoint and pins it (and so the files it references) until
     /// [`Self::finish_read`].
     pub fn begin_read(&mut self, key: &PrefixKey) -> Option<ReadPlan> {

@@ -788,3 +788,58 @@ fn a_shutdown_writes_a_gpu_cache_larger_than_host_memory_to_disk() {
         assert_eq!(done.cached_tokens as usize, h.len() - 1, "conversation {i} continued from disk");
     }
 }
+
+/// Once the fetch rate and the prefill rate are both measured, a disk hit whose tokens are
+/// cheaper to recompute than to read is declined: the request recomputes, with the same
+/// output.
+#[test]
+fn a_disk_fetch_slower_than_recomputing_is_declined() {
+    use helios_replay::workload::tiered_scheduler;
+    let scheme = reference_schemes().remove(0);
+    let caps = test_capacities(4, 256, 32);
+    let dir = tempfile::tempdir().unwrap();
+    let tiers = Tiers {
+        host_bytes: Some(1024 * helios_offload::UNIT_BYTES),
+        disk: Some((dir.path().to_path_buf(), 1 << 30)),
+        ..Tiers::default()
+    };
+    let conversations: Vec<RequestSpec> = (0..2).map(|i| spec(prompt(150, 20 + i), 4, u64::from(i))).collect();
+    let mut histories = Vec::new();
+    {
+        let mut executor = SimulatedExecutor::new(&scheme, &caps);
+        let mut scheduler = tiered_scheduler(&mut executor, &scheme, &caps, 4, &tiers).unwrap();
+        for c in &conversations {
+            scheduler.submit(c.clone()).unwrap();
+            drain(&mut scheduler, &mut executor);
+            let mut h = c.tokens.clone();
+            h.extend(scheduler.take_finished().pop().unwrap().output);
+            histories.push(h);
+        }
+        scheduler.evict_cache();
+        let step = scheduler.schedule().unwrap();
+        executor.submit(&step, &Default::default()).unwrap();
+        for c in executor.synchronize().unwrap() {
+            scheduler.complete(&c);
+        }
+        assert_eq!(scheduler.flush_disk(std::time::Duration::from_secs(30)), 0);
+    }
+    let mut executor = SimulatedExecutor::new(&scheme, &caps);
+    let mut scheduler = tiered_scheduler(&mut executor, &scheme, &caps, 4, &tiers).unwrap();
+    let continue_with = |scheduler: &mut Scheduler, executor: &mut SimulatedExecutor, i: usize| {
+        let mut next = histories[i].clone();
+        next.extend(prompt(7, 70 + i as u32));
+        let s = spec(next, 3, 200 + i as u64);
+        scheduler.submit(s.clone()).unwrap();
+        drain(scheduler, executor);
+        let done = scheduler.take_finished().pop().unwrap();
+        assert_eq!(done.output, run_alone(&scheme, &caps, &s));
+        done.cached_tokens
+    };
+    // Rates unknown: the first continuation fetches (and measures the fetch rate).
+    assert!(continue_with(&mut scheduler, &mut executor, 0) > 0);
+    // Prefill measured absurdly fast: reading is never worth it.
+    scheduler.observe_prefill_rate(1e18);
+    assert_eq!(continue_with(&mut scheduler, &mut executor, 1), 0, "recomputed instead");
+    let (_, counters) = scheduler.disk_stats().unwrap();
+    assert_eq!((counters.fetches, counters.fetch_declined), (1, 1), "{counters:?}");
+}

@@ -901,7 +901,19 @@ impl<E: Executor> ModelLoop<E> {
         }
         let Some(a) = self.active.remove(&f.id) else { return };
         self.metrics.prefix_hit_tokens.fetch_add(u64::from(f.cached_tokens), Ordering::Relaxed);
-        self.metrics.observe_retired(a.submitted, a.cell.times(), a.prompt_tokens);
+        let times = a.cell.times();
+        self.metrics.observe_retired(a.submitted, times, a.prompt_tokens);
+        // A prompt mostly computed (not restored) measures the prefill rate the disk tier
+        // weighs its fetches against.
+        let computed = a.prompt_tokens.saturating_sub(f.cached_tokens);
+        if let (Some(admitted), Some(first)) = (times.admitted, times.first_token)
+            && computed >= 256
+        {
+            let secs = first.saturating_duration_since(admitted).as_secs_f64();
+            if secs > 0.0 {
+                self.scheduler.observe_prefill_rate(f64::from(computed) / secs);
+            }
+        }
         self.metrics.preemptions.fetch_add(u64::from(f.preemptions), Ordering::Relaxed);
         if let Some(e) = a.failure {
             self.metrics.failed.fetch_add(1, Ordering::Relaxed);

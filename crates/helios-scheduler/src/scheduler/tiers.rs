@@ -33,6 +33,10 @@ pub(super) struct DiskState {
     pub(super) fetched: Vec<Duration>,
     /// I/O failures since the last take (for the log).
     pub(super) errors: Vec<helios_offload::IoFailure>,
+    /// Measured fetch rate (bytes per second, a running average of finished fetches).
+    pub(super) fetch_rate: Option<f64>,
+    /// Measured prefill rate (tokens per second), reported by the serving loop.
+    pub(super) prefill_rate: Option<f64>,
 }
 
 /// A checkpoint being read from disk into a host entry; requests wait on it like on a
@@ -47,6 +51,8 @@ pub(super) struct DiskFetch {
     pub(super) waiters: Vec<RequestId>,
     pub(super) started: Instant,
     pub(super) landed: bool,
+    /// Bytes it reads.
+    pub(super) bytes: u64,
 }
 
 /// Scheduler-side disk counters.
@@ -59,6 +65,8 @@ pub struct DiskCounters {
     pub fetch_failures: u64,
     /// Disk hits not fetched: no host room for them.
     pub fetch_skips: u64,
+    /// Disk hits not fetched because recomputing the tokens they add is measured to be faster.
+    pub fetch_declined: u64,
 }
 
 /// Bytes of restore copies one step carries (at least one copy per restore in progress), so a
@@ -340,6 +348,8 @@ impl Scheduler {
             stats: DiskCounters::default(),
             fetched: Vec::new(),
             errors: Vec::new(),
+            fetch_rate: None,
+            prefill_rate: None,
         }));
         self
     }
@@ -393,6 +403,7 @@ impl Scheduler {
         let host_hit = self.host.as_mut().and_then(|h| h.lookup(digests, tokens, images, max, u64::from(hit_tokens)));
         let floor = host_hit.map_or(u64::from(hit_tokens), |(_, t)| t);
         let disk_hit = self.disk.as_mut().and_then(|d| d.tier.lookup(digests, tokens, images, max, floor));
+        let disk_hit = disk_hit.filter(|key| self.disk_pays(key, floor));
         if let Some(key) = disk_hit
             && self.fetch(id, key)
         {
@@ -419,6 +430,28 @@ impl Scheduler {
         });
     }
 
+    /// Whether fetching `key` from disk is faster than recomputing the tokens it adds beyond
+    /// `floor`, by the measured fetch and prefill rates (yes until both are measured). On a
+    /// slow disk a short prefix is cheaper to prefill than to read.
+    fn disk_pays(&mut self, key: &helios_cache::PrefixKey, floor: u64) -> bool {
+        let Some(disk) = self.disk.as_mut() else { return false };
+        let (Some(fetch), Some(prefill)) = (disk.fetch_rate, disk.prefill_rate) else { return true };
+        let Some(bytes) = disk.tier.image_bytes(key) else { return true };
+        let pays = bytes as f64 / fetch <= key.tokens.saturating_sub(floor) as f64 / prefill;
+        if !pays {
+            disk.stats.fetch_declined += 1;
+        }
+        pays
+    }
+
+    /// Records a measured prefill rate (tokens per second of a prompt computed without a
+    /// cached prefix); the disk tier weighs its fetches against it.
+    pub fn observe_prefill_rate(&mut self, tokens_per_s: f64) {
+        if let Some(d) = self.disk.as_mut().filter(|_| tokens_per_s.is_finite() && tokens_per_s > 0.0) {
+            d.prefill_rate = Some(d.prefill_rate.map_or(tokens_per_s, |r| r + 0.3 * (tokens_per_s - r)));
+        }
+    }
+
     /// Starts (or joins) reading checkpoint `key` from disk into the host tier. Returns false
     /// when the host has no room for it now.
     fn fetch(&mut self, id: RequestId, key: helios_cache::PrefixKey) -> bool {
@@ -443,6 +476,7 @@ impl Scheduler {
             fill.pages.iter().map(|&(i, extent)| (plan.pages[i].clone(), extent)).collect();
         reads.extend(plan.tail.clone().zip(fill.tail));
         reads.push((plan.row.clone(), fill.row));
+        let bytes = reads.iter().map(|(r, _)| r.len).sum();
         let token = disk.next_token;
         disk.next_token += 1;
         disk.io.submit(DiskJob::Read { token, reads });
@@ -453,6 +487,7 @@ impl Scheduler {
             waiters: vec![id],
             started: Instant::now(),
             landed: false,
+            bytes,
         });
         disk.stats.fetches += 1;
         true
@@ -479,7 +514,12 @@ impl Scheduler {
                         Some(path) => disk.tier.fail_read(&f.key, path),
                         None => disk.tier.finish_read(&f.key, result.is_ok()),
                     }
-                    disk.fetched.push(f.started.elapsed());
+                    let took = f.started.elapsed();
+                    disk.fetched.push(took);
+                    if result.is_ok() && f.bytes > 0 && !took.is_zero() {
+                        let rate = f.bytes as f64 / took.as_secs_f64();
+                        disk.fetch_rate = Some(disk.fetch_rate.map_or(rate, |r| r + 0.3 * (rate - r)));
+                    }
                     match result {
                         Ok(()) => {
                             host.finish_fill(f.entry);
