@@ -17,6 +17,23 @@ fn prompt(len: usize, salt: u32) -> Vec<u32> {
     (0..len as u32).map(|i| (i * 7 + salt) % 96 + 1).collect()
 }
 
+/// A graceful shutdown's write-out, as the serving loop runs it: returns the rounds it took.
+fn write_out(scheduler: &mut Scheduler, executor: &mut SimulatedExecutor) -> u32 {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let (rounds, left) = scheduler
+        .write_out(deadline, |scheduler, step| {
+            executor.submit(&step, &Default::default())?;
+            for c in executor.synchronize()? {
+                scheduler.complete(&c);
+            }
+            Ok::<(), helios_replay::ExecutorError>(())
+        })
+        .unwrap();
+    assert_eq!(left, 0, "everything reached the disk");
+    scheduler.check_invariants();
+    rounds
+}
+
 fn drain(scheduler: &mut Scheduler, executor: &mut SimulatedExecutor) {
     while !scheduler.is_idle() {
         assert!(turn(scheduler, executor).unwrap() || scheduler.is_idle(), "stalled");
@@ -684,15 +701,7 @@ fn conversations_survive_a_restart_through_the_disk_tier() {
                 scheduler.submit(first.clone()).unwrap();
                 drain(&mut scheduler, &mut executor);
                 let out = scheduler.take_finished().pop().unwrap().output;
-                // Graceful shutdown: demote the GPU cache, copy it out, write it all.
-                scheduler.evict_cache();
-                let step = scheduler.schedule().expect("the copy-out step");
-                executor.submit(&step, &Default::default()).unwrap();
-                for c in executor.synchronize().unwrap() {
-                    scheduler.complete(&c);
-                }
-                assert_eq!(scheduler.flush_disk(std::time::Duration::from_secs(30)), 0);
-                scheduler.check_invariants();
+                write_out(&mut scheduler, &mut executor);
                 let mut h = first.tokens.clone();
                 h.extend(out);
                 h
@@ -754,26 +763,8 @@ fn a_shutdown_writes_a_gpu_cache_larger_than_host_memory_to_disk() {
             histories.push(h);
         }
         assert!(scheduler.cached_checkpoints() >= 6);
-        // The worker's exit flush: demote a round, copy it out, write it, repeat.
-        let round = scheduler.host_stats().unwrap().capacity_bytes / 2;
-        let mut rounds = 0;
-        loop {
-            let more = scheduler.evict_cache_batch(round);
-            if let Some(step) = scheduler.schedule() {
-                executor.submit(&step, &Default::default()).unwrap();
-                for c in executor.synchronize().unwrap() {
-                    scheduler.complete(&c);
-                }
-            }
-            assert_eq!(scheduler.flush_disk(std::time::Duration::from_secs(30)), 0);
-            rounds += 1;
-            if !more {
-                break;
-            }
-        }
-        assert!(rounds > 1, "the cache went out in several rounds");
+        assert!(write_out(&mut scheduler, &mut executor) > 1, "the cache went out in several rounds");
         assert_eq!(scheduler.cached_checkpoints(), 0);
-        scheduler.check_invariants();
     }
     let mut executor = SimulatedExecutor::new(&scheme, &caps);
     let mut scheduler = tiered_scheduler(&mut executor, &scheme, &caps, 4, &tiers).unwrap();
@@ -815,13 +806,7 @@ fn a_disk_fetch_slower_than_recomputing_is_declined() {
             h.extend(scheduler.take_finished().pop().unwrap().output);
             histories.push(h);
         }
-        scheduler.evict_cache();
-        let step = scheduler.schedule().unwrap();
-        executor.submit(&step, &Default::default()).unwrap();
-        for c in executor.synchronize().unwrap() {
-            scheduler.complete(&c);
-        }
-        assert_eq!(scheduler.flush_disk(std::time::Duration::from_secs(30)), 0);
+        write_out(&mut scheduler, &mut executor);
     }
     let mut executor = SimulatedExecutor::new(&scheme, &caps);
     let mut scheduler = tiered_scheduler(&mut executor, &scheme, &caps, 4, &tiers).unwrap();

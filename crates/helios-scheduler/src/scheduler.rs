@@ -531,19 +531,7 @@ impl Scheduler {
         }
         let pages_cached = cached.iter().filter(|&&c| c > 0).count();
         let pages_request = cached.iter().enumerate().filter(|&(page, &c)| self.pages.refs(page as u32) > c).count();
-        Occupancy {
-            waiting: self.waiting.len(),
-            running: self.running.len(),
-            pages_total: self.pages.len(),
-            pages_free: self.pages.free_count(),
-            pages_retiring: self.pages.retiring_count(),
-            pages_cached,
-            pages_request,
-            snapshot_rows_total: self.rows.snapshots.len(),
-            snapshot_rows_used: (self.rows.snapshots.len() as usize).saturating_sub(self.rows.snapshots.free_count()),
-            checkpoints_pinned,
-            checkpoints: self.prefix.len(),
-        }
+        Occupancy { pages_cached, pages_request, checkpoints_pinned, ..self.occupancy() }
     }
 
     /// Counters.
@@ -573,7 +561,7 @@ impl Scheduler {
     /// about `bytes` out (at least one); returns false once nothing is left to evict. With a host
     /// tier the next step copies them out: a graceful shutdown writes the GPU cache to disk in
     /// rounds that fit host memory.
-    pub fn evict_cache_batch(&mut self, bytes: u64) -> bool {
+    fn evict_cache_batch(&mut self, bytes: u64) -> bool {
         // What the host tier spends: whole extents.
         let span = |len: u64| HostExtent { offset: 0, len }.span();
         let (page_bytes, row_bytes) = (span(self.scheme.bytes_per_page()), span(self.scheme.continuation_row_bytes));

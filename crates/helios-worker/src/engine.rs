@@ -648,28 +648,22 @@ impl<E: Executor> ModelLoop<E> {
             return;
         }
         let t0 = Instant::now();
-        let deadline = t0 + timeout;
-        // In rounds of half the host tier: each round's checkpoints reach the disk before the
-        // next round's demotions may evict them from host memory.
-        let round = self.scheduler.host_stats().map_or(0, |h| h.capacity_bytes / 2);
-        let gpu = self.scheduler.cached_checkpoints();
-        tracing::info!(gpu_checkpoints = gpu, "disk cache: writing the cache out");
-        let mut left;
-        loop {
-            let more = self.scheduler.evict_cache_batch(round);
-            if let Some(step) = self.scheduler.schedule() {
-                let done =
-                    self.executor.submit(&step, &StepInputs::default()).and_then(|()| self.executor.synchronize());
-                if let Err(e) = done.map_err(LoopError::from).and_then(|d| self.apply(d)) {
-                    tracing::error!("disk cache flush: the copy-out step failed: {e}");
-                    return;
-                }
+        tracing::info!(gpu_checkpoints = self.scheduler.cached_checkpoints(), "disk cache: writing the cache out");
+        let executor = &mut self.executor;
+        let written = self.scheduler.write_out(t0 + timeout, |scheduler, step| {
+            let done = executor.submit(&step, &StepInputs::default()).and_then(|()| executor.synchronize())?;
+            for c in &done {
+                scheduler.complete(c);
             }
-            left = self.scheduler.flush_disk(deadline.saturating_duration_since(Instant::now()));
-            if !more || left > 0 || Instant::now() >= deadline {
-                break;
+            Ok::<(), ExecutorError>(())
+        });
+        let left = match written {
+            Ok((_, left)) => left,
+            Err(e) => {
+                tracing::error!("disk cache flush: the copy-out step failed: {e}");
+                return;
             }
-        }
+        };
         let disk = self.scheduler.disk_stats().map(|(d, _)| d).unwrap_or_default();
         tracing::info!(
             unwritten = left,

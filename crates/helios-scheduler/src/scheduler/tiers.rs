@@ -671,6 +671,30 @@ impl Scheduler {
         }
     }
 
+    /// Writes the GPU cache out through the tiers for a graceful shutdown: evicts a round of
+    /// checkpoints that fits half the host tier, has `run_step` submit and complete the step
+    /// that copies them out, writes the host tier to disk, and repeats until the cache is empty
+    /// or `deadline` passes. Returns the rounds run and the host entries left unwritten.
+    pub fn write_out<E>(
+        &mut self,
+        deadline: Instant,
+        mut run_step: impl FnMut(&mut Self, Step) -> Result<(), E>,
+    ) -> Result<(u32, usize), E> {
+        let round = self.host.as_ref().map_or(0, |h| h.stats().capacity_bytes / 2);
+        let mut rounds = 0;
+        loop {
+            let more = self.evict_cache_batch(round);
+            if let Some(step) = self.schedule() {
+                run_step(self, step)?;
+            }
+            let left = self.flush_disk(deadline.saturating_duration_since(Instant::now()));
+            rounds += 1;
+            if !more || left > 0 || Instant::now() >= deadline {
+                return Ok((rounds, left));
+            }
+        }
+    }
+
     /// Tier invariants, with the references and pins tickets hold added to the counts.
     pub(super) fn check_tier_invariants(
         &self,
