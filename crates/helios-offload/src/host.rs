@@ -345,6 +345,28 @@ impl HostTier {
         id
     }
 
+    /// Holds the pages the tier already has (`shared`, by chain position: held, they survive
+    /// the evictions that make room) and allocates extents for the others, the tail and the
+    /// row. All or nothing: on `Err(needed)` nothing stays held.
+    fn hold_and_allocate(
+        &mut self,
+        shared: &[Option<u64>],
+        tail: bool,
+    ) -> Result<(Vec<HostExtent>, Option<HostExtent>, HostExtent), u64> {
+        for p in shared.iter().flatten() {
+            if let Some(page) = self.pages.get_mut(p) {
+                page.refs += 1;
+            }
+        }
+        let result = self.allocate_image(shared.iter().filter(|p| p.is_none()).count(), tail);
+        if result.is_err() {
+            for &p in shared.iter().flatten() {
+                self.release_page(p);
+            }
+        }
+        result
+    }
+
     /// Extents for `fresh` pages, then a tail page when `tail`, then a row, evicting as
     /// needed; all or nothing (`None`, with the room counted for the caller's error).
     fn allocate_image(
@@ -381,24 +403,10 @@ impl HostTier {
     /// the tail and the row get fresh extents for the caller to read into. The entry is
     /// pinned and invisible until [`Self::finish_fill`] (or dropped by [`Self::abort_fill`]).
     pub fn begin_fill(&mut self, key: PrefixKey, chain: &[PageUid], tail: bool) -> Result<Fill, DemoteError> {
-        let mut pages: Vec<Option<u64>> = Vec::with_capacity(chain.len());
-        for uid in chain {
-            let shared = self.by_uid.get(uid).copied();
-            if let Some(p) = shared.and_then(|p| self.pages.get_mut(&p)) {
-                p.refs += 1;
-            }
-            pages.push(shared);
-        }
-        let fresh_count = pages.iter().filter(|p| p.is_none()).count();
-        let (fresh, tail_extent, row) = match self.allocate_image(fresh_count, tail) {
-            Ok(image) => image,
-            Err(needed) => {
-                for p in pages.into_iter().flatten() {
-                    self.release_page(p);
-                }
-                return Err(DemoteError::NoRoom { needed, capacity: self.extents.capacity() });
-            }
-        };
+        let pages: Vec<Option<u64>> = chain.iter().map(|uid| self.by_uid.get(uid).copied()).collect();
+        let (fresh, tail_extent, row) = self
+            .hold_and_allocate(&pages, tail)
+            .map_err(|needed| DemoteError::NoRoom { needed, capacity: self.extents.capacity() })?;
         let mut fresh = fresh.into_iter();
         let mut reads = Vec::new();
         let mut ids = Vec::with_capacity(chain.len());
@@ -508,22 +516,10 @@ impl HostTier {
             self.touch(id);
             return Ok(DemoteOutcome::Present(id));
         }
-        // Shared pages first: held by this entry, they survive the evictions below.
-        let mut pages: Vec<Option<u64>> = Vec::with_capacity(chain.len());
-        for source in chain {
-            let shared = self.by_source.get(source).copied();
-            if let Some(p) = shared.and_then(|p| self.pages.get_mut(&p)) {
-                p.refs += 1;
-            }
-            pages.push(shared);
-        }
-        let fresh_count = pages.iter().filter(|p| p.is_none()).count();
-        let (fresh, tail_extent, row) = match self.allocate_image(fresh_count, tail_page.is_some()) {
+        let pages: Vec<Option<u64>> = chain.iter().map(|source| self.by_source.get(source).copied()).collect();
+        let (fresh, tail_extent, row) = match self.hold_and_allocate(&pages, tail_page.is_some()) {
             Ok(image) => image,
             Err(needed) => {
-                for p in pages.into_iter().flatten() {
-                    self.release_page(p);
-                }
                 self.stats.demotion_skips += 1;
                 return Err(DemoteError::NoRoom { needed, capacity: self.extents.capacity() });
             }
