@@ -232,8 +232,9 @@ pub(crate) fn run(args: RunArgs) -> Result<(), CliError> {
         }
         _ => None,
     };
-    // The embedded core lives in a temporary directory for the life of the server.
-    let mut _sim_dir = None;
+    // The embedded core is written to a temporary directory, read once at startup, and removed
+    // as soon as the engine has started: a server killed later leaves nothing behind.
+    let mut sim_dir = None;
     let core_dir = match prepared.as_ref().or(args.core.as_ref()) {
         Some(dir) => dir.clone(),
         None => {
@@ -245,7 +246,7 @@ pub(crate) fn run(args: RunArgs) -> Result<(), CliError> {
             let dir = tempfile::tempdir().map_err(|e| CliError::Startup(e.to_string()))?;
             sim::write_sim_core(dir.path()).map_err(|e| CliError::Startup(e.to_string()))?;
             let path = dir.path().to_path_buf();
-            _sim_dir = Some(dir);
+            sim_dir = Some(dir);
             path
         }
     };
@@ -309,6 +310,7 @@ pub(crate) fn run(args: RunArgs) -> Result<(), CliError> {
         start_cuda(&manifest, core, frontend, options, reserve_bytes, started)
     }
     .map_err(|e| CliError::Startup(e.to_string()))?;
+    drop(sim_dir);
     let connection_limits = connection_limits(&args);
     let rt = crate::runtime()?;
     let served = rt.block_on(async move {
