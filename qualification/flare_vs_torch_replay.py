@@ -36,6 +36,7 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--bench", action="store_true", help="also run `flare bench` against the server")
     ap.add_argument("--bench-timeout", type=int, default=150)
+    ap.add_argument("--agent-turns", type=int, default=4, help="turns of the bench's agent conversation")
     ap.add_argument("--tokenizer", type=Path)
     ap.add_argument("--log", type=Path, default=Path("/tmp/flare_run.log"))
     ap.add_argument("--run-arg", action="append", default=[], help="extra `flare run` argument (repeatable)")
@@ -112,7 +113,7 @@ def main() -> int:
                         "--cold-requests",
                         "2",
                         "--agent-turns",
-                        "4",
+                        str(args.agent_turns),
                         "--decode-rounds",
                         "1",
                     ],

@@ -77,7 +77,7 @@ measure() {  # MODEL CORE
     --out "$OUT/ignition_replay.json" > "$OUT/ignition_replay.log" 2>&1
   echo "ignition replay rc=$?"; tail -12 "$OUT/ignition_replay.log"
   timeout 240 python3 qualification/flare_vs_torch_replay.py --flare /tmp/flare --core "$2" \
-    --tokenizer "$1/tokenizer.json" --reference "$2.work/reference_generations.json" \
+    --tokenizer "$1/tokenizer.json" --reference "$2.work/reference_generations.json" --agent-turns "${AGENT_TURNS:-4}" \
     --out "$OUT/flare_vs_torch.json" --bench --bench-timeout 150 --log "$OUT/flare_run.log"
   echo "flare_vs_torch rc=$?"
   # The same with one decode step in flight (host-fed tokens): the pipelining's effect.
@@ -210,7 +210,7 @@ case "$STAGE" in
     prepare /tmp/q35 /tmp/q35core qwen3_5-0.8b-random 560 ;;
   q35-all)  # after q35-prepare (bg beside it; carry .dev/b1 .dev/b2): serving with the agent bench, the torch
             # replay floor, the Rust bitwise check and lifecycle scenarios, the kernel breakdown
-    SHORT=1 SPLIT_MEASURE=1 measure /tmp/q35 /tmp/q35core
+    AGENT_TURNS=8 SHORT=1 SPLIT_MEASURE=1 measure /tmp/q35 /tmp/q35core
     SHORT=1 native /tmp/q35core
     timeout 240 python3 qualification/kernel_breakdown.py /tmp/q35core "$OUT/kernel_breakdown.json" \
       > "$OUT/kernel_breakdown.log" 2>&1
