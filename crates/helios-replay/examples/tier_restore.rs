@@ -10,6 +10,8 @@
 //! harness on a machine without a GPU; its times mean nothing).
 //! Steps run one at a time (submit, then synchronize), so each step's wall time is its device
 //! time plus the host's planning: decode step times are the inter-token latency of a batch.
+//! (A measurement harness, not a serving loop: the serving loop pipelines steps, which would
+//! hide the per-step times measured here.)
 #![allow(clippy::print_stdout)]
 
 use std::process::ExitCode;
@@ -21,7 +23,6 @@ use helios_contract::model::{CacheScheme, Capacities};
 use helios_offload::{DiskIdentity, DiskIo, DiskTier, HostArena, StoreGeometry};
 use helios_replay::cuda::{DeviceCore, LoadOptions};
 use helios_replay::graph::GraphExecutor;
-use helios_replay::workload::test_config;
 use helios_replay::{Executor, StepInputs};
 use helios_scheduler::{RequestSpec, Scheduler, SchedulerConfig, StepOp};
 use serde_json::json;
@@ -152,7 +153,12 @@ fn measure(
     let arena = Arc::new(HostArena::new(host_bytes).map_err(|x| x.to_string())?);
     e.attach_host_arena(arena.clone(), geometry).map_err(|x| x.to_string())?;
     let slots = caps.request_slots.max(1);
-    let config = SchedulerConfig { device_fed_decode: false, ..test_config(slots) };
+    let config = SchedulerConfig {
+        max_concurrency: slots,
+        queue_limit: 64,
+        identity: helios_cache::PrefixIdentity { model: 1, token_layout: 1 },
+        device_fed_decode: false,
+    };
     let mut s =
         Scheduler::new(scheme.clone(), caps.clone(), config).map_err(|x| x.to_string())?.with_host_tier(host_bytes);
     let mut disk_info = None;

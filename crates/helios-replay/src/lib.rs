@@ -17,9 +17,6 @@ pub mod cuda;
 pub mod graph;
 pub mod memory;
 pub mod speculative;
-/// Test support: agent-like workloads and the solo-run oracle (feature `testkit`).
-#[cfg(any(test, feature = "testkit"))]
-pub mod workload;
 
 /// Request-level sampling controls, packed beside the step for the device sampler.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -106,6 +103,37 @@ pub trait Executor {
     /// systems): a host tier then spends the same DRAM as the device cache.
     fn unified_memory(&self) -> bool {
         false
+    }
+}
+
+/// An executor lent for one run (a test driver over an executor its caller keeps).
+impl<E: Executor + ?Sized> Executor for &mut E {
+    fn submit(&mut self, step: &Step, inputs: &StepInputs) -> Result<(), ExecutorError> {
+        (**self).submit(step, inputs)
+    }
+    fn poll(&mut self) -> Result<Vec<Completion>, ExecutorError> {
+        (**self).poll()
+    }
+    fn synchronize(&mut self) -> Result<Vec<Completion>, ExecutorError> {
+        (**self).synchronize()
+    }
+    fn wait(&mut self) -> Result<Vec<Completion>, ExecutorError> {
+        (**self).wait()
+    }
+    fn device_fed_decode(&self) -> bool {
+        (**self).device_fed_decode()
+    }
+    fn device_memory_growth_bytes(&mut self) -> Option<i64> {
+        (**self).device_memory_growth_bytes()
+    }
+    fn kv_pages(&self) -> Option<u32> {
+        (**self).kv_pages()
+    }
+    fn attach_host_arena(&mut self, arena: Arc<HostArena>, geometry: StoreGeometry) -> Result<(), ExecutorError> {
+        (**self).attach_host_arena(arena, geometry)
+    }
+    fn unified_memory(&self) -> bool {
+        (**self).unified_memory()
     }
 }
 
@@ -570,37 +598,6 @@ impl Executor for SimulatedExecutor {
     }
 }
 
-/// One turn of a minimal test driver: apply completions, plan, submit; with nothing to plan,
-/// wait for the executor. Returns whether anything happened. Not the serving loop (that is the
-/// worker's model thread); test support for driving a scheduler and an executor directly
-/// (feature `testkit`).
-#[cfg(any(test, feature = "testkit"))]
-pub fn turn<E: Executor>(scheduler: &mut helios_scheduler::Scheduler, executor: &mut E) -> Result<bool, ExecutorError> {
-    for completion in executor.poll()? {
-        scheduler.complete(&completion);
-    }
-    match scheduler.schedule() {
-        Some(step) => {
-            executor.submit(&step, &StepInputs::default())?;
-            for completion in executor.poll()? {
-                scheduler.complete(&completion);
-            }
-            Ok(true)
-        }
-        None => {
-            let completions = executor.wait()?;
-            for completion in &completions {
-                scheduler.complete(completion);
-            }
-            // Nothing to run while a request waits for the disk: wait for the disk.
-            let disk = completions.is_empty()
-                && scheduler.disk_busy()
-                && scheduler.wait_disk(std::time::Duration::from_secs(10));
-            Ok(!completions.is_empty() || disk)
-        }
-    }
-}
-
 /// The three reference geometries: 64-token attention pages, 256-token pages, and a hybrid
 /// with recurrent rows, verification width 2 and 32-token pages (partial tails everywhere).
 /// Test support (feature `testkit`).
@@ -634,6 +631,12 @@ pub fn reference_schemes() -> Vec<CacheScheme> {
     vec![attention(64), attention(256), hybrid]
 }
 
+/// `len` pseudo-random token ids below `vocab`, a function of `seed` (feature `testkit`).
+#[cfg(any(test, feature = "testkit"))]
+pub fn seeded_tokens(seed: u64, len: usize, vocab: u32) -> Vec<u32> {
+    (0..len as u64).map(|i| (splitmix(seed ^ (i << 20)) % u64::from(vocab)) as u32).collect()
+}
+
 /// Capacities for tests: `pages` KV pages, `snapshots` snapshot rows (feature `testkit`).
 #[cfg(any(test, feature = "testkit"))]
 pub fn test_capacities(slots: u32, pages: u32, snapshots: u32) -> Capacities {
@@ -647,6 +650,69 @@ pub fn test_capacities(slots: u32, pages: u32, snapshots: u32) -> Capacities {
         max_kv_pages: pages,
         vocab_size: 97,
         completion_record_header_words: 0,
+    }
+}
+
+/// An executor that records what it runs (feature `testkit`): every submitted step, and how
+/// many sampling steps were in flight at once, for tests that check planning through the
+/// serving loop.
+#[cfg(any(test, feature = "testkit"))]
+#[derive(Debug)]
+pub struct StepLog<E> {
+    pub inner: E,
+    /// Every step submitted, in order.
+    pub steps: Vec<Step>,
+    /// Submitted steps that sample, whose completions have not been returned yet.
+    pub sampling_in_flight: usize,
+    /// The most `sampling_in_flight` ever was.
+    pub most_sampling_in_flight: usize,
+}
+
+#[cfg(any(test, feature = "testkit"))]
+impl<E: Executor> StepLog<E> {
+    pub fn new(inner: E) -> Self {
+        StepLog { inner, steps: Vec::new(), sampling_in_flight: 0, most_sampling_in_flight: 0 }
+    }
+
+    fn landed(&mut self, done: Vec<Completion>) -> Vec<Completion> {
+        self.sampling_in_flight -= done.iter().filter(|c| !c.sampled.is_empty()).count();
+        done
+    }
+}
+
+#[cfg(any(test, feature = "testkit"))]
+impl<E: Executor> Executor for StepLog<E> {
+    fn submit(&mut self, step: &Step, inputs: &StepInputs) -> Result<(), ExecutorError> {
+        self.inner.submit(step, inputs)?;
+        let samples = step.ops.iter().any(|op| {
+            matches!(op, StepOp::Decode { .. } | StepOp::ResumeSampling { .. })
+                || matches!(op, StepOp::Prefill { row, .. } if row.sample.is_some())
+        });
+        self.sampling_in_flight += usize::from(samples);
+        self.most_sampling_in_flight = self.most_sampling_in_flight.max(self.sampling_in_flight);
+        self.steps.push(step.clone());
+        Ok(())
+    }
+    fn poll(&mut self) -> Result<Vec<Completion>, ExecutorError> {
+        let done = self.inner.poll()?;
+        Ok(self.landed(done))
+    }
+    fn synchronize(&mut self) -> Result<Vec<Completion>, ExecutorError> {
+        let done = self.inner.synchronize()?;
+        Ok(self.landed(done))
+    }
+    fn wait(&mut self) -> Result<Vec<Completion>, ExecutorError> {
+        let done = self.inner.wait()?;
+        Ok(self.landed(done))
+    }
+    fn device_fed_decode(&self) -> bool {
+        self.inner.device_fed_decode()
+    }
+    fn kv_pages(&self) -> Option<u32> {
+        self.inner.kv_pages()
+    }
+    fn attach_host_arena(&mut self, arena: Arc<HostArena>, geometry: StoreGeometry) -> Result<(), ExecutorError> {
+        self.inner.attach_host_arena(arena, geometry)
     }
 }
 

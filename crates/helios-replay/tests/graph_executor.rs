@@ -1,132 +1,13 @@
-//! The graph executor over the CPU emulation of the fixture core's graphs: the scheduler's
-//! steps are packed through the bound contract, replayed, and answered from completion
-//! records. The same run on the GPU (examples/cuda_replay_check) must give the same tokens.
+//! The graph executor over the CPU emulation of the fixture core's graphs: steps packed through
+//! the bound contract, replayed, and answered from completion records; host transfers. Whole
+//! requests through the serving loop over it: helios-worker's `tests/graph_executor.rs`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 
-use helios_contract::RuntimeCore;
 use helios_contract::fixtures::FixtureSpec;
-use helios_replay::graph::{GraphBackend, GraphExecutor};
-use helios_replay::turn;
-use helios_scheduler::{FinishReason, RequestSpec, Scheduler, SchedulerConfig};
-use support::device_fixture::{Emulator, PacedReads, device_fixture, device_fixture_with};
-
-fn run(spec: &FixtureSpec, prompts: &[Vec<u32>], max_output: u32, deferred: bool) -> Vec<(Vec<u32>, FinishReason)> {
-    run_on(spec, prompts, max_output, |core| {
-        let mut emulator = Emulator::new(core);
-        emulator.deferred = deferred;
-        emulator
-    })
-    .0
-}
-
-/// The requests' outputs and the number of steps the scheduler took, over `backend(core)`.
-fn run_on<B: GraphBackend>(
-    spec: &FixtureSpec,
-    prompts: &[Vec<u32>],
-    max_output: u32,
-    backend: impl FnOnce(&RuntimeCore) -> B,
-) -> (Vec<(Vec<u32>, FinishReason)>, u64) {
-    let dir = tempfile::tempdir().unwrap();
-    let core = device_fixture(dir.path(), spec);
-    let m = core.manifest().clone();
-    let mut executor = GraphExecutor::new(&m, backend(&core)).expect("drivable core");
-    // The fixture's graphs take their tokens from the host only.
-    assert!(!helios_replay::Executor::device_fed_decode(&executor));
-    let config =
-        SchedulerConfig { max_concurrency: 4, queue_limit: 64, identity: Default::default(), device_fed_decode: false };
-    let mut scheduler = Scheduler::new(m.cache_scheme.clone(), m.capacities.clone(), config).unwrap();
-    let ids: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            scheduler
-                .submit(RequestSpec {
-                    tokens: p.clone(),
-                    images: vec![],
-                    message_endpoints: vec![],
-                    max_output_tokens: max_output,
-                    eos_tokens: vec![],
-                    seed: 1,
-                    needs_host_feedback: false,
-                })
-                .unwrap()
-        })
-        .collect();
-    let mut finished = Vec::new();
-    for _ in 0..10_000 {
-        if scheduler.is_idle() {
-            break;
-        }
-        turn(&mut scheduler, &mut executor).expect("executes");
-        finished.extend(scheduler.take_finished());
-        scheduler.check_invariants();
-    }
-    assert!(scheduler.is_idle());
-    scheduler.evict_cache();
-    assert!(scheduler.all_storage_free());
-    let outputs = ids
-        .iter()
-        .map(|id| {
-            let f = finished.iter().find(|f| f.id == *id).expect("finished");
-            (f.output.clone(), f.reason)
-        })
-        .collect();
-    (outputs, scheduler.stats().steps)
-}
-
-#[test]
-fn steps_replay_through_records() {
-    let spec = FixtureSpec::default();
-    let vocab = spec.vocab_size;
-    let prompts: Vec<Vec<u32>> = vec![
-        (0..70).map(|i| i % vocab).collect(),
-        (0..70).map(|i| i % vocab).collect(), // shares the first's prefix
-        (5..40).map(|i| (i * 7) % vocab).collect(),
-    ];
-    let first = run(&spec, &prompts, 12, false);
-    for (output, reason) in &first {
-        assert_eq!(output.len(), 12);
-        assert_eq!(*reason, FinishReason::Length);
-        assert!(output.iter().all(|&t| t < vocab));
-    }
-    // Deterministic: packing, replay and record parsing are pure functions of the steps.
-    assert_eq!(run(&spec, &prompts, 12, false), first);
-    // Records copied behind the replay and collected a turn later: the scheduler plans with
-    // a step in flight, so batches differ (and this fixture's graphs are not request-
-    // deterministic), but every request completes, in fence order, deterministically.
-    let deferred = run(&spec, &prompts, 12, true);
-    for (output, reason) in &deferred {
-        assert_eq!((output.len(), *reason), (12, FinishReason::Length));
-    }
-    assert_eq!(run(&spec, &prompts, 12, true), deferred);
-}
-
-/// The device check (examples/cuda_replay_check) compares a GPU run with the emulation step
-/// for step. A device's reads land when its timing says, which changes the schedule and so
-/// (this fixture's graphs depend on the batch) the tokens; pacing the reads restores both.
-#[test]
-fn paced_reads_give_the_emulated_schedule_whatever_the_device_timing() {
-    let spec = FixtureSpec::default();
-    let vocab = spec.vocab_size;
-    let prompts: Vec<Vec<u32>> =
-        (0..8u32).map(|r| (0..(r % 3) * 40 + 30 + r).map(|i| (i * 5 + r) % vocab).collect()).collect();
-    let emulated = |fast: bool| {
-        move |core: &RuntimeCore| {
-            let mut e = Emulator::new(core);
-            e.deferred = true;
-            e.reads_land_at_once = fast;
-            e
-        }
-    };
-    let paced = run_on(&spec, &prompts, 16, emulated(false));
-    let fast = run_on(&spec, &prompts, 16, emulated(true));
-    // A fast "device" changes the schedule, and with it the tokens: the raw comparison fails.
-    assert_ne!(fast.1, paced.1, "steps");
-    assert_ne!(fast.0, paced.0, "outputs");
-    let fast_paced = run_on(&spec, &prompts, 16, |core| PacedReads::new(emulated(true)(core)));
-    assert_eq!(fast_paced, paced);
-}
+use helios_replay::graph::GraphExecutor;
+use support::device_fixture::{Emulator, device_fixture, device_fixture_with};
 
 #[test]
 fn device_fed_rows_need_graphs_that_keep_the_pending_token() {
@@ -165,32 +46,6 @@ fn device_fed_rows_need_graphs_that_keep_the_pending_token() {
     assert!(executor.poll().unwrap().is_empty(), "the records copy is still in flight");
     let done = executor.wait().unwrap();
     assert_eq!((done.len(), done[0].sampled.len()), (1, 1));
-
-    // Whole requests with two decode steps in flight.
-    let config =
-        SchedulerConfig { max_concurrency: 4, queue_limit: 64, identity: Default::default(), device_fed_decode: true };
-    let mut scheduler = Scheduler::new(m.cache_scheme.clone(), m.capacities.clone(), config).unwrap();
-    for p in 0..3u32 {
-        let tokens = (0..40).map(|i| (i * 3 + p) % spec.vocab_size).collect();
-        let request = RequestSpec {
-            tokens,
-            images: vec![],
-            message_endpoints: vec![],
-            max_output_tokens: 10,
-            eos_tokens: vec![],
-            seed: 1,
-            needs_host_feedback: false,
-        };
-        scheduler.submit(request).unwrap();
-    }
-    let mut finished = Vec::new();
-    while !scheduler.is_idle() {
-        turn(&mut scheduler, &mut executor).expect("executes");
-        scheduler.check_invariants();
-        finished.extend(scheduler.take_finished());
-    }
-    assert_eq!(finished.len(), 3);
-    assert!(finished.iter().all(|f| f.output.len() == 10 && f.reason == FinishReason::Length));
 }
 
 /// Host transfers address whole pages of the KV buffer and whole rows of the row buffer: bytes

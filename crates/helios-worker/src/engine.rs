@@ -118,7 +118,7 @@ pub enum Health {
 }
 
 #[derive(Debug, Default)]
-struct HealthState {
+pub(crate) struct HealthState {
     status: AtomicU8,
     failure: Mutex<Option<String>>,
 }
@@ -261,22 +261,9 @@ impl Engine {
                     }
                     health.status.store(READY, Ordering::Release);
                     let _ = ready_tx.send(Ok(()));
-                    ModelLoop {
-                        scheduler,
-                        executor,
-                        active: HashMap::new(),
-                        rx,
-                        metrics,
-                        health,
-                        draining: false,
-                        next_fence: 1,
-                        vocab,
-                        grammars,
-                        occupancy_at: Instant::now(),
-                        restores_in_flight: HashMap::new(),
-                        disk_flush_timeout: disk_cache.as_ref().map(|d| d.flush_timeout),
-                    }
-                    .run();
+                    ModelLoop::new(scheduler, executor, rx, metrics, health, vocab, grammars)
+                        .with_disk_flush(disk_cache.as_ref().map(|d| d.flush_timeout))
+                        .run();
                 })
                 .map_err(StartError::Thread)?
         };
@@ -454,7 +441,19 @@ struct Active {
     last_token: Option<Instant>,
 }
 
-struct ModelLoop<E: Executor> {
+/// What one turn of the model loop did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Turn {
+    /// A step was submitted, or completions landed.
+    Progressed,
+    /// Nothing ran or landed; the turn waited briefly for a grammar mask or the disk, and
+    /// `landed` says whether one came back.
+    Waited { landed: bool },
+    /// Nothing ran, landed or could be waited for here: the loop waits for a command.
+    Blocked,
+}
+
+pub(crate) struct ModelLoop<E: Executor> {
     scheduler: Scheduler,
     executor: E,
     active: HashMap<RequestId, Active>,
@@ -528,10 +527,67 @@ fn attach_tiers<E: Executor>(
     Ok(scheduler.with_disk_tier(tier, io, identity))
 }
 
+/// Completions must arrive in fence order (`next_fence` is the oldest one in flight) and
+/// sample ids inside the vocabulary.
+fn check_completion(c: &Completion, next_fence: &mut u64, vocab: u32) -> Result<(), LoopError> {
+    if c.fence.0 != *next_fence {
+        return Err(LoopError::UnexpectedFence { got: c.fence.0, expected: *next_fence });
+    }
+    if let Some(s) = c.sampled.iter().find(|s| s.token >= vocab) {
+        return Err(LoopError::SampledOutOfVocabulary { token: s.token, vocab });
+    }
+    *next_fence += 1;
+    Ok(())
+}
+
 /// How often busy turns refresh the occupancy gauges (idle and exit always do).
 const OCCUPANCY_PERIOD: Duration = Duration::from_millis(20);
 
 impl<E: Executor> ModelLoop<E> {
+    /// The loop over a built scheduler and a ready executor. `vocab` bounds sampled ids.
+    pub(crate) fn new(
+        scheduler: Scheduler,
+        executor: E,
+        rx: Receiver<Command>,
+        metrics: Arc<Metrics>,
+        health: Arc<HealthState>,
+        vocab: u32,
+        grammars: GrammarWork,
+    ) -> Self {
+        ModelLoop {
+            scheduler,
+            executor,
+            active: HashMap::new(),
+            rx,
+            metrics,
+            health,
+            draining: false,
+            next_fence: 1,
+            vocab,
+            grammars,
+            occupancy_at: Instant::now(),
+            restores_in_flight: HashMap::new(),
+            disk_flush_timeout: None,
+        }
+    }
+
+    pub(crate) fn with_disk_flush(mut self, timeout: Option<Duration>) -> Self {
+        self.disk_flush_timeout = timeout;
+        self
+    }
+
+    pub(crate) fn scheduler(&self) -> &Scheduler {
+        &self.scheduler
+    }
+
+    pub(crate) fn scheduler_mut(&mut self) -> &mut Scheduler {
+        &mut self.scheduler
+    }
+
+    pub(crate) fn executor_mut(&mut self) -> &mut E {
+        &mut self.executor
+    }
+
     fn publish_occupancy(&mut self, force: bool) {
         let now = Instant::now();
         if force || now.duration_since(self.occupancy_at) >= OCCUPANCY_PERIOD {
@@ -590,7 +646,7 @@ impl<E: Executor> ModelLoop<E> {
             if self.scheduler.is_idle() {
                 // A step whose samples were all dropped (the step after an EOS) may still be in
                 // flight: land it before sleeping, so its pages and slot retire.
-                if let Err(e) = self.executor.synchronize().map_err(LoopError::from).and_then(|done| self.apply(done)) {
+                if let Err(e) = self.land_all() {
                     self.executor_failed(e);
                     break;
                 }
@@ -616,9 +672,19 @@ impl<E: Executor> ModelLoop<E> {
             while let Ok(cmd) = self.rx.try_recv() {
                 self.handle(cmd);
             }
-            if let Err(e) = self.turn() {
-                self.executor_failed(e);
-                break;
+            match self.turn() {
+                Ok(Turn::Blocked) if !self.scheduler.is_idle() => {
+                    // Nothing runnable (e.g. waiting for pages): wait briefly for a command.
+                    match self.rx.recv_timeout(Duration::from_millis(1)) {
+                        Ok(cmd) => self.handle(cmd),
+                        Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => {}
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    self.executor_failed(e);
+                    break;
+                }
             }
             self.publish_occupancy(false);
         }
@@ -649,15 +715,7 @@ impl<E: Executor> ModelLoop<E> {
         }
         let t0 = Instant::now();
         tracing::info!(gpu_checkpoints = self.scheduler.cached_checkpoints(), "disk cache: writing the cache out");
-        let executor = &mut self.executor;
-        let written = self.scheduler.write_out(t0 + timeout, |scheduler, step| {
-            let done = executor.submit(&step, &StepInputs::default()).and_then(|()| executor.synchronize())?;
-            for c in &done {
-                scheduler.complete(c);
-            }
-            Ok::<(), ExecutorError>(())
-        });
-        let left = match written {
+        let left = match self.write_out(t0 + timeout) {
             Ok((_, left)) => left,
             Err(e) => {
                 tracing::error!("disk cache flush: the copy-out step failed: {e}");
@@ -673,7 +731,22 @@ impl<E: Executor> ModelLoop<E> {
         );
     }
 
-    fn handle(&mut self, cmd: Command) {
+    /// The shutdown write-out ([`Scheduler::write_out`]): the GPU cache demoted and copied
+    /// out, the host tier written to disk until `deadline`. Returns the rounds it took and the
+    /// checkpoints left unwritten.
+    pub(crate) fn write_out(&mut self, deadline: Instant) -> Result<(u32, usize), LoopError> {
+        let (executor, next_fence, vocab) = (&mut self.executor, &mut self.next_fence, self.vocab);
+        self.scheduler.write_out(deadline, |scheduler, step| {
+            executor.submit(&step, &StepInputs::default())?;
+            for c in executor.synchronize()? {
+                check_completion(&c, next_fence, vocab)?;
+                scheduler.complete(&c);
+            }
+            Ok::<(), LoopError>(())
+        })
+    }
+
+    pub(crate) fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Submit { spec, sampling, grammar, cell, reply } => {
                 if self.draining {
@@ -728,7 +801,9 @@ impl<E: Executor> ModelLoop<E> {
         }
     }
 
-    fn turn(&mut self) -> Result<(), LoopError> {
+    /// One turn: plan, pack and submit a step, or wait for the oldest one in flight; then
+    /// apply what completed. Commands are not taken here (`run` and the test driver do).
+    pub(crate) fn turn(&mut self) -> Result<Turn, LoopError> {
         self.collect_grammars(None);
         let step = self.scheduler.schedule();
         for id in self.scheduler.take_admitted() {
@@ -737,6 +812,7 @@ impl<E: Executor> ModelLoop<E> {
                 a.cell.admit();
             }
         }
+        let mut turned = Turn::Progressed;
         let completions = match step {
             Some(step) => {
                 let inputs = self.pack(&step);
@@ -758,21 +834,27 @@ impl<E: Executor> ModelLoop<E> {
                 let done = self.executor.wait()?;
                 if done.is_empty() && !self.scheduler.is_idle() && !self.grammars.is_empty() {
                     // Held for masks: wait briefly for one (commands are taken next turn).
-                    self.collect_grammars(Some(Duration::from_millis(1)));
+                    let landed = self.collect_grammars(Some(Duration::from_millis(1)));
+                    turned = Turn::Waited { landed };
                 } else if done.is_empty() && self.scheduler.disk_busy() {
                     // Requests wait on a disk fetch: wait for the disk, briefly.
-                    self.scheduler.wait_disk(Duration::from_millis(1));
-                } else if done.is_empty() && !self.scheduler.is_idle() {
-                    // Nothing runnable (e.g. waiting for pages): wait briefly for a command.
-                    match self.rx.recv_timeout(Duration::from_millis(1)) {
-                        Ok(cmd) => self.handle(cmd),
-                        Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => {}
-                    }
+                    let landed = self.scheduler.wait_disk(Duration::from_millis(1));
+                    turned = Turn::Waited { landed };
+                } else if done.is_empty() {
+                    turned = Turn::Blocked;
                 }
                 done
             }
         };
-        self.apply(completions)
+        self.apply(completions)?;
+        Ok(turned)
+    }
+
+    /// Lands every step still in flight (an idle scheduler may still have one whose samples
+    /// were all dropped, the step after an EOS), so its pages and slot retire.
+    pub(crate) fn land_all(&mut self) -> Result<(), LoopError> {
+        let done = self.executor.synchronize()?;
+        self.apply(done)
     }
 
     /// Validates completions in fence order, applies them and retires finished requests.
@@ -798,9 +880,11 @@ impl<E: Executor> ModelLoop<E> {
 
     /// Takes finished grammar work (waiting as `GrammarWork::poll` says): a request whose
     /// mask is back is resumed; one whose grammar failed or ran past its budget fails alone.
-    fn collect_grammars(&mut self, block: Option<Duration>) {
+    /// Returns whether any outcome came back.
+    fn collect_grammars(&mut self, block: Option<Duration>) -> bool {
         let mut outcomes = Vec::new();
         self.grammars.poll(block, &mut outcomes);
+        let landed = !outcomes.is_empty();
         for o in outcomes {
             match o {
                 GrammarOutcome::Ready(id, ready) => match self.active.get_mut(&id) {
@@ -819,6 +903,7 @@ impl<E: Executor> ModelLoop<E> {
                 }
             }
         }
+        landed
     }
 
     /// Sampling parameters and grammar masks for every request the step samples.
@@ -851,16 +936,8 @@ impl<E: Executor> ModelLoop<E> {
         inputs
     }
 
-    /// Completions must arrive in fence order and sample ids inside the vocabulary.
     fn validate(&mut self, c: &Completion) -> Result<(), LoopError> {
-        if c.fence.0 != self.next_fence {
-            return Err(LoopError::UnexpectedFence { got: c.fence.0, expected: self.next_fence });
-        }
-        if let Some(s) = c.sampled.iter().find(|s| s.token >= self.vocab) {
-            return Err(LoopError::SampledOutOfVocabulary { token: s.token, vocab: self.vocab });
-        }
-        self.next_fence += 1;
-        Ok(())
+        check_completion(c, &mut self.next_fence, self.vocab)
     }
 
     /// Hands the samples the scheduler accepted to their requests (a sample the device drew

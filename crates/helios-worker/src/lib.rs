@@ -17,6 +17,9 @@
 //! counts whenever the worker is idle.
 
 mod decode;
+/// The serving loop driven one turn at a time, for tests and device examples (feature `testkit`).
+#[cfg(feature = "testkit")]
+pub mod drive;
 mod engine;
 mod error;
 mod frontend;
@@ -26,6 +29,9 @@ mod output;
 mod prep;
 mod request;
 mod trim;
+/// Agent-like workloads through the serving loop and their solo-run oracle (feature `testkit`).
+#[cfg(feature = "testkit")]
+pub mod workload;
 
 pub use decode::{ChoiceDecoder, Decoded, StopHit};
 pub use engine::{DiskCacheOptions, Engine, EngineOptions, Health};

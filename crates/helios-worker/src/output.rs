@@ -112,6 +112,15 @@ impl OutputCell {
     pub(crate) fn finish(&self, result: Result<FinishInfo, RequestError>) {
         self.update(|s| s.terminal = Some(result));
     }
+
+    /// Every token and the terminal outcome, once the request ended (the test driver, which
+    /// reads a cell only then).
+    #[cfg(feature = "testkit")]
+    pub(crate) fn ended(&self) -> Option<(Vec<u32>, Result<FinishInfo, RequestError>)> {
+        let mut s = self.state.lock().ok()?;
+        let terminal = s.terminal.take()?;
+        Some((std::mem::take(&mut s.tokens), terminal))
+    }
 }
 
 /// The consumer side of one choice. Dropping it before the terminal event cancels the

@@ -1,6 +1,6 @@
 //! The lifecycle scenarios on a real core: an agent-like workload (conversations with message
 //! endpoints, appended turns, branches from endpoints, a cancel, page pressure with preemption)
-//! runs through `GraphExecutor<DeviceCore>` with the real scheduler, then every request is run
+//! runs through the serving loop over `GraphExecutor<DeviceCore>`, then every request is run
 //! again alone on the same device (one slot, nothing cached) and the tokens are compared.
 //!
 //! `core_workload CORE [--pages N] [--relocate] [--host-mib N [--disk-dir DIR]]`: `--pages` caps
@@ -19,8 +19,8 @@ use std::time::Instant;
 use helios_contract::RuntimeCore;
 use helios_replay::cuda::{DeviceCore, LoadOptions};
 use helios_replay::graph::GraphExecutor;
-use helios_replay::workload::{Tiers, device_scenario, run_alone_on, run_workload_tiered};
-use helios_scheduler::FinishReason;
+use helios_worker::FinishCause;
+use helios_worker::workload::{Tiers, device_scenario, finish, run_alone_on, run_workload_tiered};
 use serde_json::json;
 
 fn run(core: &str, pages: Option<u32>, relocate: bool, tiers: &Tiers) -> Result<serde_json::Value, String> {
@@ -47,7 +47,8 @@ fn run(core: &str, pages: Option<u32>, relocate: bool, tiers: &Tiers) -> Result<
     let mut differing = Vec::new();
     for (spec, done) in &report.finished {
         let alone = run_alone_on(&mut executor, &scheme, &caps, spec).map_err(|e| e.to_string())?;
-        let partial = matches!(done.reason, FinishReason::Cancelled | FinishReason::PoolExhausted);
+        let info = finish(done);
+        let partial = matches!(info.cause, FinishCause::Cancelled | FinishCause::PoolExhausted);
         let same = if partial { alone.starts_with(&done.output) } else { alone == done.output };
         compared += 1;
         if same {
@@ -55,16 +56,16 @@ fn run(core: &str, pages: Option<u32>, relocate: bool, tiers: &Tiers) -> Result<
         } else {
             let at =
                 done.output.iter().zip(&alone).position(|(a, b)| a != b).unwrap_or(done.output.len().min(alone.len()));
-            differing.push(json!({"prompt_tokens": spec.tokens.len(), "cached_tokens": done.cached_tokens,
-                                  "reason": format!("{:?}", done.reason), "first_difference": at,
+            differing.push(json!({"prompt_tokens": spec.tokens.len(), "cached_tokens": info.cached_tokens,
+                                  "reason": info.cause.as_str(), "first_difference": at,
                                   "tokens": done.output.len(), "alone_tokens": alone.len()}));
         }
     }
     Ok(json!({
         "load_s": load_s, "workload_s": workload_s, "requests": report.finished.len(), "turns": report.turns,
         "preemptions": report.preemptions, "captures": report.captures, "evictions": report.evictions,
-        "prefix_hit_tokens": report.finished.iter().map(|(_, d)| u64::from(d.cached_tokens)).sum::<u64>(),
-        "cancelled": report.finished.iter().filter(|(_, d)| d.reason == FinishReason::Cancelled).count(),
+        "prefix_hit_tokens": report.finished.iter().map(|(_, d)| u64::from(finish(d).cached_tokens)).sum::<u64>(),
+        "cancelled": report.finished.iter().filter(|(_, d)| finish(d).cause == FinishCause::Cancelled).count(),
         "compared": compared, "identical_to_solo_run": identical, "differing": differing,
         "pages": caps.max_kv_pages, "relocated": relocate,
         "host_tier_bytes": tiers.host_bytes, "demotions": report.demotions, "host_restores": report.host_restores,

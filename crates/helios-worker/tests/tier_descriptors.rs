@@ -3,8 +3,8 @@
 //! as it found it. Alone in its test binary, so nothing else opens files meanwhile.
 #![allow(clippy::unwrap_used)]
 
-use helios_replay::workload::{Action, Tiers, run_workload_tiered};
 use helios_replay::{SimulatedExecutor, reference_schemes, test_capacities};
+use helios_worker::workload::{Action, Tiers, run_workload_tiered};
 
 fn open_descriptors() -> usize {
     std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())

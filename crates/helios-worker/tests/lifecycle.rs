@@ -1,12 +1,17 @@
-//! Deterministic scenarios and property tests over random agent workloads.
+//! Deterministic scenarios and property tests over random agent workloads, every request run
+//! through the serving loop (the worker's model loop, turned by [`LoopDriver`]) and compared
+//! with its solo run.
 #![allow(clippy::unwrap_used)]
 
-use helios_contract::model::CacheScheme;
-use helios_replay::workload::{
-    Action, Tiers, assert_matches_oracle, run_alone, run_workload, run_workload_tiered, test_config,
+use helios_contract::model::{CacheScheme, Capacities};
+use helios_replay::{Executor, SimulatedExecutor, StepLog, reference_schemes, test_capacities};
+use helios_scheduler::{AdmissionError, RequestSpec, Scheduler, SchedulerConfig, StepOp};
+use helios_worker::drive::{Ended, LoopDriver};
+use helios_worker::workload::{
+    Action, Tiers, assert_matches_oracle, finish, run_alone, run_workload, run_workload_tiered, test_config,
+    tiered_scheduler,
 };
-use helios_replay::{Executor, SimulatedExecutor, reference_schemes, test_capacities, turn};
-use helios_scheduler::{AdmissionError, FinishReason, RequestSpec, Scheduler, SchedulerConfig, StepOp};
+use helios_worker::{FinishCause, RequestError};
 use proptest::prelude::*;
 
 fn spec(tokens: Vec<u32>, max_output: u32, seed: u64) -> RequestSpec {
@@ -17,27 +22,35 @@ fn prompt(len: usize, salt: u32) -> Vec<u32> {
     (0..len as u32).map(|i| (i * 7 + salt) % 96 + 1).collect()
 }
 
+/// The serving loop over `executor` and a fresh scheduler of `concurrency` slots.
+fn looped<E: Executor>(scheme: &CacheScheme, caps: &Capacities, concurrency: u32, executor: E) -> LoopDriver<E> {
+    looped_over(Scheduler::new(scheme.clone(), caps.clone(), test_config(concurrency)).unwrap(), caps, executor)
+}
+
+fn looped_over<E: Executor>(scheduler: Scheduler, caps: &Capacities, executor: E) -> LoopDriver<E> {
+    LoopDriver::new(scheduler, executor, caps.vocab_size).unwrap()
+}
+
+/// Drains the loop and returns the one request that ended.
+fn drain_one<E: Executor>(d: &mut LoopDriver<E>) -> Ended {
+    d.drain().unwrap();
+    let mut ended = d.take_ended();
+    assert_eq!(ended.len(), 1, "{ended:?}");
+    ended.pop().unwrap()
+}
+
 /// A graceful shutdown's write-out, as the serving loop runs it: returns the rounds it took.
-fn write_out(scheduler: &mut Scheduler, executor: &mut SimulatedExecutor) -> u32 {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    let (rounds, left) = scheduler
-        .write_out(deadline, |scheduler, step| {
-            executor.submit(&step, &Default::default())?;
-            for c in executor.synchronize()? {
-                scheduler.complete(&c);
-            }
-            Ok::<(), helios_replay::ExecutorError>(())
-        })
-        .unwrap();
+fn write_out<E: Executor>(d: &mut LoopDriver<E>) -> u32 {
+    let (rounds, left) = d.write_out(std::time::Duration::from_secs(30)).unwrap();
     assert_eq!(left, 0, "everything reached the disk");
-    scheduler.check_invariants();
+    d.scheduler().check_invariants();
     rounds
 }
 
-fn drain(scheduler: &mut Scheduler, executor: &mut SimulatedExecutor) {
-    while !scheduler.is_idle() {
-        assert!(turn(scheduler, executor).unwrap() || scheduler.is_idle(), "stalled");
-        scheduler.check_invariants();
+fn admission(e: RequestError) -> AdmissionError {
+    match e {
+        RequestError::Admission(a) => a,
+        other => panic!("not an admission error: {other:?}"),
     }
 }
 
@@ -46,30 +59,26 @@ fn page_boundary_prefixes_hit_and_match_solo_runs() {
     for scheme in reference_schemes() {
         let caps = test_capacities(4, 64, 16);
         for len in [1usize, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257] {
-            let mut scheduler = Scheduler::new(scheme.clone(), caps.clone(), test_config(4)).unwrap();
-            let mut executor = SimulatedExecutor::new(&scheme, &caps);
+            let mut d = looped(&scheme, &caps, 4, SimulatedExecutor::new(&scheme, &caps));
             let first = spec(prompt(len, 3), 4, 1);
-            scheduler.submit(first.clone()).unwrap();
-            drain(&mut scheduler, &mut executor);
-            let out = scheduler.take_finished().pop().unwrap().output;
+            d.submit(first.clone()).unwrap();
+            let out = drain_one(&mut d).output;
             assert_eq!(out, run_alone(&scheme, &caps, &first));
             // Same prompt again: full-prompt hit through resume sampling, other seed.
             let again = spec(prompt(len, 3), 4, 2);
-            scheduler.submit(again.clone()).unwrap();
-            drain(&mut scheduler, &mut executor);
-            assert_eq!(scheduler.take_finished().pop().unwrap().output, run_alone(&scheme, &caps, &again));
-            assert!(scheduler.stats().full_prompt_hits >= 1, "len {len}: expected a full hit");
+            d.submit(again.clone()).unwrap();
+            assert_eq!(drain_one(&mut d).output, run_alone(&scheme, &caps, &again));
+            assert!(d.scheduler().stats().full_prompt_hits >= 1, "len {len}: expected a full hit");
             // Continue the conversation: hit on the terminal endpoint.
             let mut longer = first.tokens.clone();
             longer.extend(&out);
             longer.extend(prompt(5, 9));
             let next = spec(longer, 3, 3);
-            scheduler.submit(next.clone()).unwrap();
-            drain(&mut scheduler, &mut executor);
-            assert_eq!(scheduler.take_finished().pop().unwrap().output, run_alone(&scheme, &caps, &next));
-            assert!(scheduler.stats().prefix_hit_tokens as usize >= 2 * len);
-            scheduler.evict_cache();
-            assert!(scheduler.all_storage_free());
+            d.submit(next.clone()).unwrap();
+            assert_eq!(drain_one(&mut d).output, run_alone(&scheme, &caps, &next));
+            assert!(d.scheduler().stats().prefix_hit_tokens as usize >= 2 * len);
+            d.scheduler_mut().evict_cache();
+            assert!(d.scheduler().all_storage_free());
         }
     }
 }
@@ -78,28 +87,26 @@ fn page_boundary_prefixes_hit_and_match_solo_runs() {
 fn branches_continue_independently() {
     for scheme in reference_schemes() {
         let caps = test_capacities(4, 64, 16);
-        let mut scheduler = Scheduler::new(scheme.clone(), caps.clone(), test_config(4)).unwrap();
-        let mut executor = SimulatedExecutor::new(&scheme, &caps);
+        let mut d = looped(&scheme, &caps, 4, SimulatedExecutor::new(&scheme, &caps));
         let mut root = spec(prompt(150, 1), 6, 1);
         root.message_endpoints = vec![40, 100];
-        scheduler.submit(root.clone()).unwrap();
-        drain(&mut scheduler, &mut executor);
-        assert_eq!(scheduler.take_finished()[0].output, run_alone(&scheme, &caps, &root));
+        d.submit(root.clone()).unwrap();
+        assert_eq!(drain_one(&mut d).output, run_alone(&scheme, &caps, &root));
         let mut branches = Vec::new();
         for (i, cut) in [40usize, 100, 150].into_iter().enumerate() {
             let mut tokens = root.tokens[..cut].to_vec();
             tokens.extend(prompt(10 + i, 50 + i as u32));
             let b = spec(tokens, 8, 10 + i as u64);
-            scheduler.submit(b.clone()).unwrap();
+            d.submit(b.clone()).unwrap();
             branches.push(b);
         }
-        drain(&mut scheduler, &mut executor);
-        let mut done = scheduler.take_finished();
-        done.sort_by_key(|d| d.id);
-        for (b, d) in branches.iter().zip(&done) {
-            assert_eq!(d.output, run_alone(&scheme, &caps, b));
+        d.drain().unwrap();
+        let done = d.take_ended();
+        assert_eq!(done.len(), branches.len());
+        for (b, e) in branches.iter().zip(&done) {
+            assert_eq!(e.output, run_alone(&scheme, &caps, b));
         }
-        assert!(scheduler.stats().prefix_hit_tokens >= 40 + 100 + 150);
+        assert!(d.scheduler().stats().prefix_hit_tokens >= 40 + 100 + 150);
     }
 }
 
@@ -107,19 +114,18 @@ fn branches_continue_independently() {
 fn eos_and_output_limits() {
     let scheme = reference_schemes().remove(0);
     let caps = test_capacities(2, 32, 4);
-    let mut scheduler = Scheduler::new(scheme.clone(), caps.clone(), test_config(2)).unwrap();
-    let mut executor = SimulatedExecutor::new(&scheme, &caps);
+    let mut d = looped(&scheme, &caps, 2, SimulatedExecutor::new(&scheme, &caps));
     let free_run = run_alone(&scheme, &caps, &spec(prompt(20, 1), 30, 5));
     let mut with_eos = spec(prompt(20, 1), 30, 5);
     with_eos.eos_tokens = vec![free_run[4]];
-    scheduler.submit(with_eos).unwrap();
-    scheduler.submit(spec(prompt(20, 1), 1, 5)).unwrap();
-    drain(&mut scheduler, &mut executor);
-    let done = scheduler.take_finished();
-    let eos = done.iter().find(|d| d.reason == FinishReason::Eos).unwrap();
+    d.submit(with_eos).unwrap();
+    d.submit(spec(prompt(20, 1), 1, 5)).unwrap();
+    d.drain().unwrap();
+    let done = d.take_ended();
+    let eos = done.iter().find(|e| finish(e).cause == FinishCause::Eos).unwrap();
     let first_eos = free_run.iter().position(|&t| t == free_run[4]).unwrap();
     assert_eq!(eos.output, free_run[..=first_eos]);
-    let one = done.iter().find(|d| d.reason == FinishReason::Length).unwrap();
+    let one = done.iter().find(|e| finish(e).cause == FinishCause::Length).unwrap();
     assert_eq!(one.output, free_run[..1]);
 }
 
@@ -127,26 +133,26 @@ fn eos_and_output_limits() {
 fn slots_are_reused_and_exhaustion_is_typed() {
     let scheme = reference_schemes().remove(0);
     let caps = test_capacities(2, 8, 2);
-    let mut scheduler = Scheduler::new(scheme.clone(), caps.clone(), test_config(2)).unwrap();
-    let mut executor = SimulatedExecutor::new(&scheme, &caps);
-    assert_eq!(scheduler.submit(spec(vec![], 1, 0)), Err(AdmissionError::EmptyPrompt));
-    assert!(matches!(scheduler.submit(spec(prompt(1024, 0), 1, 0)), Err(AdmissionError::ContextLimit { .. })));
-    assert!(matches!(scheduler.submit(spec(prompt(600, 0), 1, 0)), Err(AdmissionError::LargerThanPool { .. })));
-    assert!(matches!(scheduler.submit(spec(vec![500], 1, 0)), Err(AdmissionError::TokenOutOfVocabulary { .. })));
+    let mut d = looped(&scheme, &caps, 2, SimulatedExecutor::new(&scheme, &caps));
+    let refused = |d: &mut LoopDriver<SimulatedExecutor>, s| admission(d.submit(s).unwrap_err());
+    assert_eq!(refused(&mut d, spec(vec![], 1, 0)), AdmissionError::EmptyPrompt);
+    assert!(matches!(refused(&mut d, spec(prompt(1024, 0), 1, 0)), AdmissionError::ContextLimit { .. }));
+    assert!(matches!(refused(&mut d, spec(prompt(600, 0), 1, 0)), AdmissionError::LargerThanPool { .. }));
+    assert!(matches!(refused(&mut d, spec(vec![500], 1, 0)), AdmissionError::TokenOutOfVocabulary { .. }));
     let mut specs = Vec::new();
     for i in 0..6 {
         let s = spec(prompt(30 + i, i as u32), 20, i as u64);
-        scheduler.submit(s.clone()).unwrap();
+        d.submit(s.clone()).unwrap();
         specs.push(s);
     }
-    drain(&mut scheduler, &mut executor);
-    let mut done = scheduler.take_finished();
-    done.sort_by_key(|d| d.id);
-    for (s, d) in specs.iter().zip(&done) {
-        assert_eq!(d.output, run_alone(&scheme, &caps, s));
+    d.drain().unwrap();
+    let done = d.take_ended();
+    assert_eq!(done.len(), specs.len());
+    for (s, e) in specs.iter().zip(&done) {
+        assert_eq!(e.output, run_alone(&scheme, &caps, s));
     }
-    scheduler.evict_cache();
-    assert!(scheduler.all_storage_free());
+    d.scheduler_mut().evict_cache();
+    assert!(d.scheduler().all_storage_free());
 }
 
 #[test]
@@ -277,13 +283,14 @@ fn evicted_conversations_are_restored_from_the_host_tier() {
         let appended = report.finished.iter().filter(|(s, _)| s.message_endpoints.len() >= 3);
         for (spec, done) in appended {
             let previous = *spec.message_endpoints.last().unwrap();
-            assert!(done.cached_tokens + 1 >= previous, "{} of {previous} cached", done.cached_tokens);
+            let cached = finish(done).cached_tokens;
+            assert!(cached + 1 >= previous, "{cached} of {previous} cached");
         }
         // Without the host tier the same workload recomputes evicted prefixes.
         let mut executor = SimulatedExecutor::new(&scheme, &caps);
         let plain = run_workload_tiered(&mut executor, &scheme, &caps, 4, &[], &Tiers::default(), &actions).unwrap();
-        let cached = |r: &helios_replay::workload::WorkloadReport| -> u32 {
-            r.finished.iter().map(|(_, d)| d.cached_tokens).sum()
+        let cached = |r: &helios_worker::workload::WorkloadReport| -> u32 {
+            r.finished.iter().map(|(_, d)| finish(d).cached_tokens).sum()
         };
         assert!(cached(&report) > cached(&plain), "{} vs {}", cached(&report), cached(&plain));
     }
@@ -335,7 +342,7 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 4000, ..ProptestConfig::default() })]
     #[test]
-    #[ignore = "soak: cargo test -p helios-replay -- --ignored"]
+    #[ignore = "soak: cargo test -p helios-worker --test lifecycle -- --ignored"]
     fn random_agent_workloads_soak(scheme in 0usize..3, tight in any::<bool>(), lag in 0usize..3, device_fed in any::<bool>(), host_pages in prop_oneof![Just(0u64), 4u64..40, Just(4096)], actions in prop::collection::vec(action(), 1..48)) {
         check(scheme, tight, lag, device_fed, host_pages, actions);
     }
@@ -373,35 +380,27 @@ fn executor_rejects_stale_rows() {
 /// after the row is initialized or restored, cold and on a prefix hit alike.
 #[test]
 fn admission_counts_the_prompt_once() {
-    use helios_replay::Executor;
-    use helios_scheduler::StepOp;
     let scheme = reference_schemes().remove(0);
     let caps = test_capacities(4, 64, 16);
-    let mut scheduler = Scheduler::new(scheme.clone(), caps.clone(), test_config(4)).unwrap();
-    let mut executor = SimulatedExecutor::new(&scheme, &caps);
+    let mut d = looped(&scheme, &caps, 4, StepLog::new(SimulatedExecutor::new(&scheme, &caps)));
     let tokens = prompt(70, 5);
     for seed in [1u64, 2] {
-        scheduler.submit(spec(tokens.clone(), 3, seed)).unwrap();
+        d.submit(spec(tokens.clone(), 3, seed)).unwrap();
+        d.drain().unwrap();
         let mut admits = Vec::new();
-        while !scheduler.is_idle() {
-            if let Some(step) = scheduler.schedule() {
-                for (i, op) in step.ops.iter().enumerate() {
-                    if let StepOp::AdmitHistogram { live_row, tokens: counted } = op {
-                        let before = i.checked_sub(1).map(|j| &step.ops[j]);
-                        let after_reset = matches!(before, Some(StepOp::Initialize { live_row: r, .. } | StepOp::Restore { live_row: r, .. }) if r == live_row);
-                        assert!(after_reset, "{:?}", step.ops);
-                        admits.push(counted.clone());
-                    }
+        for step in std::mem::take(&mut d.executor_mut().steps) {
+            for (i, op) in step.ops.iter().enumerate() {
+                if let StepOp::AdmitHistogram { live_row, tokens: counted } = op {
+                    let before = i.checked_sub(1).map(|j| &step.ops[j]);
+                    let after_reset = matches!(before, Some(StepOp::Initialize { live_row: r, .. } | StepOp::Restore { live_row: r, .. }) if r == live_row);
+                    assert!(after_reset, "{:?}", step.ops);
+                    admits.push(counted.clone());
                 }
-                executor.submit(&step, &helios_replay::StepInputs::default()).unwrap();
-            }
-            for c in executor.synchronize().unwrap() {
-                scheduler.complete(&c);
             }
         }
         assert_eq!(admits, vec![tokens.clone()], "seed {seed}");
     }
-    assert!(scheduler.stats().full_prompt_hits >= 1, "the second request is a prefix hit");
+    assert!(d.scheduler().stats().full_prompt_hits >= 1, "the second request is a prefix hit");
 }
 
 /// With snapshot rows sized to the KV pages (as `ignition prepare` sizes them for rows this
@@ -414,15 +413,14 @@ fn a_shared_prefix_survives_page_pressure_when_rows_match_pages() {
     for scheme in reference_schemes() {
         let pt = scheme.page_tokens as usize;
         let caps = test_capacities(4, 16, 16);
-        let mut scheduler = Scheduler::new(scheme.clone(), caps.clone(), test_config(4)).unwrap();
-        let mut executor = SimulatedExecutor::new(&scheme, &caps);
+        let mut d = looped(&scheme, &caps, 4, SimulatedExecutor::new(&scheme, &caps));
         for i in 0..12 {
             let mut other = spec(prompt(2 * pt + 22, 100 + i), 8, u64::from(i));
             other.message_endpoints = vec![pt as u32 + 5];
-            scheduler.submit(other).unwrap();
-            drain(&mut scheduler, &mut executor);
+            d.submit(other).unwrap();
+            drain_one(&mut d);
         }
-        let pressure = scheduler.pressure();
+        let pressure = d.scheduler().pressure();
         assert!(pressure.page_leaf_evictions + pressure.page_ancestor_removals > 0, "no page pressure: {pressure:?}");
         let boundary = 3 * pt + 20;
         let system = prompt(boundary, 7);
@@ -433,16 +431,14 @@ fn a_shared_prefix_survives_page_pressure_when_rows_match_pages() {
             s.message_endpoints = vec![boundary as u32];
             s
         };
-        scheduler.submit(ask(0)).unwrap();
-        drain(&mut scheduler, &mut executor);
-        scheduler.take_finished();
-        let before = scheduler.stats().prefix_hit_tokens;
+        d.submit(ask(0)).unwrap();
+        drain_one(&mut d);
+        let before = d.scheduler().stats().prefix_hit_tokens;
         for q in 1..=3 {
-            scheduler.submit(ask(q)).unwrap();
-            drain(&mut scheduler, &mut executor);
-            assert_eq!(scheduler.take_finished().pop().unwrap().output, run_alone(&scheme, &caps, &ask(q)));
+            d.submit(ask(q)).unwrap();
+            assert_eq!(drain_one(&mut d).output, run_alone(&scheme, &caps, &ask(q)));
         }
-        let hit = scheduler.stats().prefix_hit_tokens - before;
+        let hit = d.scheduler().stats().prefix_hit_tokens - before;
         assert!(hit >= 3 * boundary as u64, "page tokens {pt}: the shared system prefix was lost ({hit} hit tokens)");
     }
 }
@@ -453,19 +449,19 @@ fn a_shared_prefix_survives_page_pressure_when_rows_match_pages() {
 /// before it is read), and the run exercised captures, prefix hits, a cancel and page pressure.
 #[test]
 fn the_device_scenario_matches_solo_runs_on_the_same_executor() {
-    use helios_replay::workload::{device_scenario, run_alone_on, run_workload_on};
+    use helios_worker::workload::{device_scenario, run_alone_on, run_workload_on};
 
     for scheme in reference_schemes() {
         let caps = test_capacities(4, 24, 24);
         let mut executor = SimulatedExecutor::new(&scheme, &caps);
         let report = run_workload_on(&mut executor, &scheme, &caps, 4, &[], &device_scenario()).unwrap();
         assert!(report.finished.len() >= 12 && report.captures > 0 && report.evictions > 0, "{report:?}");
-        assert!(report.finished.iter().any(|(_, d)| d.cached_tokens > 0), "no prefix hit");
-        assert!(report.finished.iter().any(|(_, d)| d.reason == FinishReason::Cancelled), "no cancel");
+        assert!(report.finished.iter().any(|(_, d)| finish(d).cached_tokens > 0), "no prefix hit");
+        assert!(report.finished.iter().any(|(_, d)| finish(d).cause == FinishCause::Cancelled), "no cancel");
         for (spec, done) in &report.finished {
             let alone = run_alone_on(&mut executor, &scheme, &caps, spec).unwrap();
-            match done.reason {
-                FinishReason::Cancelled | FinishReason::PoolExhausted => assert!(alone.starts_with(&done.output)),
+            match finish(done).cause {
+                FinishCause::Cancelled | FinishCause::PoolExhausted => assert!(alone.starts_with(&done.output)),
                 _ => assert_eq!(done.output, alone, "{:?} diverged from its solo run", done.id),
             }
         }
@@ -476,42 +472,22 @@ fn the_device_scenario_matches_solo_runs_on_the_same_executor() {
 /// the device-fed decode rows planned and the most samples that were in flight at once.
 fn pipelined(scheme: &CacheScheme, spec: &RequestSpec) -> (Vec<u32>, usize, usize) {
     let caps = test_capacities(2, 40, 4);
-    let mut executor = SimulatedExecutor::with_completion_lag(scheme, &caps, 1).with_device_fed_decode();
-    let config = SchedulerConfig { device_fed_decode: true, ..helios_replay::workload::test_config(2) };
-    let mut scheduler = Scheduler::new(scheme.clone(), caps, config).unwrap();
-    scheduler.submit(spec.clone()).unwrap();
-    let (mut device_rows, mut outstanding, mut most) = (0, 0usize, 0);
-    while !scheduler.is_idle() {
-        match scheduler.schedule() {
-            Some(step) => {
-                for op in &step.ops {
-                    if let StepOp::Decode { rows, .. } = op {
-                        device_rows += rows.iter().filter(|r| r.device_token).count();
-                    }
-                }
-                let samples = step.ops.iter().any(|op| {
-                    matches!(op, StepOp::Decode { .. } | StepOp::ResumeSampling { .. })
-                        || matches!(op, StepOp::Prefill { row, .. } if row.sample.is_some())
-                });
-                outstanding += usize::from(samples);
-                most = most.max(outstanding);
-                executor.submit(&step, &helios_replay::StepInputs::default()).unwrap();
-                for c in executor.poll().unwrap() {
-                    outstanding -= usize::from(!c.sampled.is_empty());
-                    scheduler.complete(&c);
-                }
-            }
-            None => {
-                for c in executor.wait().unwrap() {
-                    outstanding -= usize::from(!c.sampled.is_empty());
-                    scheduler.complete(&c);
-                }
-            }
-        }
-        scheduler.check_invariants();
-    }
-    let done = scheduler.take_finished().pop().unwrap();
-    (done.output, device_rows, most)
+    let executor = StepLog::new(SimulatedExecutor::with_completion_lag(scheme, &caps, 1).with_device_fed_decode());
+    let config = SchedulerConfig { device_fed_decode: true, ..test_config(2) };
+    let mut d = looped_over(Scheduler::new(scheme.clone(), caps.clone(), config).unwrap(), &caps, executor);
+    d.submit(spec.clone()).unwrap();
+    let out = drain_one(&mut d).output;
+    let log = d.executor_mut();
+    let device_rows = log
+        .steps
+        .iter()
+        .flat_map(|s| &s.ops)
+        .map(|op| match op {
+            StepOp::Decode { rows, .. } => rows.iter().filter(|r| r.device_token).count(),
+            _ => 0,
+        })
+        .sum();
+    (out, device_rows, log.most_sampling_in_flight)
 }
 
 #[test]
@@ -519,7 +495,7 @@ fn device_fed_decode_keeps_two_steps_in_flight_and_matches_solo_runs() {
     for scheme in reference_schemes() {
         let caps = test_capacities(2, 40, 4);
         let plain = spec(prompt(70, 3), 24, 11);
-        let alone = helios_replay::workload::run_alone(&scheme, &caps, &plain);
+        let alone = run_alone(&scheme, &caps, &plain);
         let (out, device_rows, most) = pipelined(&scheme, &plain);
         assert_eq!(out, alone, "page_tokens {}", scheme.page_tokens);
         assert!(device_rows >= 20, "{device_rows} device-fed rows");
@@ -553,35 +529,27 @@ fn stay_batched(lag: usize, device_fed: bool) {
     let scheme = reference_schemes().remove(0);
     let caps = test_capacities(2, 40, 4);
     let executor = SimulatedExecutor::with_completion_lag(&scheme, &caps, lag);
-    let mut executor = if device_fed { executor.with_device_fed_decode() } else { executor };
+    let executor = StepLog::new(if device_fed { executor.with_device_fed_decode() } else { executor });
     let config = SchedulerConfig { device_fed_decode: device_fed, ..test_config(2) };
-    let mut scheduler = Scheduler::new(scheme.clone(), caps.clone(), config).unwrap();
+    let mut d = looped_over(Scheduler::new(scheme.clone(), caps.clone(), config).unwrap(), &caps, executor);
     let specs = [spec(prompt(20, 1), 40, 5), spec(prompt(150, 2), 40, 6)];
-    let ids: Vec<_> = specs.iter().map(|s| scheduler.submit(s.clone()).unwrap()).collect();
-    let mut batch_sizes = Vec::new();
-    while !scheduler.is_idle() {
-        if let Some(step) = scheduler.schedule() {
-            for op in &step.ops {
-                if let StepOp::Decode { rows, .. } = op {
-                    batch_sizes.push(rows.len());
-                }
-            }
-            executor.submit(&step, &helios_replay::StepInputs::default()).unwrap();
-            for c in executor.poll().unwrap() {
-                scheduler.complete(&c);
-            }
-        } else {
-            for c in executor.wait().unwrap() {
-                scheduler.complete(&c);
-            }
-        }
-        scheduler.check_invariants();
-    }
-    let finished = scheduler.take_finished();
+    let ids: Vec<_> = specs.iter().map(|s| d.submit(s.clone()).unwrap()).collect();
+    d.drain().unwrap();
+    let finished = d.take_ended();
     for (id, s) in ids.iter().zip(&specs) {
         let done = finished.iter().find(|f| f.id == *id).unwrap();
         assert_eq!(done.output, run_alone(&scheme, &caps, s));
     }
+    let batch_sizes: Vec<usize> = d
+        .executor_mut()
+        .steps
+        .iter()
+        .flat_map(|s| &s.ops)
+        .filter_map(|op| match op {
+            StepOp::Decode { rows, .. } => Some(rows.len()),
+            _ => None,
+        })
+        .collect();
     // The first request decodes alone while the second prefills, then both share every step.
     let shared = batch_sizes.iter().filter(|&&n| n == 2).count();
     let alone = batch_sizes.iter().filter(|&&n| n == 1).count();
@@ -620,57 +588,59 @@ fn restore_tickets_are_shared_and_outlive_their_waiters() {
     let scheme = reference_schemes().remove(2);
     let caps = test_capacities(4, 64, 8);
     let host_bytes = 512 * helios_offload::UNIT_BYTES;
-    let mut scheduler =
-        Scheduler::new(scheme.clone(), caps.clone(), test_config(4)).unwrap().with_host_tier(host_bytes);
+    let scheduler = Scheduler::new(scheme.clone(), caps.clone(), test_config(4)).unwrap().with_host_tier(host_bytes);
     // Completions arrive one submission late: restores stay in flight across planning.
-    let mut executor = SimulatedExecutor::with_completion_lag(&scheme, &caps, 1);
+    let mut executor = StepLog::new(SimulatedExecutor::with_completion_lag(&scheme, &caps, 1));
     let arena = std::sync::Arc::new(helios_offload::HostArena::new(host_bytes).unwrap());
     executor.attach_host_arena(arena, helios_offload::StoreGeometry::from(&scheme)).unwrap();
+    let mut d = looped_over(scheduler, &caps, executor);
     let first = spec(prompt(150, 4), 5, 1);
-    scheduler.submit(first.clone()).unwrap();
-    drain(&mut scheduler, &mut executor);
-    let out = scheduler.take_finished().pop().unwrap().output;
+    d.submit(first.clone()).unwrap();
+    let out = drain_one(&mut d).output;
     let mut history = first.tokens.clone();
     history.extend(&out);
     let terminal = (history.len() - 1) as u32;
 
-    scheduler.evict_cache();
-    assert_eq!(scheduler.cached_checkpoints(), 0);
+    d.scheduler_mut().evict_cache();
+    assert_eq!(d.scheduler().cached_checkpoints(), 0);
     let mut next = history.clone();
     next.extend(prompt(9, 40));
-    let a = scheduler.submit(spec(next.clone(), 4, 2)).unwrap();
-    let b = scheduler.submit(spec(next.clone(), 4, 3)).unwrap();
-    let step = scheduler.schedule().unwrap();
+    let a = d.submit(spec(next.clone(), 4, 2)).unwrap();
+    let b = d.submit(spec(next.clone(), 4, 3)).unwrap();
+    let submitted = d.executor_mut().steps.len();
+    assert!(d.turn().unwrap());
+    let step = &d.executor_mut().steps[submitted];
     assert!(matches!(step.ops[0], StepOp::CopyOut { .. }), "demotions come first");
     assert_eq!(step.ops.iter().filter(|op| matches!(op, StepOp::CopyIn { .. })).count(), 1, "one transfer");
     assert!(!step.ops.iter().any(|op| matches!(op, StepOp::Prefill { .. })), "both wait for the restore");
-    executor.submit(&step, &Default::default()).unwrap();
-    assert_eq!((scheduler.stats().host_restores, scheduler.stats().host_restore_joins), (1, 1));
-    scheduler.cancel(b);
-    scheduler.check_invariants();
-    drain(&mut scheduler, &mut executor);
-    let done = scheduler.take_finished();
-    let (da, db) = (done.iter().find(|d| d.id == a).unwrap(), done.iter().find(|d| d.id == b).unwrap());
-    assert_eq!(db.reason, FinishReason::Cancelled);
+    let stats = d.scheduler().stats();
+    assert_eq!((stats.host_restores, stats.host_restore_joins), (1, 1));
+    d.cancel(b);
+    d.scheduler().check_invariants();
+    d.drain().unwrap();
+    let done = d.take_ended();
+    let (da, db) = (done.iter().find(|e| e.id == a).unwrap(), done.iter().find(|e| e.id == b).unwrap());
+    assert_eq!(finish(db).cause, FinishCause::Cancelled);
     assert_eq!(da.output, run_alone(&scheme, &caps, &spec(next.clone(), 4, 2)));
-    assert_eq!(da.cached_tokens, terminal, "restored the previous turn's terminal checkpoint");
+    assert_eq!(finish(da).cached_tokens, terminal, "restored the previous turn's terminal checkpoint");
 
     // A restore whose only waiter cancels still publishes: a later request hits it on the GPU.
-    scheduler.evict_cache();
-    let c = scheduler.submit(spec(next.clone(), 4, 4)).unwrap();
-    let step = scheduler.schedule().unwrap();
-    assert!(step.ops.iter().any(|op| matches!(op, StepOp::CopyIn { .. })));
-    executor.submit(&step, &Default::default()).unwrap();
-    scheduler.cancel(c);
-    drain(&mut scheduler, &mut executor);
-    let restores = scheduler.stats().host_restores;
-    let d = spec(next.clone(), 4, 5);
-    scheduler.submit(d.clone()).unwrap();
-    drain(&mut scheduler, &mut executor);
-    let done = scheduler.take_finished().into_iter().find(|f| f.reason != FinishReason::Cancelled).unwrap();
-    assert_eq!(done.output, run_alone(&scheme, &caps, &d));
-    assert!(done.cached_tokens >= terminal);
-    assert_eq!(scheduler.stats().host_restores, restores, "served from the GPU, no second transfer");
+    d.scheduler_mut().evict_cache();
+    let c = d.submit(spec(next.clone(), 4, 4)).unwrap();
+    let submitted = d.executor_mut().steps.len();
+    assert!(d.turn().unwrap());
+    assert!(d.executor_mut().steps[submitted].ops.iter().any(|op| matches!(op, StepOp::CopyIn { .. })));
+    d.cancel(c);
+    d.drain().unwrap();
+    assert_eq!(finish(&d.take_ended()[0]).cause, FinishCause::Cancelled);
+    let restores = d.scheduler().stats().host_restores;
+    let e = spec(next.clone(), 4, 5);
+    d.submit(e.clone()).unwrap();
+    let done = drain_one(&mut d);
+    assert_eq!(done.output, run_alone(&scheme, &caps, &e));
+    assert!(finish(&done).cached_tokens >= terminal);
+    assert_eq!(d.scheduler().stats().host_restores, restores, "served from the GPU, no second transfer");
+    let scheduler = d.scheduler_mut();
     scheduler.evict_cache();
     scheduler.check_invariants();
     assert!(scheduler.all_storage_free());
@@ -684,7 +654,6 @@ fn restore_tickets_are_shared_and_outlive_their_waiters() {
 /// same.
 #[test]
 fn conversations_survive_a_restart_through_the_disk_tier() {
-    use helios_replay::workload::tiered_scheduler;
     for flip in [false, true] {
         for scheme in reference_schemes() {
             let caps = test_capacities(4, 64, 8);
@@ -697,11 +666,11 @@ fn conversations_survive_a_restart_through_the_disk_tier() {
             let first = spec(prompt(150, 4), 6, 1);
             let history = {
                 let mut executor = SimulatedExecutor::new(&scheme, &caps);
-                let mut scheduler = tiered_scheduler(&mut executor, &scheme, &caps, 4, &tiers).unwrap();
-                scheduler.submit(first.clone()).unwrap();
-                drain(&mut scheduler, &mut executor);
-                let out = scheduler.take_finished().pop().unwrap().output;
-                write_out(&mut scheduler, &mut executor);
+                let scheduler = tiered_scheduler(&mut executor, &scheme, &caps, 4, &tiers).unwrap();
+                let mut d = looped_over(scheduler, &caps, executor);
+                d.submit(first.clone()).unwrap();
+                let out = drain_one(&mut d).output;
+                write_out(&mut d);
                 let mut h = first.tokens.clone();
                 h.extend(out);
                 h
@@ -712,20 +681,22 @@ fn conversations_survive_a_restart_through_the_disk_tier() {
             let mut executor = SimulatedExecutor::new(&scheme, &caps);
             let faults = helios_offload::IoFaults { flip_bits: flip, ..Default::default() };
             let tiers = Tiers { faults, ..tiers };
-            let mut scheduler = tiered_scheduler(&mut executor, &scheme, &caps, 4, &tiers).unwrap();
+            let scheduler = tiered_scheduler(&mut executor, &scheme, &caps, 4, &tiers).unwrap();
             let (disk, _) = scheduler.disk_stats().unwrap();
             assert!(disk.entries >= 2, "prompt and terminal checkpoints indexed at startup: {disk:?}");
-            scheduler.submit(again.clone()).unwrap();
-            drain(&mut scheduler, &mut executor);
-            let done = scheduler.take_finished().pop().unwrap();
+            let mut d = looped_over(scheduler, &caps, executor);
+            d.submit(again.clone()).unwrap();
+            let done = drain_one(&mut d);
             assert_eq!(done.output, run_alone(&scheme, &caps, &again), "flip {flip}");
+            let cached = finish(&done).cached_tokens;
+            let scheduler = d.scheduler_mut();
             let (_, counters) = scheduler.disk_stats().unwrap();
             if flip {
                 assert!(counters.fetch_failures >= 1, "{counters:?}");
-                assert_eq!(done.cached_tokens, 0, "nothing usable survived the corruption");
+                assert_eq!(cached, 0, "nothing usable survived the corruption");
             } else {
                 assert_eq!(counters.fetch_failures, 0);
-                assert_eq!(done.cached_tokens as usize, history.len() - 1, "the terminal checkpoint");
+                assert_eq!(cached as usize, history.len() - 1, "the terminal checkpoint");
             }
             scheduler.evict_cache();
             scheduler.check_invariants();
@@ -739,7 +710,6 @@ fn conversations_survive_a_restart_through_the_disk_tier() {
 /// finds its history on disk.
 #[test]
 fn a_shutdown_writes_a_gpu_cache_larger_than_host_memory_to_disk() {
-    use helios_replay::workload::tiered_scheduler;
     let scheme = reference_schemes().remove(0);
     let caps = test_capacities(4, 256, 32);
     let dir = tempfile::tempdir().unwrap();
@@ -753,30 +723,30 @@ fn a_shutdown_writes_a_gpu_cache_larger_than_host_memory_to_disk() {
     let mut histories = Vec::new();
     {
         let mut executor = SimulatedExecutor::new(&scheme, &caps);
-        let mut scheduler = tiered_scheduler(&mut executor, &scheme, &caps, 4, &tiers).unwrap();
+        let scheduler = tiered_scheduler(&mut executor, &scheme, &caps, 4, &tiers).unwrap();
+        let mut d = looped_over(scheduler, &caps, executor);
         for c in &conversations {
-            scheduler.submit(c.clone()).unwrap();
-            drain(&mut scheduler, &mut executor);
-            let out = scheduler.take_finished().pop().unwrap().output;
+            d.submit(c.clone()).unwrap();
+            let out = drain_one(&mut d).output;
             let mut h = c.tokens.clone();
             h.extend(out);
             histories.push(h);
         }
-        assert!(scheduler.cached_checkpoints() >= 6);
-        assert!(write_out(&mut scheduler, &mut executor) > 1, "the cache went out in several rounds");
-        assert_eq!(scheduler.cached_checkpoints(), 0);
+        assert!(d.scheduler().cached_checkpoints() >= 6);
+        assert!(write_out(&mut d) > 1, "the cache went out in several rounds");
+        assert_eq!(d.scheduler().cached_checkpoints(), 0);
     }
     let mut executor = SimulatedExecutor::new(&scheme, &caps);
-    let mut scheduler = tiered_scheduler(&mut executor, &scheme, &caps, 4, &tiers).unwrap();
+    let scheduler = tiered_scheduler(&mut executor, &scheme, &caps, 4, &tiers).unwrap();
+    let mut d = looped_over(scheduler, &caps, executor);
     for (i, h) in histories.iter().enumerate() {
         let mut next = h.clone();
         next.extend(prompt(7, 60 + i as u32));
         let s = spec(next, 3, 100 + i as u64);
-        scheduler.submit(s.clone()).unwrap();
-        drain(&mut scheduler, &mut executor);
-        let done = scheduler.take_finished().pop().unwrap();
+        d.submit(s.clone()).unwrap();
+        let done = drain_one(&mut d);
         assert_eq!(done.output, run_alone(&scheme, &caps, &s));
-        assert_eq!(done.cached_tokens as usize, h.len() - 1, "conversation {i} continued from disk");
+        assert_eq!(finish(&done).cached_tokens as usize, h.len() - 1, "conversation {i} continued from disk");
     }
 }
 
@@ -785,7 +755,6 @@ fn a_shutdown_writes_a_gpu_cache_larger_than_host_memory_to_disk() {
 /// output.
 #[test]
 fn a_disk_fetch_slower_than_recomputing_is_declined() {
-    use helios_replay::workload::tiered_scheduler;
     let scheme = reference_schemes().remove(0);
     let caps = test_capacities(4, 256, 32);
     let dir = tempfile::tempdir().unwrap();
@@ -798,33 +767,33 @@ fn a_disk_fetch_slower_than_recomputing_is_declined() {
     let mut histories = Vec::new();
     {
         let mut executor = SimulatedExecutor::new(&scheme, &caps);
-        let mut scheduler = tiered_scheduler(&mut executor, &scheme, &caps, 4, &tiers).unwrap();
+        let scheduler = tiered_scheduler(&mut executor, &scheme, &caps, 4, &tiers).unwrap();
+        let mut d = looped_over(scheduler, &caps, executor);
         for c in &conversations {
-            scheduler.submit(c.clone()).unwrap();
-            drain(&mut scheduler, &mut executor);
+            d.submit(c.clone()).unwrap();
             let mut h = c.tokens.clone();
-            h.extend(scheduler.take_finished().pop().unwrap().output);
+            h.extend(drain_one(&mut d).output);
             histories.push(h);
         }
-        write_out(&mut scheduler, &mut executor);
+        write_out(&mut d);
     }
     let mut executor = SimulatedExecutor::new(&scheme, &caps);
-    let mut scheduler = tiered_scheduler(&mut executor, &scheme, &caps, 4, &tiers).unwrap();
-    let continue_with = |scheduler: &mut Scheduler, executor: &mut SimulatedExecutor, i: usize| {
+    let scheduler = tiered_scheduler(&mut executor, &scheme, &caps, 4, &tiers).unwrap();
+    let mut d = looped_over(scheduler, &caps, executor);
+    let continue_with = |d: &mut LoopDriver<SimulatedExecutor>, i: usize| {
         let mut next = histories[i].clone();
         next.extend(prompt(7, 70 + i as u32));
         let s = spec(next, 3, 200 + i as u64);
-        scheduler.submit(s.clone()).unwrap();
-        drain(scheduler, executor);
-        let done = scheduler.take_finished().pop().unwrap();
+        d.submit(s.clone()).unwrap();
+        let done = drain_one(d);
         assert_eq!(done.output, run_alone(&scheme, &caps, &s));
-        done.cached_tokens
+        finish(&done).cached_tokens
     };
     // Rates unknown: the first continuation fetches (and measures the fetch rate).
-    assert!(continue_with(&mut scheduler, &mut executor, 0) > 0);
+    assert!(continue_with(&mut d, 0) > 0);
     // Prefill measured absurdly fast: reading is never worth it.
-    scheduler.observe_prefill_rate(1e18);
-    assert_eq!(continue_with(&mut scheduler, &mut executor, 1), 0, "recomputed instead");
-    let (_, counters) = scheduler.disk_stats().unwrap();
+    d.scheduler_mut().observe_prefill_rate(1e18);
+    assert_eq!(continue_with(&mut d, 1), 0, "recomputed instead");
+    let (_, counters) = d.scheduler().disk_stats().unwrap();
     assert_eq!((counters.fetches, counters.fetch_declined), (1, 1), "{counters:?}");
 }

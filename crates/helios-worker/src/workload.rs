@@ -1,12 +1,16 @@
-//! Agent-like workloads and the solo-run oracle shared by scenario and property tests.
+//! Agent-like workloads and the solo-run oracle shared by scenario and property tests
+//! (feature `testkit`). Every run goes through the serving loop ([`LoopDriver`]).
 
 use std::collections::HashMap;
 
 use helios_cache::PrefixIdentity;
 use helios_contract::model::{CacheScheme, Capacities};
-use helios_scheduler::{FinishReason, FinishedRequest, RequestId, RequestSpec, Scheduler, SchedulerConfig};
+use helios_replay::{Executor, ExecutorError, SimulatedExecutor, seeded_tokens};
+use helios_scheduler::{RequestId, RequestSpec, Scheduler, SchedulerConfig};
 
-use crate::{Executor, ExecutorError, SimulatedExecutor, turn};
+use crate::drive::{Ended, LoopDriver};
+use crate::error::LoopError;
+use crate::output::{FinishCause, FinishInfo};
 
 /// One workload event.
 #[derive(Clone, Debug)]
@@ -63,10 +67,6 @@ pub fn test_config(max_concurrency: u32) -> SchedulerConfig {
     }
 }
 
-fn tokens(seed: u64, len: usize, vocab: u32) -> Vec<u32> {
-    (0..len as u64).map(|i| (crate::splitmix(seed ^ (i << 20)) % u64::from(vocab)) as u32).collect()
-}
-
 /// Output of `spec` run alone on an unlimited pool.
 pub fn run_alone(scheme: &CacheScheme, capacities: &Capacities, spec: &RequestSpec) -> Vec<u32> {
     let caps = solo_capacities(scheme, capacities);
@@ -91,18 +91,21 @@ pub fn run_alone_on<E: Executor>(
     scheme: &CacheScheme,
     capacities: &Capacities,
     spec: &RequestSpec,
-) -> Result<Vec<u32>, ExecutorError> {
+) -> Result<Vec<u32>, LoopError> {
     let caps = solo_capacities(scheme, capacities);
-    let mut scheduler = Scheduler::new(scheme.clone(), caps, test_config(1)).expect("solo config");
-    scheduler.submit(spec.clone()).expect("solo admits");
-    while turn(&mut scheduler, executor)? {}
-    Ok(scheduler.take_finished().pop().expect("solo finishes").output)
+    let scheduler = Scheduler::new(scheme.clone(), caps, test_config(1)).expect("solo config");
+    let mut driver = LoopDriver::new(scheduler, executor, capacities.vocab_size).expect("loop driver");
+    driver.submit(spec.clone()).expect("solo admits");
+    driver.drain()?;
+    let ended = driver.take_ended().pop().expect("solo finishes");
+    finish(&ended);
+    Ok(ended.output)
 }
 
 /// Result of a workload run.
 #[derive(Debug, Default)]
 pub struct WorkloadReport {
-    pub finished: Vec<(RequestSpec, FinishedRequest)>,
+    pub finished: Vec<(RequestSpec, Ended)>,
     pub turns: u64,
     pub preemptions: u64,
     pub captures: u64,
@@ -116,8 +119,8 @@ pub struct WorkloadReport {
     pub disk_fetch_failures: u64,
 }
 
-/// Runs `actions` against one scheduler, checking invariants after every turn, then drains.
-/// Panics on an invariant violation; returns executor errors.
+/// Runs `actions` through the serving loop over one scheduler, checking invariants after every
+/// turn, then drains. Panics on an invariant violation; returns the loop's errors.
 pub fn run_workload(
     scheme: &CacheScheme,
     capacities: &Capacities,
@@ -125,7 +128,7 @@ pub fn run_workload(
     eos_tokens: &[u32],
     completion_lag: usize,
     actions: &[Action],
-) -> Result<WorkloadReport, ExecutorError> {
+) -> Result<WorkloadReport, LoopError> {
     let mut executor = SimulatedExecutor::with_completion_lag(scheme, capacities, completion_lag);
     run_workload_on(&mut executor, scheme, capacities, max_concurrency, eos_tokens, actions)
 }
@@ -139,7 +142,7 @@ pub fn run_workload_on<E: Executor>(
     max_concurrency: u32,
     eos_tokens: &[u32],
     actions: &[Action],
-) -> Result<WorkloadReport, ExecutorError> {
+) -> Result<WorkloadReport, LoopError> {
     run_workload_tiered(executor, scheme, capacities, max_concurrency, eos_tokens, &Tiers::default(), actions)
 }
 
@@ -200,22 +203,23 @@ pub fn run_workload_tiered<E: Executor>(
     eos_tokens: &[u32],
     tiers: &Tiers,
     actions: &[Action],
-) -> Result<WorkloadReport, ExecutorError> {
-    let mut scheduler = tiered_scheduler(executor, scheme, capacities, max_concurrency, tiers)?;
+) -> Result<WorkloadReport, LoopError> {
+    let scheduler = tiered_scheduler(executor, scheme, capacities, max_concurrency, tiers)?;
+    let vocab = capacities.vocab_size;
+    let mut driver = LoopDriver::new(scheduler, executor, vocab).expect("loop driver");
     let mut conversations: Vec<Conversation> = Vec::new();
     let mut specs: HashMap<RequestId, (usize, RequestSpec)> = HashMap::new();
     let mut report = WorkloadReport::default();
-    let vocab = capacities.vocab_size;
     let eos = eos_tokens.to_vec();
-    let collect = |scheduler: &mut Scheduler,
+    let collect = |driver: &mut LoopDriver<&mut E>,
                    conversations: &mut Vec<Conversation>,
                    specs: &mut HashMap<RequestId, (usize, RequestSpec)>,
                    report: &mut WorkloadReport| {
-        for done in scheduler.take_finished() {
+        for done in driver.take_ended() {
             if let Some((conv, spec)) = specs.remove(&done.id) {
                 let c = &mut conversations[conv];
                 c.in_flight = None;
-                if matches!(done.reason, FinishReason::Eos | FinishReason::Length) {
+                if matches!(finish(&done).cause, FinishCause::Eos | FinishCause::Length) {
                     c.endpoints.push(spec.tokens.len() as u32);
                     c.history = spec.tokens.clone();
                     c.history.extend(&done.output);
@@ -230,7 +234,7 @@ pub fn run_workload_tiered<E: Executor>(
                       prompt: Vec<u32>,
                       endpoints: Vec<u32>,
                       max_output: u16,
-                      scheduler: &mut Scheduler| {
+                      driver: &mut LoopDriver<&mut E>| {
             if prompt.len() + 1 >= limit || c.in_flight.is_some() {
                 return None;
             }
@@ -243,17 +247,17 @@ pub fn run_workload_tiered<E: Executor>(
                 seed: step as u64,
                 needs_host_feedback: false,
             };
-            let id = scheduler.submit(spec.clone()).ok()?;
+            let id = driver.submit(spec.clone()).ok()?;
             c.in_flight = Some(id);
             Some((id, spec))
         };
         match *action {
             Action::Start { messages, message_len, max_output, seed } => {
                 let len = usize::from(message_len.max(1));
-                let prompt = tokens(seed, len * usize::from(messages.max(1)), vocab);
+                let prompt = seeded_tokens(seed, len * usize::from(messages.max(1)), vocab);
                 let endpoints = (1..messages.max(1)).map(|m| (usize::from(m) * len) as u32).collect();
                 let mut c = Conversation::default();
-                if let Some((id, spec)) = submit(&mut c, prompt, endpoints, max_output, &mut scheduler) {
+                if let Some((id, spec)) = submit(&mut c, prompt, endpoints, max_output, &mut driver) {
                     specs.insert(id, (conversations.len(), spec));
                     conversations.push(c);
                 }
@@ -267,8 +271,8 @@ pub fn run_workload_tiered<E: Executor>(
                 let mut prompt = c.history.clone();
                 let mut endpoints = c.endpoints.clone();
                 endpoints.push(prompt.len() as u32);
-                prompt.extend(tokens(step as u64 + 99, usize::from(len.max(1)), vocab));
-                if let Some((id, spec)) = submit(c, prompt, endpoints, max_output, &mut scheduler) {
+                prompt.extend(seeded_tokens(step as u64 + 99, usize::from(len.max(1)), vocab));
+                if let Some((id, spec)) = submit(c, prompt, endpoints, max_output, &mut driver) {
                     specs.insert(id, (index, spec));
                 }
             }
@@ -282,9 +286,9 @@ pub fn run_workload_tiered<E: Executor>(
                 let mut prompt = source.history[..end.min(source.history.len())].to_vec();
                 let endpoints: Vec<u32> =
                     source.endpoints.iter().copied().filter(|&e| (e as usize) <= prompt.len()).collect();
-                prompt.extend(tokens(step as u64 + 7, usize::from(len.max(1)), vocab));
+                prompt.extend(seeded_tokens(step as u64 + 7, usize::from(len.max(1)), vocab));
                 let mut branch = Conversation { history: Vec::new(), endpoints: endpoints.clone(), in_flight: None };
-                if let Some((id, spec)) = submit(&mut branch, prompt, endpoints, max_output, &mut scheduler) {
+                if let Some((id, spec)) = submit(&mut branch, prompt, endpoints, max_output, &mut driver) {
                     specs.insert(id, (conversations.len(), spec));
                     conversations.push(branch);
                 }
@@ -293,41 +297,33 @@ pub fn run_workload_tiered<E: Executor>(
                 let mut ids: Vec<RequestId> = specs.keys().copied().collect();
                 ids.sort();
                 if !ids.is_empty() {
-                    scheduler.cancel(ids[usize::from(index) % ids.len()]);
+                    driver.cancel(ids[usize::from(index) % ids.len()]);
                 }
             }
             Action::Run { turns } => {
                 for _ in 0..turns {
-                    turn(&mut scheduler, executor)?;
+                    driver.turn()?;
                     report.turns += 1;
-                    scheduler.settle_disk(std::time::Duration::from_secs(30));
-                    scheduler.check_invariants();
-                    collect(&mut scheduler, &mut conversations, &mut specs, &mut report);
+                    driver.scheduler_mut().settle_disk(std::time::Duration::from_secs(30));
+                    driver.scheduler().check_invariants();
+                    collect(&mut driver, &mut conversations, &mut specs, &mut report);
                 }
             }
             _ => {}
         }
     }
-    let mut idle_turns = 0;
-    while !scheduler.is_idle() {
-        if turn(&mut scheduler, executor)? {
-            idle_turns = 0;
-        } else {
-            idle_turns += 1;
-            assert!(idle_turns < 3, "scheduler stalled with work outstanding");
-        }
-        report.turns += 1;
-        scheduler.check_invariants();
-        collect(&mut scheduler, &mut conversations, &mut specs, &mut report);
-    }
-    report.preemptions = scheduler.stats().preemptions;
-    report.captures = scheduler.stats().captures;
+    report.turns += driver.drain_checked(|d| d.scheduler().check_invariants())?;
+    collect(&mut driver, &mut conversations, &mut specs, &mut report);
+    assert!(specs.is_empty(), "requests never ended: {:?}", specs.keys().collect::<Vec<_>>());
+    let scheduler = driver.scheduler_mut();
+    let stats = scheduler.stats();
+    report.preemptions = stats.preemptions;
+    report.captures = stats.captures;
     let pressure = scheduler.pressure();
     report.evictions = pressure.page_leaf_evictions
         + pressure.page_ancestor_removals
         + pressure.snapshot_thinnings
         + pressure.snapshot_leaf_evictions;
-    let stats = scheduler.stats();
     report.host_restores = stats.host_restores;
     report.demotions = scheduler.host_stats().map_or(0, |h| h.demotions);
     scheduler.evict_cache();
@@ -346,12 +342,21 @@ pub fn run_workload_tiered<E: Executor>(
     Ok(report)
 }
 
+/// How `ended` finished; a failed request is a broken workload run.
+pub fn finish(ended: &Ended) -> FinishInfo {
+    match &ended.result {
+        Ok(info) => *info,
+        Err(e) => panic!("request {:?} failed: {e}", ended.id),
+    }
+}
+
 /// Asserts every request matches its solo run (cancelled ones: a prefix of it).
 pub fn assert_matches_oracle(scheme: &CacheScheme, capacities: &Capacities, report: &WorkloadReport) {
     for (spec, done) in &report.finished {
         let alone = run_alone(scheme, capacities, spec);
-        match done.reason {
-            FinishReason::Cancelled | FinishReason::PoolExhausted => {
+        let info = finish(done);
+        match info.cause {
+            FinishCause::Cancelled | FinishCause::PoolExhausted => {
                 assert!(alone.starts_with(&done.output), "partial output diverged for {:?}", done.id)
             }
             _ => assert_eq!(
@@ -359,10 +364,10 @@ pub fn assert_matches_oracle(scheme: &CacheScheme, capacities: &Capacities, repo
                 alone,
                 "request {:?} ({:?}) diverged: prompt {}, cached {}, preemptions {}",
                 done.id,
-                done.reason,
+                info.cause,
                 spec.tokens.len(),
-                done.cached_tokens,
-                done.preemptions
+                info.cached_tokens,
+                info.preemptions
             ),
         }
     }

@@ -12,56 +12,43 @@ use helios_contract::fixtures::FixtureSpec;
 use helios_replay::cuda::{DeviceCore, LoadOptions, UploadPath};
 use serde_json::json;
 
-#[path = "../tests/support/device_fixture.rs"]
+#[path = "../../helios-replay/tests/support/device_fixture.rs"]
 mod device_fixture;
 
 use device_fixture::{Emulator, PacedReads, device_fixture, emulate};
 use helios_replay::graph::GraphExecutor;
-use helios_scheduler::{FinishReason, RequestSpec, Scheduler, SchedulerConfig};
+use helios_scheduler::{RequestSpec, Scheduler, SchedulerConfig};
+use helios_worker::FinishCause;
+use helios_worker::drive::LoopDriver;
+use helios_worker::workload::finish;
 
-/// Drives a scheduler workload (shared prefixes, chunked prefill, decode batches, captures)
-/// through a graph executor; returns every request's tokens and the steps run.
+/// Drives a workload (shared prefixes, chunked prefill, decode batches, captures) through the
+/// serving loop over a graph executor; returns every request's tokens and the steps run.
 fn lifecycle<B: helios_replay::graph::GraphBackend>(
     core: &RuntimeCore,
     backend: B,
-) -> (Vec<(Vec<u32>, FinishReason)>, u64, f64) {
+) -> (Vec<(Vec<u32>, FinishCause)>, u64, f64) {
     let m = core.manifest().clone();
-    let mut executor = GraphExecutor::new(&m, backend).expect("drivable core");
+    let executor = GraphExecutor::new(&m, backend).expect("drivable core");
     let config =
         SchedulerConfig { max_concurrency: 4, queue_limit: 64, identity: Default::default(), device_fed_decode: false };
-    let mut scheduler = Scheduler::new(m.cache_scheme.clone(), m.capacities.clone(), config).expect("scheduler");
+    let scheduler = Scheduler::new(m.cache_scheme.clone(), m.capacities.clone(), config).expect("scheduler");
     let vocab = m.capacities.vocab_size;
-    let mut ids = Vec::new();
+    let mut d = LoopDriver::new(scheduler, executor, vocab).expect("loop driver");
     for r in 0..12u32 {
         let shared = (r % 3) as usize * 40 + 30;
         let tokens: Vec<u32> =
             (0..shared as u32).map(|i| (i * 5 + 1) % vocab).chain((0..r + 3).map(|i| (i * 11 + r) % vocab)).collect();
-        let spec = RequestSpec {
-            tokens,
-            images: vec![],
-            message_endpoints: vec![],
-            max_output_tokens: 20 + r,
-            eos_tokens: vec![],
-            seed: u64::from(r),
-            needs_host_feedback: false,
-        };
-        ids.push(scheduler.submit(spec).expect("admits"));
+        d.submit(RequestSpec::plain(tokens, 20 + r, u64::from(r))).expect("admits");
     }
-    let mut finished = Vec::new();
     let t0 = Instant::now();
-    while !scheduler.is_idle() {
-        helios_replay::turn(&mut scheduler, &mut executor).expect("executes");
-        finished.extend(scheduler.take_finished());
-    }
+    d.drain().expect("executes");
     let secs = t0.elapsed().as_secs_f64();
+    let out = d.take_ended().iter().map(|e| (e.output.clone(), finish(e).cause)).collect();
+    let scheduler = d.scheduler_mut();
     scheduler.evict_cache();
     assert!(scheduler.all_storage_free());
-    let steps = scheduler.stats().steps;
-    let out = ids
-        .iter()
-        .map(|id| finished.iter().find(|f| f.id == *id).map(|f| (f.output.clone(), f.reason)).expect("finished"))
-        .collect();
-    (out, steps, secs)
+    (out, scheduler.stats().steps, secs)
 }
 
 /// `CUDA_REPLAY_CHECK_UPLOAD=direct` selects the baseline upload path (tells an upload fault from others).
@@ -143,7 +130,7 @@ fn main() {
     let free = DeviceCore::load(&core, &options).map(|dev| lifecycle(&core, dev));
     let lifecycle_report = match (paced, free) {
         (Ok((gpu, steps, secs)), Ok((free_out, free_steps, free_secs))) => {
-            let lengths = |o: &[(Vec<u32>, FinishReason)]| o.iter().map(|(t, r)| (t.len(), *r)).collect::<Vec<_>>();
+            let lengths = |o: &[(Vec<u32>, FinishCause)]| o.iter().map(|(t, r)| (t.len(), *r)).collect::<Vec<_>>();
             json!({"requests": gpu.len(), "steps": steps, "cpu_steps": cpu_steps, "tokens": gpu.iter().map(|(o, _)| o.len()).sum::<usize>(),
                 "identical_to_cpu_emulation": gpu == cpu && steps == cpu_steps, "seconds": secs, "us_per_step": secs / steps as f64 * 1e6,
                 "free_running": {"steps": free_steps, "seconds": free_secs, "us_per_step": free_secs / free_steps as f64 * 1e6,

@@ -1,0 +1,138 @@
+//! Whole requests through the serving loop over the graph executor, on the CPU emulation of
+//! the fixture core's graphs: the scheduler's steps are packed through the bound contract,
+//! replayed, and answered from completion records. The same run on the GPU
+//! (examples/cuda_replay_check) must give the same tokens.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+#[path = "../../helios-replay/tests/support/device_fixture.rs"]
+mod device_fixture;
+
+use device_fixture::{Emulator, PacedReads, device_fixture, device_fixture_with};
+use helios_contract::RuntimeCore;
+use helios_contract::fixtures::FixtureSpec;
+use helios_replay::graph::{GraphBackend, GraphExecutor};
+use helios_scheduler::{RequestSpec, Scheduler, SchedulerConfig};
+use helios_worker::FinishCause;
+use helios_worker::drive::LoopDriver;
+use helios_worker::workload::finish;
+
+fn request(tokens: Vec<u32>, max_output: u32, seed: u64) -> RequestSpec {
+    RequestSpec::plain(tokens, max_output, seed)
+}
+
+fn run(spec: &FixtureSpec, prompts: &[Vec<u32>], max_output: u32, deferred: bool) -> Vec<(Vec<u32>, FinishCause)> {
+    run_on(spec, prompts, max_output, |core| {
+        let mut emulator = Emulator::new(core);
+        emulator.deferred = deferred;
+        emulator
+    })
+    .0
+}
+
+/// The requests' outputs and the number of steps the scheduler took, over `backend(core)`.
+fn run_on<B: GraphBackend>(
+    spec: &FixtureSpec,
+    prompts: &[Vec<u32>],
+    max_output: u32,
+    backend: impl FnOnce(&RuntimeCore) -> B,
+) -> (Vec<(Vec<u32>, FinishCause)>, u64) {
+    let dir = tempfile::tempdir().unwrap();
+    let core = device_fixture(dir.path(), spec);
+    let m = core.manifest().clone();
+    let executor = GraphExecutor::new(&m, backend(&core)).expect("drivable core");
+    // The fixture's graphs take their tokens from the host only.
+    assert!(!helios_replay::Executor::device_fed_decode(&executor));
+    let config =
+        SchedulerConfig { max_concurrency: 4, queue_limit: 64, identity: Default::default(), device_fed_decode: false };
+    let scheduler = Scheduler::new(m.cache_scheme.clone(), m.capacities.clone(), config).unwrap();
+    let mut d = LoopDriver::new(scheduler, executor, m.capacities.vocab_size).unwrap();
+    for p in prompts {
+        d.submit(request(p.clone(), max_output, 1)).unwrap();
+    }
+    d.drain().unwrap();
+    let outputs = d.take_ended().iter().map(|e| (e.output.clone(), finish(e).cause)).collect::<Vec<_>>();
+    assert_eq!(outputs.len(), prompts.len());
+    let scheduler = d.scheduler_mut();
+    scheduler.evict_cache();
+    assert!(scheduler.all_storage_free());
+    (outputs, scheduler.stats().steps)
+}
+
+#[test]
+fn steps_replay_through_records() {
+    let spec = FixtureSpec::default();
+    let vocab = spec.vocab_size;
+    let prompts: Vec<Vec<u32>> = vec![
+        (0..70).map(|i| i % vocab).collect(),
+        (0..70).map(|i| i % vocab).collect(), // shares the first's prefix
+        (5..40).map(|i| (i * 7) % vocab).collect(),
+    ];
+    let first = run(&spec, &prompts, 12, false);
+    for (output, reason) in &first {
+        assert_eq!(output.len(), 12);
+        assert_eq!(*reason, FinishCause::Length);
+        assert!(output.iter().all(|&t| t < vocab));
+    }
+    // Deterministic: packing, replay and record parsing are pure functions of the steps.
+    assert_eq!(run(&spec, &prompts, 12, false), first);
+    // Records copied behind the replay and collected a turn later: the scheduler plans with
+    // a step in flight, so batches differ (and this fixture's graphs are not request-
+    // deterministic), but every request completes, in fence order, deterministically.
+    let deferred = run(&spec, &prompts, 12, true);
+    for (output, reason) in &deferred {
+        assert_eq!((output.len(), *reason), (12, FinishCause::Length));
+    }
+    assert_eq!(run(&spec, &prompts, 12, true), deferred);
+}
+
+/// The device check (examples/cuda_replay_check) compares a GPU run with the emulation step
+/// for step. A device's reads land when its timing says, which changes the schedule and so
+/// (this fixture's graphs depend on the batch) the tokens; pacing the reads restores both.
+#[test]
+fn paced_reads_give_the_emulated_schedule_whatever_the_device_timing() {
+    let spec = FixtureSpec::default();
+    let vocab = spec.vocab_size;
+    let prompts: Vec<Vec<u32>> =
+        (0..8u32).map(|r| (0..(r % 3) * 40 + 30 + r).map(|i| (i * 5 + r) % vocab).collect()).collect();
+    let emulated = |fast: bool| {
+        move |core: &RuntimeCore| {
+            let mut e = Emulator::new(core);
+            e.deferred = true;
+            e.reads_land_at_once = fast;
+            e
+        }
+    };
+    let paced = run_on(&spec, &prompts, 16, emulated(false));
+    let fast = run_on(&spec, &prompts, 16, emulated(true));
+    // A fast "device" changes the schedule, and with it the tokens: the raw comparison fails.
+    assert_ne!(fast.1, paced.1, "steps");
+    assert_ne!(fast.0, paced.0, "outputs");
+    let fast_paced = run_on(&spec, &prompts, 16, |core| PacedReads::new(emulated(true)(core)));
+    assert_eq!(fast_paced, paced);
+}
+
+/// Whole requests with two decode steps in flight, on graphs that keep the pending token.
+#[test]
+fn device_fed_requests_run_with_two_steps_in_flight() {
+    let spec = FixtureSpec::default();
+    let dir = tempfile::tempdir().unwrap();
+    let core = device_fixture_with(dir.path(), &spec, |f| {
+        f.add_pending_tokens();
+    });
+    let m = core.manifest().clone();
+    let mut emulator = Emulator::new(&core);
+    emulator.deferred = true;
+    let executor = GraphExecutor::new(&m, emulator).unwrap();
+    let config =
+        SchedulerConfig { max_concurrency: 4, queue_limit: 64, identity: Default::default(), device_fed_decode: true };
+    let scheduler = Scheduler::new(m.cache_scheme.clone(), m.capacities.clone(), config).unwrap();
+    let mut d = LoopDriver::new(scheduler, executor, m.capacities.vocab_size).unwrap();
+    for p in 0..3u32 {
+        let tokens = (0..40).map(|i| (i * 3 + p) % spec.vocab_size).collect();
+        d.submit(request(tokens, 10, 1)).unwrap();
+    }
+    d.drain().unwrap();
+    let finished = d.take_ended();
+    assert_eq!(finished.len(), 3);
+    assert!(finished.iter().all(|f| f.output.len() == 10 && finish(f).cause == FinishCause::Length));
+}
