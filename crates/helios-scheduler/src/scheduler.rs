@@ -603,8 +603,12 @@ impl Scheduler {
         self.rows.snapshots.signal(completion.fence);
         let mut accepted = Vec::with_capacity(completion.sampled.len());
         for sampled in &completion.sampled {
+            // Expected, not skipped silently: a sample the device drew for the step after an
+            // EOS (two steps in flight) lands after its request finished and left the table.
             let Some(request) = self.requests.get_mut(&sampled.request) else { continue };
-            let Some(live) = request.live.as_mut() else { continue };
+            let Some(live) = request.live.as_mut() else {
+                broken("a sample landed for a request without live state (preempted with samples in flight)")
+            };
             live.samples_in_flight = live.samples_in_flight.saturating_sub(1);
             if request.finishing.is_some() {
                 continue;
@@ -726,6 +730,7 @@ impl Scheduler {
 
     /// Returns a running request's storage; its captures keep their own references.
     fn release(&mut self, id: RequestId) {
+        // A request that never ran (cancelled or refused while queued) holds no storage.
         let Some(live) = self.requests.get_mut(&id).and_then(|r| r.live.take()) else { return };
         for &page in &live.page_table {
             self.pages.release(page, live.last_fence);
@@ -1150,7 +1155,7 @@ impl Scheduler {
         });
         let Some(id) = next else { return };
         let Some(stop) = self.requests.get(&id).and_then(|r| r.live.as_ref().map(|l| chunk_stop(r, l))) else {
-            return;
+            broken("a prefilling request has no live state")
         };
         let Some(request) = self.requests.get_mut(&id) else {
             broken("a prefilling request is not in the request table")
