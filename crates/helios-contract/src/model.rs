@@ -569,9 +569,49 @@ pub struct Capacities {
     pub max_kv_pages: u32,
     pub vocab_size: u32,
     pub completion_record_header_words: u32,
+    /// Captured speculative programs, ascending by (requests, depth); empty: none (every core
+    /// before speculative programs existed).
+    pub speculative_programs: Vec<SpeculativeProgram>,
+}
+
+/// A captured speculative program: for up to `requests` requests it consumes each one's
+/// pending token plus up to `depth` copy proposals, verifies the proposals with the ordinary
+/// sampler (so outputs are distributed as ordinary decoding), commits the accepted prefix to
+/// request state and reports, per request, the accepted proposals and one more sampled token.
+///
+/// Invariants: `width == depth + 1` target rows per request (the pending token included);
+/// `rows == requests * width` (rectangular programs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpeculativeProgram {
+    pub requests: u32,
+    pub depth: u32,
+    pub width: u32,
+    pub rows: u32,
+}
+
+impl SpeculativeProgram {
+    /// The rectangular program for `requests` requests at `depth` proposals.
+    pub fn rectangular(requests: u32, depth: u32) -> Self {
+        SpeculativeProgram { requests, depth, width: depth + 1, rows: requests * (depth + 1) }
+    }
 }
 
 impl Capacities {
+    /// The smallest captured speculative program that holds `requests` requests with up to
+    /// `depth` proposals each (fewest rows, then fewest requests), if any.
+    pub fn speculative_program_for(&self, requests: u32, depth: u32) -> Option<SpeculativeProgram> {
+        self.speculative_programs
+            .iter()
+            .copied()
+            .filter(|p| p.requests >= requests && p.depth >= depth)
+            .min_by_key(|p| (p.rows, p.requests))
+    }
+
+    /// The deepest proposal any captured program verifies for `requests` requests (0: none).
+    pub fn max_speculative_depth(&self, requests: u32) -> u32 {
+        self.speculative_programs.iter().filter(|p| p.requests >= requests).map(|p| p.depth).max().unwrap_or(0)
+    }
+
     /// Smallest captured decode bucket that holds `requests`, if any.
     pub fn decode_bucket_for(&self, requests: u32) -> Option<u32> {
         self.decode_request_buckets.iter().copied().find(|&b| b >= requests)

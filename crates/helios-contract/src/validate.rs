@@ -435,6 +435,8 @@ fn capacities(raw: &pb::Capacities, path: &FieldPath) -> Result<Capacities> {
         max_kv_pages: positive_u32(raw.max_kv_pages, &path.field("max_kv_pages"))?,
         vocab_size: positive_u32(raw.vocab_size, &path.field("vocab_size"))?,
         completion_record_header_words: raw.completion_record_header_words,
+        // Execution ABI 2 declares none.
+        speculative_programs: Vec::new(),
     })
 }
 

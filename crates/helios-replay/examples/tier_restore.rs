@@ -158,6 +158,7 @@ fn measure(
         queue_limit: 64,
         identity: helios_cache::PrefixIdentity { model: 1, token_layout: 1 },
         device_fed_decode: false,
+        speculative_depth: 0,
     };
     let mut s =
         Scheduler::new(scheme.clone(), caps.clone(), config).map_err(|x| x.to_string())?.with_host_tier(host_bytes);

@@ -503,6 +503,8 @@ impl<B: GraphBackend> Executor for GraphExecutor<B> {
                     let batch: Vec<(&ConsumeRow, Option<SampleSpec>)> = rows.iter().map(|r| (r, r.sample)).collect();
                     self.rows(&g, &batch, inputs, &mut reads)?;
                 }
+                // Execution ABI 2 declares no speculative programs, so no scheduler plans one.
+                StepOp::Verify { program, .. } => return Err(ExecutorError::NoSpeculativeProgram(*program)),
                 StepOp::Prefill { capacity, row } => {
                     let g = self.bound.prefill(*capacity)?.clone();
                     self.rows(&g, &[(row, row.sample)], inputs, &mut reads)?;
@@ -592,6 +594,7 @@ impl<B: GraphBackend> Executor for GraphExecutor<B> {
 pub fn graph_for(bound: &BoundContract, op: &StepOp) -> Option<GraphId> {
     let g = match op {
         StepOp::Decode { bucket, .. } => bound.decode(*bucket).ok(),
+        StepOp::Verify { .. } => None,
         StepOp::Prefill { capacity, .. } => bound.prefill(*capacity).ok(),
         StepOp::ResumeSampling { .. } => bound.resume_sampling(1).ok(),
         StepOp::Initialize { .. } => bound.maintenance(MaintenanceOp::Initialize, 1).ok(),

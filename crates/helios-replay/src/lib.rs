@@ -152,6 +152,10 @@ pub enum ExecutorError {
     EmptyMask(u64),
     #[error("step needs a graph the core lacks: {0}")]
     Capacity(#[from] helios_contract::CapacityError),
+    #[error("step needs speculative program {0:?}, which this core lacks")]
+    NoSpeculativeProgram(helios_contract::model::SpeculativeProgram),
+    #[error("verify row of live row {0} samples nothing")]
+    VerifyWithoutSample(u32),
     #[error("packing step inputs: {0}")]
     Pack(#[from] helios_contract::PackError),
     #[error("completion record of row {row}: {error}")]
@@ -414,6 +418,41 @@ impl SimulatedExecutor {
         Ok(())
     }
 
+    /// A verify row, as a speculative program runs it: the pending token is consumed and
+    /// sampled from; each proposal equal to the sample drawn before it is consumed and sampled
+    /// from in turn (the sample counter advancing as ordinary decoding's would), so the
+    /// emitted tokens are exactly those ordinary decoding draws. Positions of rejected
+    /// proposals are written with a poison word, as a device writes every lane: the scheduler
+    /// must never let anything read them.
+    fn verify(&mut self, row: &ConsumeRow, inputs: &StepInputs) -> Result<(), ExecutorError> {
+        let sample = row.sample.ok_or(ExecutorError::VerifyWithoutSample(row.live_row))?;
+        let pending = usize::from(!row.device_token).min(row.tokens.len());
+        let first = ConsumeRow { tokens: row.tokens[..pending].to_vec(), ..row.clone() };
+        self.consume(&first, inputs)?;
+        let proposals = &row.tokens[pending..];
+        for (j, &proposal) in proposals.iter().enumerate() {
+            let drawn = self.completions.last().and_then(|c| c.sampled.last()).map(|s| s.token);
+            let position = row.start + 1 + j as u32;
+            if drawn != Some(proposal) {
+                for p in position..row.start + 1 + proposals.len() as u32 {
+                    let poison = u64::MAX ^ u64::from(p);
+                    self.slot_of(&row.page_table, p)?.copy_from_slice(&poison.to_le_bytes());
+                }
+                break;
+            }
+            let next = ConsumeRow {
+                live_row: row.live_row,
+                start: position,
+                tokens: vec![proposal],
+                device_token: false,
+                page_table: row.page_table.clone(),
+                sample: Some(SampleSpec { counter: sample.counter + 1 + j as u32, ..sample }),
+            };
+            self.consume(&next, inputs)?;
+        }
+        Ok(())
+    }
+
     fn consume(&mut self, row: &ConsumeRow, inputs: &StepInputs) -> Result<(), ExecutorError> {
         let (mut state, consumed) = self.row_state(row.live_row)?;
         if consumed != u64::from(row.start) {
@@ -545,6 +584,11 @@ impl Executor for SimulatedExecutor {
                     }
                 }
                 StepOp::Prefill { row, .. } => self.consume(row, inputs)?,
+                StepOp::Verify { rows, .. } => {
+                    for row in rows {
+                        self.verify(row, inputs)?;
+                    }
+                }
                 StepOp::ResumeSampling { live_row, consumed, page_table, sample } => {
                     let (_, actual) = self.row_state(*live_row)?;
                     if actual != u64::from(*consumed) {
@@ -650,6 +694,7 @@ pub fn test_capacities(slots: u32, pages: u32, snapshots: u32) -> Capacities {
         max_kv_pages: pages,
         vocab_size: 97,
         completion_record_header_words: 0,
+        speculative_programs: vec![],
     }
 }
 
@@ -685,7 +730,7 @@ impl<E: Executor> Executor for StepLog<E> {
     fn submit(&mut self, step: &Step, inputs: &StepInputs) -> Result<(), ExecutorError> {
         self.inner.submit(step, inputs)?;
         let samples = step.ops.iter().any(|op| {
-            matches!(op, StepOp::Decode { .. } | StepOp::ResumeSampling { .. })
+            matches!(op, StepOp::Decode { .. } | StepOp::Verify { .. } | StepOp::ResumeSampling { .. })
                 || matches!(op, StepOp::Prefill { row, .. } if row.sample.is_some())
         });
         self.sampling_in_flight += usize::from(samples);

@@ -32,6 +32,7 @@ fn capacities(slots: u32) -> Capacities {
         max_kv_pages: slots * 40 + 64,
         vocab_size: 1000,
         completion_record_header_words: 0,
+        speculative_programs: vec![],
     }
 }
 
@@ -72,6 +73,7 @@ fn decode_step(c: &mut Criterion) {
             queue_limit: 1024,
             identity: PrefixIdentity { model: 1, token_layout: 1 },
             device_fed_decode: false,
+            speculative_depth: 0,
         };
         let mut scheduler = Scheduler::new(scheme(), capacities(active), config).unwrap();
         let mut next_seed = 0;

@@ -1,6 +1,7 @@
 //! The planned step handed to an executor, and what the executor hands back.
 
 use helios_cache::{Fence, PageId};
+use helios_contract::model::SpeculativeProgram;
 use helios_offload::HostExtent;
 
 /// Identifies a request for the lifetime of the scheduler.
@@ -37,6 +38,11 @@ pub struct ConsumeRow {
 }
 
 impl ConsumeRow {
+    /// Proposals a verify row carries (every token after its pending one).
+    pub fn proposals(&self) -> usize {
+        (self.tokens.len() + usize::from(self.device_token)).saturating_sub(1)
+    }
+
     /// Tokens the row consumes.
     pub fn len(&self) -> usize {
         self.tokens.len() + usize::from(self.device_token)
@@ -58,6 +64,16 @@ pub enum StepOp {
     Snapshot { live_row: u32, snapshot_row: u32, tail: Option<PageCopy> },
     /// A decode batch at a captured request bucket (`rows.len() <= bucket`).
     Decode { bucket: u32, rows: Vec<ConsumeRow> },
+    /// A speculative round through a captured speculative program (`program.requests >=
+    /// rows.len()`): each row consumes its pending token (from `tokens[0]`, or the device's
+    /// pending token when `device_token`) followed by its proposals (the rest of `tokens`, at
+    /// most `program.depth`), and samples at each of those positions with the ordinary
+    /// sampler until a sample differs from the next proposal. The completion reports, per
+    /// row, the accepted proposals and then the sample that ended the round, in order
+    /// (accepted + 1 tokens). Afterwards the row's state holds exactly the pending token and
+    /// the accepted proposals; positions of rejected proposals were written but are not
+    /// state (they are overwritten before anything reads them).
+    Verify { program: SpeculativeProgram, rows: Vec<ConsumeRow> },
     /// One prefill chunk at a captured token capacity.
     Prefill { capacity: u32, row: ConsumeRow },
     /// Sample from a restored state without consuming (full-prompt hit).

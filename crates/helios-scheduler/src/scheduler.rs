@@ -13,7 +13,15 @@
 //! - a running request's page table covers its consumed tokens, and starts with its
 //!   anchor checkpoint's complete-page chain; the anchor is pinned once per holder;
 //! - a running request has at most two samples in flight, and consumes at most one token the
-//!   host has not seen yet (a device-fed decode of a sample still in flight).
+//!   host has not seen yet (a device-fed decode of a sample still in flight); a verify row in
+//!   flight is its request's only sample in flight, and its copy proposer has seen exactly the
+//!   request's tokens.
+//!
+//! Speculation (`SchedulerConfig::speculative_depth`, with speculative programs in the core):
+//! a host-fed decoder whose history repeats gets copy proposals (`propose::CopyProposer`), as
+//! deep as its `propose::DepthController` finds worth it, and the batch runs as one
+//! `StepOp::Verify`; the accepted proposals advance its consumed count when the round lands.
+//! A round in flight keeps the batch host-fed (its consumed count is open until it lands).
 //!
 //! Held requests ([`Scheduler::hold`]): the host is still preparing what a request's next
 //! sample needs (a grammar mask computed off the model thread). Nothing that samples for a
@@ -40,6 +48,7 @@ use helios_contract::model::{CacheScheme, Capacities};
 use helios_offload::{DemoteOutcome, HostEntryId, HostExtent, HostTier, PageSource, StoreGeometry, TierStats};
 
 use crate::plan::{Completion, ConsumeRow, PageCopy, RequestId, SampleSpec, SampledToken, Step, StepOp};
+use crate::propose::{CopyProposer, DepthController};
 
 mod tiers;
 use tiers::{CopyOut, DiskState, RestoreTicket};
@@ -56,6 +65,9 @@ pub struct SchedulerConfig {
     /// The executor's decode graphs read their input token from device state and every
     /// sampling graph writes it there: plan up to two decode steps in flight.
     pub device_fed_decode: bool,
+    /// Most copy proposals one request verifies per step (`--speculative-depth`); 0 turns
+    /// speculation off. Effective only up to what the core's speculative programs verify.
+    pub speculative_depth: u32,
 }
 
 /// Invalid scheduler configuration for these capacities.
@@ -184,6 +196,13 @@ pub struct SchedulerStats {
     pub host_restore_joins: u64,
     /// Host hits not restored: the GPU storage they need was not available.
     pub host_restore_skips: u64,
+    /// Steps that decoded without speculation.
+    pub decode_steps: u64,
+    /// Speculative rounds: steps that verified proposals, proposals verified, proposals
+    /// accepted.
+    pub verify_steps: u64,
+    pub proposed_tokens: u64,
+    pub accepted_tokens: u64,
 }
 
 /// A restore the scheduler finished (its checkpoint published), for latency metrics.
@@ -281,6 +300,39 @@ struct Request {
     /// Its next sample's host inputs are not ready: nothing that samples is planned.
     held: bool,
     live: Option<Live>,
+    /// Copy proposals over its history, when speculation is on.
+    speculation: Option<Box<Speculation>>,
+}
+
+/// Shortest and longest history suffix the copy proposer matches.
+const PROPOSER_MIN_MATCH: usize = 2;
+const PROPOSER_MAX_MATCH: usize = 8;
+/// Cost of verifying one more proposal, in plain decode steps, until preparation measures the
+/// speculative programs: decode at small batches is bandwidth-bound, so extra target rows are
+/// nearly free.
+const VERIFY_ROW_COST: f64 = 0.1;
+/// Acceptance assumed before a request has verified anything: optimistic, so it gets to try.
+const ACCEPTANCE_PRIOR: f64 = 0.7;
+
+/// A request's speculation state.
+///
+/// Invariant: `proposer` has seen exactly the request's `tokens` (prompt, then every accepted
+/// sample); `in_flight` is `Some(k)` exactly while a verify row with `k` proposals is in flight,
+/// and then the request has one sample in flight.
+#[derive(Clone, Debug)]
+struct Speculation {
+    proposer: CopyProposer,
+    depth: DepthController,
+    in_flight: Option<u32>,
+}
+
+impl Speculation {
+    fn new(history: &[u32], max_depth: u32) -> Box<Self> {
+        let mut proposer = CopyProposer::new(PROPOSER_MIN_MATCH, PROPOSER_MAX_MATCH);
+        proposer.extend(history);
+        let cost: Vec<f64> = (0..=max_depth).map(|d| 1.0 + VERIFY_ROW_COST * f64::from(d)).collect();
+        Box::new(Speculation { proposer, depth: DepthController::new(&cost, ACCEPTANCE_PRIOR), in_flight: None })
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -437,8 +489,11 @@ impl Scheduler {
             cancelling: false,
             held: false,
             live: None,
+            speculation: None,
             spec,
         };
+        let depth = self.speculation_depth();
+        let request = Request { speculation: (depth > 0).then(|| Speculation::new(&request.tokens, depth)), ..request };
         let pages = self.reservation_pages(&request);
         if pages > u64::from(self.capacities.max_kv_pages) {
             return Err(AdmissionError::LargerThanPool { pages, pool: self.capacities.max_kv_pages });
@@ -602,6 +657,9 @@ impl Scheduler {
         self.rows.slots.signal(completion.fence);
         self.rows.snapshots.signal(completion.fence);
         let mut accepted = Vec::with_capacity(completion.sampled.len());
+        // One sampling row per request and step: its first token lands the row (a verify row
+        // reports its accepted proposals and one more sample, in order).
+        let mut landed: Vec<RequestId> = Vec::new();
         for sampled in &completion.sampled {
             // Expected, not skipped silently: a sample the device drew for the step after an
             // EOS (two steps in flight) lands after its request finished and left the table.
@@ -609,12 +667,31 @@ impl Scheduler {
             let Some(live) = request.live.as_mut() else {
                 broken("a sample landed for a request without live state (preempted with samples in flight)")
             };
-            live.samples_in_flight = live.samples_in_flight.saturating_sub(1);
+            if !landed.contains(&sampled.request) {
+                landed.push(sampled.request);
+                live.samples_in_flight = live.samples_in_flight.saturating_sub(1);
+                if let Some(k) = request.speculation.as_mut().and_then(|s| s.in_flight.take()) {
+                    let tokens = completion.sampled.iter().filter(|s| s.request == sampled.request).count() as u32;
+                    let Some(accepted) = tokens.checked_sub(1).filter(|&a| a <= k) else {
+                        broken("a verify row reported more tokens than its proposals and one sample")
+                    };
+                    // The device consumed the accepted proposals after the pending token.
+                    live.consumed += accepted;
+                    if let Some(spec) = request.speculation.as_mut() {
+                        spec.depth.observe(k as usize, accepted as usize);
+                    }
+                    self.stats.proposed_tokens += u64::from(k);
+                    self.stats.accepted_tokens += u64::from(accepted);
+                }
+            }
             if request.finishing.is_some() {
                 continue;
             }
             accepted.push(*sampled);
             request.tokens.push(sampled.token);
+            if let Some(spec) = request.speculation.as_mut() {
+                spec.proposer.push(sampled.token);
+            }
             request.generated += 1;
             if request.spec.eos_tokens.contains(&sampled.token) {
                 request.finishing = Some(FinishReason::Eos);
@@ -790,7 +867,10 @@ impl Scheduler {
                 r.finishing.is_none() && !r.cancelling && r.live.as_ref().is_some_and(|l| l.consumed >= r.prompt_len)
             })
         };
-        let device_fed = self.config.device_fed_decode && !decoding().any(|r| r.spec.needs_host_feedback);
+        // A verify row in flight leaves its request's consumed count open until it lands: its
+        // next input needs the host, and so (lockstep) does everybody's.
+        let verifying = decoding().any(|r| r.speculation.as_ref().is_some_and(|s| s.in_flight.is_some()));
+        let device_fed = self.config.device_fed_decode && !verifying && !decoding().any(|r| r.spec.needs_host_feedback);
         let limit = if device_fed { 2 } else { 1 };
         let lockstep = !decoding().any(|r| !r.held && r.live.as_ref().is_some_and(|l| l.samples_in_flight >= limit));
         (device_fed, lockstep)
@@ -935,10 +1015,18 @@ impl Scheduler {
                 }
                 continue;
             }
+            let proposals = match input {
+                DecodeInput::Host => self.proposals(id, have),
+                DecodeInput::Device => Vec::new(),
+            };
             let Some(request) = self.requests.get_mut(&id) else { broken("a decoder is not in the request table") };
             let Some(live) = request.live.as_mut() else { broken("a decoder has no live state") };
             let (tokens, device_token) = match input {
-                DecodeInput::Host => (vec![request.tokens[live.consumed as usize]], false),
+                DecodeInput::Host => {
+                    let mut tokens = vec![request.tokens[live.consumed as usize]];
+                    tokens.extend(proposals);
+                    (tokens, false)
+                }
                 DecodeInput::Device => (Vec::new(), true),
             };
             let counter = request.generated + live.samples_in_flight;
@@ -955,12 +1043,54 @@ impl Scheduler {
             live.last_fence = fence;
             rows.push((id, row));
         }
-        if let Some(bucket) = self.capacities.decode_bucket_for(rows.len() as u32)
-            && !rows.is_empty()
-        {
-            ops.push(StepOp::Decode { bucket, rows: rows.into_iter().map(|(_, r)| r).collect() });
+        if rows.is_empty() {
+            return short;
+        }
+        let depth = rows.iter().map(|(_, r)| r.proposals()).max().unwrap_or(0) as u32;
+        let program = self.capacities.speculative_program_for(rows.len() as u32, depth).filter(|_| depth > 0);
+        if let Some(program) = program {
+            for (id, row) in &rows {
+                if let Some(spec) = self.requests.get_mut(id).and_then(|r| r.speculation.as_mut()) {
+                    spec.in_flight = Some(row.proposals() as u32);
+                }
+            }
+            self.stats.verify_steps += 1;
+            ops.push(StepOp::Verify { program, rows: rows.into_iter().map(|(_, r)| r).collect() });
+        } else if let Some(bucket) = self.capacities.decode_bucket_for(rows.len() as u32) {
+            // No program verifies this batch: every row decodes its pending token alone.
+            let rows = rows.into_iter().map(|(_, mut r)| {
+                r.tokens.truncate(usize::from(!r.device_token));
+                r
+            });
+            self.stats.decode_steps += 1;
+            ops.push(StepOp::Decode { bucket, rows: rows.collect() });
         }
         short
+    }
+
+    /// The speculative program depth this configuration allows (0: speculation off).
+    fn speculation_depth(&self) -> u32 {
+        self.config.speculative_depth.min(self.capacities.max_speculative_depth(1))
+    }
+
+    /// Copy proposals for a host-fed decoder with `pages` pages: as deep as its depth
+    /// controller chooses, within its output limit and the pages it holds, never past an EOS
+    /// token (an accepted EOS would be consumed, which ordinary decoding never does). Empty
+    /// without speculation, for a request that needs host feedback, or without a match.
+    fn proposals(&self, id: RequestId, pages: usize) -> Vec<u32> {
+        let Some(r) = self.requests.get(&id) else { return Vec::new() };
+        let (Some(spec), Some(live)) = (r.speculation.as_ref(), r.live.as_ref()) else { return Vec::new() };
+        if r.spec.needs_host_feedback {
+            return Vec::new();
+        }
+        let room_output = r.max_output.saturating_sub(r.generated + 1);
+        let room_pages = (pages as u64 * u64::from(self.pt())).saturating_sub(u64::from(live.consumed) + 1);
+        let cap = self.speculation_depth().min(room_output).min(room_pages.min(u64::from(u32::MAX)) as u32);
+        let available = spec.proposer.propose(cap as usize);
+        let depth = spec.depth.depth(available.len());
+        let proposals = &available[..depth];
+        let end = proposals.iter().position(|t| r.spec.eos_tokens.contains(t)).unwrap_or(proposals.len());
+        proposals[..end].to_vec()
     }
 
     /// FIFO admission; a request that does not fit waits without blocking later ones.
@@ -1218,6 +1348,12 @@ impl Scheduler {
                 "page table does not cover consumed tokens"
             );
             assert!(live.samples_in_flight <= 2, "more than two samples in flight");
+            if let Some(spec) = &request.speculation {
+                assert!(spec.proposer.len() == request.tokens.len(), "the proposer missed committed tokens");
+                if spec.in_flight.is_some() {
+                    assert_eq!(live.samples_in_flight, 1, "a verify row in flight beside another sample");
+                }
+            }
             assert!(live.consumed as usize <= request.tokens.len() + 1, "consumed tokens the host has not seen");
             for &page in &live.page_table {
                 page_refs[page as usize] += 1;

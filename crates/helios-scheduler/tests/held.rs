@@ -36,6 +36,7 @@ fn capacities(pages: u32) -> Capacities {
         max_kv_pages: pages,
         vocab_size: 100,
         completion_record_header_words: 0,
+        speculative_programs: vec![],
     }
 }
 
@@ -45,6 +46,7 @@ fn scheduler(pages: u32, device_fed: bool) -> Scheduler {
         queue_limit: 16,
         identity: PrefixIdentity { model: 1, token_layout: 1 },
         device_fed_decode: device_fed,
+        speculative_depth: 0,
     };
     Scheduler::new(scheme(), capacities(pages), config).unwrap()
 }

@@ -30,8 +30,13 @@ fn lifecycle<B: helios_replay::graph::GraphBackend>(
 ) -> (Vec<(Vec<u32>, FinishCause)>, u64, f64) {
     let m = core.manifest().clone();
     let executor = GraphExecutor::new(&m, backend).expect("drivable core");
-    let config =
-        SchedulerConfig { max_concurrency: 4, queue_limit: 64, identity: Default::default(), device_fed_decode: false };
+    let config = SchedulerConfig {
+        max_concurrency: 4,
+        queue_limit: 64,
+        identity: Default::default(),
+        device_fed_decode: false,
+        speculative_depth: 0,
+    };
     let scheduler = Scheduler::new(m.cache_scheme.clone(), m.capacities.clone(), config).expect("scheduler");
     let vocab = m.capacities.vocab_size;
     let mut d = LoopDriver::new(scheduler, executor, vocab).expect("loop driver");

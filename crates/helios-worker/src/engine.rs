@@ -212,6 +212,7 @@ impl Engine {
             queue_limit: options.queue_limit,
             identity: helios_cache::PrefixIdentity::default(),
             device_fed_decode: false,
+            speculative_depth: 0,
         };
         let device_fed_option = options.device_fed_decode;
         let host_cache_bytes = options.host_cache_bytes;
@@ -912,7 +913,9 @@ impl<E: Executor> ModelLoop<E> {
         let mut sampled: Vec<SampleSpec> = Vec::new();
         for op in &step.ops {
             match op {
-                StepOp::Decode { rows, .. } => sampled.extend(rows.iter().filter_map(|r| r.sample)),
+                StepOp::Decode { rows, .. } | StepOp::Verify { rows, .. } => {
+                    sampled.extend(rows.iter().filter_map(|r| r.sample))
+                }
                 StepOp::Prefill { row, .. } => sampled.extend(row.sample),
                 StepOp::ResumeSampling { sample, .. } => sampled.push(*sample),
                 _ => {}

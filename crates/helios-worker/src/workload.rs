@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use helios_cache::PrefixIdentity;
 use helios_contract::model::{CacheScheme, Capacities};
-use helios_replay::{Executor, ExecutorError, SimulatedExecutor, seeded_tokens};
+use helios_replay::{Executor, ExecutorError, SimModel, SimulatedExecutor, seeded_tokens};
 use helios_scheduler::{RequestId, RequestSpec, Scheduler, SchedulerConfig};
 
 use crate::drive::{Ended, LoopDriver};
@@ -57,20 +57,27 @@ pub fn device_scenario() -> Vec<Action> {
     a
 }
 
-/// Config for tests.
+/// Config for tests (no speculation).
 pub fn test_config(max_concurrency: u32) -> SchedulerConfig {
     SchedulerConfig {
         max_concurrency,
         queue_limit: 64,
         identity: PrefixIdentity { model: 1, token_layout: 1 },
         device_fed_decode: false,
+        speculative_depth: 0,
     }
 }
 
-/// Output of `spec` run alone on an unlimited pool.
+/// Output of `spec` run alone on an unlimited pool (the simulated executor's hash model),
+/// decoded without speculation.
 pub fn run_alone(scheme: &CacheScheme, capacities: &Capacities, spec: &RequestSpec) -> Vec<u32> {
+    run_alone_as(SimModel::Hash, scheme, capacities, spec)
+}
+
+/// [`run_alone`] for the simulated executor's `model`.
+pub fn run_alone_as(model: SimModel, scheme: &CacheScheme, capacities: &Capacities, spec: &RequestSpec) -> Vec<u32> {
     let caps = solo_capacities(scheme, capacities);
-    let mut executor = SimulatedExecutor::new(scheme, &caps);
+    let mut executor = SimulatedExecutor::new(scheme, &caps).with_model(model);
     run_alone_on(&mut executor, scheme, capacities, spec).expect("oracle executes")
 }
 
@@ -117,6 +124,12 @@ pub struct WorkloadReport {
     pub disk_writes: u64,
     pub disk_fetches: u64,
     pub disk_fetch_failures: u64,
+    /// Steps that decoded without speculation and speculative rounds; proposals verified and
+    /// accepted.
+    pub decode_steps: u64,
+    pub verify_steps: u64,
+    pub proposed_tokens: u64,
+    pub accepted_tokens: u64,
 }
 
 /// Runs `actions` through the serving loop over one scheduler, checking invariants after every
@@ -146,9 +159,12 @@ pub fn run_workload_on<E: Executor>(
     run_workload_tiered(executor, scheme, capacities, max_concurrency, eos_tokens, &Tiers::default(), actions)
 }
 
-/// The tiers below the GPU cache a workload runs over.
+/// The tiers below the GPU cache a workload runs over, and how deep it speculates.
 #[derive(Clone, Debug, Default)]
 pub struct Tiers {
+    /// Copy proposals per request and step (0: off); the capacities must declare speculative
+    /// programs for it to take effect.
+    pub speculative_depth: u32,
     /// Host tier bytes (an arena of that size is attached to the executor).
     pub host_bytes: Option<u64>,
     /// Disk tier directory and byte budget (needs a host tier).
@@ -172,7 +188,11 @@ pub fn tiered_scheduler<E: Executor>(
     max_concurrency: u32,
     tiers: &Tiers,
 ) -> Result<Scheduler, ExecutorError> {
-    let config = SchedulerConfig { device_fed_decode: executor.device_fed_decode(), ..test_config(max_concurrency) };
+    let config = SchedulerConfig {
+        device_fed_decode: executor.device_fed_decode(),
+        speculative_depth: tiers.speculative_depth,
+        ..test_config(max_concurrency)
+    };
     let mut scheduler = Scheduler::new(scheme.clone(), capacities.clone(), config).expect("test config");
     if let Some(bytes) = tiers.host_bytes {
         let arena = std::sync::Arc::new(helios_offload::HostArena::new(bytes).expect("host arena"));
@@ -325,6 +345,10 @@ pub fn run_workload_tiered<E: Executor>(
         + pressure.snapshot_thinnings
         + pressure.snapshot_leaf_evictions;
     report.host_restores = stats.host_restores;
+    report.verify_steps = stats.verify_steps;
+    report.proposed_tokens = stats.proposed_tokens;
+    report.accepted_tokens = stats.accepted_tokens;
+    report.decode_steps = stats.decode_steps;
     report.demotions = scheduler.host_stats().map_or(0, |h| h.demotions);
     scheduler.evict_cache();
     scheduler.check_invariants();
@@ -352,8 +376,18 @@ pub fn finish(ended: &Ended) -> FinishInfo {
 
 /// Asserts every request matches its solo run (cancelled ones: a prefix of it).
 pub fn assert_matches_oracle(scheme: &CacheScheme, capacities: &Capacities, report: &WorkloadReport) {
+    assert_matches_oracle_as(SimModel::Hash, scheme, capacities, report);
+}
+
+/// [`assert_matches_oracle`] for runs on the simulated executor's `model`.
+pub fn assert_matches_oracle_as(
+    model: SimModel,
+    scheme: &CacheScheme,
+    capacities: &Capacities,
+    report: &WorkloadReport,
+) {
     for (spec, done) in &report.finished {
-        let alone = run_alone(scheme, capacities, spec);
+        let alone = run_alone_as(model, scheme, capacities, spec);
         let info = finish(done);
         match info.cause {
             FinishCause::Cancelled | FinishCause::PoolExhausted => {

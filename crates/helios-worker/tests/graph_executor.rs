@@ -42,8 +42,13 @@ fn run_on<B: GraphBackend>(
     let executor = GraphExecutor::new(&m, backend(&core)).expect("drivable core");
     // The fixture's graphs take their tokens from the host only.
     assert!(!helios_replay::Executor::device_fed_decode(&executor));
-    let config =
-        SchedulerConfig { max_concurrency: 4, queue_limit: 64, identity: Default::default(), device_fed_decode: false };
+    let config = SchedulerConfig {
+        max_concurrency: 4,
+        queue_limit: 64,
+        identity: Default::default(),
+        device_fed_decode: false,
+        speculative_depth: 0,
+    };
     let scheduler = Scheduler::new(m.cache_scheme.clone(), m.capacities.clone(), config).unwrap();
     let mut d = LoopDriver::new(scheduler, executor, m.capacities.vocab_size).unwrap();
     for p in prompts {
@@ -123,8 +128,13 @@ fn device_fed_requests_run_with_two_steps_in_flight() {
     let mut emulator = Emulator::new(&core);
     emulator.deferred = true;
     let executor = GraphExecutor::new(&m, emulator).unwrap();
-    let config =
-        SchedulerConfig { max_concurrency: 4, queue_limit: 64, identity: Default::default(), device_fed_decode: true };
+    let config = SchedulerConfig {
+        max_concurrency: 4,
+        queue_limit: 64,
+        identity: Default::default(),
+        device_fed_decode: true,
+        speculative_depth: 0,
+    };
     let scheduler = Scheduler::new(m.cache_scheme.clone(), m.capacities.clone(), config).unwrap();
     let mut d = LoopDriver::new(scheduler, executor, m.capacities.vocab_size).unwrap();
     for p in 0..3u32 {

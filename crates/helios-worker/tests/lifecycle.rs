@@ -3,13 +3,15 @@
 //! with its solo run.
 #![allow(clippy::unwrap_used)]
 
+use helios_contract::model::SpeculativeProgram;
 use helios_contract::model::{CacheScheme, Capacities};
+use helios_replay::SimModel;
 use helios_replay::{Executor, SimulatedExecutor, StepLog, reference_schemes, test_capacities};
 use helios_scheduler::{AdmissionError, RequestSpec, Scheduler, SchedulerConfig, StepOp};
 use helios_worker::drive::{Ended, LoopDriver};
 use helios_worker::workload::{
-    Action, Tiers, assert_matches_oracle, finish, run_alone, run_workload, run_workload_tiered, test_config,
-    tiered_scheduler,
+    Action, Tiers, assert_matches_oracle, assert_matches_oracle_as, finish, run_alone, run_workload,
+    run_workload_tiered, test_config, tiered_scheduler,
 };
 use helios_worker::{FinishCause, RequestError};
 use proptest::prelude::*;
@@ -196,6 +198,70 @@ fn check(scheme_index: usize, tight: bool, lag: usize, device_fed: bool, host_pa
     check_tiers(scheme_index, tight, lag, device_fed, host_pages, None, actions);
 }
 
+/// Speculative programs for every decode bucket at depths up to `depth` (rectangular).
+fn with_speculation(mut caps: Capacities, depth: u32) -> Capacities {
+    caps.speculative_programs = caps
+        .decode_request_buckets
+        .iter()
+        .flat_map(|&b| [1, depth].map(|d| SpeculativeProgram::rectangular(b, d)))
+        .collect();
+    caps.speculative_programs.sort_by_key(|p| (p.requests, p.depth));
+    caps.speculative_programs.dedup();
+    caps
+}
+
+/// A workload run with copy proposals verified by speculative programs, on the induction model
+/// (which copies from the history, so proposals are often accepted) or the hash model (rarely):
+/// every request's tokens equal its solo run decoded without speculation, invariants hold after
+/// every turn, and storage drains.
+fn check_speculative(
+    scheme_index: usize,
+    model: SimModel,
+    lag: usize,
+    depth: u32,
+    host_pages: u64,
+    actions: &[Action],
+) -> helios_worker::workload::WorkloadReport {
+    let scheme = reference_schemes().remove(scheme_index);
+    let min_pages = scheme.pages_for(1024) as u32 + 2;
+    let caps = with_speculation(test_capacities(4, min_pages * 2, 8), depth);
+    let mut executor = SimulatedExecutor::with_completion_lag(&scheme, &caps, lag).with_model(model);
+    let host = (host_pages > 0).then_some(host_pages * helios_offload::UNIT_BYTES);
+    let tiers = Tiers { speculative_depth: depth, host_bytes: host, ..Tiers::default() };
+    let report = run_workload_tiered(&mut executor, &scheme, &caps, 4, &[0], &tiers, actions).unwrap();
+    assert_matches_oracle_as(model, &scheme, &caps, &report);
+    report
+}
+
+/// Conversations that repeat themselves (the induction model continues copies), so copy
+/// proposals are accepted: outputs equal ordinary decoding, and rounds verified several tokens.
+#[test]
+fn speculative_rounds_match_ordinary_decoding() {
+    for scheme in 0..3 {
+        for lag in [0, 1] {
+            let mut actions = Vec::new();
+            for seed in 0..3u64 {
+                actions.push(Action::Start { messages: 2, message_len: 40, max_output: 60, seed });
+                actions.push(Action::Run { turns: 5 });
+            }
+            actions.push(Action::Run { turns: 200 });
+            for c in 0..3u8 {
+                actions.push(Action::Append { conversation: c, len: 12, max_output: 40 });
+            }
+            let report = check_speculative(scheme, SimModel::Induction, lag, 4, 0, &actions);
+            let outputs: u64 = report.finished.iter().map(|(_, d)| d.output.len() as u64).sum();
+            assert!(report.verify_steps > 0, "no speculative round: {report:?}");
+            assert!(report.accepted_tokens > 0, "nothing accepted: {report:?}");
+            assert!(
+                report.decode_steps + report.verify_steps < outputs,
+                "speculation saved no step: {} + {} steps for {outputs} tokens",
+                report.decode_steps,
+                report.verify_steps
+            );
+        }
+    }
+}
+
 /// A restore budget of `pages` page copies per step (0: the default), to split restores.
 fn restore_budget(scheme_index: usize, pages: u64) -> Option<u64> {
     let page_bytes = reference_schemes()[scheme_index].bytes_per_page();
@@ -241,7 +307,13 @@ fn check_tiers(
     let faults = disk.map(|d| d.1).unwrap_or_default();
     let disk = disk.map(|(u, _)| (dir.path().to_path_buf(), u * helios_offload::UNIT_BYTES));
     // Odd host sizes also split restores over steps (one or two page copies per step).
-    let tiers = Tiers { host_bytes: host, disk, faults, restore_budget: restore_budget(scheme_index, host_pages % 3) };
+    let tiers = Tiers {
+        host_bytes: host,
+        disk,
+        faults,
+        restore_budget: restore_budget(scheme_index, host_pages % 3),
+        ..Tiers::default()
+    };
     let report = run_workload_tiered(&mut executor, &scheme, &caps, 4, &[0], &tiers, &actions).unwrap();
     assert_matches_oracle(&scheme, &caps, &report);
 }
@@ -301,6 +373,15 @@ proptest! {
     #[test]
     fn random_agent_workloads(scheme in 0usize..3, tight in any::<bool>(), lag in 0usize..3, device_fed in any::<bool>(), host_pages in prop_oneof![Just(0u64), 4u64..40, Just(4096)], actions in prop::collection::vec(action(), 1..24)) {
         check(scheme, tight, lag, device_fed, host_pages, actions);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+    #[test]
+    fn random_speculative_workloads(scheme in 0usize..3, induction in any::<bool>(), lag in 0usize..3, depth in 1u32..6, host_pages in prop_oneof![Just(0u64), 4u64..40], actions in prop::collection::vec(action(), 1..24)) {
+        let model = if induction { SimModel::Induction } else { SimModel::Hash };
+        check_speculative(scheme, model, lag, depth, host_pages, &actions);
     }
 }
 
