@@ -27,6 +27,7 @@ mod openai;
 mod params;
 mod responses;
 mod serve;
+mod sse;
 
 use std::sync::Arc;
 

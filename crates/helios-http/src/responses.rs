@@ -17,8 +17,9 @@ use crate::AppState;
 use crate::error::{ApiCode, ApiError, Flavor};
 use crate::extract::ApiJson;
 use crate::generate::{Api, ChoiceEnd, Piece, RequestLog, handle, logged, start, unix_now};
-use crate::openai::{check_model, merged};
+use crate::openai::check_model;
 use crate::params::{self, RawSampling};
+use crate::sse::merged;
 
 #[derive(Debug, Deserialize)]
 pub(crate) struct ResponsesRequest {
