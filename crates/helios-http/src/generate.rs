@@ -180,6 +180,14 @@ impl Generation {
         }
         Ok((out, usage))
     }
+
+    /// Runs the only choice of an API without `n` to its end.
+    pub(crate) async fn collect_one(self) -> Result<ChoiceEnd, ApiError> {
+        match self.choices.into_iter().next() {
+            Some(choice) => choice.collect().await,
+            None => Err(ApiError::from_request(&RequestError::ChannelClosed)),
+        }
+    }
 }
 
 /// A request's token counts over all its choices, as `usage` reports them: output summed,

@@ -42,6 +42,11 @@ impl Frames {
         self.0.push(Event::default().data(json_text(body)));
     }
 
+    /// A named event (`event:` then `data:`), as Anthropic's and the Responses API's are.
+    pub(crate) fn event(&mut self, name: &'static str, body: &impl Serialize) {
+        self.0.push(Event::default().event(name).data(json_text(body)));
+    }
+
     /// OpenAI's end marker, `data: [DONE]`.
     pub(crate) fn done_marker(&mut self) {
         self.0.push(Event::default().data("[DONE]"));
