@@ -69,7 +69,7 @@ pub(crate) fn json_text(body: &impl Serialize) -> String {
 }
 
 /// All choices' pieces, interleaved as they arrive. Dropping it cancels every choice.
-pub(crate) fn merged(choices: Vec<ChoiceRun>) -> BoxStream<'static, (u32, Vec<Piece>)> {
+fn merged(choices: Vec<ChoiceRun>) -> BoxStream<'static, (u32, Vec<Piece>)> {
     let streams = choices.into_iter().map(|c| {
         stream::unfold(c, |mut c| async move {
             let pieces = c.next().await?;
