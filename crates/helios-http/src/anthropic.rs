@@ -1,23 +1,20 @@
 //! Anthropic Messages (`POST /v1/messages`), with its event stream and error envelope.
 
-use std::convert::Infallible;
-
 use axum::extract::State;
 use axum::http::HeaderMap;
-use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use futures_util::stream::{self, StreamExt};
 use helios_frontend::{OutputDelta, ToolChoice};
 use helios_worker::{ChatPrompt, FinishCause, GenerationInput, PromptInput};
-use serde::Deserialize;
-use serde_json::{Value as Json, json};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value as Json, json};
 
 use crate::AppState;
 use crate::error::{ApiCode, ApiError, Flavor};
 use crate::extract::{AnthropicEnvelope, ApiJson};
-use crate::generate::{Api, ChoiceEnd, Piece, RequestLog, handle, logged, start};
-use crate::openai::{check_model, merged};
+use crate::generate::{Api, ChoiceEnd, RequestLog, handle, start};
+use crate::openai::check_model;
 use crate::params::{self, RawSampling};
+use crate::sse::{self, Frames, Protocol};
 
 #[derive(Debug, Deserialize)]
 pub(crate) struct MessagesRequest {
@@ -40,7 +37,8 @@ fn bad(code: ApiCode, m: impl Into<String>) -> ApiError {
     ApiError::invalid(code, Some("messages"), m).flavor(Flavor::Anthropic)
 }
 
-/// Anthropic blocks → OpenAI-shaped template messages.
+/// Anthropic blocks → OpenAI-shaped template messages. These are the template's input, free
+/// form (a client's extra fields pass through), so they stay JSON values.
 fn convert_messages(system: Option<Json>, messages: Vec<Json>) -> Result<Vec<Json>, ApiError> {
     let mut out = Vec::new();
     if let Some(s) = system {
@@ -110,6 +108,7 @@ fn convert_messages(system: Option<Json>, messages: Vec<Json>) -> Result<Vec<Jso
     Ok(out)
 }
 
+/// Anthropic tools → the template's OpenAI-shaped tools (the client's schema passed through).
 fn convert_tools(tools: Option<Vec<Json>>) -> Result<Vec<Json>, ApiError> {
     let tools = tools.unwrap_or_default();
     tools
@@ -173,7 +172,7 @@ fn chat_prompt(
     let tool_choice = convert_tool_choice(tool_choice.as_ref(), !tools.is_empty())?;
     let mut kwargs = serde_json::Map::new();
     if let Some(t) = &thinking {
-        kwargs.insert("enable_thinking".into(), json!(t.get("type").and_then(Json::as_str) == Some("enabled")));
+        kwargs.insert("enable_thinking".into(), Json::Bool(t.get("type").and_then(Json::as_str) == Some("enabled")));
     }
     Ok(ChatPrompt {
         messages: convert_messages(system, messages)?,
@@ -203,7 +202,7 @@ pub(crate) async fn count_tokens(
     State(state): State<AppState>,
     body: Result<ApiJson<CountTokensRequest, AnthropicEnvelope>, ApiError>,
 ) -> Response {
-    let result: Result<Json, ApiError> = async {
+    let result: Result<TokenCount, ApiError> = async {
         let ApiJson(req, _) = body?;
         check_model(&state, &req.model, Flavor::Anthropic)?;
         // The worker renders it as generation would (offered tools, `tool_choice` instruction).
@@ -211,7 +210,7 @@ pub(crate) async fn count_tokens(
         let prompt = PromptInput::Chat(chat);
         let tokens =
             state.engine.run_prep(move |f, cancel| helios_worker::tokenize(f, prompt, false, cancel)).await??;
-        Ok(json!({"input_tokens": tokens.len()}))
+        Ok(TokenCount { input_tokens: tokens.len() })
     }
     .await;
     match result {
@@ -221,10 +220,10 @@ pub(crate) async fn count_tokens(
 }
 
 /// Anthropic `stop_reason` and `stop_sequence` (the string that matched).
-fn stop_reason(end: &ChoiceEnd) -> (&'static str, Option<String>) {
+fn stop_reason(end: &ChoiceEnd) -> (&'static str, Option<&str>) {
     match end.info.cause {
         FinishCause::Length | FinishCause::PoolExhausted => ("max_tokens", None),
-        FinishCause::Stop => ("stop_sequence", end.stop_sequence.clone()),
+        FinishCause::Stop => ("stop_sequence", end.stop_sequence.as_deref()),
         _ if !end.parsed.tool_calls.is_empty() => ("tool_use", None),
         _ => ("end_turn", None),
     }
@@ -271,136 +270,346 @@ async fn messages_inner(
     };
     log.set_stream(req.stream);
     let g = start(&state.engine, input, Flavor::Anthropic, &log).await?;
-    if !req.stream {
-        let Some(choice) = g.choices.into_iter().next() else {
-            return Err(ApiError::from_request(&helios_worker::RequestError::ChannelClosed).flavor(Flavor::Anthropic));
+    if req.stream {
+        let stream = MessagesStream {
+            id: g.request_id.clone(),
+            model,
+            prompt_tokens: g.prompt_tokens,
+            open: Open::None,
+            block: 0,
         };
-        let end = choice.collect().await?;
-        let mut content = Vec::new();
-        if let Some(r) = end.parsed.reasoning.as_ref().filter(|r| !r.is_empty()) {
-            content.push(json!({"type": "thinking", "thinking": r, "signature": ""}));
-        }
-        if !end.parsed.content.is_empty() || end.parsed.tool_calls.is_empty() {
-            content.push(json!({"type": "text", "text": end.parsed.content}));
-        }
-        for (i, c) in end.parsed.tool_calls.iter().enumerate() {
-            let input: Json = serde_json::from_str(&c.arguments).unwrap_or(json!({}));
-            content
-                .push(json!({"type": "tool_use", "id": tool_use_id(&g.request_id, i), "name": c.name, "input": input}));
-        }
-        let (reason, seq) = stop_reason(&end);
-        let body = json!({"id": g.request_id, "type": "message", "role": "assistant", "model": model,
-            "content": content, "stop_reason": reason, "stop_sequence": seq,
-            "usage": {"input_tokens": end.info.prompt_tokens, "output_tokens": end.info.generated,
-                "cache_read_input_tokens": end.info.cached_tokens, "cache_creation_input_tokens": 0}});
-        return Ok(axum::Json(body).into_response());
+        return Ok(sse::respond(g, stream));
     }
-    let ev = |name: &str, v: Json| Event::default().event(name).data(v.to_string());
-    let start_event = ev(
-        "message_start",
-        json!({"type": "message_start", "message": {"id": g.request_id, "type": "message",
-        "role": "assistant", "model": model, "content": [], "stop_reason": null, "stop_sequence": null,
-        "usage": {"input_tokens": g.prompt_tokens, "output_tokens": 0}}}),
-    );
-    /// Which content block is open.
-    #[derive(PartialEq, Clone, Copy)]
-    enum Open {
-        None,
-        Thinking,
-        Text,
-        Tool(usize),
+    let id = g.request_id.clone();
+    let end = g.collect_one().await?;
+    let p = &end.parsed;
+    let mut content = Vec::new();
+    if let Some(r) = p.reasoning.as_deref().filter(|r| !r.is_empty()) {
+        content.push(ContentBlock::Thinking { thinking: r, signature: Some("") });
     }
-    struct St {
-        open: Open,
-        block: usize,
-        done: bool,
+    if !p.content.is_empty() || p.tool_calls.is_empty() {
+        content.push(ContentBlock::Text { text: &p.content });
     }
-    let request_id = g.request_id.clone();
-    let pieces = merged(g.choices);
-    let body = stream::unfold((pieces, St { open: Open::None, block: 0, done: false }), move |(mut pieces, mut st)| {
-        let request_id = request_id.clone();
-        async move {
-            if st.done {
-                return None;
+    for (i, c) in p.tool_calls.iter().enumerate() {
+        let input = serde_json::from_str(&c.arguments).unwrap_or_else(|_| Json::Object(Map::new()));
+        content.push(ContentBlock::ToolUse { id: tool_use_id(&id, i), name: &c.name, input });
+    }
+    let (reason, stop_sequence) = stop_reason(&end);
+    let body = Message {
+        id: &id,
+        kind: "message",
+        role: "assistant",
+        model: &model,
+        content,
+        stop_reason: Some(reason),
+        stop_sequence,
+        usage: MessageUsage {
+            input_tokens: end.info.prompt_tokens,
+            output_tokens: end.info.generated,
+            cache_read_input_tokens: Some(end.info.cached_tokens),
+            cache_creation_input_tokens: Some(0),
+        },
+    };
+    Ok(axum::Json(body).into_response())
+}
+
+/// Which content block of a Messages stream is open.
+#[derive(PartialEq, Clone, Copy, Debug)]
+enum Open {
+    None,
+    Thinking,
+    Text,
+    Tool(usize),
+}
+
+/// Messages streaming: `message_start`; each run of reasoning, text or one tool call as a
+/// content block (start, deltas, stop); then `message_delta` and `message_stop`. A failure
+/// is an `error` event in the Anthropic envelope.
+#[derive(Debug)]
+struct MessagesStream {
+    id: String,
+    model: String,
+    prompt_tokens: u32,
+    open: Open,
+    /// The index of the open block, or of the next one.
+    block: usize,
+}
+
+impl MessagesStream {
+    fn send(out: &mut Frames, event: StreamEvent<'_>) {
+        let kind = event.name();
+        out.event(kind, &Typed { kind, event });
+    }
+
+    /// Makes `want` the open block: the open one stops, `start` starts.
+    fn switch(&mut self, out: &mut Frames, want: Open, start: ContentBlock<'_>) {
+        if self.open == want {
+            return;
+        }
+        if self.open != Open::None {
+            Self::send(out, StreamEvent::ContentBlockStop { index: self.block });
+            self.block += 1;
+        }
+        Self::send(out, StreamEvent::ContentBlockStart { index: self.block, content_block: start });
+        self.open = want;
+    }
+}
+
+impl Protocol for MessagesStream {
+    fn open(&mut self, out: &mut Frames) {
+        let message = Message {
+            id: &self.id,
+            kind: "message",
+            role: "assistant",
+            model: &self.model,
+            content: Vec::new(),
+            stop_reason: None,
+            stop_sequence: None,
+            usage: MessageUsage {
+                input_tokens: self.prompt_tokens,
+                output_tokens: 0,
+                cache_read_input_tokens: None,
+                cache_creation_input_tokens: None,
+            },
+        };
+        Self::send(out, StreamEvent::MessageStart { message });
+    }
+
+    fn delta(&mut self, _: u32, delta: OutputDelta, out: &mut Frames) {
+        let delta = match &delta {
+            OutputDelta::Reasoning(t) => {
+                self.switch(out, Open::Thinking, ContentBlock::Thinking { thinking: "", signature: None });
+                BlockDelta::Thinking { thinking: t }
             }
-            let (_, ps) = pieces.next().await?;
-            let mut out = Vec::new();
-            let switch = |st: &mut St, out: &mut Vec<Event>, want: Open, start: Json| {
-                if st.open == want {
-                    return;
-                }
-                if st.open != Open::None {
-                    out.push(ev("content_block_stop", json!({"type": "content_block_stop", "index": st.block})));
-                    st.block += 1;
-                }
-                out.push(ev(
-                    "content_block_start",
-                    json!({"type": "content_block_start", "index": st.block, "content_block": start}),
-                ));
-                st.open = want;
-            };
-            for p in ps {
-                match p {
-                    Piece::Delta(OutputDelta::Reasoning(t)) => {
-                        switch(&mut st, &mut out, Open::Thinking, json!({"type": "thinking", "thinking": ""}));
-                        out.push(ev(
-                            "content_block_delta",
-                            json!({"type": "content_block_delta", "index": st.block,
-                            "delta": {"type": "thinking_delta", "thinking": t}}),
-                        ));
-                    }
-                    Piece::Delta(OutputDelta::Content(t)) => {
-                        switch(&mut st, &mut out, Open::Text, json!({"type": "text", "text": ""}));
-                        out.push(ev(
-                            "content_block_delta",
-                            json!({"type": "content_block_delta", "index": st.block,
-                            "delta": {"type": "text_delta", "text": t}}),
-                        ));
-                    }
-                    Piece::Delta(OutputDelta::ToolCallStart { index, name }) => {
-                        switch(
-                            &mut st,
-                            &mut out,
-                            Open::Tool(index),
-                            json!({"type": "tool_use",
-                            "id": tool_use_id(&request_id, index), "name": name, "input": {}}),
-                        );
-                    }
-                    Piece::Delta(OutputDelta::ToolCallArguments { index, delta }) => {
-                        if st.open == Open::Tool(index) {
-                            out.push(ev(
-                                "content_block_delta",
-                                json!({"type": "content_block_delta", "index": st.block,
-                                "delta": {"type": "input_json_delta", "partial_json": delta}}),
-                            ));
-                        }
-                    }
-                    Piece::Delta(OutputDelta::ToolCallEnd { .. }) => {}
-                    Piece::Done(end) => {
-                        if st.open == Open::None {
-                            switch(&mut st, &mut out, Open::Text, json!({"type": "text", "text": ""}));
-                        }
-                        out.push(ev("content_block_stop", json!({"type": "content_block_stop", "index": st.block})));
-                        let (reason, seq) = stop_reason(&end);
-                        out.push(ev(
-                            "message_delta",
-                            json!({"type": "message_delta",
-                            "delta": {"stop_reason": reason, "stop_sequence": seq},
-                            "usage": {"output_tokens": end.info.generated}}),
-                        ));
-                        out.push(ev("message_stop", json!({"type": "message_stop"})));
-                        st.done = true;
-                    }
-                    Piece::Failed(e) => {
-                        out.push(ev("error", e.flavor(Flavor::Anthropic).body()));
-                        st.done = true;
-                        break;
-                    }
-                }
+            OutputDelta::Content(t) => {
+                self.switch(out, Open::Text, ContentBlock::Text { text: "" });
+                BlockDelta::Text { text: t }
             }
-            Some((out, (pieces, st)))
+            OutputDelta::ToolCallStart { index, name } => {
+                let id = tool_use_id(&self.id, *index);
+                let input = Json::Object(Map::new());
+                self.switch(out, Open::Tool(*index), ContentBlock::ToolUse { id, name, input });
+                return;
+            }
+            OutputDelta::ToolCallArguments { index, delta } if self.open == Open::Tool(*index) => {
+                BlockDelta::InputJson { partial_json: delta }
+            }
+            OutputDelta::ToolCallArguments { .. } | OutputDelta::ToolCallEnd { .. } => return,
+        };
+        Self::send(out, StreamEvent::ContentBlockDelta { index: self.block, delta });
+    }
+
+    fn done(&mut self, _: u32, end: ChoiceEnd, out: &mut Frames) {
+        // A message has at least one block.
+        if self.open == Open::None {
+            self.switch(out, Open::Text, ContentBlock::Text { text: "" });
         }
-    });
-    let events = logged(stream::iter([start_event]).chain(body.flat_map(stream::iter)), g.log).map(Ok::<_, Infallible>);
-    Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response())
+        Self::send(out, StreamEvent::ContentBlockStop { index: self.block });
+        let (stop_reason, stop_sequence) = stop_reason(&end);
+        Self::send(
+            out,
+            StreamEvent::MessageDelta {
+                delta: MessageDelta { stop_reason, stop_sequence },
+                usage: DeltaUsage { output_tokens: end.info.generated },
+            },
+        );
+        Self::send(out, StreamEvent::MessageStop {});
+    }
+
+    fn failed(&mut self, error: ApiError, out: &mut Frames) {
+        out.event("error", &error.flavor(Flavor::Anthropic).body());
+    }
+}
+
+// The wire types. Field order is the order sent.
+
+/// A message: the whole answer, or (empty, without stop reason or cache counts) the
+/// stream's `message_start`.
+#[derive(Debug, Serialize)]
+struct Message<'a> {
+    id: &'a str,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    role: &'static str,
+    model: &'a str,
+    content: Vec<ContentBlock<'a>>,
+    stop_reason: Option<&'static str>,
+    stop_sequence: Option<&'a str>,
+    usage: MessageUsage,
+}
+
+#[derive(Debug, Serialize)]
+struct MessageUsage {
+    input_tokens: u32,
+    output_tokens: u32,
+    /// In whole answers only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_read_input_tokens: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_creation_input_tokens: Option<u32>,
+}
+
+#[derive(Debug, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum ContentBlock<'a> {
+    Thinking {
+        thinking: &'a str,
+        /// Whole answers carry an empty one (nothing is signed); stream block starts none.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        signature: Option<&'static str>,
+    },
+    Text {
+        text: &'a str,
+    },
+    ToolUse {
+        id: String,
+        name: &'a str,
+        /// Free-form: the call's arguments as parsed JSON (`{}` at a stream block's start).
+        input: Json,
+    },
+}
+
+#[derive(Debug, Serialize)]
+#[serde(tag = "type")]
+enum BlockDelta<'a> {
+    #[serde(rename = "thinking_delta")]
+    Thinking { thinking: &'a str },
+    #[serde(rename = "text_delta")]
+    Text { text: &'a str },
+    #[serde(rename = "input_json_delta")]
+    InputJson { partial_json: &'a str },
+}
+
+/// A Messages stream event; its `type` is its SSE event name ([`StreamEvent::name`]).
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+enum StreamEvent<'a> {
+    MessageStart { message: Message<'a> },
+    ContentBlockStart { index: usize, content_block: ContentBlock<'a> },
+    ContentBlockDelta { index: usize, delta: BlockDelta<'a> },
+    ContentBlockStop { index: usize },
+    MessageDelta { delta: MessageDelta<'a>, usage: DeltaUsage },
+    MessageStop {},
+}
+
+impl StreamEvent<'_> {
+    fn name(&self) -> &'static str {
+        match self {
+            StreamEvent::MessageStart { .. } => "message_start",
+            StreamEvent::ContentBlockStart { .. } => "content_block_start",
+            StreamEvent::ContentBlockDelta { .. } => "content_block_delta",
+            StreamEvent::ContentBlockStop { .. } => "content_block_stop",
+            StreamEvent::MessageDelta { .. } => "message_delta",
+            StreamEvent::MessageStop {} => "message_stop",
+        }
+    }
+}
+
+/// A stream event as sent: `type` first, then the event's fields.
+#[derive(Debug, Serialize)]
+struct Typed<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    #[serde(flatten)]
+    event: StreamEvent<'a>,
+}
+
+/// `stop_sequence` is `null` unless a stop sequence ended the message.
+#[derive(Debug, Serialize)]
+struct MessageDelta<'a> {
+    stop_reason: &'static str,
+    stop_sequence: Option<&'a str>,
+}
+
+#[derive(Debug, Serialize)]
+struct DeltaUsage {
+    output_tokens: u32,
+}
+
+/// The `count_tokens` answer.
+#[derive(Debug, Serialize)]
+struct TokenCount {
+    input_tokens: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::to_value;
+
+    use super::*;
+
+    fn typed(event: StreamEvent<'_>) -> Json {
+        to_value(Typed { kind: event.name(), event }).expect("json")
+    }
+
+    #[test]
+    fn message_delta_carries_the_stop_sequence_or_null() {
+        let delta = |stop_reason, stop_sequence| StreamEvent::MessageDelta {
+            delta: MessageDelta { stop_reason, stop_sequence },
+            usage: DeltaUsage { output_tokens: 9 },
+        };
+        assert_eq!(
+            typed(delta("stop_sequence", Some("##"))),
+            json!({"type": "message_delta", "delta": {"stop_reason": "stop_sequence", "stop_sequence": "##"},
+                "usage": {"output_tokens": 9}})
+        );
+        assert_eq!(
+            typed(delta("end_turn", None)),
+            json!({"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": null},
+                "usage": {"output_tokens": 9}})
+        );
+        assert_eq!(typed(StreamEvent::MessageStop {}), json!({"type": "message_stop"}));
+    }
+
+    #[test]
+    fn message_start_has_nulls_and_no_cache_counts() {
+        let message = Message {
+            id: "msg_1",
+            kind: "message",
+            role: "assistant",
+            model: "m",
+            content: Vec::new(),
+            stop_reason: None,
+            stop_sequence: None,
+            usage: MessageUsage {
+                input_tokens: 4,
+                output_tokens: 0,
+                cache_read_input_tokens: None,
+                cache_creation_input_tokens: None,
+            },
+        };
+        assert_eq!(
+            typed(StreamEvent::MessageStart { message }),
+            json!({"type": "message_start", "message": {"id": "msg_1", "type": "message", "role": "assistant",
+                "model": "m", "content": [], "stop_reason": null, "stop_sequence": null,
+                "usage": {"input_tokens": 4, "output_tokens": 0}}})
+        );
+    }
+
+    #[test]
+    fn content_blocks_and_their_deltas() {
+        let thinking = ContentBlock::Thinking { thinking: "", signature: None };
+        assert_eq!(
+            typed(StreamEvent::ContentBlockStart { index: 0, content_block: thinking }),
+            json!({"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": ""}})
+        );
+        let whole = ContentBlock::Thinking { thinking: "t", signature: Some("") };
+        assert_eq!(to_value(whole).expect("json"), json!({"type": "thinking", "thinking": "t", "signature": ""}));
+        let tool = ContentBlock::ToolUse { id: "toolu_x_0".into(), name: "f", input: Json::Object(Map::new()) };
+        assert_eq!(
+            typed(StreamEvent::ContentBlockStart { index: 2, content_block: tool }),
+            json!({"type": "content_block_start", "index": 2,
+                "content_block": {"type": "tool_use", "id": "toolu_x_0", "name": "f", "input": {}}})
+        );
+        let delta = BlockDelta::InputJson { partial_json: "{\"a" };
+        assert_eq!(
+            typed(StreamEvent::ContentBlockDelta { index: 2, delta }),
+            json!({"type": "content_block_delta", "index": 2,
+                "delta": {"type": "input_json_delta", "partial_json": "{\"a"}})
+        );
+        assert_eq!(
+            typed(StreamEvent::ContentBlockStop { index: 2 }),
+            json!({"type": "content_block_stop", "index": 2})
+        );
+    }
 }

@@ -5,7 +5,7 @@ use std::borrow::Cow;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use helios_worker::{ErrorClass, ErrorCode, RequestError};
-use serde_json::json;
+use serde::Serialize;
 
 /// Which envelope an error is rendered in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -164,15 +164,52 @@ impl ApiError {
         }
     }
 
-    /// The JSON body in this error's envelope.
-    pub fn body(&self) -> serde_json::Value {
+    /// The body in this error's envelope.
+    pub fn body(&self) -> ErrorBody<'_> {
+        let code = self.code.as_str();
         match self.flavor {
-            Flavor::OpenAi => json!({"error": {
-                "message": self.message, "type": self.kind, "param": self.param, "code": self.code.as_str()}}),
-            Flavor::Anthropic => json!({"type": "error", "error": {
-                "type": self.anthropic_type(), "message": self.message, "code": self.code.as_str()}}),
+            Flavor::OpenAi => ErrorBody::OpenAi {
+                error: OpenAiError { message: &self.message, kind: self.kind, param: self.param.as_deref(), code },
+            },
+            Flavor::Anthropic => ErrorBody::Anthropic {
+                kind: "error",
+                error: AnthropicError { kind: self.anthropic_type(), message: &self.message, code },
+            },
         }
     }
+}
+
+/// An error body: an answer's whole body, or a stream's error event.
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+pub enum ErrorBody<'a> {
+    /// `{"error": {...}}`.
+    OpenAi { error: OpenAiError<'a> },
+    /// `{"type": "error", "error": {...}}`.
+    Anthropic {
+        #[serde(rename = "type")]
+        kind: &'static str,
+        error: AnthropicError<'a>,
+    },
+}
+
+/// OpenAI's error object; `param` is `null` when no parameter is to blame.
+#[derive(Debug, Serialize)]
+pub struct OpenAiError<'a> {
+    pub message: &'a str,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub param: Option<&'a str>,
+    pub code: &'static str,
+}
+
+/// Anthropic's error object; `type` follows the status, `code` (ours) names the failure.
+#[derive(Debug, Serialize)]
+pub struct AnthropicError<'a> {
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub message: &'a str,
+    pub code: &'static str,
 }
 
 impl From<RequestError> for ApiError {
@@ -228,6 +265,8 @@ pub fn escape_for_log(text: &str) -> Cow<'_, str> {
 
 #[cfg(test)]
 mod tests {
+    use serde_json::json;
+
     use super::*;
 
     #[test]
@@ -267,5 +306,22 @@ mod tests {
         assert!(!r.headers().contains_key(header::RETRY_AFTER));
         let r = ApiError::invalid(ApiCode::InvalidJson, None, "bad").into_response();
         assert!(!r.headers().contains_key(header::RETRY_AFTER));
+    }
+
+    #[test]
+    fn envelopes_keep_their_fields_and_nulls() {
+        let e = ApiError::invalid(ApiCode::InvalidJson, None, "bad");
+        assert_eq!(
+            serde_json::to_value(e.body()).expect("json"),
+            json!({"error": {"message": "bad", "type": "invalid_request_error", "param": null, "code": "invalid_json"}})
+        );
+        let e = ApiError::model_not_found("m").flavor(Flavor::Anthropic);
+        assert_eq!(
+            serde_json::to_value(e.body()).expect("json"),
+            json!({"type": "error", "error": {"type": "not_found_error", "message": "the model `m` does not exist",
+                "code": "model_not_found"}})
+        );
+        let e = ApiError::model_not_found("m");
+        assert_eq!(serde_json::to_value(e.body()).expect("json")["error"]["param"], json!("model"));
     }
 }

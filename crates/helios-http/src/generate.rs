@@ -165,6 +165,51 @@ pub(crate) struct Generation {
     pub log: RequestLog,
 }
 
+impl Generation {
+    /// Runs every choice to its end: the ends in index order and their usage; the failure of
+    /// the first choice (by index) that failed otherwise.
+    pub(crate) async fn collect(self) -> Result<(Vec<(u32, ChoiceEnd)>, Tally), ApiError> {
+        let runs = self.choices.into_iter().map(|c| async move { (c.index, c.collect().await) });
+        let ends = futures_util::future::join_all(runs).await;
+        let mut usage = Tally::new(self.prompt_tokens);
+        let mut out = Vec::with_capacity(ends.len());
+        for (index, end) in ends {
+            let end = end?;
+            usage.add(&end);
+            out.push((index, end));
+        }
+        Ok((out, usage))
+    }
+
+    /// Runs the only choice of an API without `n` to its end.
+    pub(crate) async fn collect_one(self) -> Result<ChoiceEnd, ApiError> {
+        match self.choices.into_iter().next() {
+            Some(choice) => choice.collect().await,
+            None => Err(ApiError::from_request(&RequestError::ChannelClosed)),
+        }
+    }
+}
+
+/// A request's token counts over all its choices, as `usage` reports them: output summed,
+/// cached tokens the largest of any choice (they share one prompt).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Tally {
+    pub prompt: u32,
+    pub completion: u32,
+    pub cached: u32,
+}
+
+impl Tally {
+    pub(crate) fn new(prompt: u32) -> Self {
+        Tally { prompt, completion: 0, cached: 0 }
+    }
+
+    pub(crate) fn add(&mut self, end: &ChoiceEnd) {
+        self.completion += end.info.generated;
+        self.cached = self.cached.max(end.info.cached_tokens);
+    }
+}
+
 /// Prepares `input` and admits all its choices; errors here precede any response header.
 pub(crate) async fn start(
     engine: &Arc<Engine>,

@@ -27,6 +27,7 @@ mod openai;
 mod params;
 mod responses;
 mod serve;
+mod sse;
 
 use std::sync::Arc;
 
@@ -35,7 +36,7 @@ use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::http::{Method, StatusCode, Uri};
 use axum::routing::{get, post};
-pub use error::{ApiCode, ApiError, Flavor, escape_for_log};
+pub use error::{AnthropicError, ApiCode, ApiError, ErrorBody, Flavor, OpenAiError, escape_for_log};
 use helios_worker::Engine;
 pub use host::HostPolicy;
 pub use serve::{ConnectionLimits, ServeError, serve};

@@ -4,8 +4,8 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use helios_worker::{ChatPrompt, Health, PromptInput};
-use serde::Deserialize;
-use serde_json::{Value as Json, json};
+use serde::{Deserialize, Serialize};
+use serde_json::Value as Json;
 
 use crate::AppState;
 use crate::error::ApiError;
@@ -14,18 +14,23 @@ use crate::params;
 use helios_worker::ErrorCode;
 
 pub(crate) async fn health(State(state): State<AppState>) -> Response {
-    match state.engine.health() {
-        Health::Ready => (StatusCode::OK, axum::Json(json!({"status": "ok"}))).into_response(),
-        Health::Starting => {
-            (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"status": "starting"}))).into_response()
-        }
-        Health::Draining => {
-            (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"status": "draining"}))).into_response()
-        }
-        Health::Failed(why) => {
-            (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"status": "failed", "error": why}))).into_response()
-        }
-    }
+    let health = state.engine.health();
+    let body = match &health {
+        Health::Ready => HealthBody { status: "ok", error: None },
+        Health::Starting => HealthBody { status: "starting", error: None },
+        Health::Draining => HealthBody { status: "draining", error: None },
+        Health::Failed(why) => HealthBody { status: "failed", error: Some(why) },
+    };
+    let code = if matches!(health, Health::Ready) { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (code, axum::Json(body)).into_response()
+}
+
+/// `/health`'s body; `error` says why the engine failed.
+#[derive(Debug, Serialize)]
+struct HealthBody<'a> {
+    status: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<&'a str>,
 }
 
 pub(crate) async fn metrics(State(state): State<AppState>) -> Response {
@@ -49,7 +54,7 @@ fn yes() -> bool {
 }
 
 pub(crate) async fn tokenize(State(state): State<AppState>, ApiJson(req, _): ApiJson<TokenizeRequest>) -> Response {
-    let result: Result<Json, ApiError> = async {
+    let result: Result<Tokens, ApiError> = async {
         if let Some(m) = &req.model {
             crate::openai::check_model(&state, m, crate::error::Flavor::OpenAi)?;
         }
@@ -74,13 +79,21 @@ pub(crate) async fn tokenize(State(state): State<AppState>, ApiJson(req, _): Api
         let tokens =
             state.engine.run_prep(move |f, cancel| helios_worker::tokenize(f, prompt, add_special, cancel)).await??;
         let max = state.engine.frontend().context_limit;
-        Ok(json!({"count": tokens.len(), "max_model_len": max, "tokens": tokens}))
+        Ok(Tokens { count: tokens.len(), max_model_len: max, tokens })
     }
     .await;
     match result {
         Ok(v) => axum::Json(v).into_response(),
         Err(e) => e.into_response(),
     }
+}
+
+/// `/tokenize`'s answer.
+#[derive(Debug, Serialize)]
+struct Tokens {
+    count: usize,
+    max_model_len: u32,
+    tokens: Vec<u32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -107,8 +120,29 @@ pub(crate) async fn detokenize(State(state): State<AppState>, ApiJson(req, _): A
     let tokens = req.tokens;
     let r = state.engine.run_prep(move |f, _| f.tokenizer.decode(&tokens, false)).await;
     match r {
-        Ok(Ok(prompt)) => axum::Json(json!({"prompt": prompt})).into_response(),
+        Ok(Ok(prompt)) => axum::Json(Detokenized { prompt }).into_response(),
         Ok(Err(e)) => ApiError::from_request(&e.into()).into_response(),
         Err(e) => ApiError::from_request(&e).into_response(),
+    }
+}
+
+/// `/detokenize`'s answer.
+#[derive(Debug, Serialize)]
+struct Detokenized {
+    prompt: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{json, to_value};
+
+    use super::*;
+
+    #[test]
+    fn health_names_the_failure_only_when_failed() {
+        let starting = HealthBody { status: "starting", error: None };
+        assert_eq!(to_value(starting).expect("json"), json!({"status": "starting"}));
+        let failed = HealthBody { status: "failed", error: Some("core lost") };
+        assert_eq!(to_value(failed).expect("json"), json!({"status": "failed", "error": "core lost"}));
     }
 }

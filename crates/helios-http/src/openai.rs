@@ -1,22 +1,19 @@
 //! OpenAI Chat Completions, Completions and Models.
 
-use std::convert::Infallible;
-
 use axum::extract::{Path, State};
 use axum::http::HeaderMap;
-use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use futures_util::stream::{self, BoxStream, StreamExt};
 use helios_frontend::OutputDelta;
 use helios_worker::{ChatPrompt, GenerationInput, PromptInput};
-use serde::Deserialize;
-use serde_json::{Map, Value as Json, json};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value as Json};
 
 use crate::AppState;
 use crate::error::{ApiCode, ApiError, Flavor};
 use crate::extract::ApiJson;
-use crate::generate::{Api, ChoiceEnd, ChoiceRun, Generation, Piece, RequestLog, handle, logged, start, unix_now};
+use crate::generate::{Api, ChoiceEnd, Generation, RequestLog, Tally, handle, start, unix_now};
 use crate::params::{self, RawSampling, StopSpec};
+use crate::sse::{self, Frames, Protocol};
 use helios_worker::ErrorCode;
 
 #[derive(Debug, Deserialize)]
@@ -136,11 +133,6 @@ impl ChatRequest {
     }
 }
 
-fn usage(prompt: u32, completion: u32, cached: u32) -> Json {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached}})
-}
-
 fn call_id(request_id: &str, choice: u32, index: usize) -> String {
     format!("call_{}_{choice}_{index}", crate::generate::id_suffix(request_id))
 }
@@ -164,178 +156,136 @@ async fn chat_inner(
     let model = check_model(&state, &req.model, Flavor::OpenAi)?;
     let (input, streaming, include_usage) = req.into_input(request_id)?;
     log.set_stream(streaming);
-    let generation = start(&state.engine, input, Flavor::OpenAi, &log).await?;
+    let g = start(&state.engine, input, Flavor::OpenAi, &log).await?;
     if streaming {
-        Ok(chat_stream(generation, model, include_usage).into_response())
-    } else {
-        chat_whole(generation, &model).await
+        let n = g.choices.len() as u32;
+        let head = ChunkHead::new(&g, model, "chat.completion.chunk", include_usage);
+        return Ok(sse::respond(g, ChatStream { head, n }));
     }
-}
-
-/// Runs every choice to its end; returns them in index order with the request's usage.
-async fn collect_choices(g: Generation) -> Result<(Vec<(u32, ChoiceEnd)>, Json), ApiError> {
-    let ends =
-        futures_util::future::join_all(g.choices.into_iter().map(|c| async move { (c.index, c.collect().await) }))
-            .await;
-    let (mut out, mut completion, mut cached) = (Vec::with_capacity(ends.len()), 0, 0);
-    for (index, end) in ends {
-        let end = end?;
-        completion += end.info.generated;
-        cached = cached.max(end.info.cached_tokens);
-        out.push((index, end));
-    }
-    Ok((out, usage(g.prompt_tokens, completion, cached)))
-}
-
-async fn chat_whole(g: Generation, model: &str) -> Result<Response, ApiError> {
     let id = g.request_id.clone();
-    let (ends, usage) = collect_choices(g).await?;
-    let choices: Vec<Json> = ends
+    let (ends, usage) = g.collect().await?;
+    let choices: Vec<ChatChoice<'_>> = ends
         .iter()
-        .map(|(index, end)| {
-            json!({"index": index, "message": chat_message(&id, *index, end),
-                "finish_reason": end.finish_reason(), "logprobs": null})
+        .map(|(index, end)| ChatChoice {
+            index: *index,
+            message: chat_message(&id, *index, end),
+            finish_reason: end.finish_reason(),
+            logprobs: Null,
         })
         .collect();
-    let body = json!({"id": id, "object": "chat.completion", "created": unix_now(), "model": model,
-        "choices": choices, "usage": usage});
+    let body = Completion {
+        id: &id,
+        object: "chat.completion",
+        created: unix_now(),
+        model: &model,
+        choices: &choices,
+        usage: Some(Usage::from(&usage)),
+    };
     Ok(axum::Json(body).into_response())
 }
 
-fn chat_message(request_id: &str, choice: u32, end: &ChoiceEnd) -> Json {
+fn chat_message<'a>(request_id: &str, choice: u32, end: &'a ChoiceEnd) -> ChatMessage<'a> {
     let p = &end.parsed;
-    let mut m = Map::new();
-    m.insert("role".into(), json!("assistant"));
-    m.insert(
-        "content".into(),
-        if p.content.is_empty() && !p.tool_calls.is_empty() { Json::Null } else { json!(p.content) },
-    );
-    if let Some(r) = &p.reasoning {
-        m.insert("reasoning_content".into(), json!(r));
-    }
-    if !p.tool_calls.is_empty() {
-        let calls: Vec<Json> = p
-            .tool_calls
-            .iter()
-            .enumerate()
-            .map(|(i, c)| {
-                json!({"id": call_id(request_id, choice, i), "type": "function",
-                "function": {"name": c.name, "arguments": c.arguments}})
-            })
-            .collect();
-        m.insert("tool_calls".into(), Json::Array(calls));
-    }
-    Json::Object(m)
-}
-
-type Pieces = (u32, Vec<Piece>);
-
-/// All choices' pieces, interleaved as they arrive. Dropping it cancels every choice.
-pub(crate) fn merged(choices: Vec<ChoiceRun>) -> BoxStream<'static, Pieces> {
-    let streams = choices.into_iter().map(|c| {
-        stream::unfold(c, |mut c| async move {
-            let pieces = c.next().await?;
-            Some(((c.index, pieces), c))
+    let tool_calls: Vec<ToolCall<'a>> = p
+        .tool_calls
+        .iter()
+        .enumerate()
+        .map(|(i, c)| ToolCall {
+            id: call_id(request_id, choice, i),
+            kind: "function",
+            function: FunctionCall { name: &c.name, arguments: &c.arguments },
         })
-        .boxed()
-    });
-    stream::select_all(streams).boxed()
-}
-
-pub(crate) fn data(v: &Json) -> Event {
-    Event::default().data(v.to_string())
-}
-
-/// SSE: role chunk, deltas, a finish chunk per choice, optional usage, `[DONE]`. A failure
-/// ends the stream with an error event and no `[DONE]`.
-fn chat_stream(g: Generation, model: String, include_usage: bool) -> impl IntoResponse {
-    struct St {
-        pieces: BoxStream<'static, Pieces>,
-        id: String,
-        model: String,
-        created: u64,
-        prompt: u32,
-        completion: u32,
-        cached: u32,
-        include_usage: bool,
-        calls: Vec<usize>,
-        done: bool,
+        .collect();
+    ChatMessage {
+        role: "assistant",
+        content: (!p.content.is_empty() || tool_calls.is_empty()).then_some(p.content.as_str()),
+        reasoning_content: p.reasoning.as_deref(),
+        tool_calls,
     }
-    let n = g.choices.len();
-    let st = St {
-        id: g.request_id.clone(),
-        model,
-        created: unix_now(),
-        prompt: g.prompt_tokens,
-        completion: 0,
-        cached: 0,
-        include_usage,
-        calls: vec![0; n],
-        done: false,
-        pieces: merged(g.choices),
-    };
-    let chunk = |st: &St, index: u32, delta: Json, finish: Option<&str>| {
-        data(&json!({"id": st.id, "object": "chat.completion.chunk", "created": st.created, "model": st.model,
-            "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": null}]}))
-    };
-    let first: Vec<Event> =
-        (0..n as u32).map(|i| chunk(&st, i, json!({"role": "assistant", "content": ""}), None)).collect();
-    let body = stream::unfold(st, move |mut st| async move {
-        if st.done {
-            return None;
+}
+
+/// What every chunk of a Chat Completions or Completions stream repeats, and their shared
+/// ending.
+struct ChunkHead {
+    id: String,
+    model: String,
+    created: u64,
+    object: &'static str,
+    include_usage: bool,
+}
+
+impl ChunkHead {
+    fn new(g: &Generation, model: String, object: &'static str, include_usage: bool) -> Self {
+        ChunkHead { id: g.request_id.clone(), model, created: unix_now(), object, include_usage }
+    }
+
+    /// A chunk with one choice.
+    fn send(&self, out: &mut Frames, choice: impl Serialize) {
+        out.data(&self.chunk(std::slice::from_ref(&choice), None));
+    }
+
+    fn chunk<'a, C>(&'a self, choices: &'a [C], usage: Option<Usage>) -> Completion<'a, C> {
+        Completion { id: &self.id, object: self.object, created: self.created, model: &self.model, choices, usage }
+    }
+
+    /// The end of a stream: a usage chunk without choices when `include_usage` asked for
+    /// one, then `[DONE]`.
+    fn close(&self, usage: &Tally, out: &mut Frames) {
+        if self.include_usage {
+            out.data(&self.chunk::<()>(&[], Some(Usage::from(usage))));
         }
-        let Some((index, pieces)) = st.pieces.next().await else {
-            st.done = true;
-            let mut out = Vec::new();
-            if st.include_usage {
-                out.push(data(&json!({"id": st.id, "object": "chat.completion.chunk", "created": st.created,
-                    "model": st.model, "choices": [], "usage": usage(st.prompt, st.completion, st.cached)})));
-            }
-            out.push(Event::default().data("[DONE]"));
-            return Some((out, st));
+        out.done_marker();
+    }
+}
+
+/// Chat Completions streaming: a role chunk per choice, a chunk per delta, a finish chunk
+/// per choice, then the shared ending ([`ChunkHead::close`]).
+struct ChatStream {
+    head: ChunkHead,
+    n: u32,
+}
+
+impl Protocol for ChatStream {
+    fn open(&mut self, out: &mut Frames) {
+        for index in 0..self.n {
+            let delta = ChatDelta::Role { role: "assistant", content: "" };
+            self.head.send(out, ChunkChoice { index, delta, finish_reason: None, logprobs: Null });
+        }
+    }
+
+    fn delta(&mut self, index: u32, delta: OutputDelta, out: &mut Frames) {
+        let call_id = |k| call_id(&self.head.id, index, k);
+        let delta = match &delta {
+            OutputDelta::Content(t) => ChatDelta::Content { content: t },
+            OutputDelta::Reasoning(t) => ChatDelta::Reasoning { reasoning_content: t },
+            OutputDelta::ToolCallStart { index: k, name } => ChatDelta::ToolCalls {
+                tool_calls: [ToolCallDelta::Start {
+                    index: *k,
+                    id: call_id(*k),
+                    kind: "function",
+                    function: FunctionCall { name, arguments: "" },
+                }],
+            },
+            OutputDelta::ToolCallArguments { index: k, delta } => ChatDelta::ToolCalls {
+                tool_calls: [ToolCallDelta::Arguments { index: *k, function: ArgumentsDelta { arguments: delta } }],
+            },
+            OutputDelta::ToolCallEnd { .. } => return,
         };
-        let mut out = Vec::new();
-        for p in pieces {
-            match p {
-                Piece::Delta(OutputDelta::Content(t)) => out.push(chunk(&st, index, json!({"content": t}), None)),
-                Piece::Delta(OutputDelta::Reasoning(t)) => {
-                    out.push(chunk(&st, index, json!({"reasoning_content": t}), None))
-                }
-                Piece::Delta(OutputDelta::ToolCallStart { index: k, name }) => {
-                    st.calls[index as usize] = st.calls[index as usize].max(k + 1);
-                    let id = call_id(&st.id, index, k);
-                    out.push(chunk(
-                        &st,
-                        index,
-                        json!({"tool_calls": [{"index": k, "id": id, "type": "function",
-                        "function": {"name": name, "arguments": ""}}]}),
-                        None,
-                    ));
-                }
-                Piece::Delta(OutputDelta::ToolCallArguments { index: k, delta }) => out.push(chunk(
-                    &st,
-                    index,
-                    json!({"tool_calls": [{"index": k, "function": {"arguments": delta}}]}),
-                    None,
-                )),
-                Piece::Delta(OutputDelta::ToolCallEnd { .. }) => {}
-                Piece::Done(end) => {
-                    st.completion += end.info.generated;
-                    st.cached = st.cached.max(end.info.cached_tokens);
-                    out.push(chunk(&st, index, json!({}), Some(end.finish_reason())));
-                }
-                Piece::Failed(e) => {
-                    // Error event, no [DONE]; dropping the state cancels the other choices.
-                    out.push(data(&e.body()));
-                    st.done = true;
-                    return Some((out, st));
-                }
-            }
-        }
-        Some((out, st))
-    });
-    let events = logged(stream::iter(first).chain(body.flat_map(stream::iter)), g.log).map(Ok::<_, Infallible>);
-    Sse::new(events).keep_alive(KeepAlive::default())
+        self.head.send(out, ChunkChoice { index, delta, finish_reason: None, logprobs: Null });
+    }
+
+    fn done(&mut self, index: u32, end: ChoiceEnd, out: &mut Frames) {
+        let finish_reason = Some(end.finish_reason());
+        self.head.send(out, ChunkChoice { index, delta: ChatDelta::Empty {}, finish_reason, logprobs: Null });
+    }
+
+    fn failed(&mut self, error: ApiError, out: &mut Frames) {
+        out.data(&error.body());
+    }
+
+    fn close(&mut self, usage: &Tally, out: &mut Frames) {
+        self.head.close(usage, out);
+    }
 }
 
 /// `POST /v1/completions` body.
@@ -421,75 +371,77 @@ async fn completions_inner(
     };
     log.set_stream(req.stream);
     let g = start(&state.engine, input, Flavor::OpenAi, &log).await?;
-    if !req.stream {
-        let id = g.request_id.clone();
-        let (ends, usage) = collect_choices(g).await?;
-        let choices: Vec<Json> = ends
-            .iter()
-            .map(|(index, end)| {
-                json!({"index": index, "text": end.parsed.content, "finish_reason": end.finish_reason(), "logprobs": null})
-            })
-            .collect();
-        let body = json!({"id": id, "object": "text_completion", "created": unix_now(), "model": model,
-            "choices": choices, "usage": usage});
-        return Ok(axum::Json(body).into_response());
+    if req.stream {
+        let head = ChunkHead::new(&g, model, "text_completion", include_usage);
+        return Ok(sse::respond(g, CompletionStream { head }));
     }
-    let (id, created, prompt, log) = (g.request_id.clone(), unix_now(), g.prompt_tokens, g.log);
-    let pieces = merged(g.choices);
-    let body = stream::unfold((pieces, 0u32, 0u32, false), move |(mut pieces, mut completion, mut cached, done)| {
-        let (id, model) = (id.clone(), model.clone());
-        async move {
-            if done {
-                return None;
-            }
-            let chunk = |index: u32, text: &str, finish: Option<&str>| {
-                data(&json!({"id": id, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": null}]}))
-            };
-            let Some((index, ps)) = pieces.next().await else {
-                let mut out = Vec::new();
-                if include_usage {
-                    out.push(data(&json!({"id": id, "object": "text_completion", "created": created, "model": model,
-                        "choices": [], "usage": usage(prompt, completion, cached)})));
-                }
-                out.push(Event::default().data("[DONE]"));
-                return Some((out, (pieces, completion, cached, true)));
-            };
-            let mut out = Vec::new();
-            for p in ps {
-                match p {
-                    Piece::Delta(OutputDelta::Content(t)) => out.push(chunk(index, &t, None)),
-                    Piece::Delta(_) => {}
-                    Piece::Done(end) => {
-                        completion += end.info.generated;
-                        cached = cached.max(end.info.cached_tokens);
-                        out.push(chunk(index, "", Some(end.finish_reason())));
-                    }
-                    Piece::Failed(e) => {
-                        out.push(data(&e.body()));
-                        return Some((out, (pieces, completion, cached, true)));
-                    }
-                }
-            }
-            Some((out, (pieces, completion, cached, false)))
+    let id = g.request_id.clone();
+    let (ends, usage) = g.collect().await?;
+    let choices: Vec<TextChoice<'_>> = ends
+        .iter()
+        .map(|(index, end)| TextChoice {
+            index: *index,
+            text: &end.parsed.content,
+            finish_reason: Some(end.finish_reason()),
+            logprobs: Null,
+        })
+        .collect();
+    let body = Completion {
+        id: &id,
+        object: "text_completion",
+        created: unix_now(),
+        model: &model,
+        choices: &choices,
+        usage: Some(Usage::from(&usage)),
+    };
+    Ok(axum::Json(body).into_response())
+}
+
+/// Completions streaming: a chunk per piece of text, a finish chunk per choice, then the
+/// shared ending ([`ChunkHead::close`]).
+struct CompletionStream {
+    head: ChunkHead,
+}
+
+impl Protocol for CompletionStream {
+    fn delta(&mut self, index: u32, delta: OutputDelta, out: &mut Frames) {
+        if let OutputDelta::Content(text) = &delta {
+            self.head.send(out, TextChoice { index, text, finish_reason: None, logprobs: Null });
         }
-    });
-    let events = logged(body.flat_map(stream::iter), log).map(Ok::<_, Infallible>);
-    Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response())
+    }
+
+    fn done(&mut self, index: u32, end: ChoiceEnd, out: &mut Frames) {
+        let finish_reason = Some(end.finish_reason());
+        self.head.send(out, TextChoice { index, text: "", finish_reason, logprobs: Null });
+    }
+
+    fn failed(&mut self, error: ApiError, out: &mut Frames) {
+        out.data(&error.body());
+    }
+
+    fn close(&mut self, usage: &Tally, out: &mut Frames) {
+        self.head.close(usage, out);
+    }
 }
 
 /// The served model's object, under its first name.
-fn model_object(state: &AppState) -> Json {
+fn model_object(state: &AppState) -> ModelObject<'_> {
     let f = state.engine.frontend();
     // Every cap a request meets is stated: the context, the output cap (requests asking more
     // are clamped to it) and the output limit of a request that does not say.
-    json!({"id": state.models[0], "object": "model", "created": state.started,
-        "owned_by": "flare", "max_model_len": f.context_limit, "max_output_tokens": f.max_output_tokens,
-        "default_max_tokens": f.sampling.max_output_tokens.min(f.max_output_tokens)})
+    ModelObject {
+        id: &state.models[0],
+        object: "model",
+        created: state.started,
+        owned_by: "flare",
+        max_model_len: f.context_limit,
+        max_output_tokens: f.max_output_tokens,
+        default_max_tokens: f.sampling.max_output_tokens.min(f.max_output_tokens),
+    }
 }
 
 pub(crate) async fn models(State(state): State<AppState>) -> Response {
-    axum::Json(json!({"object": "list", "data": [model_object(&state)]})).into_response()
+    axum::Json(ModelList { object: "list", data: [model_object(&state)] }).into_response()
 }
 
 /// `GET /v1/models/{id}`: the model object for any served name (an alias gives the same
@@ -503,5 +455,252 @@ pub(crate) async fn model(
     match check_model(&state, &id, Flavor::OpenAi) {
         Ok(_) => axum::Json(model_object(&state)).into_response(),
         Err(e) => e.into_response(),
+    }
+}
+
+// The wire types. Field order is the order sent.
+
+/// A Chat Completions or Completions body: a whole answer, or one stream chunk (`object`
+/// tells which).
+#[derive(Debug, Serialize)]
+struct Completion<'a, C> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: &'a [C],
+    /// Always in a whole answer; in a stream only in the last chunk, when asked for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    usage: Option<Usage>,
+}
+
+#[derive(Debug, Serialize)]
+struct Usage {
+    prompt_tokens: u32,
+    completion_tokens: u32,
+    total_tokens: u32,
+    prompt_tokens_details: PromptTokensDetails,
+}
+
+#[derive(Debug, Serialize)]
+struct PromptTokensDetails {
+    cached_tokens: u32,
+}
+
+impl From<&Tally> for Usage {
+    fn from(t: &Tally) -> Self {
+        Usage {
+            prompt_tokens: t.prompt,
+            completion_tokens: t.completion,
+            total_tokens: t.prompt + t.completion,
+            prompt_tokens_details: PromptTokensDetails { cached_tokens: t.cached },
+        }
+    }
+}
+
+/// JSON `null`, for `logprobs`: always sent, always empty (requests for them are refused).
+#[derive(Debug, Serialize)]
+struct Null;
+
+/// One choice of a whole chat completion.
+#[derive(Debug, Serialize)]
+struct ChatChoice<'a> {
+    index: u32,
+    message: ChatMessage<'a>,
+    finish_reason: &'static str,
+    logprobs: Null,
+}
+
+#[derive(Debug, Serialize)]
+struct ChatMessage<'a> {
+    role: &'static str,
+    /// `null` when the answer is tool calls alone.
+    content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning_content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    tool_calls: Vec<ToolCall<'a>>,
+}
+
+#[derive(Debug, Serialize)]
+struct ToolCall<'a> {
+    id: String,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    function: FunctionCall<'a>,
+}
+
+/// A call's name and its arguments as the JSON text the model wrote.
+#[derive(Debug, Serialize)]
+struct FunctionCall<'a> {
+    name: &'a str,
+    arguments: &'a str,
+}
+
+/// One choice of a chat stream chunk; `finish_reason` is `null` until the choice's last.
+#[derive(Debug, Serialize)]
+struct ChunkChoice<'a> {
+    index: u32,
+    delta: ChatDelta<'a>,
+    finish_reason: Option<&'static str>,
+    logprobs: Null,
+}
+
+/// What a chat chunk adds to its choice.
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+enum ChatDelta<'a> {
+    /// A choice's first chunk.
+    Role {
+        role: &'static str,
+        content: &'static str,
+    },
+    Content {
+        content: &'a str,
+    },
+    Reasoning {
+        reasoning_content: &'a str,
+    },
+    ToolCalls {
+        tool_calls: [ToolCallDelta<'a>; 1],
+    },
+    /// The finish chunk's.
+    Empty {},
+}
+
+/// A streamed tool call: its start (id, type, name, empty arguments), then pieces of its
+/// arguments, both keyed by the call's `index`.
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+enum ToolCallDelta<'a> {
+    Start {
+        index: usize,
+        id: String,
+        #[serde(rename = "type")]
+        kind: &'static str,
+        function: FunctionCall<'a>,
+    },
+    Arguments {
+        index: usize,
+        function: ArgumentsDelta<'a>,
+    },
+}
+
+#[derive(Debug, Serialize)]
+struct ArgumentsDelta<'a> {
+    arguments: &'a str,
+}
+
+/// One choice of a Completions body or chunk; `finish_reason` is `null` until the choice's
+/// last chunk.
+#[derive(Debug, Serialize)]
+struct TextChoice<'a> {
+    index: u32,
+    text: &'a str,
+    finish_reason: Option<&'static str>,
+    logprobs: Null,
+}
+
+#[derive(Debug, Serialize)]
+struct ModelObject<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    owned_by: &'static str,
+    max_model_len: u32,
+    max_output_tokens: u32,
+    default_max_tokens: u32,
+}
+
+#[derive(Debug, Serialize)]
+struct ModelList<'a> {
+    object: &'static str,
+    data: [ModelObject<'a>; 1],
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{json, to_value};
+
+    use super::*;
+
+    fn head(include_usage: bool) -> ChunkHead {
+        ChunkHead {
+            id: "chatcmpl-1".into(),
+            model: "m".into(),
+            created: 7,
+            object: "chat.completion.chunk",
+            include_usage,
+        }
+    }
+
+    #[test]
+    fn chat_chunks_with_and_without_usage() {
+        let h = head(true);
+        let choice =
+            ChunkChoice { index: 1, delta: ChatDelta::Content { content: "hi" }, finish_reason: None, logprobs: Null };
+        assert_eq!(
+            to_value(h.chunk(std::slice::from_ref(&choice), None)).expect("json"),
+            json!({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m",
+                "choices": [{"index": 1, "delta": {"content": "hi"}, "finish_reason": null, "logprobs": null}]})
+        );
+        let usage = Tally { prompt: 5, completion: 3, cached: 2 };
+        assert_eq!(
+            to_value(h.chunk::<()>(&[], Some(Usage::from(&usage)))).expect("json"),
+            json!({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m", "choices": [],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                    "prompt_tokens_details": {"cached_tokens": 2}}})
+        );
+    }
+
+    #[test]
+    fn a_stream_ends_with_usage_only_when_asked() {
+        let usage = Tally { prompt: 1, completion: 1, cached: 0 };
+        for (include_usage, events) in [(true, 2), (false, 1)] {
+            let mut out = Frames::default();
+            head(include_usage).close(&usage, &mut out);
+            assert_eq!(out.count(), events);
+        }
+    }
+
+    #[test]
+    fn chat_deltas() {
+        let d = |delta: ChatDelta<'_>| to_value(delta).expect("json");
+        assert_eq!(d(ChatDelta::Role { role: "assistant", content: "" }), json!({"role": "assistant", "content": ""}));
+        assert_eq!(d(ChatDelta::Reasoning { reasoning_content: "r" }), json!({"reasoning_content": "r"}));
+        assert_eq!(d(ChatDelta::Empty {}), json!({}));
+        let start = ToolCallDelta::Start {
+            index: 0,
+            id: "call_x_0_0".into(),
+            kind: "function",
+            function: FunctionCall { name: "f", arguments: "" },
+        };
+        assert_eq!(
+            d(ChatDelta::ToolCalls { tool_calls: [start] }),
+            json!({"tool_calls": [{"index": 0, "id": "call_x_0_0", "type": "function",
+                "function": {"name": "f", "arguments": ""}}]})
+        );
+        let args = ToolCallDelta::Arguments { index: 1, function: ArgumentsDelta { arguments: "{\"a\"" } };
+        assert_eq!(
+            d(ChatDelta::ToolCalls { tool_calls: [args] }),
+            json!({"tool_calls": [{"index": 1, "function": {"arguments": "{\"a\""}}]})
+        );
+    }
+
+    #[test]
+    fn a_message_of_tool_calls_alone_has_null_content() {
+        let calls = vec![ToolCall {
+            id: "call_x_0_0".into(),
+            kind: "function",
+            function: FunctionCall { name: "f", arguments: "{}" },
+        }];
+        let m = ChatMessage { role: "assistant", content: None, reasoning_content: None, tool_calls: calls };
+        assert_eq!(
+            to_value(m).expect("json"),
+            json!({"role": "assistant", "content": null, "tool_calls": [{"id": "call_x_0_0", "type": "function",
+                "function": {"name": "f", "arguments": "{}"}}]})
+        );
+        let m = ChatMessage { role: "assistant", content: Some("a"), reasoning_content: Some("r"), tool_calls: vec![] };
+        assert_eq!(to_value(m).expect("json"), json!({"role": "assistant", "content": "a", "reasoning_content": "r"}));
     }
 }

@@ -145,7 +145,8 @@ pub(crate) fn seed(v: Option<i64>) -> Option<u64> {
     v.map(|s| s as u64)
 }
 
-/// OpenAI `response_format` (plus a `regex` extension).
+/// OpenAI `response_format` (plus a `regex` extension). Schemas are free form, so they stay
+/// JSON values.
 pub(crate) fn answer_format(v: Option<&Json>) -> Result<AnswerFormat, ApiError> {
     let Some(v) = v else { return Ok(AnswerFormat::Text) };
     let bad = |m: &str| ApiError::invalid(ApiCode::InvalidResponseFormat, Some("response_format"), m.to_owned());

@@ -1,24 +1,21 @@
 //! OpenAI Responses (`POST /v1/responses`): text and function-call output items; streamed
 //! as `response.*` events, failures as `response.failed`.
 
-use std::convert::Infallible;
-
 use axum::extract::State;
 use axum::http::HeaderMap;
-use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use futures_util::stream::{self, StreamExt};
 use helios_frontend::OutputDelta;
 use helios_worker::{ChatPrompt, FinishCause, GenerationInput, PromptInput};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Value as Json, json};
 
 use crate::AppState;
 use crate::error::{ApiCode, ApiError, Flavor};
 use crate::extract::ApiJson;
-use crate::generate::{Api, ChoiceEnd, Piece, RequestLog, handle, logged, start, unix_now};
-use crate::openai::{check_model, merged};
+use crate::generate::{Api, ChoiceEnd, RequestLog, handle, start, unix_now};
+use crate::openai::check_model;
 use crate::params::{self, RawSampling};
+use crate::sse::{self, Frames, Protocol};
 
 #[derive(Debug, Deserialize)]
 pub(crate) struct ResponsesRequest {
@@ -40,7 +37,8 @@ fn bad(m: impl Into<String>) -> ApiError {
     ApiError::invalid(ApiCode::InvalidInput, Some("input"), m)
 }
 
-/// Response input items → template messages.
+/// Response input items → template messages. These are the template's input, free form (a
+/// client's extra fields pass through), so they stay JSON values.
 fn convert_input(instructions: Option<String>, input: Json) -> Result<Vec<Json>, ApiError> {
     let mut out = Vec::new();
     if let Some(i) = instructions {
@@ -90,7 +88,8 @@ fn convert_input(instructions: Option<String>, input: Json) -> Result<Vec<Json>,
     Ok(out)
 }
 
-/// Flat Responses tools → chat-completions tools.
+/// Flat Responses tools → chat-completions tools (JSON values: the client's schemas pass
+/// through).
 fn convert_tools(tools: Option<Vec<Json>>) -> Result<Vec<Json>, ApiError> {
     let tools = tools.unwrap_or_default();
     let mut out = Vec::new();
@@ -113,6 +112,7 @@ fn convert_tools(tools: Option<Vec<Json>>) -> Result<Vec<Json>, ApiError> {
     params::tools(Some(out))
 }
 
+/// `text.format` as a chat `response_format` (a JSON value: it carries the client's schema).
 fn text_format(text: Option<&Json>) -> Result<Option<Json>, ApiError> {
     let Some(f) = text.and_then(|t| t.get("format")) else { return Ok(None) };
     // Responses puts `schema` beside `type`; chat nests it in `json_schema`.
@@ -124,49 +124,71 @@ fn text_format(text: Option<&Json>) -> Result<Option<Json>, ApiError> {
     }))
 }
 
-fn usage(end: &ChoiceEnd) -> Json {
-    let i = &end.info;
-    json!({"input_tokens": i.prompt_tokens, "input_tokens_details": {"cached_tokens": i.cached_tokens},
-        "output_tokens": i.generated, "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": i.prompt_tokens + i.generated})
+fn short(id: &str) -> &str {
+    crate::generate::id_suffix(id)
 }
 
-fn output_items(id: &str, end: &ChoiceEnd) -> Vec<Json> {
+/// An output limit cut the answer short.
+fn incomplete(end: &ChoiceEnd) -> bool {
+    matches!(end.info.cause, FinishCause::Length | FinishCause::PoolExhausted)
+}
+
+fn output_items<'a>(id: &str, end: &'a ChoiceEnd) -> Vec<OutputItem<'a>> {
+    let p = &end.parsed;
     let mut items = Vec::new();
-    if let Some(r) = end.parsed.reasoning.as_ref().filter(|r| !r.is_empty()) {
-        items.push(json!({"type": "reasoning", "id": format!("rs_{id}"), "summary": [],
-            "content": [{"type": "reasoning_text", "text": r}]}));
+    if let Some(r) = p.reasoning.as_deref().filter(|r| !r.is_empty()) {
+        items.push(OutputItem::Reasoning {
+            id: format!("rs_{id}"),
+            summary: [],
+            content: [ReasoningPart::ReasoningText { text: r }],
+        });
     }
-    if !end.parsed.content.is_empty() || end.parsed.tool_calls.is_empty() {
-        items.push(json!({"type": "message", "id": format!("msg_{id}"), "role": "assistant", "status": "completed",
-            "content": [{"type": "output_text", "text": end.parsed.content, "annotations": []}]}));
+    if !p.content.is_empty() || p.tool_calls.is_empty() {
+        items.push(message_item(format!("msg_{id}"), "completed", &p.content));
     }
-    for (k, c) in end.parsed.tool_calls.iter().enumerate() {
-        items.push(json!({"type": "function_call", "id": format!("fc_{id}_{k}"), "call_id": format!("call_{id}_{k}"),
-            "name": c.name, "arguments": c.arguments, "status": "completed"}));
+    for (k, c) in p.tool_calls.iter().enumerate() {
+        items.push(call_item(id, k, &c.name, &c.arguments, "completed"));
     }
     items
 }
 
-fn response_object(id: &str, model: &str, created: u64, end: Option<&ChoiceEnd>) -> Json {
-    let (status, incomplete, output, usage) = match end {
-        None => ("in_progress", Json::Null, vec![], Json::Null),
-        Some(e) => {
-            let incomplete = matches!(e.info.cause, FinishCause::Length | FinishCause::PoolExhausted);
-            (
-                if incomplete { "incomplete" } else { "completed" },
-                if incomplete { json!({"reason": "max_output_tokens"}) } else { Json::Null },
-                output_items(short(id), e),
-                usage(e),
-            )
-        }
-    };
-    json!({"id": id, "object": "response", "created_at": created, "status": status, "model": model,
-        "output": output, "usage": usage, "incomplete_details": incomplete, "error": null})
+/// The assistant message item; in progress it has no content part yet.
+fn message_item<'a>(id: String, status: &'static str, text: &'a str) -> OutputItem<'a> {
+    let content = if status == "completed" { vec![ContentPart::output_text(text)] } else { Vec::new() };
+    OutputItem::Message { id, role: "assistant", status, content }
 }
 
-fn short(id: &str) -> &str {
-    crate::generate::id_suffix(id)
+fn call_item<'a>(id: &str, k: usize, name: &'a str, arguments: &'a str, status: &'static str) -> OutputItem<'a> {
+    OutputItem::FunctionCall { id: format!("fc_{id}_{k}"), call_id: format!("call_{id}_{k}"), name, arguments, status }
+}
+
+/// The response object: in progress (`end` is `None`), or complete with its output and usage.
+fn response_object<'a>(id: &'a str, model: &'a str, created: u64, end: Option<&'a ChoiceEnd>) -> ResponseObject<'a> {
+    let mut r = ResponseObject {
+        id,
+        object: "response",
+        created_at: created,
+        status: "in_progress",
+        model,
+        output: Vec::new(),
+        usage: None,
+        incomplete_details: None,
+        error: None,
+    };
+    if let Some(e) = end {
+        let i = &e.info;
+        r.status = if incomplete(e) { "incomplete" } else { "completed" };
+        r.incomplete_details = incomplete(e).then_some(IncompleteDetails { reason: "max_output_tokens" });
+        r.output = output_items(short(id), e);
+        r.usage = Some(ResponseUsage {
+            input_tokens: i.prompt_tokens,
+            input_tokens_details: InputTokensDetails { cached_tokens: i.cached_tokens },
+            output_tokens: i.generated,
+            output_tokens_details: OutputTokensDetails { reasoning_tokens: 0 },
+            total_tokens: i.prompt_tokens + i.generated,
+        });
+    }
+    r
 }
 
 /// `POST /v1/responses` (body rejections answered here, as for chat).
@@ -221,132 +243,343 @@ async fn responses_inner(
     log.set_stream(req.stream);
     let g = start(&state.engine, input, Flavor::OpenAi, &log).await?;
     let (created, id) = (unix_now(), g.request_id.clone());
-    if !req.stream {
-        let Some(choice) = g.choices.into_iter().next() else {
-            return Err(ApiError::from_request(&helios_worker::RequestError::ChannelClosed));
+    if req.stream {
+        let stream = ResponsesStream {
+            id,
+            model,
+            created,
+            seq: Sequence(0),
+            text_open: false,
+            text: String::new(),
+            calls: Vec::new(),
         };
-        let end = choice.collect().await?;
-        return Ok(axum::Json(response_object(&id, &model, created, Some(&end))).into_response());
+        return Ok(sse::respond(g, stream));
     }
-    struct St {
-        seq: u64,
-        text_open: bool,
-        text: String,
-        calls: Vec<(String, String)>,
-        done: bool,
+    let end = g.collect_one().await?;
+    Ok(axum::Json(response_object(&id, &model, created, Some(&end))).into_response())
+}
+
+/// Responses streaming: `response.created` and `response.in_progress`; the message item
+/// (added, its text part, text deltas, done) and each function call item (added, argument
+/// deltas, done); then `response.completed` or `response.incomplete` with the whole
+/// response. A failure is `response.failed`. Reasoning is not streamed.
+#[derive(Debug)]
+struct ResponsesStream {
+    id: String,
+    model: String,
+    created: u64,
+    seq: Sequence,
+    text_open: bool,
+    /// The message's text so far.
+    text: String,
+    /// Each call's name and arguments so far, by index.
+    calls: Vec<(String, String)>,
+}
+
+/// Numbers the events of a stream in order; a field apart, so events can borrow the rest of
+/// the stream's state while one is sent.
+#[derive(Debug)]
+struct Sequence(u64);
+
+impl Sequence {
+    fn send(&mut self, out: &mut Frames, event: ResponseEvent<'_>) {
+        let kind = event.name();
+        out.event(kind, &Numbered { event, kind, sequence_number: self.0 });
+        self.0 += 1;
     }
-    let ev = |st: &mut St, kind: &str, mut v: Json| {
-        v["type"] = json!(kind);
-        v["sequence_number"] = json!(st.seq);
-        st.seq += 1;
-        Event::default().event(kind).data(v.to_string())
-    };
-    let mut st = St { seq: 0, text_open: false, text: String::new(), calls: Vec::new(), done: false };
-    let head = vec![
-        ev(&mut st, "response.created", json!({"response": response_object(&id, &model, created, None)})),
-        ev(&mut st, "response.in_progress", json!({"response": response_object(&id, &model, created, None)})),
-    ];
-    let pieces = merged(g.choices);
-    let body = stream::unfold((pieces, st), move |(mut pieces, mut st)| {
-        let (id, model) = (id.clone(), model.clone());
-        async move {
-            if st.done {
-                return None;
-            }
-            let (_, ps) = pieces.next().await?;
-            let sid = short(&id).to_owned();
-            let msg_id = format!("msg_{sid}");
-            let mut out = Vec::new();
-            let close_text = |st: &mut St, out: &mut Vec<Event>| {
-                if st.text_open {
-                    st.text_open = false;
-                    let text = st.text.clone();
-                    out.push(ev(
-                        st,
-                        "response.output_text.done",
-                        json!({"item_id": msg_id, "output_index": 0, "content_index": 0, "text": text}),
-                    ));
-                    out.push(ev(st, "response.output_item.done", json!({"output_index": 0, "item": {"type": "message", "id": msg_id,
-                        "role": "assistant", "status": "completed", "content": [{"type": "output_text", "text": text, "annotations": []}]}})));
-                }
-            };
-            for p in ps {
-                match p {
-                    Piece::Delta(OutputDelta::Content(t)) => {
-                        if !st.text_open {
-                            st.text_open = true;
-                            out.push(ev(
-                                &mut st,
-                                "response.output_item.added",
-                                json!({"output_index": 0, "item": {"type": "message",
-                                "id": msg_id, "role": "assistant", "status": "in_progress", "content": []}}),
-                            ));
-                            out.push(ev(
-                                &mut st,
-                                "response.content_part.added",
-                                json!({"item_id": msg_id, "output_index": 0,
-                                "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}}),
-                            ));
-                        }
-                        st.text.push_str(&t);
-                        out.push(ev(
-                            &mut st,
-                            "response.output_text.delta",
-                            json!({"item_id": msg_id, "output_index": 0, "content_index": 0, "delta": t}),
-                        ));
-                    }
-                    Piece::Delta(OutputDelta::Reasoning(_)) => {}
-                    Piece::Delta(OutputDelta::ToolCallStart { index, name }) => {
-                        close_text(&mut st, &mut out);
-                        st.calls.push((name.clone(), String::new()));
-                        out.push(ev(&mut st, "response.output_item.added", json!({"output_index": index + 1, "item": {
-                            "type": "function_call", "id": format!("fc_{sid}_{index}"), "call_id": format!("call_{sid}_{index}"),
-                            "name": name, "arguments": "", "status": "in_progress"}})));
-                    }
-                    Piece::Delta(OutputDelta::ToolCallArguments { index, delta }) => {
-                        if let Some(c) = st.calls.get_mut(index) {
-                            c.1.push_str(&delta);
-                        }
-                        out.push(ev(
-                            &mut st,
-                            "response.function_call_arguments.delta",
-                            json!({"item_id": format!("fc_{sid}_{index}"),
-                            "output_index": index + 1, "delta": delta}),
-                        ));
-                    }
-                    Piece::Delta(OutputDelta::ToolCallEnd { index }) => {
-                        let (name, args) = st.calls.get(index).cloned().unwrap_or_default();
-                        out.push(ev(
-                            &mut st,
-                            "response.function_call_arguments.done",
-                            json!({"item_id": format!("fc_{sid}_{index}"),
-                            "output_index": index + 1, "arguments": args}),
-                        ));
-                        out.push(ev(&mut st, "response.output_item.done", json!({"output_index": index + 1, "item": {
-                            "type": "function_call", "id": format!("fc_{sid}_{index}"), "call_id": format!("call_{sid}_{index}"),
-                            "name": name, "arguments": args, "status": "completed"}})));
-                    }
-                    Piece::Done(end) => {
-                        close_text(&mut st, &mut out);
-                        let obj = response_object(&id, &model, created, Some(&end));
-                        let kind =
-                            if obj["status"] == "incomplete" { "response.incomplete" } else { "response.completed" };
-                        out.push(ev(&mut st, kind, json!({"response": obj})));
-                        st.done = true;
-                    }
-                    Piece::Failed(e) => {
-                        let mut obj = response_object(&id, &model, created, None);
-                        obj["status"] = json!("failed");
-                        obj["error"] = json!({"code": e.code.as_str(), "message": e.message});
-                        out.push(ev(&mut st, "response.failed", json!({"response": obj})));
-                        st.done = true;
-                        break;
-                    }
-                }
-            }
-            Some((out, (pieces, st)))
+}
+
+impl ResponsesStream {
+    fn msg_id(&self) -> String {
+        format!("msg_{}", short(&self.id))
+    }
+
+    fn close_text(&mut self, out: &mut Frames) {
+        if !self.text_open {
+            return;
         }
-    });
-    let events = logged(stream::iter(head).chain(body.flat_map(stream::iter)), g.log).map(Ok::<_, Infallible>);
-    Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response())
+        self.text_open = false;
+        let item_id = self.msg_id();
+        let text = &self.text;
+        let done = ResponseEvent::OutputTextDone { item_id: &item_id, output_index: 0, content_index: 0, text };
+        self.seq.send(out, done);
+        let item = message_item(item_id.clone(), "completed", text);
+        self.seq.send(out, ResponseEvent::OutputItemDone { output_index: 0, item });
+    }
+}
+
+impl Protocol for ResponsesStream {
+    fn open(&mut self, out: &mut Frames) {
+        let response = response_object(&self.id, &self.model, self.created, None);
+        self.seq.send(out, ResponseEvent::Created { response });
+        let response = response_object(&self.id, &self.model, self.created, None);
+        self.seq.send(out, ResponseEvent::InProgress { response });
+    }
+
+    fn delta(&mut self, _: u32, delta: OutputDelta, out: &mut Frames) {
+        let sid = short(&self.id).to_owned();
+        match delta {
+            OutputDelta::Content(t) => {
+                let item_id = self.msg_id();
+                if !self.text_open {
+                    self.text_open = true;
+                    let item = message_item(item_id.clone(), "in_progress", "");
+                    self.seq.send(out, ResponseEvent::OutputItemAdded { output_index: 0, item });
+                    let part = ContentPart::output_text("");
+                    let added =
+                        ResponseEvent::ContentPartAdded { item_id: &item_id, output_index: 0, content_index: 0, part };
+                    self.seq.send(out, added);
+                }
+                self.text.push_str(&t);
+                let delta =
+                    ResponseEvent::OutputTextDelta { item_id: &item_id, output_index: 0, content_index: 0, delta: &t };
+                self.seq.send(out, delta);
+            }
+            OutputDelta::Reasoning(_) => {}
+            OutputDelta::ToolCallStart { index, name } => {
+                self.close_text(out);
+                let item = call_item(&sid, index, &name, "", "in_progress");
+                self.seq.send(out, ResponseEvent::OutputItemAdded { output_index: index + 1, item });
+                self.calls.push((name, String::new()));
+            }
+            OutputDelta::ToolCallArguments { index, delta } => {
+                if let Some(c) = self.calls.get_mut(index) {
+                    c.1.push_str(&delta);
+                }
+                let item_id = format!("fc_{sid}_{index}");
+                let event = ResponseEvent::FunctionCallArgumentsDelta {
+                    item_id: &item_id,
+                    output_index: index + 1,
+                    delta: &delta,
+                };
+                self.seq.send(out, event);
+            }
+            OutputDelta::ToolCallEnd { index } => {
+                let (name, arguments) = self.calls.get(index).map_or(("", ""), |(n, a)| (n.as_str(), a.as_str()));
+                let item_id = format!("fc_{sid}_{index}");
+                let done =
+                    ResponseEvent::FunctionCallArgumentsDone { item_id: &item_id, output_index: index + 1, arguments };
+                self.seq.send(out, done);
+                let item = call_item(&sid, index, name, arguments, "completed");
+                self.seq.send(out, ResponseEvent::OutputItemDone { output_index: index + 1, item });
+            }
+        }
+    }
+
+    fn done(&mut self, _: u32, end: ChoiceEnd, out: &mut Frames) {
+        self.close_text(out);
+        let response = response_object(&self.id, &self.model, self.created, Some(&end));
+        let event = if incomplete(&end) {
+            ResponseEvent::Incomplete { response }
+        } else {
+            ResponseEvent::Completed { response }
+        };
+        self.seq.send(out, event);
+    }
+
+    fn failed(&mut self, error: ApiError, out: &mut Frames) {
+        let mut response = response_object(&self.id, &self.model, self.created, None);
+        response.status = "failed";
+        response.error = Some(ResponseError { code: error.code.as_str(), message: &error.message });
+        self.seq.send(out, ResponseEvent::Failed { response });
+    }
+}
+
+// The wire types. Field order is the order sent.
+
+#[derive(Debug, Serialize)]
+struct ResponseObject<'a> {
+    id: &'a str,
+    object: &'static str,
+    created_at: u64,
+    status: &'static str,
+    model: &'a str,
+    output: Vec<OutputItem<'a>>,
+    /// `null` until the response is complete.
+    usage: Option<ResponseUsage>,
+    /// `null` unless an output limit cut the response short.
+    incomplete_details: Option<IncompleteDetails>,
+    /// `null` unless the response failed.
+    error: Option<ResponseError<'a>>,
+}
+
+#[derive(Debug, Serialize)]
+struct ResponseUsage {
+    input_tokens: u32,
+    input_tokens_details: InputTokensDetails,
+    output_tokens: u32,
+    output_tokens_details: OutputTokensDetails,
+    total_tokens: u32,
+}
+
+#[derive(Debug, Serialize)]
+struct InputTokensDetails {
+    cached_tokens: u32,
+}
+
+#[derive(Debug, Serialize)]
+struct OutputTokensDetails {
+    reasoning_tokens: u32,
+}
+
+#[derive(Debug, Serialize)]
+struct IncompleteDetails {
+    reason: &'static str,
+}
+
+#[derive(Debug, Serialize)]
+struct ResponseError<'a> {
+    code: &'static str,
+    message: &'a str,
+}
+
+#[derive(Debug, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum OutputItem<'a> {
+    Reasoning {
+        id: String,
+        /// Always empty: no summaries are made.
+        summary: [(); 0],
+        content: [ReasoningPart<'a>; 1],
+    },
+    Message {
+        id: String,
+        role: &'static str,
+        status: &'static str,
+        content: Vec<ContentPart<'a>>,
+    },
+    FunctionCall {
+        id: String,
+        call_id: String,
+        name: &'a str,
+        /// The JSON text the model wrote.
+        arguments: &'a str,
+        status: &'static str,
+    },
+}
+
+#[derive(Debug, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum ReasoningPart<'a> {
+    ReasoningText { text: &'a str },
+}
+
+#[derive(Debug, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum ContentPart<'a> {
+    OutputText {
+        text: &'a str,
+        /// Always empty.
+        annotations: [(); 0],
+    },
+}
+
+impl<'a> ContentPart<'a> {
+    fn output_text(text: &'a str) -> Self {
+        ContentPart::OutputText { text, annotations: [] }
+    }
+}
+
+/// A Responses stream event; its `type` is its SSE event name ([`ResponseEvent::name`]).
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+enum ResponseEvent<'a> {
+    Created { response: ResponseObject<'a> },
+    InProgress { response: ResponseObject<'a> },
+    Completed { response: ResponseObject<'a> },
+    Incomplete { response: ResponseObject<'a> },
+    Failed { response: ResponseObject<'a> },
+    OutputItemAdded { output_index: usize, item: OutputItem<'a> },
+    OutputItemDone { output_index: usize, item: OutputItem<'a> },
+    ContentPartAdded { item_id: &'a str, output_index: usize, content_index: usize, part: ContentPart<'a> },
+    OutputTextDelta { item_id: &'a str, output_index: usize, content_index: usize, delta: &'a str },
+    OutputTextDone { item_id: &'a str, output_index: usize, content_index: usize, text: &'a str },
+    FunctionCallArgumentsDelta { item_id: &'a str, output_index: usize, delta: &'a str },
+    FunctionCallArgumentsDone { item_id: &'a str, output_index: usize, arguments: &'a str },
+}
+
+impl ResponseEvent<'_> {
+    fn name(&self) -> &'static str {
+        match self {
+            ResponseEvent::Created { .. } => "response.created",
+            ResponseEvent::InProgress { .. } => "response.in_progress",
+            ResponseEvent::Completed { .. } => "response.completed",
+            ResponseEvent::Incomplete { .. } => "response.incomplete",
+            ResponseEvent::Failed { .. } => "response.failed",
+            ResponseEvent::OutputItemAdded { .. } => "response.output_item.added",
+            ResponseEvent::OutputItemDone { .. } => "response.output_item.done",
+            ResponseEvent::ContentPartAdded { .. } => "response.content_part.added",
+            ResponseEvent::OutputTextDelta { .. } => "response.output_text.delta",
+            ResponseEvent::OutputTextDone { .. } => "response.output_text.done",
+            ResponseEvent::FunctionCallArgumentsDelta { .. } => "response.function_call_arguments.delta",
+            ResponseEvent::FunctionCallArgumentsDone { .. } => "response.function_call_arguments.done",
+        }
+    }
+}
+
+/// A stream event as sent: its fields, then `type` and `sequence_number` (the order clients
+/// have always been sent).
+#[derive(Debug, Serialize)]
+struct Numbered<'a> {
+    #[serde(flatten)]
+    event: ResponseEvent<'a>,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    sequence_number: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::to_value;
+
+    use super::*;
+
+    fn numbered(event: ResponseEvent<'_>, sequence_number: u64) -> Json {
+        to_value(Numbered { kind: event.name(), event, sequence_number }).expect("json")
+    }
+
+    #[test]
+    fn output_items() {
+        let reasoning = OutputItem::Reasoning {
+            id: "rs_x".into(),
+            summary: [],
+            content: [ReasoningPart::ReasoningText { text: "r" }],
+        };
+        assert_eq!(
+            to_value(reasoning).expect("json"),
+            json!({"type": "reasoning", "id": "rs_x", "summary": [],
+                "content": [{"type": "reasoning_text", "text": "r"}]})
+        );
+        assert_eq!(
+            to_value(message_item("msg_x".into(), "completed", "hi")).expect("json"),
+            json!({"type": "message", "id": "msg_x", "role": "assistant", "status": "completed",
+                "content": [{"type": "output_text", "text": "hi", "annotations": []}]})
+        );
+        assert_eq!(
+            to_value(message_item("msg_x".into(), "in_progress", "")).expect("json"),
+            json!({"type": "message", "id": "msg_x", "role": "assistant", "status": "in_progress", "content": []})
+        );
+        assert_eq!(
+            to_value(call_item("x", 1, "f", "{}", "completed")).expect("json"),
+            json!({"type": "function_call", "id": "fc_x_1", "call_id": "call_x_1", "name": "f", "arguments": "{}",
+                "status": "completed"})
+        );
+    }
+
+    #[test]
+    fn an_in_progress_response_has_nulls_and_events_end_with_type_and_number() {
+        let response = response_object("resp_1", "m", 5, None);
+        assert_eq!(
+            numbered(ResponseEvent::Created { response }, 0),
+            json!({"response": {"id": "resp_1", "object": "response", "created_at": 5, "status": "in_progress",
+                "model": "m", "output": [], "usage": null, "incomplete_details": null, "error": null},
+                "type": "response.created", "sequence_number": 0})
+        );
+        let delta = ResponseEvent::FunctionCallArgumentsDelta { item_id: "fc_x_0", output_index: 1, delta: "{" };
+        assert_eq!(
+            numbered(delta, 7),
+            json!({"item_id": "fc_x_0", "output_index": 1, "delta": "{",
+                "type": "response.function_call_arguments.delta", "sequence_number": 7})
+        );
+    }
 }

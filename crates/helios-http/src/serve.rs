@@ -294,7 +294,7 @@ impl Ctx {
 
 /// The answer to a connection over the cap, in the OpenAI error envelope.
 static REFUSAL: LazyLock<Vec<u8>> = LazyLock::new(|| {
-    let body = too_many_connections().body().to_string();
+    let body = crate::sse::json_text(&too_many_connections().body());
     format!(
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n\
          connection: close\r\ncontent-length: {}\r\n\r\n{body}",
