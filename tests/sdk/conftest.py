@@ -126,6 +126,7 @@ def keyed_url() -> Iterator[str]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            os.unlink(log.name)
 
 
 def _healthy(url: str) -> bool:
