@@ -86,6 +86,11 @@ pub(crate) struct RunArgs {
     /// GPU memory kept free for other processes, in GiB (applied by the CUDA executor).
     #[arg(long, default_value_t = 0.0)]
     gpu_reserve_gib: f64,
+    /// Most copy proposals (n-gram matches from the request's own history) a request verifies
+    /// per decode step, where the core has speculative programs; 0 turns speculation off. The
+    /// depth adapts per request to its acceptance, down to none.
+    #[arg(long, default_value_t = helios_worker::DEFAULT_SPECULATIVE_DEPTH)]
+    speculative_depth: u32,
     /// Host memory for checkpoints evicted from the GPU prefix cache, in GiB (page-locked at
     /// startup); 0 turns the host tier off. Default: a quarter of the available host memory,
     /// at most 16 GiB, and none on unified-memory devices (a host copy would take the same DRAM).
@@ -288,6 +293,7 @@ pub(crate) fn run(args: RunArgs) -> Result<(), CliError> {
         prep_queue: args.queue_limit.max(1),
         device_fed_decode: !args.host_fed_decode,
         host_cache_bytes: args.host_cache_gib.map(|g| (g * (1u64 << 30) as f64) as u64),
+        speculative_depth: args.speculative_depth,
         disk_cache: match &args.disk_cache_dir {
             Some(dir) => Some(disk_cache_options(dir, args.disk_cache_gib, &core_dir, simulate)?),
             None => None,

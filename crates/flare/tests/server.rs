@@ -932,6 +932,16 @@ fn metrics_expose_vllm_style_families_and_count_failures() {
     assert_eq!(server.metric("flare_requests_admitted_total"), 3.0);
     assert_eq!(server.metric("flare_requests_finished_total"), 3.0);
     assert!(!samples(&text, "flare_time_to_first_token_seconds_bucket").is_empty());
+    // The simulated core has no speculative programs: speculation is declared, and idle.
+    for name in [
+        "flare_speculative_rounds_total",
+        "flare_speculative_proposed_tokens_total",
+        "flare_speculative_accepted_tokens_total",
+        "flare_speculative_acceptance_ratio",
+    ] {
+        assert_eq!(samples(&text, name), vec![(String::new(), 0.0)], "{name}");
+    }
+    assert_eq!(samples(&text, "flare_decode_tokens_per_row"), vec![(String::new(), 1.0)]);
     // `flare load`'s parser reads the whole exposition, and its drain audit passes.
     flare_bench::metrics::parse(&text).unwrap();
     let audit = flare_bench::MetricsSnapshot::from_text(&text).violations();

@@ -196,8 +196,10 @@ pub struct SchedulerStats {
     pub host_restore_joins: u64,
     /// Host hits not restored: the GPU storage they need was not available.
     pub host_restore_skips: u64,
-    /// Steps that decoded without speculation.
+    /// Steps that decoded without speculation, and decode rows of every decoding step (each
+    /// samples one token, plus the proposals its round accepted).
     pub decode_steps: u64,
+    pub decode_rows: u64,
     /// Speculative rounds: steps that verified proposals, proposals verified, proposals
     /// accepted.
     pub verify_steps: u64,
@@ -1046,6 +1048,7 @@ impl Scheduler {
         if rows.is_empty() {
             return short;
         }
+        self.stats.decode_rows += rows.len() as u64;
         let depth = rows.iter().map(|(_, r)| r.proposals()).max().unwrap_or(0) as u32;
         let program = self.capacities.speculative_program_for(rows.len() as u32, depth).filter(|_| depth > 0);
         if let Some(program) = program {

@@ -38,6 +38,9 @@ use crate::trim::Trimmer;
 /// check their flag between writes; one that is still busy is left behind).
 const PREP_SHUTDOWN_DEADLINE: Duration = Duration::from_secs(2);
 
+/// Copy proposals per request and step by default (where the core can verify them).
+pub const DEFAULT_SPECULATIVE_DEPTH: u32 = 4;
+
 /// How often the memory trimmer looks for an idle server after activity.
 const TRIM_PERIOD: Duration = Duration::from_secs(2);
 
@@ -77,6 +80,9 @@ pub struct EngineOptions {
     pub host_cache_bytes: Option<u64>,
     /// A disk tier below the host tier (which it stages through); `None`: off.
     pub disk_cache: Option<DiskCacheOptions>,
+    /// Most copy proposals a request verifies per step where the core has speculative
+    /// programs; 0 turns speculation off.
+    pub speculative_depth: u32,
 }
 
 /// Where and how large the disk tier is, and the core its files belong to.
@@ -104,6 +110,7 @@ impl Default for EngineOptions {
             grammar_join_wait: Duration::from_millis(2),
             host_cache_bytes: None,
             disk_cache: None,
+            speculative_depth: DEFAULT_SPECULATIVE_DEPTH,
         }
     }
 }
@@ -212,7 +219,7 @@ impl Engine {
             queue_limit: options.queue_limit,
             identity: helios_cache::PrefixIdentity::default(),
             device_fed_decode: false,
-            speculative_depth: 0,
+            speculative_depth: options.speculative_depth,
         };
         let device_fed_option = options.device_fed_decode;
         let host_cache_bytes = options.host_cache_bytes;
@@ -622,6 +629,17 @@ impl<E: Executor> ModelLoop<E> {
                     restore_failures: c.fetch_failures,
                     write_failures: disk.write_failures,
                 });
+            }
+            let s = self.scheduler.stats();
+            let m = &self.metrics;
+            for (counter, v) in [
+                (&m.decode_steps, s.decode_steps),
+                (&m.decode_rows, s.decode_rows),
+                (&m.speculative_rounds, s.verify_steps),
+                (&m.proposed_tokens, s.proposed_tokens),
+                (&m.accepted_tokens, s.accepted_tokens),
+            ] {
+                counter.store(v, Ordering::Relaxed);
             }
             for d in self.scheduler.take_disk_fetches() {
                 self.metrics.disk_fetch.observe(d.as_secs_f64());

@@ -34,7 +34,7 @@ mod trim;
 pub mod workload;
 
 pub use decode::{ChoiceDecoder, Decoded, StopHit};
-pub use engine::{DiskCacheOptions, Engine, EngineOptions, Health};
+pub use engine::{DEFAULT_SPECULATIVE_DEPTH, DiskCacheOptions, Engine, EngineOptions, Health};
 pub use error::{ErrorClass, ErrorCode, InvalidRequest, LoopError, RequestError, Stage, Unavailable};
 pub use frontend::{Frontend, StartError};
 pub use metrics::{Metrics, TierMetrics};

@@ -127,6 +127,13 @@ pub struct Metrics {
     pub prefix_cache_queries: AtomicU64,
     pub steps: AtomicU64,
     pub preemptions: AtomicU64,
+    /// Speculation, as the scheduler counts it: decode steps without speculation, speculative
+    /// rounds, proposals verified and accepted.
+    pub decode_steps: AtomicU64,
+    pub decode_rows: AtomicU64,
+    pub speculative_rounds: AtomicU64,
+    pub proposed_tokens: AtomicU64,
+    pub accepted_tokens: AtomicU64,
     occupancy: Mutex<Occupancy>,
     pub ttft: Histogram,
     pub itl: Histogram,
@@ -341,6 +348,7 @@ impl Metrics {
         );
         counter(&mut out, "flare_steps_total", "Steps submitted to the executor.", &self.steps);
         counter(&mut out, "flare_preemptions_total", "Decoder preemptions.", &self.preemptions);
+        self.render_speculation(&mut out);
         self.ttft.render("flare_time_to_first_token_seconds", "Submission to first sampled token.", "", &mut out);
         self.itl.render(
             "flare_inter_token_latency_seconds",
@@ -360,6 +368,36 @@ impl Metrics {
         self.render_tiers(&mut out);
         self.render_model_families(&o, &mut out);
         out
+    }
+
+    /// Speculative decoding: rounds, proposals verified and accepted, the acceptance rate and
+    /// the tokens each decoding step produced (all zero where the core has no speculative
+    /// programs or `--speculative-depth 0`).
+    fn render_speculation(&self, out: &mut String) {
+        let load = |v: &AtomicU64| v.load(Ordering::Relaxed);
+        let (rounds, rows) = (load(&self.speculative_rounds), load(&self.decode_rows));
+        let (proposed, accepted) = (load(&self.proposed_tokens), load(&self.accepted_tokens));
+        for (name, help, v) in [
+            ("flare_speculative_rounds_total", "Decode steps that verified copy proposals.", rounds),
+            ("flare_speculative_proposed_tokens_total", "Copy proposals verified.", proposed),
+            ("flare_speculative_accepted_tokens_total", "Copy proposals accepted.", accepted),
+        ] {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+        }
+        let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+        let _ = writeln!(
+            out,
+            "# HELP flare_speculative_acceptance_ratio Accepted over proposed tokens.\n\
+             # TYPE flare_speculative_acceptance_ratio gauge\nflare_speculative_acceptance_ratio {}",
+            ratio(accepted, proposed)
+        );
+        // Every decode row samples one token, plus the proposals its round accepted.
+        let _ = writeln!(
+            out,
+            "# HELP flare_decode_tokens_per_row Tokens a decode row produced per step (1 without \
+             speculation).\n# TYPE flare_decode_tokens_per_row gauge\nflare_decode_tokens_per_row {}",
+            if rows == 0 { 0.0 } else { 1.0 + ratio(accepted, rows) }
+        );
     }
 
     /// Families of the cache tiers below the GPU, one sample per tier (absent without tiers).
