@@ -212,6 +212,8 @@ case "$STAGE" in
             # replay floor, the Rust bitwise check and lifecycle scenarios, the kernel breakdown
     AGENT_TURNS=8 SHORT=1 SPLIT_MEASURE=1 measure /tmp/q35 /tmp/q35core
     SHORT=1 native /tmp/q35core
+    timeout 120 python3 qualification/gdn_components.py "$OUT/gdn_components.json" > "$OUT/gdn_components.log" 2>&1
+    echo "gdn_components rc=$?"; tail -4 "$OUT/gdn_components.log"
     timeout 240 python3 qualification/kernel_breakdown.py /tmp/q35core "$OUT/kernel_breakdown.json" \
       > "$OUT/kernel_breakdown.log" 2>&1
     echo "kernel_breakdown rc=$?"; head -40 "$OUT/kernel_breakdown.log" ;;
