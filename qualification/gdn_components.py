@@ -22,7 +22,6 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from ignition.capture import gdn
 
 HK, HV, DK, DV, K = 16, 16, 128, 128, 4
-C = 2 * HK * DK + HV * DV
 
 
 def err(got: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
@@ -51,7 +50,12 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run under TRITON_INTERPRET=1 (float32)")
+    ap.add_argument("--small", action="store_true", help="a toy geometry (2/4 heads of 16), for a dry run")
     args = ap.parse_args()
+    global HK, HV, DK, DV
+    if args.small:
+        HK, HV, DK, DV = 2, 4, 16, 16
+    C = 2 * HK * DK + HV * DV
     dev = torch.device(args.device)
     act = torch.bfloat16 if dev.type == "cuda" else torch.float32
     gen = torch.Generator(device=dev).manual_seed(0)

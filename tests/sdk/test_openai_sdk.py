@@ -631,6 +631,51 @@ def test_responses_stream_events(oai):
     assert final.usage is not None and final.usage.output_tokens > 0
 
 
+def responses_tool_history() -> list[dict[str, Any]]:
+    """`tool_history()` as Responses input items: the assistant called get_weather before, so
+    the copy model calls it again."""
+    question = "What is the weather in Paris?"
+    return [
+        {"role": "system", "content": "You are a weather assistant. Always use the tools."},
+        {"role": "user", "content": question},
+        {"type": "function_call", "call_id": "call_0", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_0", "output": '{"city": "Paris", "value": 18}'},
+        {"role": "assistant", "content": "It is 18 degrees in Paris."},
+        {"role": "user", "content": question},
+    ]
+
+
+def test_responses_stream_items_match_the_final_output(oai):
+    """Whatever the model writes (reasoning, text, calls), the streamed items carry the indexes
+    and ids the final response lists them under, and each item's done event holds its final
+    text or arguments."""
+    tool = {"type": "function", **WEATHER_TOOL["function"]}
+    calls_seen = False
+    for prompt in (responses_tool_history(), "Say hello to the harbour."):
+        stream = oai.responses.create(
+            model=MODEL, input=prompt, tools=[tool], max_output_tokens=96, temperature=LOW_TEMPERATURE, stream=True
+        )
+        events = list(stream)
+        assert events[-1].type in {"response.completed", "response.incomplete"}, events[-1]
+        final = events[-1].response
+        added = [(e.output_index, e.item.id, e.item.type) for e in events if e.type == "response.output_item.added"]
+        done = {e.output_index: e.item for e in events if e.type == "response.output_item.done"}
+        listed = [(i, item.id, item.type) for i, item in enumerate(final.output)]
+        assert added == listed, (added, listed)
+        assert sorted(done) == [i for i, _, _ in listed], sorted(done)
+        for i, item in enumerate(final.output):
+            assert done[i].model_dump() == item.model_dump(), i
+        texts = {e.output_index: e.text for e in events if e.type == "response.output_text.done"}
+        args = {e.output_index: e.arguments for e in events if e.type == "response.function_call_arguments.done"}
+        for i, item in enumerate(final.output):
+            if item.type == "message":
+                assert texts[i] == "".join(p.text for p in item.content), i
+            if item.type == "function_call":
+                assert args[i] == item.arguments, i
+                calls_seen = True
+    assert calls_seen, "the copy model repeated no call"
+
+
 # --- cancellation -----------------------------------------------------------------------------------
 
 

@@ -164,6 +164,18 @@ fn call_item<'a>(id: &str, k: usize, name: &'a str, arguments: &'a str, status: 
 
 /// The response object: in progress (`end` is `None`), or complete with its output and usage.
 fn response_object<'a>(id: &'a str, model: &'a str, created: u64, end: Option<&'a ChoiceEnd>) -> ResponseObject<'a> {
+    let output = end.map(|e| output_items(short(id), e));
+    response_with(id, model, created, end, output)
+}
+
+/// [`response_object`] with the output items given (a stream's, in the order it sent them).
+fn response_with<'a>(
+    id: &'a str,
+    model: &'a str,
+    created: u64,
+    end: Option<&ChoiceEnd>,
+    output: Option<Vec<OutputItem<'a>>>,
+) -> ResponseObject<'a> {
     let mut r = ResponseObject {
         id,
         object: "response",
@@ -179,7 +191,7 @@ fn response_object<'a>(id: &'a str, model: &'a str, created: u64, end: Option<&'
         let i = &e.info;
         r.status = if incomplete(e) { "incomplete" } else { "completed" };
         r.incomplete_details = incomplete(e).then_some(IncompleteDetails { reason: "max_output_tokens" });
-        r.output = output_items(short(id), e);
+        r.output = output.unwrap_or_default();
         r.usage = Some(ResponseUsage {
             input_tokens: i.prompt_tokens,
             input_tokens_details: InputTokensDetails { cached_tokens: i.cached_tokens },
@@ -244,36 +256,37 @@ async fn responses_inner(
     let g = start(&state.engine, input, Flavor::OpenAi, &log).await?;
     let (created, id) = (unix_now(), g.request_id.clone());
     if req.stream {
-        let stream = ResponsesStream {
-            id,
-            model,
-            created,
-            seq: Sequence(0),
-            text_open: false,
-            text: String::new(),
-            calls: Vec::new(),
-        };
+        let stream = ResponsesStream { id, model, created, seq: Sequence(0), items: Vec::new(), open: false };
         return Ok(sse::respond(g, stream));
     }
     let end = g.collect_one().await?;
     Ok(axum::Json(response_object(&id, &model, created, Some(&end))).into_response())
 }
 
-/// Responses streaming: `response.created` and `response.in_progress`; the message item
-/// (added, its text part, text deltas, done) and each function call item (added, argument
-/// deltas, done); then `response.completed` or `response.incomplete` with the whole
-/// response. A failure is `response.failed`. Reasoning is not streamed.
+/// Responses streaming: `response.created` and `response.in_progress`; then the output items
+/// in the order the model writes them, each added, streamed (reasoning text, message text,
+/// call arguments) and done, numbered by `output_index` in that order; then
+/// `response.completed` or `response.incomplete` whose `output` lists the same items in the
+/// same order. Text that resumes after a call is a new message item. A failure is
+/// `response.failed`.
 #[derive(Debug)]
 struct ResponsesStream {
     id: String,
     model: String,
     created: u64,
     seq: Sequence,
-    text_open: bool,
-    /// The message's text so far.
-    text: String,
-    /// Each call's name and arguments so far, by index.
-    calls: Vec<(String, String)>,
+    /// Output items so far, in output order; the last one is still being written while
+    /// `open`.
+    items: Vec<Streamed>,
+    open: bool,
+}
+
+/// An output item of a stream and what it holds so far.
+#[derive(Debug)]
+enum Streamed {
+    Reasoning { id: String, text: String },
+    Message { id: String, text: String },
+    Call { index: usize, name: String, arguments: String, ended: bool },
 }
 
 /// Numbers the events of a stream in order; a field apart, so events can borrow the rest of
@@ -289,22 +302,98 @@ impl Sequence {
     }
 }
 
+impl Streamed {
+    /// The item as the final response lists it (`status` for messages and calls).
+    fn item<'a>(&'a self, sid: &str, status: &'static str) -> OutputItem<'a> {
+        match self {
+            Streamed::Reasoning { id, text } => {
+                OutputItem::Reasoning { id: id.clone(), summary: [], content: [ReasoningPart::ReasoningText { text }] }
+            }
+            Streamed::Message { id, text } => message_item(id.clone(), status, text),
+            Streamed::Call { index, name, arguments, ended } => {
+                call_item(sid, *index, name, arguments, if *ended { status } else { "incomplete" })
+            }
+        }
+    }
+}
+
 impl ResponsesStream {
-    fn msg_id(&self) -> String {
-        format!("msg_{}", short(&self.id))
+    /// An id for the next item of a kind: the first one's is the plain id (as in a response
+    /// that is not streamed), later ones are numbered.
+    fn next_id(&self, prefix: &str, reasoning: bool) -> String {
+        let n = self
+            .items
+            .iter()
+            .filter(|i| match i {
+                Streamed::Reasoning { .. } => reasoning,
+                Streamed::Message { .. } => !reasoning,
+                Streamed::Call { .. } => false,
+            })
+            .count();
+        let sid = short(&self.id);
+        if n == 0 { format!("{prefix}_{sid}") } else { format!("{prefix}_{sid}_{n}") }
     }
 
-    fn close_text(&mut self, out: &mut Frames) {
-        if !self.text_open {
+    /// Ends the item being written: its text's done event, then the item's.
+    fn close(&mut self, out: &mut Frames) {
+        if !std::mem::take(&mut self.open) {
             return;
         }
-        self.text_open = false;
-        let item_id = self.msg_id();
-        let text = &self.text;
-        let done = ResponseEvent::OutputTextDone { item_id: &item_id, output_index: 0, content_index: 0, text };
-        self.seq.send(out, done);
-        let item = message_item(item_id.clone(), "completed", text);
-        self.seq.send(out, ResponseEvent::OutputItemDone { output_index: 0, item });
+        let output_index = self.items.len() - 1;
+        let sid = short(&self.id).to_owned();
+        let Some(last) = self.items.last() else { return };
+        match last {
+            Streamed::Reasoning { id, text } => {
+                let done = ResponseEvent::ReasoningTextDone { item_id: id, output_index, content_index: 0, text };
+                self.seq.send(out, done);
+            }
+            Streamed::Message { id, text } => {
+                let done = ResponseEvent::OutputTextDone { item_id: id, output_index, content_index: 0, text };
+                self.seq.send(out, done);
+            }
+            Streamed::Call { index, arguments, .. } => {
+                let item_id = format!("fc_{sid}_{index}");
+                let done = ResponseEvent::FunctionCallArgumentsDone { item_id: &item_id, output_index, arguments };
+                self.seq.send(out, done);
+            }
+        }
+        let item = last.item(&sid, "completed");
+        self.seq.send(out, ResponseEvent::OutputItemDone { output_index, item });
+    }
+
+    /// Opens a reasoning or message item unless one of that kind is being written.
+    fn open_text(&mut self, reasoning: bool, out: &mut Frames) {
+        let open_kind = self.open.then(|| self.items.last()).flatten();
+        let same = match open_kind {
+            Some(Streamed::Reasoning { .. }) => reasoning,
+            Some(Streamed::Message { .. }) => !reasoning,
+            _ => false,
+        };
+        if same {
+            return;
+        }
+        self.close(out);
+        let output_index = self.items.len();
+        let sid = short(&self.id).to_owned();
+        if reasoning {
+            let id = self.next_id("rs", true);
+            self.items.push(Streamed::Reasoning { id, text: String::new() });
+            let item = self.items[output_index].item(&sid, "in_progress");
+            self.seq.send(out, ResponseEvent::OutputItemAdded { output_index, item });
+        } else {
+            let id = self.next_id("msg", false);
+            let item = message_item(id.clone(), "in_progress", "");
+            self.seq.send(out, ResponseEvent::OutputItemAdded { output_index, item });
+            let part = ContentPart::output_text("");
+            self.seq.send(out, ResponseEvent::ContentPartAdded { item_id: &id, output_index, content_index: 0, part });
+            self.items.push(Streamed::Message { id, text: String::new() });
+        }
+        self.open = true;
+    }
+
+    /// The position of call `index`, if it was started.
+    fn call_position(&self, index: usize) -> Option<usize> {
+        self.items.iter().position(|i| matches!(i, Streamed::Call { index: k, .. } if *k == index))
     }
 }
 
@@ -319,56 +408,74 @@ impl Protocol for ResponsesStream {
     fn delta(&mut self, _: u32, delta: OutputDelta, out: &mut Frames) {
         let sid = short(&self.id).to_owned();
         match delta {
+            OutputDelta::Content(t) | OutputDelta::Reasoning(t) if t.is_empty() => {}
             OutputDelta::Content(t) => {
-                let item_id = self.msg_id();
-                if !self.text_open {
-                    self.text_open = true;
-                    let item = message_item(item_id.clone(), "in_progress", "");
-                    self.seq.send(out, ResponseEvent::OutputItemAdded { output_index: 0, item });
-                    let part = ContentPart::output_text("");
-                    let added =
-                        ResponseEvent::ContentPartAdded { item_id: &item_id, output_index: 0, content_index: 0, part };
-                    self.seq.send(out, added);
+                self.open_text(false, out);
+                let output_index = self.items.len() - 1;
+                if let Some(Streamed::Message { id, text }) = self.items.last_mut() {
+                    text.push_str(&t);
+                    let delta =
+                        ResponseEvent::OutputTextDelta { item_id: id, output_index, content_index: 0, delta: &t };
+                    self.seq.send(out, delta);
                 }
-                self.text.push_str(&t);
-                let delta =
-                    ResponseEvent::OutputTextDelta { item_id: &item_id, output_index: 0, content_index: 0, delta: &t };
-                self.seq.send(out, delta);
             }
-            OutputDelta::Reasoning(_) => {}
+            OutputDelta::Reasoning(t) => {
+                self.open_text(true, out);
+                let output_index = self.items.len() - 1;
+                if let Some(Streamed::Reasoning { id, text }) = self.items.last_mut() {
+                    text.push_str(&t);
+                    let delta =
+                        ResponseEvent::ReasoningTextDelta { item_id: id, output_index, content_index: 0, delta: &t };
+                    self.seq.send(out, delta);
+                }
+            }
             OutputDelta::ToolCallStart { index, name } => {
-                self.close_text(out);
-                let item = call_item(&sid, index, &name, "", "in_progress");
-                self.seq.send(out, ResponseEvent::OutputItemAdded { output_index: index + 1, item });
-                self.calls.push((name, String::new()));
+                self.close(out);
+                let output_index = self.items.len();
+                self.items.push(Streamed::Call { index, name, arguments: String::new(), ended: false });
+                let item = self.items[output_index].item(&sid, "in_progress");
+                let item = match item {
+                    OutputItem::FunctionCall { status: _, id, call_id, name, arguments } => {
+                        OutputItem::FunctionCall { id, call_id, name, arguments, status: "in_progress" }
+                    }
+                    other => other,
+                };
+                self.seq.send(out, ResponseEvent::OutputItemAdded { output_index, item });
+                self.open = true;
             }
             OutputDelta::ToolCallArguments { index, delta } => {
-                if let Some(c) = self.calls.get_mut(index) {
-                    c.1.push_str(&delta);
+                let Some(output_index) = self.call_position(index) else { return };
+                if let Streamed::Call { arguments, .. } = &mut self.items[output_index] {
+                    arguments.push_str(&delta);
                 }
                 let item_id = format!("fc_{sid}_{index}");
-                let event = ResponseEvent::FunctionCallArgumentsDelta {
-                    item_id: &item_id,
-                    output_index: index + 1,
-                    delta: &delta,
-                };
+                let event =
+                    ResponseEvent::FunctionCallArgumentsDelta { item_id: &item_id, output_index, delta: &delta };
                 self.seq.send(out, event);
             }
             OutputDelta::ToolCallEnd { index } => {
-                let (name, arguments) = self.calls.get(index).map_or(("", ""), |(n, a)| (n.as_str(), a.as_str()));
-                let item_id = format!("fc_{sid}_{index}");
-                let done =
-                    ResponseEvent::FunctionCallArgumentsDone { item_id: &item_id, output_index: index + 1, arguments };
-                self.seq.send(out, done);
-                let item = call_item(&sid, index, name, arguments, "completed");
-                self.seq.send(out, ResponseEvent::OutputItemDone { output_index: index + 1, item });
+                if let Some(p) = self.call_position(index)
+                    && let Streamed::Call { ended, .. } = &mut self.items[p]
+                {
+                    *ended = true;
+                }
+                self.close(out);
             }
         }
     }
 
     fn done(&mut self, _: u32, end: ChoiceEnd, out: &mut Frames) {
-        self.close_text(out);
-        let response = response_object(&self.id, &self.model, self.created, Some(&end));
+        self.close(out);
+        // As a response that is not streamed: a message item, empty if need be, unless the
+        // model only called tools.
+        if !self.items.iter().any(|i| !matches!(i, Streamed::Reasoning { .. })) {
+            self.open_text(false, out);
+            self.close(out);
+        }
+        let sid = short(&self.id).to_owned();
+        // Items are complete (as in a response that is not streamed), but a call cut short.
+        let output = self.items.iter().map(|i| i.item(&sid, "completed")).collect();
+        let response = response_with(&self.id, &self.model, self.created, Some(&end), Some(output));
         let event = if incomplete(&end) {
             ResponseEvent::Incomplete { response }
         } else {
@@ -378,7 +485,11 @@ impl Protocol for ResponsesStream {
     }
 
     fn failed(&mut self, error: ApiError, out: &mut Frames) {
-        let mut response = response_object(&self.id, &self.model, self.created, None);
+        // What was streamed stays listed: the items, as far as they got.
+        let sid = short(&self.id).to_owned();
+        let output = self.items.iter().map(|i| i.item(&sid, "completed")).collect();
+        let mut response = response_with(&self.id, &self.model, self.created, None, None);
+        response.output = output;
         response.status = "failed";
         response.error = Some(ResponseError { code: error.code.as_str(), message: &error.message });
         self.seq.send(out, ResponseEvent::Failed { response });
@@ -494,6 +605,8 @@ enum ResponseEvent<'a> {
     ContentPartAdded { item_id: &'a str, output_index: usize, content_index: usize, part: ContentPart<'a> },
     OutputTextDelta { item_id: &'a str, output_index: usize, content_index: usize, delta: &'a str },
     OutputTextDone { item_id: &'a str, output_index: usize, content_index: usize, text: &'a str },
+    ReasoningTextDelta { item_id: &'a str, output_index: usize, content_index: usize, delta: &'a str },
+    ReasoningTextDone { item_id: &'a str, output_index: usize, content_index: usize, text: &'a str },
     FunctionCallArgumentsDelta { item_id: &'a str, output_index: usize, delta: &'a str },
     FunctionCallArgumentsDone { item_id: &'a str, output_index: usize, arguments: &'a str },
 }
@@ -511,6 +624,8 @@ impl ResponseEvent<'_> {
             ResponseEvent::ContentPartAdded { .. } => "response.content_part.added",
             ResponseEvent::OutputTextDelta { .. } => "response.output_text.delta",
             ResponseEvent::OutputTextDone { .. } => "response.output_text.done",
+            ResponseEvent::ReasoningTextDelta { .. } => "response.reasoning_text.delta",
+            ResponseEvent::ReasoningTextDone { .. } => "response.reasoning_text.done",
             ResponseEvent::FunctionCallArgumentsDelta { .. } => "response.function_call_arguments.delta",
             ResponseEvent::FunctionCallArgumentsDone { .. } => "response.function_call_arguments.done",
         }

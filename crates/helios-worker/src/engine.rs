@@ -584,14 +584,17 @@ impl<E: Executor> ModelLoop<E> {
         self
     }
 
+    #[cfg(feature = "testkit")]
     pub(crate) fn scheduler(&self) -> &Scheduler {
         &self.scheduler
     }
 
+    #[cfg(feature = "testkit")]
     pub(crate) fn scheduler_mut(&mut self) -> &mut Scheduler {
         &mut self.scheduler
     }
 
+    #[cfg(feature = "testkit")]
     pub(crate) fn executor_mut(&mut self) -> &mut E {
         &mut self.executor
     }
