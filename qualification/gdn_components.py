@@ -117,6 +117,7 @@ def main() -> None:
     )
     report["delta_prefill_vs_chunked"] = {"output": err(o, chunk[0]), "state": err(rows[1], chunk_s[0])}
 
+    q1, k1, v1, g1, beta1 = operands(1)
     # Times: each Triton kernel beside the Transformers torch function it replaces (ms).
     scratch = torch.zeros(2, HV, DK, DV, device=dev)
     report["ms"] = {
@@ -128,7 +129,7 @@ def main() -> None:
             ),
             reps=5,
         ),
-        "delta_step_triton": timed(lambda: gdn.delta_rule_step(scratch, row, *operands(1))),
+        "delta_step_triton": timed(lambda: gdn.delta_rule_step(scratch, row, q1, k1, v1, g1, beta1)),
     }
     text = json.dumps(report, indent=1)
     print(text)

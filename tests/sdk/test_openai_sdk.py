@@ -649,7 +649,8 @@ def test_responses_stream_items_match_the_final_output(oai):
     """Whatever the model writes (reasoning, text, calls), the streamed items carry the indexes
     and ids the final response lists them under, and each item's done event holds its final
     text or arguments."""
-    tool = {"type": "function", **WEATHER_TOOL["function"]}
+    function: dict[str, Any] = dict(WEATHER_TOOL["function"])  # type: ignore[arg-type]
+    tool = {"type": "function", **function}
     calls_seen = False
     for prompt in (responses_tool_history(), "Say hello to the harbour."):
         stream = oai.responses.create(
