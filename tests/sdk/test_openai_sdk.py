@@ -351,6 +351,33 @@ def test_tool_choice_required(oai):
     check_tool_calls(resp.choices[0].message, resp.choices[0].finish_reason)
 
 
+def test_tool_choice_required_is_enforced_while_sampling(oai):
+    """Without a history to copy, `required` and a named tool still produce a well-formed call
+    to an offered tool (the grammar allows nothing else), never an error or plain text. The
+    cities are an enum: the simulated model would write a free string until the output limit."""
+
+    def bounded(tool: dict[str, Any]) -> dict[str, Any]:
+        f = json.loads(json.dumps(tool["function"]))
+        f["parameters"]["properties"]["city"]["enum"] = ["Paris", "Lisbon", "Oslo"]
+        f["parameters"]["additionalProperties"] = False
+        return {"type": "function", "function": f}
+
+    for choice, allowed in (
+        ("required", TOOL_NAMES),
+        ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
+    ):
+        for seed in range(3):
+            resp = oai.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "Tell me a story about a lighthouse."}],
+                tools=[bounded(WEATHER_TOOL), bounded(TIME_TOOL)],
+                tool_choice=choice,
+                max_tokens=200,
+                seed=seed,
+            )
+            check_tool_calls(resp.choices[0].message, resp.choices[0].finish_reason, allowed)
+
+
 def test_tool_choice_named(oai):
     resp = oai.chat.completions.create(
         model=MODEL,

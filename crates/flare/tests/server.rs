@@ -259,21 +259,30 @@ fn typed_errors_before_headers_and_in_streams() {
     let v: Value = serde_json::from_str(&text).unwrap();
     assert_eq!((v["type"].as_str(), v["error"]["type"].as_str()), (Some("error"), Some("invalid_request_error")));
 
-    // tool_choice=required with a model that answers in text: the failure arrives after the
-    // SSE headers as an error event, with no [DONE]. (Cut short by max_tokens it would be a
-    // `length` finish instead.)
-    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]);
-    // The copy model repeats the earlier plain-text answer and ends (EOS) without a call.
-    let history = json!([{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hi there."},
-        {"role": "user", "content": "hello"}]);
-    let extra =
-        json!({"stream": true, "tools": tools, "tool_choice": "required", "max_tokens": 32, "temperature": 0.01});
+    // A call to a tool the request does not offer: the failure arrives after the SSE headers as
+    // an error event, with no [DONE].
+    let (history, extra) = undeclared_call();
     let (status, _, body) = server.post("/v1/chat/completions", &chat(history, extra));
     assert_eq!(status, 200);
     let events = sse_data(&body);
     assert!(!events.iter().any(|e| e == "[DONE]"), "{body}");
     let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
-    assert_eq!(last["error"]["code"], "required_tool_call_missing", "{body}");
+    assert_eq!(last["error"]["code"], "undeclared_tool", "{body}");
+}
+
+/// A conversation in which the assistant called `get_stock`, which the next request does not
+/// offer (it offers `get_weather`, `tool_choice` auto): the copy model calls `get_stock` again.
+fn undeclared_call() -> (Value, Value) {
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]);
+    let call = json!({"id": "call_0", "type": "function", "function": {"name": "get_stock", "arguments": "{}"}});
+    let history = json!([
+        {"role": "user", "content": "price?"},
+        {"role": "assistant", "content": null, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "12"},
+        {"role": "assistant", "content": "It is 12."},
+        {"role": "user", "content": "price?"}]);
+    let extra = json!({"stream": true, "tools": tools, "tool_choice": "auto", "max_tokens": 64, "temperature": 0.01});
+    (history, extra)
 }
 
 #[test]
@@ -1049,21 +1058,13 @@ fn every_request_logs_one_line_with_its_fields() {
     assert!(line["ttft_ms"].as_f64().is_some());
 
     // A failure after the SSE headers: status 200 was sent, the code says what failed.
-    // (As in `typed_errors_before_headers_and_in_streams`: the copy model answers in text.)
-    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]);
-    let history = json!([{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hi there."},
-        {"role": "user", "content": "hello"}]);
-    let extra =
-        json!({"stream": true, "tools": tools, "tool_choice": "required", "max_tokens": 32, "temperature": 0.01});
+    // (As in `typed_errors_before_headers_and_in_streams`: a call to a tool not offered.)
+    let (history, extra) = undeclared_call();
     let (status, _, body) = post("stream-failed", "/v1/chat/completions", &chat(history, extra));
     assert_eq!(status, 200);
     assert!(!sse_data(&body).iter().any(|e| e == "[DONE]"), "{body}");
     let line = request_line(&server, "stream-failed");
-    assert_eq!(
-        (line["status"].as_u64(), line["code"].as_str()),
-        (Some(200), Some("required_tool_call_missing")),
-        "{line}"
-    );
+    assert_eq!((line["status"].as_u64(), line["code"].as_str()), (Some(200), Some("undeclared_tool")), "{line}");
     assert_eq!(line["stage"], "output", "{line}");
 
     // A failure before headers: its status, code, stage and message.

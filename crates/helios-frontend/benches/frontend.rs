@@ -78,7 +78,7 @@ fn bench(c: &mut Criterion) {
     let proto = OutputProtocol {
         reasoning: ReasoningParser::ThinkTags,
         tools: ToolParser::HermesJson,
-        tools_offered: true,
+        calls: helios_frontend::Calls::Optional,
         starts_in_reasoning: false,
     };
     let fmt = AnswerFormat::JsonSchema(schema);

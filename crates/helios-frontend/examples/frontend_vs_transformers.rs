@@ -188,7 +188,7 @@ fn main() {
     let proto = OutputProtocol {
         reasoning: ReasoningParser::ThinkTags,
         tools: ToolParser::HermesJson,
-        tools_offered: true,
+        calls: helios_frontend::Calls::Optional,
         starts_in_reasoning: false,
     };
     let fmt = AnswerFormat::JsonSchema(schema);

@@ -2,7 +2,10 @@
 //!
 //! The answer grammar is composed with the output protocol's delimiters: an optional
 //! `<think>…</think>` block (free text) and, when tools are offered, `<tool_call>…</tool_call>`
-//! blocks whose payloads stay unconstrained (they keep their normal parsing).
+//! blocks. Offered as an alternative to the answer, a call's payload stays unconstrained (it
+//! keeps its normal parsing); when the tool choice requires a call (`required`, or a named
+//! tool), only calls are allowed, and with JSON calls each one must name an offered tool and
+//! carry arguments of its parameter schema.
 
 use std::sync::Arc;
 
@@ -133,14 +136,25 @@ pub enum AnswerFormat {
 }
 
 /// The output protocol the answer grammar is composed with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct OutputProtocol {
     pub reasoning: ReasoningParser,
     pub tools: ToolParser,
-    /// Whether the request offers tools (tool calls become an alternative to the answer).
-    pub tools_offered: bool,
+    /// What the request's tools allow or require.
+    pub calls: Calls,
     /// The prompt already opened a reasoning block.
     pub starts_in_reasoning: bool,
+}
+
+/// Tool calls in the output, as the request's `tool_choice` has them.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Calls {
+    /// No tools offered.
+    None,
+    /// Tools offered: calls are an alternative to the answer.
+    Optional,
+    /// Only calls, at least one, each to one of these tools (name, parameter schema).
+    Required(Vec<(String, Json)>),
 }
 
 /// Allowed-token set for one step. Invariant: one bit per vocabulary id.
@@ -171,6 +185,36 @@ fn lit(tok: &Tokenizer, s: &str) -> String {
     match tok.token_id(s).filter(|&id| tok.is_special(id)) {
         Some(id) => format!("<[{id}]>"),
         None => serde_json::to_string(s).unwrap_or_default(),
+    }
+}
+
+fn serialized(schema: &Json) -> Result<String, GrammarError> {
+    serde_json::to_string(schema)
+        .map_err(|e| GrammarError::Compile(ParserFailure { message: e.to_string(), source: Some(Box::new(e)) }))
+}
+
+/// One JSON call to one of `tools`: `{"name": <its name>, "arguments": <its parameters>}`, in
+/// the compact separators the JSON answers use.
+fn required_call_schema(tools: &[(String, Json)]) -> Json {
+    let one = |(name, parameters): &(String, Json)| {
+        let arguments = if parameters.is_object() { parameters.clone() } else { serde_json::json!({"type": "object"}) };
+        serde_json::json!({
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": arguments},
+            "required": ["name", "arguments"],
+            "additionalProperties": false,
+        })
+    };
+    let guidance = serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
+    match tools {
+        [single] => {
+            let mut schema = one(single);
+            if let Some(o) = schema.as_object_mut() {
+                o.insert("x-guidance".into(), guidance);
+            }
+            schema
+        }
+        _ => serde_json::json!({"anyOf": tools.iter().map(one).collect::<Vec<_>>(), "x-guidance": guidance}),
     }
 }
 
@@ -208,28 +252,34 @@ impl GrammarEnv {
         let t = &self.tokenizer;
         let answer = match format {
             AnswerFormat::Text => "answer: /(?s:.*)/".to_string(),
-            AnswerFormat::JsonSchema(s) => {
-                format!(
-                    "answer: %json {}",
-                    serde_json::to_string(s).map_err(|e| GrammarError::Compile(ParserFailure {
-                        message: e.to_string(),
-                        source: Some(Box::new(e))
-                    }))?
-                )
-            }
+            AnswerFormat::JsonSchema(s) => format!("answer: %json {}", serialized(s)?),
             AnswerFormat::JsonObject => "answer: %json {\"type\": \"object\"}".to_string(),
             AnswerFormat::Regex(r) => format!("answer: /{}/", r.replace('/', "\\/")),
         };
         let mut g = String::new();
-        let body = if proto.tools_offered && proto.tools != ToolParser::None {
-            g.push_str(&format!(
-                "body: answer | tool_call (sep? tool_call)*\ntool_call: {} tool_body\ntool_body[lazy]: /(?s:.*)/ {}\n",
-                lit(t, "<tool_call>"),
-                lit(t, "</tool_call>")
-            ));
-            "body"
-        } else {
-            "answer"
+        let (open, close) = (lit(t, "<tool_call>"), lit(t, "</tool_call>"));
+        let body = match (&proto.calls, proto.tools) {
+            (_, ToolParser::None) | (Calls::None, _) => "answer",
+            (Calls::Optional, _) => {
+                g.push_str(&format!(
+                    "body: answer | tool_call (sep? tool_call)*\ntool_call: {open} tool_body\n\
+                     tool_body[lazy]: /(?s:.*)/ {close}\n"
+                ));
+                "body"
+            }
+            (Calls::Required(tools), ToolParser::HermesJson) => {
+                g.push_str(&format!(
+                    "body: tool_call (sep? tool_call)*\ntool_call: {open} sep? call sep? {close}\ncall: %json {}\n",
+                    serialized(&required_call_schema(tools))?
+                ));
+                "body"
+            }
+            (Calls::Required(_), ToolParser::Qwen3CoderXml) => {
+                g.push_str(&format!(
+                    "body: tool_call (sep? tool_call)*\ntool_call: {open} tool_body\ntool_body[lazy]: /(?s:.*)/ {close}\n"
+                ));
+                "body"
+            }
         };
         match proto.reasoning {
             ReasoningParser::None => g.push_str(&format!("start: {body}\n")),
@@ -408,7 +458,7 @@ mod tests {
         let proto = OutputProtocol {
             reasoning: ReasoningParser::ThinkTags,
             tools: ToolParser::HermesJson,
-            tools_offered: true,
+            calls: Calls::Optional,
             starts_in_reasoning: false,
         };
         let mut m = e.matcher(&AnswerFormat::JsonSchema(schema.clone()), &proto).expect("compiles");
@@ -422,13 +472,47 @@ mod tests {
     }
 
     #[test]
+    fn a_required_call_names_an_offered_tool_with_its_arguments() {
+        let e = env();
+        let weather = json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]});
+        let tools = vec![("get_weather".to_string(), weather), ("get_time".to_string(), json!({"type": "object"}))];
+        let proto = OutputProtocol {
+            reasoning: ReasoningParser::ThinkTags,
+            tools: ToolParser::HermesJson,
+            calls: Calls::Required(tools),
+            starts_in_reasoning: false,
+        };
+        let ok = [
+            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+            "<think>which one</think>\n<tool_call>{\"name\": \"get_time\", \"arguments\": {}}</tool_call>",
+        ];
+        for text in ok {
+            let mut m = e.matcher(&AnswerFormat::Text, &proto).expect("compiles");
+            drive(&e, &mut m, text).expect(text);
+            assert!(m.is_accepting(), "{text}");
+        }
+        let refused = [
+            "It is sunny.",
+            "<tool_call>\n{\"name\": \"get_stock\", \"arguments\": {}}\n</tool_call>",
+            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"town\": \"Paris\"}}\n</tool_call>",
+        ];
+        for text in refused {
+            let mut m = e.matcher(&AnswerFormat::Text, &proto).expect("compiles");
+            assert!(drive(&e, &mut m, text).is_err(), "{text}");
+        }
+        // Nothing but the opening of a call can follow an empty output.
+        let mut m = e.matcher(&AnswerFormat::Text, &proto).expect("compiles");
+        assert!(!m.is_accepting());
+    }
+
+    #[test]
     fn a_finished_grammar_allows_only_eos() {
         let e = env();
         let eos = e.tokenizer.token_id("<|im_end|>").expect("eos");
         let proto = OutputProtocol {
             reasoning: ReasoningParser::None,
             tools: ToolParser::None,
-            tools_offered: false,
+            calls: Calls::None,
             starts_in_reasoning: false,
         };
         let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
@@ -448,7 +532,7 @@ mod tests {
         let proto = OutputProtocol {
             reasoning: ReasoningParser::None,
             tools: ToolParser::None,
-            tools_offered: false,
+            calls: Calls::None,
             starts_in_reasoning: false,
         };
         let mut m = e.matcher(&AnswerFormat::Regex("[0-9]{3}-a/b".into()), &proto).expect("compiles");
@@ -469,7 +553,7 @@ mod tests {
         OutputProtocol {
             reasoning: ReasoningParser::None,
             tools: ToolParser::None,
-            tools_offered: false,
+            calls: Calls::None,
             starts_in_reasoning: false,
         }
     }

@@ -22,7 +22,7 @@ pub use detok::IncrementalDecoder;
 pub use error::{
     FrontendError, GrammarError, OutputError, ParserFailure, SamplingError, TemplateError, TokenizerError,
 };
-pub use grammar::{AnswerFormat, GrammarEnv, GrammarMatcher, OutputProtocol, TokenMask};
+pub use grammar::{AnswerFormat, Calls, GrammarEnv, GrammarMatcher, OutputProtocol, TokenMask};
 pub use parse::{OutputDelta, OutputParser, ParsedOutput, ToolCall, ToolChoice};
 pub use prompt::{Prompt, checkpoint_endpoints};
 pub use sampling::{ResolvedSampling, SamplingRequest, resolve_sampling};

@@ -348,7 +348,11 @@ impl OutputParser {
             let mut call = self.call.take().unwrap_or_else(CallState::new);
             let rest = std::mem::take(&mut self.tbuf);
             call.buf.push_str(&rest);
-            if let Some(p) = call.buf.find(CALL_CLOSE) {
+            let close = match self.tool {
+                ToolParser::Qwen3CoderXml => call.buf.find(CALL_CLOSE),
+                _ => json_close_at(&call.buf),
+            };
+            if let Some(p) = close {
                 self.tbuf = call.buf[p + CALL_CLOSE.len()..].to_string();
                 call.buf.truncate(p);
                 let tc = match self.tool {
@@ -524,6 +528,21 @@ impl OutputParser {
         let (name, args) = call.args.split_once('\u{0}').unwrap_or(("", ""));
         Ok(ToolCall { name: name.to_string(), arguments: args.to_string() })
     }
+}
+
+/// Where a JSON call's closing tag is: the first `</tool_call>` before which the body is not an
+/// unfinished JSON value. The tag's text may appear inside a string of the arguments (a tool
+/// that writes markup), where it closes nothing.
+fn json_close_at(buf: &str) -> Option<usize> {
+    let mut from = 0;
+    while let Some(i) = buf[from..].find(CALL_CLOSE) {
+        let p = from + i;
+        match serde_json::from_str::<serde::de::IgnoredAny>(buf[..p].trim()) {
+            Err(e) if e.is_eof() => from = p + CALL_CLOSE.len(),
+            _ => return Some(p),
+        }
+    }
+    None
 }
 
 /// Streams Hermes JSON arguments once `{"name": "...", "arguments": ` has been seen.
@@ -708,6 +727,28 @@ mod tests {
             "<tool_call>junk</tool_call>",
         );
         assert!(matches!(r, Err(OutputError::MalformedToolCall { .. })));
+    }
+
+    #[test]
+    fn a_closing_tag_inside_a_json_string_closes_nothing() {
+        let text = "<tool_call>\n{\"name\": \"write\", \"arguments\": {\"text\": \"a </tool_call> b\"}}\n</tool_call>";
+        let mut whole = OutputParser::new(ReasoningParser::None, ToolParser::HermesJson, &[], false);
+        let mut d = whole.push(text).expect("parses");
+        d.extend(whole.finish().expect("finishes"));
+        let out = whole.output();
+        assert_eq!(out.tool_calls.len(), 1, "{d:?}");
+        assert_eq!(out.tool_calls[0].arguments, "{\"text\": \"a </tool_call> b\"}");
+        // Split anywhere, the same.
+        for cut in 1..text.len() {
+            if !text.is_char_boundary(cut) {
+                continue;
+            }
+            let mut p = OutputParser::new(ReasoningParser::None, ToolParser::HermesJson, &[], false);
+            p.push(&text[..cut]).expect("parses");
+            p.push(&text[cut..]).expect("parses");
+            p.finish().expect("finishes");
+            assert_eq!(p.output().tool_calls, out.tool_calls, "cut {cut}");
+        }
     }
 
     #[test]

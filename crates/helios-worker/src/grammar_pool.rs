@@ -306,7 +306,7 @@ mod tests {
         let proto = OutputProtocol {
             reasoning: helios_contract::ReasoningParser::None,
             tools: helios_contract::ToolParser::None,
-            tools_offered: false,
+            calls: helios_frontend::Calls::None,
             starts_in_reasoning: false,
         };
         let mut m = env.matcher(&AnswerFormat::JsonObject, &proto).expect("compiles");

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use helios_frontend::{
-    AnswerFormat, Cancel, GrammarMatcher, MAX_STOP_BYTES, MAX_STOP_TOTAL_BYTES, MAX_STOPS, OutputParser,
+    AnswerFormat, Calls, Cancel, GrammarMatcher, MAX_STOP_BYTES, MAX_STOP_TOTAL_BYTES, MAX_STOPS, OutputParser,
     OutputProtocol, Prompt, RenderInput, ResolvedSampling, SamplingRequest, StopSet, ToolChoice,
 };
 use helios_replay::SamplingParams;
@@ -279,13 +279,22 @@ pub(crate) fn prepare_checked(
         return Err(InvalidRequest::EmptyPrompt.into());
     }
     let starts_in_reasoning = chat && prompt_opens_reasoning(&prompt_text);
-    let grammars = if input.answer == AnswerFormat::Text {
+    let tool_syntax = if chat { frontend.tool_parser } else { helios_contract::ToolParser::None };
+    // `required` and a named tool are enforced while sampling: only calls, to offered tools.
+    let calls = match &tool_choice {
+        _ if tools.is_empty() => Calls::None,
+        ToolChoice::Required | ToolChoice::Named(_) if tool_syntax != helios_contract::ToolParser::None => {
+            Calls::Required(tools.iter().filter_map(tool_schema).collect())
+        }
+        _ => Calls::Optional,
+    };
+    let grammars = if input.answer == AnswerFormat::Text && !matches!(calls, Calls::Required(_)) {
         Vec::new()
     } else {
         let proto = OutputProtocol {
             reasoning: if chat { frontend.reasoning_parser } else { helios_contract::ReasoningParser::None },
-            tools: if chat { frontend.tool_parser } else { helios_contract::ToolParser::None },
-            tools_offered: !tools.is_empty(),
+            tools: tool_syntax,
+            calls,
             starts_in_reasoning,
         };
         // One compile, and the first mask (for the sample that ends the prompt) computed here,
@@ -313,6 +322,14 @@ pub(crate) fn prepare_checked(
         starts_in_reasoning,
         grammars,
     })
+}
+
+/// An OpenAI tool definition's name and parameter schema (an object schema if it has none).
+fn tool_schema(t: &Json) -> Option<(String, Json)> {
+    let f = t.get("function").unwrap_or(t);
+    let name = f.get("name").and_then(Json::as_str)?;
+    let parameters = f.get("parameters").cloned().unwrap_or_else(|| serde_json::json!({"type": "object"}));
+    Some((name.to_owned(), parameters))
 }
 
 fn prompt_opens_reasoning(prompt: &str) -> bool {
