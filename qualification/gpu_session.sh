@@ -205,6 +205,7 @@ case "$STAGE" in
     done | tee "$OUT/serve_default.txt" ;;
   q35-prepare)  # issue 18: the seeded random Qwen3.5 at the 0.8B text geometry (vocabulary sized to the SmolLM2
                 # tokenizer that travels with it: 49,152 instead of 248,320), prepared with every check
+                # (DECODE_PROJECTIONS=gemv: decode projections through flare::gemv, as issue 19's)
     python3 -m ignition random-checkpoint --config qualification/configs/qwen3_5_0p8b_random.json --out /tmp/q35 \
       --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
     prepare /tmp/q35 /tmp/q35core qwen3_5-0.8b-random 560 ;;
@@ -212,6 +213,9 @@ case "$STAGE" in
             # replay floor, the Rust bitwise check and lifecycle scenarios, the kernel breakdown
     AGENT_TURNS=8 SHORT=1 SPLIT_MEASURE=1 measure /tmp/q35 /tmp/q35core
     SHORT=1 native /tmp/q35core
+    # Preemption and readmission under a small page pool (the short native run skips it).
+    timeout 120 /tmp/core_workload /tmp/q35core --pages 48 > "$OUT/core_workload_pressure.json"
+    echo "core_workload --pages 48 rc=$?"; head -c 600 "$OUT/core_workload_pressure.json"; echo
     timeout 120 python3 qualification/gdn_components.py "$OUT/gdn_components.json" > "$OUT/gdn_components.log" 2>&1
     echo "gdn_components rc=$?"; tail -4 "$OUT/gdn_components.log"
     timeout 240 python3 qualification/kernel_breakdown.py /tmp/q35core "$OUT/kernel_breakdown.json" \

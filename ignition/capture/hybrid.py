@@ -28,9 +28,12 @@ import torch.nn.functional as F
 
 from ignition.capture import gdn
 from ignition.capture.attention import attend_gather, rotate
-from ignition.capture.paged import Geometry, PagedLlama
+from ignition.capture.gemv import Problem, Variant
+from ignition.capture.paged import GEMV_MAX_ROWS, Geometry, PagedLlama
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from ignition.recipes.qwen3_5 import Qwen35Config
 
 ALIGN = 16
@@ -147,16 +150,47 @@ class PagedQwen35(PagedLlama):
         inv_freq: torch.Tensor,
         kernels: bool = False,
         attention_kernel: bool | None = None,
+        gemv: bool = False,
     ) -> None:
         """`kernels`: the Triton ops (`flare::gdn_conv`, `flare::gdn_delta`, `flare::store_row`,
         and `flare::write_attend` unless `attention_kernel` says otherwise) that the graphs run;
-        otherwise the eager reference (CPU)."""
+        otherwise the eager reference (CPU). `gemv`: decode projections through `flare::gemv`, as
+        for the dense recipe (the caller checks the buckets fit)."""
         attention = kernels if attention_kernel is None else attention_kernel
-        super().__init__(geo, weights, inv_freq, 1.0, attention_kernel=attention, gemv=False)
+        super().__init__(geo, weights, inv_freq, 1.0, attention_kernel=attention, gemv=gemv)
         # Created before tracing (Dynamo does not trace their creation).
         self.gdn = gdn.gdn_ops() if kernels else None
         # Row regions by name (offset, byte_size): the views below and the ops' offsets.
         self.regions = {str(r["name"]): r for r in geo.row_regions()}
+
+    def projection_problems(self) -> list[Problem]:
+        """Each projection role of the hybrid with its per-layer weights, for `gemv.tune`: the
+        attention layers' `qkv` and `o_proj`, the GDN layers' `in_proj` and `out_proj`, every
+        layer's MLP, and the vocabulary projection. Norms stay outside the projections (the
+        zero-centred RMSNorm scales by 1 + w, which the fused prologue does not)."""
+        g, w = self.geo, self.w
+
+        def each(name: str, layers: Sequence[int]) -> list[torch.Tensor]:
+            return [w[f"layers.{i}.{name}"] for i in layers]
+
+        every = range(len(g.layer_kinds))
+        attn, gdn_layers = list(g.attention_layers), list(g.gdn_layers)
+        bias = f"layers.{attn[0]}.qkv_bias" in w if attn else False
+        problems = [
+            Problem("in_proj", each("in_proj", gdn_layers), Variant()),
+            Problem("out_proj", each("out_proj", gdn_layers), Variant(residual=True)),
+            Problem("gate_up", each("gate_up", every), Variant()),
+            Problem("down", each("down", every), Variant(glu=True, residual=True)),
+            Problem("lm_head", [self.head()], Variant()),
+        ]
+        if attn:
+            qkv_bias = each("qkv_bias", attn) if bias else None
+            o_bias = each("o_proj_bias", attn) if f"layers.{attn[0]}.o_proj_bias" in w else None
+            problems += [
+                Problem("qkv", each("qkv", attn), Variant(bias=bias), qkv_bias),
+                Problem("o_proj", each("o_proj", attn), Variant(bias=o_bias is not None, residual=True), o_bias),
+            ]
+        return problems
 
     # -- continuation rows -----------------------------------------------------------------------
     def row_storage(self) -> tuple[tuple[int, ...], torch.dtype]:
@@ -229,11 +263,12 @@ class PagedQwen35(PagedLlama):
         tables = page_table.long().clamp(min=0)
         hd, rd = g.head_dim, g.rotary_dim
         attention = {layer: j for j, layer in enumerate(g.attention_layers)}
+        proj = self.proj
         for i, kind in enumerate(g.layer_kinds):
             p = f"layers.{i}."
             h = zc_rms(x, w[p + "input_norm"], g.eps)
             if kind == "full_attention":
-                qkv = F.linear(h, w[p + "qkv"], self._bias(p + "qkv_bias"))
+                qkv = proj(h, w[p + "qkv"], self._bias(p + "qkv_bias"), few_rows=few_rows)
                 qg = qkv[:, : 2 * g.heads * hd].reshape(n, g.heads, 2 * hd)
                 q, gate = qg[..., :hd], qg[..., hd:].reshape(n, g.heads * hd)
                 k = qkv[:, 2 * g.heads * hd : (2 * g.heads + g.kv_heads) * hd].reshape(n, g.kv_heads, hd)
@@ -250,27 +285,36 @@ class PagedQwen35(PagedLlama):
                     kv[page, j, 1, off] = v
                     o = attend_gather(q, kv, j, tables, req, pos, hd**-0.5)
                 o = o * torch.sigmoid(gate)
-                x = x + F.linear(o, w[p + "o_proj"], self._bias(p + "o_proj_bias"))
+                x = proj(o, w[p + "o_proj"], self._bias(p + "o_proj_bias"), residual=x, few_rows=few_rows)
             else:
-                x = x + self._gdn(i, h, live, rows, length)
+                x = self._gdn(i, h, live, rows, length, residual=x, few_rows=few_rows)
             hm = zc_rms(x, w[p + "post_attention_norm"], g.eps)
-            gu = F.linear(hm, w[p + "gate_up"])
-            x = x + F.linear(F.silu(gu[:, : g.ffn]) * gu[:, g.ffn :], w[p + "down"])
+            gu = proj(hm, w[p + "gate_up"], few_rows=few_rows)
+            # SiLU(gate) · up in the projection's prologue: [gate | up] halves, as packed.
+            x = proj(gu, w[p + "down"], glu=True, residual=x, few_rows=few_rows)
         return zc_rms(x, w["final_norm"], g.eps)
 
     def _gdn(
-        self, layer: int, h: torch.Tensor, live: torch.Tensor, rows: torch.Tensor, length: torch.Tensor | None
+        self,
+        layer: int,
+        h: torch.Tensor,
+        live: torch.Tensor,
+        rows: torch.Tensor,
+        length: torch.Tensor | None,
+        residual: torch.Tensor,
+        few_rows: bool = False,
     ) -> torch.Tensor:
-        """One GDN layer's token mixing over the rows' state (eager reference: per lane / per
-        request loops; the graphs will run `ignition.capture.gdn`'s kernels)."""
+        """One GDN layer's token mixing over the rows' state, added to `residual` (eager
+        reference: per lane / per request loops; the graphs run `ignition.capture.gdn`'s
+        kernels)."""
         g, w = self.geo, self.w
         p = f"layers.{layer}."
         n = h.shape[0]
         c, vd, hv = g.conv_channels, g.gdn_value_heads * g.gdn_value_dim, g.gdn_value_heads
         kd = g.gdn_key_heads * g.gdn_key_dim
-        proj = F.linear(h, w[p + "in_proj"])
-        mixed, z = proj[:, :c], proj[:, c : c + vd]
-        b, a = proj[:, c + vd : c + vd + hv], proj[:, c + vd + hv :]
+        projected = self.proj(h, w[p + "in_proj"], few_rows=few_rows)
+        mixed, z = projected[:, :c], projected[:, c : c + vd]
+        b, a = projected[:, c + vd : c + vd + hv], projected[:, c + vd + hv :]
         beta = torch.sigmoid(b)
         decay = -w[p + "a_log"].float().exp() * F.softplus(a.float() + w[p + "dt_bias"].float())
         conv_w = w[p + "conv"].reshape(c, g.conv_kernel)
@@ -317,13 +361,20 @@ class PagedQwen35(PagedLlama):
                 hist[r] = new_hist
                 state[r] = new_state
         o = gated_rms(core.reshape(n * hv, g.gdn_value_dim), w[p + "gdn_norm"], z.reshape(n * hv, -1), g.eps)
-        return F.linear(o.reshape(n, vd), w[p + "out_proj"])
+        return self.proj(o.reshape(n, vd), w[p + "out_proj"], residual=residual, few_rows=few_rows)
 
 
 def build_model(
-    config: Qwen35Config, geo: HybridGeometry, weights: dict[str, torch.Tensor], device: Any, options: Any
+    config: Qwen35Config,
+    geo: HybridGeometry,
+    largest_bucket: int,
+    weights: dict[str, torch.Tensor],
+    device: Any,
+    options: Any,
 ) -> PagedQwen35:
     """The hybrid forward over the streamed weights; the Triton ops when preparing for the
-    device (`options.attention_kernel`), the eager reference otherwise (or without options)."""
+    device (`options.attention_kernel`), the eager reference otherwise (or without options);
+    decode projections through `flare::gemv` when asked and every bucket fits it."""
     kernels = bool(options is not None and options.attention_kernel)
-    return PagedQwen35(geo, weights, rope_inv_freq(config, geo.rotary_dim).to(device), kernels)
+    gemv = kernels and options.decode_projections == "gemv" and largest_bucket <= GEMV_MAX_ROWS
+    return PagedQwen35(geo, weights, rope_inv_freq(config, geo.rotary_dim).to(device), kernels, gemv=gemv)

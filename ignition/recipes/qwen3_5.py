@@ -248,7 +248,8 @@ class Qwen35Recipe:
         rows = min(capacities.snapshot_rows, SNAPSHOT_ROWS_PER_SLOT * capacities.request_slots)
         caps = replace(capacities, snapshot_rows=rows)
         geo = HybridGeometry.from_qwen35(config, eos, **capacity_fields(caps))
-        return ProgramPlan(geo, caps, functools.partial(build_model, config, geo))
+        largest = max(caps.decode_buckets)
+        return ProgramPlan(geo, caps, functools.partial(build_model, config, geo, largest))
 
 
 RECIPE = Qwen35Recipe()

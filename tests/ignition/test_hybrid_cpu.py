@@ -205,3 +205,51 @@ def test_every_graph_runs_on_its_replay_check_inputs(tmp_path: Path) -> None:
             assert torch.isfinite(model.recurrent_rows(prog.rows, layer)).all(), (spec.name, layer)
             assert torch.isfinite(model.conv_rows(prog.rows, layer).float()).all(), (spec.name, layer)
         assert torch.isfinite(model.hidden_rows(prog.rows).float()).all(), spec.name
+
+
+def test_decode_projections_are_the_tuned_problems(tmp_path: Path) -> None:
+    """Every projection a decode step makes is a few-row call (`flare::gemv` when kernels are on)
+    of a shape and variant `projection_problems` lists, so preparation tunes each one; prefill
+    makes none but the sampled row's vocabulary projection."""
+    require_torch()
+    import torch
+
+    from ignition.capture.gemv import Projections, Variant
+    from ignition.capture.runner import Row
+
+    _checkpoint(tmp_path)
+    model, prog = _program(tmp_path)
+    calls: list[tuple[tuple[int, ...], str, bool]] = []
+    real = Projections(kernel=False)
+
+    def recording(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        norm: torch.Tensor | None = None,
+        eps: float = 0.0,
+        glu: bool = False,
+        residual: torch.Tensor | None = None,
+        few_rows: bool = False,
+    ) -> torch.Tensor:
+        v = Variant(norm=norm is not None, glu=glu, bias=bias is not None, residual=residual is not None)
+        calls.append((tuple(weight.shape), v.key(), few_rows))
+        return real(x, weight, bias, norm=norm, eps=eps, glu=glu, residual=residual, few_rows=few_rows)
+
+    model.proj = recording  # type: ignore[assignment]
+    model.gemv = True  # as on the device: decode rows unpadded, projections few-row (references here)
+    ids = list(range(3, 40))
+    pages = [0, 1]
+    _run(prog, "initialize", [])
+    _run(prog, "prefill_t128", [Row(2, pages, 0, ids)])
+    head = tuple(model.head().shape)
+    assert calls and all(shape == head for shape, _, few in calls if few), "prefill projects as GEMMs but the sample"
+    calls.clear()
+    _run(prog, "decode_b4", [Row(2, pages, len(ids), [7])])
+    tuned = {(tuple(w.shape), p.variant.key()) for p in model.projection_problems() for w in p.weights}
+    layers = len(model.geo.layer_kinds)
+    assert len(calls) >= 4 * layers, calls
+    for shape, key, few in calls:
+        assert few, (shape, key)
+        assert (shape, key) in tuned, (shape, key, sorted(tuned))

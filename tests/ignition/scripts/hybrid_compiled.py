@@ -25,7 +25,8 @@ from ignition.recipes.mapping import Checkpoint, stream_execution_layout
 from ignition.recipes.qwen3_5 import RECIPE, Qwen35Config, plan_weight_mapping
 from tests.ignition.test_hybrid_cpu import CFG, _checkpoint
 
-root = Path(tempfile.mkdtemp())
+workdir = tempfile.TemporaryDirectory()  # removed when the script exits
+root = Path(workdir.name)
 _checkpoint(root)
 config = Qwen35Config.from_dict(dict(CFG))
 ckpt = Checkpoint.open(root)
