@@ -68,6 +68,12 @@ def _parser() -> argparse.ArgumentParser:
         default="gemm",
         help="decode projections as Inductor GEMM templates or as the tuned few-row kernel (flare::gemv)",
     )
+    prepare.add_argument(
+        "--gdn-prefill",
+        choices=["scan", "chunked"],
+        default="scan",
+        help="hybrid recipes: the Gated DeltaNet prefill as a token scan or in chunks of matrix products",
+    )
     rnd = sub.add_parser("random-checkpoint", help="a seeded random-weight checkpoint of a config.json")
     rnd.add_argument("--config", required=True, type=Path)
     rnd.add_argument("--out", required=True, type=Path)
@@ -149,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                 card=args.card,
                 attention_kernel=not args.gather_attention,
                 decode_projections=args.decode_projections,
+                gdn_prefill=args.gdn_prefill,
                 served_name=args.served_name,
                 reference_prompts=args.reference_prompts,
                 dump_io=args.dump_io,

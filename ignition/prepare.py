@@ -174,6 +174,9 @@ class PrepareOptions:
     # Decode projections: "gemv" (`flare::gemv`, tuned here) or "gemm" (Inductor's templates).
     # GEMM stays the default until a whole core with gemv has been qualified on the device.
     decode_projections: str = "gemm"
+    # Hybrid recipes' Gated DeltaNet prefill: "scan" (token by token) or "chunked" (matrix
+    # products per chunk). The scan stays the default until chunked is qualified on the device.
+    gdn_prefill: str = "scan"
     served_name: str | None = None
     reference_prompts: Path | None = None
     dump_io: bool = False
@@ -185,6 +188,8 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
     served_name, reference_prompts, dump_io = o.served_name, o.reference_prompts, o.dump_io
     if o.decode_projections not in ("gemv", "gemm"):
         raise CapacityError("--decode-projections", f"{o.decode_projections!r} is neither gemv nor gemm")
+    if o.gdn_prefill not in ("scan", "chunked"):
+        raise CapacityError("--gdn-prefill", f"{o.gdn_prefill!r} is neither scan nor chunked")
     if not compile_graphs:
         raise CapacityError(
             "--no-compile",

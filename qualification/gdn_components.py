@@ -116,6 +116,11 @@ def main() -> None:
         *args5, initial_state=s0[None].clone(), output_final_state=True, use_qk_l2norm_in_kernel=True
     )
     report["delta_prefill_vs_chunked"] = {"output": err(o, chunk[0]), "state": err(rows[1], chunk_s[0])}
+    # Ignition's chunked prefill kernel (`--gdn-prefill chunked`) against the same function.
+    rows = torch.zeros(2, HV, DK, DV, device=dev)
+    rows[1] = s0
+    oc = gdn.delta_rule_prefill_chunked(rows, row, length, q, k, v, g, beta)
+    report["delta_prefill_chunked_kernel_vs_chunked"] = {"output": err(oc, chunk[0]), "state": err(rows[1], chunk_s[0])}
 
     q1, k1, v1, g1, beta1 = operands(1)
     # Times: each Triton kernel beside the Transformers torch function it replaces (ms).
@@ -123,6 +128,9 @@ def main() -> None:
     report["ms"] = {
         "conv_prefill_triton": timed(lambda: gdn.conv_prefill(x, hist.clone(), row, length, w)),
         "delta_prefill_triton": timed(lambda: gdn.delta_rule_prefill(scratch, row, length, q, k, v, g, beta)),
+        "delta_prefill_chunked_triton": timed(
+            lambda: gdn.delta_rule_prefill_chunked(scratch, row, length, q, k, v, g, beta)
+        ),
         "delta_prefill_hf_chunked_torch": timed(
             lambda: hf.torch_chunk_gated_delta_rule(
                 *args5, initial_state=s0[None].clone(), use_qk_l2norm_in_kernel=True

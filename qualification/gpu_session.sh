@@ -54,12 +54,12 @@ trap 'tar czf "$DEST/$STAGE.tgz" -C "$OUT" . 2>/dev/null; touch "$DEST/$STAGE.do
 export PYTHONUNBUFFERED=1 PATH=$PATH:/usr/local/cuda/bin IGNITION_CACHE=/tmp/igncache PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 unxz_to() { python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "$1" "$2" && chmod +x "$2"; }
 
-prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|gemv, NO_CHECK=1 skips the checks
+prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|gemv, GDN_PREFILL=scan|chunked, NO_CHECK=1 skips the checks
   local tag=${5:+_$5}
   python3 qualification/make_reference_prompts.py "$1" "$1.prompts.json"
   timeout "$4" python3 -m ignition prepare --model "$1" --out "$2" --decode-buckets 1,2,4 \
     --prefill-chunk-size 256 --context-limit "${CONTEXT_LIMIT:-4608}" --served-name "$3" ${CORE_REPLAY:+--core-replay /tmp/core_replay} ${DUMP_IO:+--dump-io} \
-    --decode-projections "${DECODE_PROJECTIONS:-gemm}" ${NO_CHECK:+--no-check} \
+    --decode-projections "${DECODE_PROJECTIONS:-gemm}" ${NO_CHECK:+--no-check} ${GDN_PREFILL:+--gdn-prefill $GDN_PREFILL} \
     --reference-prompts "$1.prompts.json" > "$OUT/prepare$tag.log" 2>&1
   echo "prepare$tag rc=$?"
   cp "$2.work/report.json" "$OUT/prepare_report$tag.json" 2>/dev/null || cp "$2.report.json" "$OUT/prepare_report$tag.json"

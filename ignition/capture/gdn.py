@@ -174,6 +174,59 @@ def delta_rule_prefill(
     return o
 
 
+def delta_rule_prefill_chunked(
+    state: torch.Tensor,
+    row: torch.Tensor,
+    length: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk: int = 32,
+    block_v: int = 32,
+) -> torch.Tensor:
+    """`delta_rule_prefill` in chunks of `chunk` tokens (matrix products within a chunk, the
+    state carried between chunks): same operands, outputs and state, different float32
+    rounding. One program per value head and value block."""
+    t = q.shape[0]
+    hv, dv = v.shape[1], v.shape[2]
+    o = torch.empty(t, hv, dv, dtype=v.dtype, device=v.device)
+    if g.stride() != beta.stride():
+        raise ValueError("gdn: g and beta must share a layout")
+    _kernels().delta_rule_chunked_kernel[(hv, -(-dv // block_v))](
+        state,
+        row,
+        length,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        o,
+        t,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        g.stride(0),
+        state.stride(0),
+        state.stride(1),
+        state.stride(2),
+        o.stride(0),
+        o.stride(1),
+        HK=q.shape[1],
+        HV=hv,
+        DK=q.shape[2],
+        DV=dv,
+        BV=block_v,
+        C=chunk,
+    )
+    return o
+
+
 def _launch_delta_rule(
     grid: tuple[int, int, int],
     state: torch.Tensor,
@@ -244,6 +297,11 @@ def _region(rows: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, sh
     return rows[:, offset : offset + nbytes].view(dtype).view(rows.shape[0], *shape)
 
 
+# Tokens per chunk of the chunked prefill; `None`: the token scan. Set before capture (the op's
+# choice is recorded into the graphs), by the model the recipe builds.
+PREFILL_CHUNK: int | None = None
+
+
 @functools.cache
 def gdn_ops() -> tuple[CustomOpDef, CustomOpDef, CustomOpDef]:
     """`flare::gdn_conv`, `flare::gdn_delta` and `flare::store_row`: the GDN layer's state
@@ -306,6 +364,8 @@ def gdn_ops() -> tuple[CustomOpDef, CustomOpDef, CustomOpDef]:
             raise ValueError("gdn_delta: g and beta must be contiguous float32 (cast them in the graph)")
         if length is None:
             return delta_rule_step(state, live, q, k, v, g, beta)
+        if PREFILL_CHUNK is not None:
+            return delta_rule_prefill_chunked(state, live, length, q, k, v, g, beta, chunk=PREFILL_CHUNK)
         return delta_rule_prefill(state, live, length, q, k, v, g, beta)
 
     @delta.register_fake

@@ -146,6 +146,99 @@ def delta_rule_kernel(
 
 
 @triton.jit
+def delta_rule_chunked_kernel(
+    STATE,
+    ROW,
+    LENGTH,
+    Q,
+    K,
+    V,
+    G,
+    BETA,
+    OUT,
+    T,
+    sq_t,
+    sq_h,
+    sk_t,
+    sk_h,
+    sv_t,
+    sv_h,
+    sg_t,
+    ss_r,
+    ss_h,
+    ss_k,
+    so_t,
+    so_h,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+    C: tl.constexpr,
+):
+    """Prefill of one request in chunks of C tokens (the delta_rule_kernel's arithmetic, chunked):
+    program (value head, value block). Within a chunk, with G the cumulative log decay and A the
+    strictly lower [C, C] matrix beta_i exp(G_i - G_j) k_i.k_j, the chunk's corrections are
+    W = (I + A)^-1 (beta V - diag(beta exp G) K S) (the inverse by forward substitution), its
+    outputs exp(G) Q S + (causal Q K^T exp(G_i - G_j)) W and the state after it
+    exp(G_last) S + (K exp(G_last - G))^T W: matrix products instead of a scan over tokens.
+    Tokens past LENGTH enter as beta = g = 0 (no effect on the state) and output zeros."""
+    h = tl.program_id(0)
+    dv = tl.program_id(1) * BV + tl.arange(0, BV)
+    vm = dv < DV
+    dk = tl.arange(0, DK)
+    kh = h // (HV // HK)
+    row = tl.load(ROW)
+    n = tl.load(LENGTH)
+    r = tl.where(row >= 0, row, 0)
+    sp = STATE + r * ss_r + h * ss_h + dk[:, None] * ss_k + dv[None, :]
+    s = tl.load(sp, mask=vm[None, :], other=0.0)
+    scale = 1.0 / tl.sqrt(DK * 1.0)
+    ci = tl.arange(0, C)
+    lower = ci[:, None] > ci[None, :]
+    causal = ci[:, None] >= ci[None, :]
+    eye = tl.where(ci[:, None] == ci[None, :], 1.0, 0.0)
+    for c0 in range(0, n, C):
+        t = c0 + ci
+        real = t < n
+        q = tl.load(Q + t[:, None] * sq_t + kh * sq_h + dk[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+        k = tl.load(K + t[:, None] * sk_t + kh * sk_h + dk[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+        q = q / tl.sqrt(tl.sum(q * q, 1) + 1e-6)[:, None] * scale
+        k = k / tl.sqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+        v = tl.load(V + t[:, None] * sv_t + h * sv_h + dv[None, :], mask=real[:, None] & vm[None, :], other=0.0)
+        v = v.to(tl.float32)
+        g = tl.load(G + t * sg_t + h, mask=real, other=0.0).to(tl.float32)
+        b = tl.load(BETA + t * sg_t + h, mask=real, other=0.0).to(tl.float32)
+        gc = tl.cumsum(g, 0)
+        # exp(G_i - G_j) where i >= j (at most 1); elsewhere unused, kept finite.
+        decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0))
+        kk = tl.dot(k, tl.trans(k), input_precision="ieee")
+        a = tl.where(lower, b[:, None] * decay * kk, 0.0)
+        tm = eye
+        for i in range(1, C):
+            ai = tl.sum(tl.where(ci[:, None] == i, a, 0.0), 0)
+            ri = -tl.sum(ai[:, None] * tm, 0)
+            tm = tl.where(ci[:, None] == i, eye + ri[None, :], tm)
+        gamma = tl.exp(gc)
+        u = tl.dot(tm, b[:, None] * v, input_precision="ieee")
+        wk = tl.dot(tm, (b * gamma)[:, None] * k, input_precision="ieee")
+        w = u - tl.dot(wk, s, input_precision="ieee")
+        qk = tl.where(causal, tl.dot(q, tl.trans(k), input_precision="ieee") * decay, 0.0)
+        o = gamma[:, None] * tl.dot(q, s, input_precision="ieee") + tl.dot(qk, w, input_precision="ieee")
+        om = real[:, None] & vm[None, :]
+        tl.store(OUT + t[:, None] * so_t + h * so_h + dv[None, :], o.to(OUT.dtype.element_ty), mask=om)
+        glast = tl.sum(g, 0)
+        kd = k * tl.exp(glast - gc)[:, None]
+        s = tl.exp(glast) * s + tl.dot(tl.trans(kd), w, input_precision="ieee")
+    for c0 in range(n - n % C, T, C):
+        t = c0 + ci
+        pad = (t >= n) & (t < T)
+        zeros = tl.zeros([C, BV], dtype=OUT.dtype.element_ty)
+        tl.store(OUT + t[:, None] * so_t + h * so_h + dv[None, :], zeros, mask=pad[:, None] & vm[None, :])
+    tl.store(sp, s, mask=vm[None, :] & (dk[:, None] * 0 + row >= 0))
+
+
+@triton.jit
 def store_row_kernel(H, ROWS, LIVE, OUT, N, sh, sr, BLOCK: tl.constexpr):
     """Program (lane, block): the lane's vector into its live row (none for a negative row) and
     into OUT, the copy the step consumes downstream."""

@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from ignition.recipes.qwen3_5 import Qwen35Config
 
 ALIGN = 16
+# Tokens per chunk of the chunked GDN prefill (`--gdn-prefill chunked`).
+GDN_PREFILL_CHUNK = 32
 
 
 def _up(n: int) -> int:
@@ -377,4 +379,5 @@ def build_model(
     decode projections through `flare::gemv` when asked and every bucket fits it."""
     kernels = bool(options is not None and options.attention_kernel)
     gemv = kernels and options.decode_projections == "gemv" and largest_bucket <= GEMV_MAX_ROWS
+    gdn.PREFILL_CHUNK = GDN_PREFILL_CHUNK if kernels and options.gdn_prefill == "chunked" else None
     return PagedQwen35(geo, weights, rope_inv_freq(config, geo.rotary_dim).to(device), kernels, gemv=gemv)

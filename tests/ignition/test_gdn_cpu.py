@@ -76,11 +76,13 @@ def test_delta_rule_matches_transformers_recurrent_and_chunked() -> None:
 
 
 def test_gdn_kernels_match_the_references_under_the_interpreter() -> None:
-    """Convolution and delta rule kernels, decode and prefill: outputs, states at the consumed
-    length, padding lanes that write nothing, and split prefill bitwise equal to whole."""
+    """Convolution and delta rule kernels, decode and prefill (scan and chunked): outputs, states
+    at the consumed length, padding lanes that write nothing, split scan prefill bitwise equal to
+    whole, split chunked prefill within float32 rounding of whole."""
     report = _interpreted("gdn_interpreted.py", 300)
     assert report["exact_state_and_padding"] and report["split_bitwise"], report
     assert report["max_abs_err"] < 1e-5 and report["state_max_abs_err"] < 1e-5, report
+    assert report["chunked_max_abs_err"] < 1e-5 and report["chunked_split_vs_whole_max_abs_err"] < 1e-5, report
 
 
 def test_gdn_ops_compile_in_place_without_copying_the_rows() -> None:

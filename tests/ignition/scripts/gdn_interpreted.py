@@ -106,7 +106,42 @@ o_a = gdn.delta_rule_prefill(split, one, six, q[:6], k[:6], v[:6], g[:6], beta[:
 o_b = gdn.delta_rule_prefill(split, one, four, q[6:], k[6:], v[6:], g[6:], beta[6:], block_v=16)
 split_bitwise = torch.equal(whole, split) and torch.equal(o_whole, torch.cat([o_a, o_b]))
 
+# -- delta rule, chunked prefill (chunks of 16): lengths across chunk boundaries, 0, padding -------
+chunked_err = 0.0
+for t, n in ((40, 40), (40, 23), (40, 16), (40, 0), (9, 1)):
+    state = torch.randn(R, hv, dk, dv, generator=gen) * 0.1
+    before = state.clone()
+    q, k, v, g, beta = operands(t)
+    real = torch.tensor([n], dtype=torch.int32)
+    o = gdn.delta_rule_prefill_chunked(state, one, real, q, k, v, g, beta, chunk=16, block_v=16)
+    want, new = gdn.delta_rule_reference(before[2], q, k, v, g, beta, n)
+    chunked_err = max(chunked_err, err(o, want), err(state[2], new))
+    exact &= torch.equal(state[[0, 1, 3]], before[[0, 1, 3]]) and bool((o[n:] == 0).all())
+state = torch.randn(R, hv, dk, dv, generator=gen)
+before = state.clone()
+q, k, v, g, beta = operands(20)
+twenty = torch.tensor([20], dtype=torch.int32)
+gdn.delta_rule_prefill_chunked(state, torch.tensor([-1], dtype=torch.int32), twenty, q, k, v, g, beta, chunk=16)
+exact &= torch.equal(state, before)
+# Split (23 then 17) against whole (40): not bitwise (other chunk boundaries), within rounding.
+q, k, v, g, beta = operands(40)
+whole, split = torch.zeros(R, hv, dk, dv), torch.zeros(R, hv, dk, dv)
+o_w = gdn.delta_rule_prefill_chunked(
+    whole, one, torch.tensor([40], dtype=torch.int32), q, k, v, g, beta, chunk=16, block_v=16
+)
+parts = []
+for lo, hi in ((0, 23), (23, 40)):
+    part = torch.tensor([hi - lo], dtype=torch.int32)
+    sl = slice(lo, hi)
+    parts.append(
+        gdn.delta_rule_prefill_chunked(split, one, part, q[sl], k[sl], v[sl], g[sl], beta[sl], chunk=16, block_v=16)
+    )
+chunked_split_err = max(err(whole, split), err(o_w, torch.cat(parts)))
+
 report = {"max_abs_err": worst, "state_max_abs_err": state_err, "exact_state_and_padding": exact}
 report["split_bitwise"] = split_bitwise
+report["chunked_max_abs_err"] = chunked_err
+report["chunked_split_vs_whole_max_abs_err"] = chunked_split_err
 print(json.dumps(report))
-sys.exit(0 if worst < 1e-5 and state_err < 1e-5 and exact and split_bitwise else 1)
+ok = worst < 1e-5 and state_err < 1e-5 and exact and split_bitwise
+sys.exit(0 if ok and chunked_err < 1e-5 and chunked_split_err < 1e-5 else 1)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ignition.capture import gdn
 from ignition.capture.hybrid import PagedQwen35
 from ignition.capture.program import GraphSpec, Program
 from ignition.capture.runner import Row, fill, pack_rows
@@ -62,34 +63,57 @@ plan_steps = [
     ("decode_b4", [Row(1, pages, 101, [ids[101]]), Row(2, [9, 11], 40, [ids[60]])]),  # two lanes padded
     ("decode_b4", [Row(2, [9, 11], 41, [ids[61]]), Row(1, pages, 102, [ids[102]])]),
 ]
-worst = 0.0
-for name, rows in plan_steps:
-    a, b = step(ref, name, rows, False), step(ker, name, rows, True)
-    # The real rows: one per decode lane, one per prefill token.
-    n = len(rows) if name.startswith("decode") else len(rows[0].tokens)
-    a, b = a[:n].float(), b[:n].float()
-    worst = max(worst, float((a - b).norm() / a.norm()))
-model = ref.model
-region_err: dict[str, float] = {}
-for r in model.geo.row_regions():
-    name = str(r["name"])
-    if name.endswith(".recurrent"):
-        layer = int(name.split(".")[0].removeprefix("layer"))
-        x, y = model.recurrent_rows(ref.rows, layer), model.recurrent_rows(ker.rows, layer)
-    elif name.endswith(".conv"):
-        layer = int(name.split(".")[0].removeprefix("layer"))
-        x, y = model.conv_rows(ref.rows, layer).float(), model.conv_rows(ker.rows, layer).float()
-    else:
-        x, y = model.hidden_rows(ref.rows).float(), model.hidden_rows(ker.rows).float()
-    region_err[name] = float((x - y).norm() / x.norm().clamp(min=1e-30))
-kv_err = float((ref.kv_all.float() - ker.kv_all.float()).norm() / ref.kv_all.float().norm())
-untouched = bool(torch.equal(ker.rows[[0, 3, 4]], torch.zeros_like(ker.rows[[0, 3, 4]])))
-report = {
-    "hidden_rel_l2_max": worst,
-    "rows_rel_l2_max": max(region_err.values()),
-    "kv_rel_l2": kv_err,
-    "unnamed_rows_untouched": untouched,
-}
+
+
+def compare(ref: Program, ker: Program) -> dict[str, Any]:
+    """The plan on both programs: hidden vectors, every row region, the KV pages."""
+    worst = 0.0
+    for name, rows in plan_steps:
+        a, b = step(ref, name, rows, False), step(ker, name, rows, True)
+        # The real rows: one per decode lane, one per prefill token.
+        n = len(rows) if name.startswith("decode") else len(rows[0].tokens)
+        a, b = a[:n].float(), b[:n].float()
+        worst = max(worst, float((a - b).norm() / a.norm()))
+    model = ref.model
+    assert isinstance(model, PagedQwen35)
+    region_err: dict[str, float] = {}
+    for r in model.geo.row_regions():
+        name = str(r["name"])
+        if name.endswith(".recurrent"):
+            layer = int(name.split(".")[0].removeprefix("layer"))
+            x, y = model.recurrent_rows(ref.rows, layer), model.recurrent_rows(ker.rows, layer)
+        elif name.endswith(".conv"):
+            layer = int(name.split(".")[0].removeprefix("layer"))
+            x, y = model.conv_rows(ref.rows, layer).float(), model.conv_rows(ker.rows, layer).float()
+        else:
+            x, y = model.hidden_rows(ref.rows).float(), model.hidden_rows(ker.rows).float()
+        region_err[name] = float((x - y).norm() / x.norm().clamp(min=1e-30))
+    kv_err = float((ref.kv_all.float() - ker.kv_all.float()).norm() / ref.kv_all.float().norm())
+    untouched = bool(torch.equal(ker.rows[[0, 3, 4]], torch.zeros_like(ker.rows[[0, 3, 4]])))
+    return {
+        "hidden_rel_l2_max": worst,
+        "rows_rel_l2_max": max(region_err.values()),
+        "kv_rel_l2": kv_err,
+        "unnamed_rows_untouched": untouched,
+    }
+
+
+def fresh() -> tuple[Program, Program]:
+    ref = plan.build(weights, torch.device("cpu"), PrepareOptions(attention_kernel=False))
+    ker = plan.build(weights, torch.device("cpu"), PrepareOptions(attention_kernel=True))
+    ker.model = PagedQwen35(ker.model.geo, weights, ker.model.inv_freq, kernels=True, attention_kernel=False)
+    return ref, ker
+
+
+def ok(r: dict[str, Any]) -> bool:
+    worst = max(r["hidden_rel_l2_max"], r["rows_rel_l2_max"], r["kv_rel_l2"])
+    return bool(worst < 0.02 and r["unnamed_rows_untouched"])
+
+
+report = compare(ref, ker)
+# The same with the chunked GDN prefill (`--gdn-prefill chunked`, chunks of 16 here).
+gdn.PREFILL_CHUNK = 16
+report["chunked"] = compare(*fresh())
+gdn.PREFILL_CHUNK = None
 print(json.dumps(report))
-ok = worst < 0.02 and report["rows_rel_l2_max"] < 0.02 and kv_err < 0.02 and untouched
-sys.exit(0 if ok else 1)
+sys.exit(0 if ok(report) and ok(report["chunked"]) else 1)
