@@ -195,16 +195,16 @@ def delta_rule_prefill_chunked(
     if g.stride() != beta.stride():
         raise ValueError("gdn: g and beta must share a layout")
     _kernels().delta_rule_chunked_kernel[(hv, -(-dv // block_v))](
-        state,
-        row,
-        length,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        o,
-        t,
+        state, row, length, q, k, v, g, beta, o, t, *_strides(state, q, k, v, g, o), **_dims(q, v, block_v), C=chunk
+    )
+    return o
+
+
+def _strides(
+    state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, o: torch.Tensor
+) -> tuple[int, ...]:
+    """The delta-rule kernels' stride arguments, in their order."""
+    return (
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -217,14 +217,11 @@ def delta_rule_prefill_chunked(
         state.stride(2),
         o.stride(0),
         o.stride(1),
-        HK=q.shape[1],
-        HV=hv,
-        DK=q.shape[2],
-        DV=dv,
-        BV=block_v,
-        C=chunk,
     )
-    return o
+
+
+def _dims(q: torch.Tensor, v: torch.Tensor, block_v: int) -> dict[str, int]:
+    return {"HK": q.shape[1], "HV": v.shape[1], "DK": q.shape[2], "DV": v.shape[2], "BV": block_v}
 
 
 def _launch_delta_rule(
@@ -252,23 +249,8 @@ def _launch_delta_rule(
         beta,
         o,
         q.shape[0],
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        g.stride(0),
-        state.stride(0),
-        state.stride(1),
-        state.stride(2),
-        o.stride(0),
-        o.stride(1),
-        HK=q.shape[1],
-        HV=v.shape[1],
-        DK=q.shape[2],
-        DV=v.shape[2],
-        BV=block_v,
+        *_strides(state, q, k, v, g, o),
+        **_dims(q, v, block_v),
         PREFILL=length is not None,
         LENGTH=length,
     )

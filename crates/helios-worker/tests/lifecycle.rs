@@ -41,6 +41,35 @@ fn drain_one<E: Executor>(d: &mut LoopDriver<E>) -> Ended {
     ended.pop().unwrap()
 }
 
+/// The serving loop over a fresh simulated executor and a scheduler over `tiers`.
+fn tiered_loop(scheme: &CacheScheme, caps: &Capacities, tiers: &Tiers) -> LoopDriver<SimulatedExecutor> {
+    let mut executor = SimulatedExecutor::new(scheme, caps);
+    let scheduler = tiered_scheduler(&mut executor, scheme, caps, 4, tiers).unwrap();
+    looped_over(scheduler, caps, executor)
+}
+
+/// Serves each conversation in turn through a loop over `tiers`, then shuts it down with the
+/// write-out. Returns each conversation's history (prompt and output), the write-out's rounds,
+/// and the GPU checkpoints cached before and after it.
+fn served_then_written_out(
+    scheme: &CacheScheme,
+    caps: &Capacities,
+    tiers: &Tiers,
+    conversations: &[RequestSpec],
+) -> (Vec<Vec<u32>>, u32, usize, usize) {
+    let mut d = tiered_loop(scheme, caps, tiers);
+    let mut histories = Vec::new();
+    for c in conversations {
+        d.submit(c.clone()).unwrap();
+        let mut h = c.tokens.clone();
+        h.extend(drain_one(&mut d).output);
+        histories.push(h);
+    }
+    let before = d.scheduler().cached_checkpoints();
+    let rounds = write_out(&mut d);
+    (histories, rounds, before, d.scheduler().cached_checkpoints())
+}
+
 /// A graceful shutdown's write-out, as the serving loop runs it: returns the rounds it took.
 fn write_out<E: Executor>(d: &mut LoopDriver<E>) -> u32 {
     let (rounds, left) = d.write_out(std::time::Duration::from_secs(30)).unwrap();
@@ -745,17 +774,8 @@ fn conversations_survive_a_restart_through_the_disk_tier() {
                 ..Tiers::default()
             };
             let first = spec(prompt(150, 4), 6, 1);
-            let history = {
-                let mut executor = SimulatedExecutor::new(&scheme, &caps);
-                let scheduler = tiered_scheduler(&mut executor, &scheme, &caps, 4, &tiers).unwrap();
-                let mut d = looped_over(scheduler, &caps, executor);
-                d.submit(first.clone()).unwrap();
-                let out = drain_one(&mut d).output;
-                write_out(&mut d);
-                let mut h = first.tokens.clone();
-                h.extend(out);
-                h
-            };
+            let (histories, ..) = served_then_written_out(&scheme, &caps, &tiers, std::slice::from_ref(&first));
+            let history = &histories[0];
             let mut next = history.clone();
             next.extend(prompt(12, 30));
             let again = spec(next, 5, 2);
@@ -801,25 +821,10 @@ fn a_shutdown_writes_a_gpu_cache_larger_than_host_memory_to_disk() {
         ..Tiers::default()
     };
     let conversations: Vec<RequestSpec> = (0..6).map(|i| spec(prompt(150, 10 + i), 4, u64::from(i))).collect();
-    let mut histories = Vec::new();
-    {
-        let mut executor = SimulatedExecutor::new(&scheme, &caps);
-        let scheduler = tiered_scheduler(&mut executor, &scheme, &caps, 4, &tiers).unwrap();
-        let mut d = looped_over(scheduler, &caps, executor);
-        for c in &conversations {
-            d.submit(c.clone()).unwrap();
-            let out = drain_one(&mut d).output;
-            let mut h = c.tokens.clone();
-            h.extend(out);
-            histories.push(h);
-        }
-        assert!(d.scheduler().cached_checkpoints() >= 6);
-        assert!(write_out(&mut d) > 1, "the cache went out in several rounds");
-        assert_eq!(d.scheduler().cached_checkpoints(), 0);
-    }
-    let mut executor = SimulatedExecutor::new(&scheme, &caps);
-    let scheduler = tiered_scheduler(&mut executor, &scheme, &caps, 4, &tiers).unwrap();
-    let mut d = looped_over(scheduler, &caps, executor);
+    let (histories, rounds, before, after) = served_then_written_out(&scheme, &caps, &tiers, &conversations);
+    assert!(before >= 6 && after == 0, "{before} checkpoints before the write-out, {after} after");
+    assert!(rounds > 1, "the cache went out in several rounds");
+    let mut d = tiered_loop(&scheme, &caps, &tiers);
     for (i, h) in histories.iter().enumerate() {
         let mut next = h.clone();
         next.extend(prompt(7, 60 + i as u32));
@@ -845,22 +850,8 @@ fn a_disk_fetch_slower_than_recomputing_is_declined() {
         ..Tiers::default()
     };
     let conversations: Vec<RequestSpec> = (0..2).map(|i| spec(prompt(150, 20 + i), 4, u64::from(i))).collect();
-    let mut histories = Vec::new();
-    {
-        let mut executor = SimulatedExecutor::new(&scheme, &caps);
-        let scheduler = tiered_scheduler(&mut executor, &scheme, &caps, 4, &tiers).unwrap();
-        let mut d = looped_over(scheduler, &caps, executor);
-        for c in &conversations {
-            d.submit(c.clone()).unwrap();
-            let mut h = c.tokens.clone();
-            h.extend(drain_one(&mut d).output);
-            histories.push(h);
-        }
-        write_out(&mut d);
-    }
-    let mut executor = SimulatedExecutor::new(&scheme, &caps);
-    let scheduler = tiered_scheduler(&mut executor, &scheme, &caps, 4, &tiers).unwrap();
-    let mut d = looped_over(scheduler, &caps, executor);
+    let (histories, ..) = served_then_written_out(&scheme, &caps, &tiers, &conversations);
+    let mut d = tiered_loop(&scheme, &caps, &tiers);
     let continue_with = |d: &mut LoopDriver<SimulatedExecutor>, i: usize| {
         let mut next = histories[i].clone();
         next.extend(prompt(7, 70 + i as u32));
