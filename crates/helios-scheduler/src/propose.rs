@@ -22,6 +22,11 @@ use std::collections::HashMap;
 pub struct CopyProposer {
     min_n: usize,
     max_n: usize,
+    /// Matches look back at most this far (at least `window`, fewer than `2 * window` tokens
+    /// are indexed): memory stays bounded on long contexts.
+    window: usize,
+    /// Tokens committed since creation, indexed or not.
+    committed: usize,
     tokens: Vec<u32>,
     last: Vec<HashMap<u64, usize>>,
     matched: Option<usize>,
@@ -36,12 +41,33 @@ impl CopyProposer {
     pub fn new(min_n: usize, max_n: usize) -> Self {
         let min_n = min_n.max(1);
         let max_n = max_n.max(min_n);
-        CopyProposer { min_n, max_n, tokens: Vec::new(), last: vec![HashMap::new(); max_n - min_n + 1], matched: None }
+        CopyProposer {
+            min_n,
+            max_n,
+            window: usize::MAX / 2,
+            committed: 0,
+            tokens: Vec::new(),
+            last: vec![HashMap::new(); max_n - min_n + 1],
+            matched: None,
+        }
     }
 
-    /// Tokens committed so far.
+    /// Looks back over at least the last `window` tokens only (more than `max_n`): once
+    /// `2 * window` are indexed, the index is rebuilt over the last `window` (amortized
+    /// constant work per token, memory linear in `window`).
+    pub fn with_window(mut self, window: usize) -> Self {
+        self.window = window.max(self.max_n + 1);
+        self
+    }
+
+    /// Tokens committed so far that matches can look back over.
     pub fn len(&self) -> usize {
         self.tokens.len()
+    }
+
+    /// Tokens committed since creation (the window may have let the oldest go).
+    pub fn committed(&self) -> usize {
+        self.committed
     }
 
     /// Whether nothing was committed.
@@ -58,6 +84,14 @@ impl CopyProposer {
 
     /// Commits one token.
     pub fn push(&mut self, token: u32) {
+        if self.tokens.len() + 1 >= 2 * self.window {
+            let keep = self.tokens.split_off(self.tokens.len() - self.window);
+            let mut fresh = CopyProposer::new(self.min_n, self.max_n).with_window(self.window);
+            fresh.extend(&keep);
+            fresh.committed = self.committed;
+            *self = fresh;
+        }
+        self.committed += 1;
         self.tokens.push(token);
         let end = self.tokens.len();
         self.matched = None;
@@ -188,6 +222,25 @@ mod tests {
                 p.push(t);
                 assert_eq!(p.propose(5), brute(&tokens, min_n, max_n.max(min_n), 5).as_slice(), "case {case}");
             }
+        }
+    }
+
+    #[test]
+    fn a_window_bounds_the_index_and_keeps_recent_matches() {
+        let mut seed = 0x9e37_79b9_u64;
+        let (min_n, max_n, window) = (2, 4, 50);
+        let mut p = CopyProposer::new(min_n, max_n).with_window(window);
+        let mut tokens = Vec::new();
+        for _ in 0..1000 {
+            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            let t = ((seed >> 33) % 5) as u32;
+            tokens.push(t);
+            p.push(t);
+            assert!(p.len() < 2 * window && p.len() >= window.min(tokens.len()));
+            // What the proposer indexes is the tail of the history, and it proposes from it
+            // exactly as from a history that starts there.
+            let tail = &tokens[tokens.len() - p.len()..];
+            assert_eq!(p.propose(3), brute(tail, min_n, max_n, 3).as_slice());
         }
     }
 

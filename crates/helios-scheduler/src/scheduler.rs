@@ -309,6 +309,9 @@ struct Request {
 /// Shortest and longest history suffix the copy proposer matches.
 const PROPOSER_MIN_MATCH: usize = 2;
 const PROPOSER_MAX_MATCH: usize = 8;
+/// How far back proposals look (the index holds fewer than twice this many tokens per
+/// request: about 4 MB at the longest, whatever the context).
+const PROPOSER_WINDOW: usize = 16_384;
 /// Cost of verifying one more proposal, in plain decode steps, until preparation measures the
 /// speculative programs: decode at small batches is bandwidth-bound, so extra target rows are
 /// nearly free.
@@ -330,7 +333,7 @@ struct Speculation {
 
 impl Speculation {
     fn new(history: &[u32], max_depth: u32) -> Box<Self> {
-        let mut proposer = CopyProposer::new(PROPOSER_MIN_MATCH, PROPOSER_MAX_MATCH);
+        let mut proposer = CopyProposer::new(PROPOSER_MIN_MATCH, PROPOSER_MAX_MATCH).with_window(PROPOSER_WINDOW);
         proposer.extend(history);
         let cost: Vec<f64> = (0..=max_depth).map(|d| 1.0 + VERIFY_ROW_COST * f64::from(d)).collect();
         Box::new(Speculation { proposer, depth: DepthController::new(&cost, ACCEPTANCE_PRIOR), in_flight: None })
@@ -1352,7 +1355,7 @@ impl Scheduler {
             );
             assert!(live.samples_in_flight <= 2, "more than two samples in flight");
             if let Some(spec) = &request.speculation {
-                assert!(spec.proposer.len() == request.tokens.len(), "the proposer missed committed tokens");
+                assert_eq!(spec.proposer.committed(), request.tokens.len(), "the proposer missed committed tokens");
                 if spec.in_flight.is_some() {
                     assert_eq!(live.samples_in_flight, 1, "a verify row in flight beside another sample");
                 }
