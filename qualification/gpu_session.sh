@@ -21,6 +21,7 @@
 #                                        and prepare in a child process), then starts again from the cached core
 #   q35-prepare                          the seeded random Qwen3.5 (0.8B text geometry): random-checkpoint, prepare
 #   q35-all      (carry .dev/b1 .dev/b2) after q35-prepare: serving + agent bench, floor, bitwise, lifecycle, breakdown
+#   q35-bw       (carry .dev/b2)         the Qwen3.5 core with gemv decode projections and the chunked GDN prefill (bg)
 #   r1b-measure-only                     as smol-measure for the 1B core (no Transformers run)
 #   r1b-serve, r1b-native                r1b-measure-only in two calls (serving; Rust bitwise + lifecycle +
 #                                        compiled Transformers generate); DUMP_IO=1 at r1b-prepare for the bitwise part
@@ -221,6 +222,14 @@ case "$STAGE" in
     timeout 240 python3 qualification/kernel_breakdown.py /tmp/q35core "$OUT/kernel_breakdown.json" \
       > "$OUT/kernel_breakdown.log" 2>&1
     echo "kernel_breakdown rc=$?"; head -40 "$OUT/kernel_breakdown.log" ;;
+  q35-bw)  # issues 18/19 (bg, carry .dev/b2): the Qwen3.5 core prepared with flare::gemv decode projections and the
+           # chunked GDN prefill, with every check (the first device run of both), then the breakdown, floor and bench
+    python3 -m ignition random-checkpoint --config qualification/configs/qwen3_5_0p8b_random.json --out /tmp/q35 \
+      --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
+    DECODE_PROJECTIONS=gemv GDN_PREFILL=chunked prepare /tmp/q35 /tmp/q35core_bw qwen3_5-0.8b-random 560 bw
+    timeout 120 python3 qualification/gdn_components.py "$OUT/gdn_components.json" > "$OUT/gdn_components.log" 2>&1
+    echo "gdn_components rc=$?"
+    bw_measure /tmp/q35 /tmp/q35core_bw bw ;;
   r1b-measure-only)
     measure /tmp/r1b /tmp/r1bcore ;;
   r1b-serve)  # SPLIT_MEASURE=1: the serving half of r1b-measure-only; r1b-native runs the rest
