@@ -269,6 +269,7 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
             note(f"arena at {rec.report['arena']['base']} ({rec.arena.mapped / 2**30:.2f} GiB mapped)")
         gemv = bool(rec.program.model.gemv)
         report["decode_projections"] = "gemv" if gemv else "gemm"
+        report["gdn_prefill"] = o.gdn_prefill
         if o.decode_projections == "gemv" and not gemv:
             note("decode projections as GEMM templates: a bucket exceeds the few-row kernel or attention is gathered")
         if gemv:

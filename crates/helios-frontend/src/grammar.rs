@@ -155,6 +155,9 @@ pub enum Calls {
     Optional,
     /// Only calls, at least one, each to one of these tools (name, parameter schema).
     Required(Vec<(String, Json)>),
+    /// Only calls, at least one, their payloads unconstrained (the tools' schemas did not
+    /// compile into one grammar).
+    RequiredAny,
 }
 
 /// Allowed-token set for one step. Invariant: one bit per vocabulary id.
@@ -205,7 +208,9 @@ fn required_call_schema(tools: &[(String, Json)]) -> Json {
             "additionalProperties": false,
         })
     };
-    let guidance = serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
+    // Lenient: a keyword llguidance does not implement is ignored rather than refused.
+    let guidance = serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": ",
+        "lenient": true});
     match tools {
         [single] => {
             let mut schema = one(single);
@@ -274,7 +279,7 @@ impl GrammarEnv {
                 ));
                 "body"
             }
-            (Calls::Required(_), ToolParser::Qwen3CoderXml) => {
+            (Calls::Required(_), ToolParser::Qwen3CoderXml) | (Calls::RequiredAny, _) => {
                 g.push_str(&format!(
                     "body: tool_call (sep? tool_call)*\ntool_call: {open} tool_body\ntool_body[lazy]: /(?s:.*)/ {close}\n"
                 ));

@@ -537,7 +537,11 @@ fn json_close_at(buf: &str) -> Option<usize> {
     let mut from = 0;
     while let Some(i) = buf[from..].find(CALL_CLOSE) {
         let p = from + i;
-        match serde_json::from_str::<serde::de::IgnoredAny>(buf[..p].trim()) {
+        let body = buf[..p].trim();
+        if body.is_empty() {
+            return Some(p); // an empty call closes here (and fails as such)
+        }
+        match serde_json::from_str::<serde::de::IgnoredAny>(body) {
             Err(e) if e.is_eof() => from = p + CALL_CLOSE.len(),
             _ => return Some(p),
         }

@@ -584,7 +584,12 @@ impl Executor for SimulatedExecutor {
                     }
                 }
                 StepOp::Prefill { row, .. } => self.consume(row, inputs)?,
-                StepOp::Verify { rows, .. } => {
+                StepOp::Verify { program, rows } => {
+                    let fits = rows.len() as u32 <= program.requests
+                        && rows.iter().all(|r| r.proposals() as u32 <= program.depth);
+                    if !fits {
+                        return Err(ExecutorError::NoSpeculativeProgram(*program));
+                    }
                     for row in rows {
                         self.verify(row, inputs)?;
                     }
@@ -758,6 +763,12 @@ impl<E: Executor> Executor for StepLog<E> {
     }
     fn attach_host_arena(&mut self, arena: Arc<HostArena>, geometry: StoreGeometry) -> Result<(), ExecutorError> {
         self.inner.attach_host_arena(arena, geometry)
+    }
+    fn device_memory_growth_bytes(&mut self) -> Option<i64> {
+        self.inner.device_memory_growth_bytes()
+    }
+    fn unified_memory(&self) -> bool {
+        self.inner.unified_memory()
     }
 }
 

@@ -60,6 +60,15 @@ impl CopyProposer {
         self
     }
 
+    /// A proposer over `history` (prompt and anything committed), indexing only its last
+    /// `window` tokens.
+    pub fn with_history(mut self, history: &[u32]) -> Self {
+        let skipped = history.len().saturating_sub(self.window);
+        self.extend(&history[skipped..]);
+        self.committed += skipped;
+        self
+    }
+
     /// Tokens committed so far that matches can look back over.
     pub fn len(&self) -> usize {
         self.tokens.len()

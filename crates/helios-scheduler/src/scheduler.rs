@@ -310,7 +310,7 @@ struct Request {
 const PROPOSER_MIN_MATCH: usize = 2;
 const PROPOSER_MAX_MATCH: usize = 8;
 /// How far back proposals look (the index holds fewer than twice this many tokens per
-/// request: about 4 MB at the longest, whatever the context).
+/// request: about 8 MB at the longest, whatever the context).
 const PROPOSER_WINDOW: usize = 16_384;
 /// Cost of verifying one more proposal, in plain decode steps, until preparation measures the
 /// speculative programs: decode at small batches is bandwidth-bound, so extra target rows are
@@ -332,9 +332,18 @@ struct Speculation {
 }
 
 impl Speculation {
+    /// Whether the next round would propose: the history's suffix recurs and the depth
+    /// controller finds proposing worth its cost.
+    fn pays(&self) -> bool {
+        let available = self.proposer.propose(PROPOSER_MAX_MATCH).len();
+        available > 0 && self.depth.depth(available) > 0
+    }
+
     fn new(history: &[u32], max_depth: u32) -> Box<Self> {
-        let mut proposer = CopyProposer::new(PROPOSER_MIN_MATCH, PROPOSER_MAX_MATCH).with_window(PROPOSER_WINDOW);
-        proposer.extend(history);
+        // Only the window's tail of a long prompt is indexed (submission runs on the model thread).
+        let proposer = CopyProposer::new(PROPOSER_MIN_MATCH, PROPOSER_MAX_MATCH)
+            .with_window(PROPOSER_WINDOW)
+            .with_history(history);
         let cost: Vec<f64> = (0..=max_depth).map(|d| 1.0 + VERIFY_ROW_COST * f64::from(d)).collect();
         Box::new(Speculation { proposer, depth: DepthController::new(&cost, ACCEPTANCE_PRIOR), in_flight: None })
     }
@@ -498,7 +507,9 @@ impl Scheduler {
             spec,
         };
         let depth = self.speculation_depth();
-        let request = Request { speculation: (depth > 0).then(|| Speculation::new(&request.tokens, depth)), ..request };
+        // A request that needs host feedback (a grammar) never gets proposals.
+        let speculate = depth > 0 && !request.spec.needs_host_feedback;
+        let request = Request { speculation: speculate.then(|| Speculation::new(&request.tokens, depth)), ..request };
         let pages = self.reservation_pages(&request);
         if pages > u64::from(self.capacities.max_kv_pages) {
             return Err(AdmissionError::LargerThanPool { pages, pool: self.capacities.max_kv_pages });
@@ -875,7 +886,11 @@ impl Scheduler {
         // A verify row in flight leaves its request's consumed count open until it lands: its
         // next input needs the host, and so (lockstep) does everybody's.
         let verifying = decoding().any(|r| r.speculation.as_ref().is_some_and(|s| s.in_flight.is_some()));
-        let device_fed = self.config.device_fed_decode && !verifying && !decoding().any(|r| r.spec.needs_host_feedback);
+        // Proposals follow the pending token, so a decoder that would get some is fed from the
+        // host: speculation, while it pays, takes the place of the second step in flight.
+        let device_fed = self.config.device_fed_decode
+            && !verifying
+            && !decoding().any(|r| r.spec.needs_host_feedback || r.speculation.as_ref().is_some_and(|s| s.pays()));
         let limit = if device_fed { 2 } else { 1 };
         let lockstep = !decoding().any(|r| !r.held && r.live.as_ref().is_some_and(|l| l.samples_in_flight >= limit));
         (device_fed, lockstep)
@@ -1055,7 +1070,9 @@ impl Scheduler {
         let depth = rows.iter().map(|(_, r)| r.proposals()).max().unwrap_or(0) as u32;
         let program = self.capacities.speculative_program_for(rows.len() as u32, depth).filter(|_| depth > 0);
         if let Some(program) = program {
-            for (id, row) in &rows {
+            // Device-fed rows (their sample still in flight) carry no proposals: they decode
+            // inside the program as they would alone, and stay ordinary rows.
+            for (id, row) in rows.iter().filter(|(_, r)| !r.device_token) {
                 if let Some(spec) = self.requests.get_mut(id).and_then(|r| r.speculation.as_mut()) {
                     spec.in_flight = Some(row.proposals() as u32);
                 }

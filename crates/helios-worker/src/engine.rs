@@ -636,7 +636,6 @@ impl<E: Executor> ModelLoop<E> {
             let s = self.scheduler.stats();
             let m = &self.metrics;
             for (counter, v) in [
-                (&m.decode_steps, s.decode_steps),
                 (&m.decode_rows, s.decode_rows),
                 (&m.speculative_rounds, s.verify_steps),
                 (&m.proposed_tokens, s.proposed_tokens),

@@ -127,9 +127,8 @@ pub struct Metrics {
     pub prefix_cache_queries: AtomicU64,
     pub steps: AtomicU64,
     pub preemptions: AtomicU64,
-    /// Speculation, as the scheduler counts it: decode steps without speculation, speculative
+    /// Speculation, as the scheduler counts it: decode rows of every decoding step, speculative
     /// rounds, proposals verified and accepted.
-    pub decode_steps: AtomicU64,
     pub decode_rows: AtomicU64,
     pub speculative_rounds: AtomicU64,
     pub proposed_tokens: AtomicU64,

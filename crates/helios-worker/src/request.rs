@@ -13,7 +13,7 @@ use crate::decode::ChoiceDecoder;
 use crate::error::{InvalidRequest, RequestError};
 use crate::frontend::Frontend;
 use crate::grammar_pool::ReadyGrammar;
-use helios_frontend::{FrontendError, RenderLimits, TemplateError};
+use helios_frontend::{FrontendError, GrammarError, RenderLimits, TemplateError};
 
 /// Most choices one request may ask for.
 pub const MAX_CHOICES: u32 = 16;
@@ -299,7 +299,16 @@ pub(crate) fn prepare_checked(
         };
         // One compile, and the first mask (for the sample that ends the prompt) computed here,
         // off the model thread; every choice gets its own copy of the matcher and shares it.
-        let mut first: GrammarMatcher = frontend.grammar.matcher(&input.answer, &proto)?;
+        let mut first: GrammarMatcher = match frontend.grammar.matcher(&input.answer, &proto) {
+            // Tool schemas that do not compile into one grammar (references to definitions of
+            // their own, keywords the grammar engine lacks) still get calls-only output; the
+            // parser checks the calls, as without a required call.
+            Err(GrammarError::Compile(e)) if matches!(proto.calls, Calls::Required(_)) => {
+                tracing::debug!(error = %e, "tool schemas did not compile: calls are required, payloads unconstrained");
+                frontend.grammar.matcher(&input.answer, &OutputProtocol { calls: Calls::RequiredAny, ..proto })?
+            }
+            other => other?,
+        };
         let mask: Arc<[u32]> = first.start()?.words().into();
         let mut grammars: Vec<ReadyGrammar> =
             (1..input.n).map(|_| ReadyGrammar { matcher: Box::new(first.fork()), mask: mask.clone() }).collect();

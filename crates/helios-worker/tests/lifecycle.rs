@@ -243,10 +243,12 @@ fn with_speculation(mut caps: Capacities, depth: u32) -> Capacities {
 /// (which copies from the history, so proposals are often accepted) or the hash model (rarely):
 /// every request's tokens equal its solo run decoded without speculation, invariants hold after
 /// every turn, and storage drains.
+#[allow(clippy::too_many_arguments)]
 fn check_speculative(
     scheme_index: usize,
     model: SimModel,
     lag: usize,
+    device_fed: bool,
     depth: u32,
     host_pages: u64,
     actions: &[Action],
@@ -254,7 +256,8 @@ fn check_speculative(
     let scheme = reference_schemes().remove(scheme_index);
     let min_pages = scheme.pages_for(1024) as u32 + 2;
     let caps = with_speculation(test_capacities(4, min_pages * 2, 8), depth);
-    let mut executor = SimulatedExecutor::with_completion_lag(&scheme, &caps, lag).with_model(model);
+    let executor = SimulatedExecutor::with_completion_lag(&scheme, &caps, lag).with_model(model);
+    let mut executor = if device_fed { executor.with_device_fed_decode() } else { executor };
     let host = (host_pages > 0).then_some(host_pages * helios_offload::UNIT_BYTES);
     let tiers = Tiers { speculative_depth: depth, host_bytes: host, ..Tiers::default() };
     let report = run_workload_tiered(&mut executor, &scheme, &caps, 4, &[0], &tiers, actions).unwrap();
@@ -277,7 +280,7 @@ fn speculative_rounds_match_ordinary_decoding() {
             for c in 0..3u8 {
                 actions.push(Action::Append { conversation: c, len: 12, max_output: 40 });
             }
-            let report = check_speculative(scheme, SimModel::Induction, lag, 4, 0, &actions);
+            let report = check_speculative(scheme, SimModel::Induction, lag, lag > 0, 4, 0, &actions);
             let outputs: u64 = report.finished.iter().map(|(_, d)| d.output.len() as u64).sum();
             assert!(report.verify_steps > 0, "no speculative round: {report:?}");
             assert!(report.accepted_tokens > 0, "nothing accepted: {report:?}");
@@ -408,9 +411,9 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
     #[test]
-    fn random_speculative_workloads(scheme in 0usize..3, induction in any::<bool>(), lag in 0usize..3, depth in 1u32..6, host_pages in prop_oneof![Just(0u64), 4u64..40], actions in prop::collection::vec(action(), 1..24)) {
+    fn random_speculative_workloads(scheme in 0usize..3, induction in any::<bool>(), lag in 0usize..3, device_fed in any::<bool>(), depth in 1u32..6, host_pages in prop_oneof![Just(0u64), 4u64..40], actions in prop::collection::vec(action(), 1..24)) {
         let model = if induction { SimModel::Induction } else { SimModel::Hash };
-        check_speculative(scheme, model, lag, depth, host_pages, &actions);
+        check_speculative(scheme, model, lag, device_fed, depth, host_pages, &actions);
     }
 }
 
