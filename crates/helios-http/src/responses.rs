@@ -143,7 +143,8 @@ fn output_items<'a>(id: &str, end: &'a ChoiceEnd) -> Vec<OutputItem<'a>> {
             content: [ReasoningPart::ReasoningText { text: r }],
         });
     }
-    if !p.content.is_empty() || p.tool_calls.is_empty() {
+    // Whitespace between calls (or after reasoning) is no message, as in a stream.
+    if !p.content.trim().is_empty() || p.tool_calls.is_empty() {
         items.push(message_item(format!("msg_{id}"), "completed", &p.content));
     }
     for (k, c) in p.tool_calls.iter().enumerate() {
@@ -256,7 +257,15 @@ async fn responses_inner(
     let g = start(&state.engine, input, Flavor::OpenAi, &log).await?;
     let (created, id) = (unix_now(), g.request_id.clone());
     if req.stream {
-        let stream = ResponsesStream { id, model, created, seq: Sequence(0), items: Vec::new(), open: false };
+        let stream = ResponsesStream {
+            id,
+            model,
+            created,
+            seq: Sequence(0),
+            items: Vec::new(),
+            open: false,
+            held: String::new(),
+        };
         return Ok(sse::respond(g, stream));
     }
     let end = g.collect_one().await?;
@@ -279,6 +288,9 @@ struct ResponsesStream {
     /// `open`.
     items: Vec<Streamed>,
     open: bool,
+    /// Whitespace-only text that would open a message item: sent with the text that follows
+    /// it, dropped if a call, reasoning or the end comes first.
+    held: String,
 }
 
 /// An output item of a stream and what it holds so far.
@@ -350,6 +362,9 @@ impl ResponsesStream {
             Streamed::Message { id, text } => {
                 let done = ResponseEvent::OutputTextDone { item_id: id, output_index, content_index: 0, text };
                 self.seq.send(out, done);
+                let part = ContentPart::output_text(text);
+                let done = ResponseEvent::ContentPartDone { item_id: id, output_index, content_index: 0, part };
+                self.seq.send(out, done);
             }
             Streamed::Call { index, arguments, .. } => {
                 let item_id = format!("fc_{sid}_{index}");
@@ -410,6 +425,12 @@ impl Protocol for ResponsesStream {
         match delta {
             OutputDelta::Content(t) | OutputDelta::Reasoning(t) if t.is_empty() => {}
             OutputDelta::Content(t) => {
+                let writing = self.open && matches!(self.items.last(), Some(Streamed::Message { .. }));
+                if !writing && t.trim().is_empty() {
+                    self.held.push_str(&t);
+                    return;
+                }
+                let t = std::mem::take(&mut self.held) + &t;
                 self.open_text(false, out);
                 let output_index = self.items.len() - 1;
                 if let Some(Streamed::Message { id, text }) = self.items.last_mut() {
@@ -420,6 +441,7 @@ impl Protocol for ResponsesStream {
                 }
             }
             OutputDelta::Reasoning(t) => {
+                self.held.clear();
                 self.open_text(true, out);
                 let output_index = self.items.len() - 1;
                 if let Some(Streamed::Reasoning { id, text }) = self.items.last_mut() {
@@ -430,6 +452,7 @@ impl Protocol for ResponsesStream {
                 }
             }
             OutputDelta::ToolCallStart { index, name } => {
+                self.held.clear();
                 self.close(out);
                 let output_index = self.items.len();
                 self.items.push(Streamed::Call { index, name, arguments: String::new(), ended: false });
@@ -470,6 +493,10 @@ impl Protocol for ResponsesStream {
         // model only called tools.
         if !self.items.iter().any(|i| !matches!(i, Streamed::Reasoning { .. })) {
             self.open_text(false, out);
+            let held = std::mem::take(&mut self.held);
+            if !held.is_empty() {
+                self.delta(0, OutputDelta::Content(held), out);
+            }
             self.close(out);
         }
         let sid = short(&self.id).to_owned();
@@ -485,9 +512,16 @@ impl Protocol for ResponsesStream {
     }
 
     fn failed(&mut self, error: ApiError, out: &mut Frames) {
-        // What was streamed stays listed: the items, as far as they got.
+        // What was streamed stays listed: the items, as far as they got (the one being written
+        // is incomplete).
         let sid = short(&self.id).to_owned();
-        let output = self.items.iter().map(|i| i.item(&sid, "completed")).collect();
+        let last = self.items.len().wrapping_sub(usize::from(self.open));
+        let output = self
+            .items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| item.item(&sid, if i == last { "incomplete" } else { "completed" }))
+            .collect();
         let mut response = response_with(&self.id, &self.model, self.created, None, None);
         response.output = output;
         response.status = "failed";
@@ -603,6 +637,7 @@ enum ResponseEvent<'a> {
     OutputItemAdded { output_index: usize, item: OutputItem<'a> },
     OutputItemDone { output_index: usize, item: OutputItem<'a> },
     ContentPartAdded { item_id: &'a str, output_index: usize, content_index: usize, part: ContentPart<'a> },
+    ContentPartDone { item_id: &'a str, output_index: usize, content_index: usize, part: ContentPart<'a> },
     OutputTextDelta { item_id: &'a str, output_index: usize, content_index: usize, delta: &'a str },
     OutputTextDone { item_id: &'a str, output_index: usize, content_index: usize, text: &'a str },
     ReasoningTextDelta { item_id: &'a str, output_index: usize, content_index: usize, delta: &'a str },
@@ -622,6 +657,7 @@ impl ResponseEvent<'_> {
             ResponseEvent::OutputItemAdded { .. } => "response.output_item.added",
             ResponseEvent::OutputItemDone { .. } => "response.output_item.done",
             ResponseEvent::ContentPartAdded { .. } => "response.content_part.added",
+            ResponseEvent::ContentPartDone { .. } => "response.content_part.done",
             ResponseEvent::OutputTextDelta { .. } => "response.output_text.delta",
             ResponseEvent::OutputTextDone { .. } => "response.output_text.done",
             ResponseEvent::ReasoningTextDelta { .. } => "response.reasoning_text.delta",
