@@ -980,7 +980,10 @@ impl<E: Executor> ModelLoop<E> {
             }
             match a.last_token {
                 None => self.metrics.ttft.observe((now - a.submitted).as_secs_f64()),
-                Some(t) => self.metrics.itl.observe((now - t).as_secs_f64()),
+                // The tokens one speculative round lands together are one step apart from
+                // the previous ones, not from each other: one observation per step.
+                Some(t) if t != now => self.metrics.itl.observe((now - t).as_secs_f64()),
+                Some(_) => {}
             }
             a.last_token = Some(now);
             self.metrics.generated_tokens.fetch_add(1, Ordering::Relaxed);
