@@ -140,9 +140,14 @@ pub struct DepthController {
     /// `cost[0] == 1`. Measured on the core.
     cost: Vec<f64>,
     acceptance: f64,
+    prior: f64,
     /// Weight of a new observation.
     alpha: f64,
 }
+
+/// How far [`DepthController::relax`] moves the estimate back toward the prior per step: a
+/// request that stopped proposing tries again after some tens of steps.
+const RELAX: f64 = 0.02;
 
 impl DepthController {
     /// A controller for verification costs `cost` (index = depth; `cost[0]` is 1 by
@@ -153,7 +158,8 @@ impl DepthController {
             cost.push(1.0);
         }
         cost[0] = 1.0;
-        DepthController { cost, acceptance: prior.clamp(0.0, 1.0), alpha: 0.2 }
+        let prior = prior.clamp(0.0, 1.0);
+        DepthController { cost, acceptance: prior, prior, alpha: 0.2 }
     }
 
     /// The current acceptance estimate.
@@ -173,6 +179,13 @@ impl DepthController {
     pub fn depth(&self, available: usize) -> usize {
         let max = available.min(self.cost.len() - 1);
         (0..=max).max_by(|&a, &b| self.rate(a).total_cmp(&self.rate(b)).then(b.cmp(&a))).unwrap_or(0)
+    }
+
+    /// A step decoded without proposals: the estimate drifts back toward the prior, so a
+    /// request whose text became repetitive later gets to propose again (nothing is observed
+    /// while nothing is proposed).
+    pub fn relax(&mut self) {
+        self.acceptance += RELAX * (self.prior - self.acceptance);
     }
 
     /// Records a verification: `accepted` of `proposed` tokens were accepted (a prefix).
@@ -269,6 +282,14 @@ mod tests {
             c.observe(4, 4);
         }
         assert!(c.depth(7) > 0, "acceptance recovered");
+        for _ in 0..40 {
+            c.observe(4, 0);
+        }
+        assert_eq!(c.depth(7), 0);
+        for _ in 0..200 {
+            c.relax();
+        }
+        assert!(c.depth(7) > 0, "steps without proposals bring the estimate back to try again");
         // On a core where verification costs as much as the tokens it can yield, never.
         let expensive: Vec<f64> = (0..8).map(|d| 1.0 + d as f64).collect();
         assert_eq!(DepthController::new(&expensive, 0.95).depth(7), 0);

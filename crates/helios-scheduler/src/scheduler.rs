@@ -686,7 +686,13 @@ impl Scheduler {
             if !landed.contains(&sampled.request) {
                 landed.push(sampled.request);
                 live.samples_in_flight = live.samples_in_flight.saturating_sub(1);
-                if let Some(k) = request.speculation.as_mut().and_then(|s| s.in_flight.take()) {
+                let round = request.speculation.as_mut().map(|s| s.in_flight.take());
+                if let Some(None) = round
+                    && let Some(spec) = request.speculation.as_mut()
+                {
+                    spec.depth.relax();
+                }
+                if let Some(Some(k)) = round {
                     let tokens = completion.sampled.iter().filter(|s| s.request == sampled.request).count() as u32;
                     let Some(accepted) = tokens.checked_sub(1).filter(|&a| a <= k) else {
                         broken("a verify row reported more tokens than its proposals and one sample")
