@@ -86,6 +86,14 @@ def category(function: str) -> str:
     """An operator name for a kernel that reads no weights, from its function name."""
     f = function.lower()
     for key, name in (
+        # Ignition's own Triton kernels, by their function names.
+        ("delta_rule_chunked", "gdn_delta_prefill_chunked"),
+        ("delta_rule", "gdn_delta"),
+        ("conv_prefill", "gdn_conv"),
+        ("conv_step", "gdn_conv"),
+        ("store_row", "store_row"),
+        ("write_attend", "attention"),
+        ("gemv", "gemv"),
         ("kv_write", "kv_write"),
         ("paged_attention_combine", "attention_combine"),
         ("paged_attention", "attention"),

@@ -120,14 +120,19 @@ def conv_prefill(
     length: torch.Tensor,
     weight: torch.Tensor,
     block: int = 64,
+    tokens: int = 32,
 ) -> torch.Tensor:
     """Prefill of one request: x [T, C]; hist [R, C, K-1]; row [1] int32 (negative: write
-    nothing); length [1] int32, the real tokens (the history after them is stored). Returns y."""
+    nothing); length [1] int32, the real tokens (the history after them is stored). Returns y.
+    One program per `block` channels and `tokens` tokens."""
     t, c = x.shape
     k = weight.shape[1]
+    if tokens < k - 1:
+        raise ValueError("gdn: a token block must cover the history the first one reads")
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     strides = (x.stride(0), y.stride(0), hist.stride(0), hist.stride(1))
-    _kernels().conv_prefill_kernel[(-(-c // block),)](x, hist, row, length, weight, y, t, c, *strides, K=k, BLOCK=block)
+    grid = (-(-c // block), max(1, -(-t // tokens)))
+    _kernels().conv_prefill_kernel[grid](x, hist, row, length, weight, y, t, c, *strides, K=k, BLOCK=block, TB=tokens)
     return y
 
 

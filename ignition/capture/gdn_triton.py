@@ -42,25 +42,32 @@ def conv_step_kernel(X, HIST, ROWS, W, Y, C, sx, sy, sh_r, sh_c, K: tl.constexpr
 
 
 @triton.jit
-def conv_prefill_kernel(X, HIST, ROW, LENGTH, W, Y, T, C, sx, sy, sh_r, sh_c, K: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (channel block) of one request's chunk: every token's convolution (inputs before
-    the chunk come from the history), then the history after the first LENGTH tokens."""
+def conv_prefill_kernel(
+    X, HIST, ROW, LENGTH, W, Y, T, C, sx, sy, sh_r, sh_c, K: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr
+):
+    """Program (channel block, token block) of one request's chunk: the block's convolutions at
+    once (inputs before the chunk come from the history); the first token block, the only one
+    that reads the history (TB >= K - 1), then writes the history after the first LENGTH
+    tokens, once its reads are done."""
     c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    t = tl.program_id(1) * TB + tl.arange(0, TB)
     cm = c < C
+    m = (t < T)[:, None] & cm[None, :]
     row = tl.load(ROW)
     n = tl.load(LENGTH)
     live = row >= 0
     r = tl.where(live, row, 0)
-    for t in range(0, T):
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for j in tl.static_range(K):
-            src = c * 0 + (t - (K - 1) + j)  # full-shape: the interpreter rejects scalar masks
-            from_x = tl.load(X + src * sx + c, mask=cm & (src >= 0), other=0.0)
-            from_h = tl.load(HIST + r * sh_r + c * sh_c + (K - 1 + src), mask=cm & (src < 0), other=0.0)
-            v = tl.where(src >= 0, from_x, from_h)
-            acc += v.to(tl.float32) * tl.load(W + c * K + j, mask=cm, other=0.0).to(tl.float32)
-        tl.store(Y + t * sy + c, _silu_rounded(acc, Y.dtype.element_ty), mask=cm)
-    wm = cm & (c * 0 + row >= 0)
+    acc = tl.zeros([TB, BLOCK], dtype=tl.float32)
+    for j in tl.static_range(K):
+        src = t[:, None] - (K - 1) + j + c[None, :] * 0
+        from_x = tl.load(X + src * sx + c[None, :], mask=m & (src >= 0), other=0.0)
+        from_h = tl.load(HIST + r * sh_r + c[None, :] * sh_c + (K - 1 + src), mask=m & (src < 0), other=0.0)
+        v = tl.where(src >= 0, from_x, from_h)
+        acc += v.to(tl.float32) * tl.load(W + c * K + j, mask=cm, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + t[:, None] * sy + c[None, :], _silu_rounded(acc, Y.dtype.element_ty), mask=m)
+    tl.debug_barrier()  # every lane's history reads above land before any write below
+    # Only the first token block writes (the others' stores are masked off).
+    wm = cm & (c * 0 + row >= 0) & (c * 0 + tl.program_id(1) == 0)
     for j in tl.static_range(K - 1):  # ascending: a history entry read (j + n > j) is not yet overwritten
         p = c * 0 + (n - (K - 1) + j)
         from_x = tl.load(X + p * sx + c, mask=cm & (p >= 0), other=0.0)

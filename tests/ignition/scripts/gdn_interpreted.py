@@ -48,6 +48,15 @@ for length in (5, 1, 0):
     want, new = gdn.conv_reference(xs, before[3], w, length)
     worst = max(worst, err(y, want))
     exact &= torch.equal(hist[3], new) and torch.equal(hist[:3], before[:3])
+# Several token blocks (70 tokens in blocks of 16), the history after 45 of them.
+hist = torch.randn(R, C, K - 1, generator=gen)
+before = hist.clone()
+xs = torch.randn(70, C, generator=gen)
+forty_five = torch.tensor([45], dtype=torch.int32)
+y = gdn.conv_prefill(xs, hist, torch.tensor([1], dtype=torch.int32), forty_five, w, block=16, tokens=16)
+want, new = gdn.conv_reference(xs, before[1], w, 45)
+worst = max(worst, err(y, want))
+exact &= torch.equal(hist[1], new) and torch.equal(hist[[0, 2, 3]], before[[0, 2, 3]])
 # A padded prefill (row -1) writes nothing.
 hist = torch.randn(R, C, K - 1, generator=gen)
 before = hist.clone()
