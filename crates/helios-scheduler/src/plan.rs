@@ -110,5 +110,6 @@ pub struct SampledToken {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Completion {
     pub fence: Fence,
+    /// Sampled tokens in row order; a verify row's tokens are contiguous, in order.
     pub sampled: Vec<SampledToken>,
 }

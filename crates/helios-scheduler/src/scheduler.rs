@@ -673,37 +673,31 @@ impl Scheduler {
         self.rows.slots.signal(completion.fence);
         self.rows.snapshots.signal(completion.fence);
         let mut accepted = Vec::with_capacity(completion.sampled.len());
-        // One sampling row per request and step: its first token lands the row (a verify row
-        // reports its accepted proposals and one more sample, in order).
-        let mut landed: Vec<RequestId> = Vec::new();
-        for sampled in &completion.sampled {
+        for (i, sampled) in completion.sampled.iter().enumerate() {
             // Expected, not skipped silently: a sample the device drew for the step after an
             // EOS (two steps in flight) lands after its request finished and left the table.
             let Some(request) = self.requests.get_mut(&sampled.request) else { continue };
             let Some(live) = request.live.as_mut() else {
                 broken("a sample landed for a request without live state (preempted with samples in flight)")
             };
-            if !landed.contains(&sampled.request) {
-                landed.push(sampled.request);
+            // One sampling row per request and step, its tokens contiguous: the first lands it.
+            if i == 0 || completion.sampled[i - 1].request != sampled.request {
                 live.samples_in_flight = live.samples_in_flight.saturating_sub(1);
-                let round = request.speculation.as_mut().map(|s| s.in_flight.take());
-                if let Some(None) = round
-                    && let Some(spec) = request.speculation.as_mut()
-                {
-                    spec.depth.relax();
-                }
-                if let Some(Some(k)) = round {
-                    let tokens = completion.sampled.iter().filter(|s| s.request == sampled.request).count() as u32;
-                    let Some(accepted) = tokens.checked_sub(1).filter(|&a| a <= k) else {
-                        broken("a verify row reported more tokens than its proposals and one sample")
-                    };
-                    // The device consumed the accepted proposals after the pending token.
-                    live.consumed += accepted;
-                    if let Some(spec) = request.speculation.as_mut() {
-                        spec.depth.observe(k as usize, accepted as usize);
+                if let Some(spec) = request.speculation.as_mut() {
+                    match spec.in_flight.take() {
+                        None => spec.depth.relax(),
+                        Some(k) => {
+                            let row = completion.sampled[i..].iter().take_while(|s| s.request == sampled.request);
+                            let Some(accepted) = (row.count() as u32).checked_sub(1).filter(|&a| a <= k) else {
+                                broken("a verify row reported more tokens than its proposals and one sample")
+                            };
+                            // The device consumed the accepted proposals after the pending token.
+                            live.consumed += accepted;
+                            spec.depth.observe(k as usize, accepted as usize);
+                            self.stats.proposed_tokens += u64::from(k);
+                            self.stats.accepted_tokens += u64::from(accepted);
+                        }
                     }
-                    self.stats.proposed_tokens += u64::from(k);
-                    self.stats.accepted_tokens += u64::from(accepted);
                 }
             }
             if request.finishing.is_some() {

@@ -17,10 +17,10 @@ mod device_fixture;
 
 use device_fixture::{Emulator, PacedReads, device_fixture, emulate};
 use helios_replay::graph::GraphExecutor;
-use helios_scheduler::{RequestSpec, Scheduler, SchedulerConfig};
+use helios_scheduler::{RequestSpec, Scheduler};
 use helios_worker::FinishCause;
 use helios_worker::drive::LoopDriver;
-use helios_worker::workload::finish;
+use helios_worker::workload::{finish, test_config};
 
 /// Drives a workload (shared prefixes, chunked prefill, decode batches, captures) through the
 /// serving loop over a graph executor; returns every request's tokens and the steps run.
@@ -30,13 +30,7 @@ fn lifecycle<B: helios_replay::graph::GraphBackend>(
 ) -> (Vec<(Vec<u32>, FinishCause)>, u64, f64) {
     let m = core.manifest().clone();
     let executor = GraphExecutor::new(&m, backend).expect("drivable core");
-    let config = SchedulerConfig {
-        max_concurrency: 4,
-        queue_limit: 64,
-        identity: Default::default(),
-        device_fed_decode: false,
-        speculative_depth: 0,
-    };
+    let config = test_config(4);
     let scheduler = Scheduler::new(m.cache_scheme.clone(), m.capacities.clone(), config).expect("scheduler");
     let vocab = m.capacities.vocab_size;
     let mut d = LoopDriver::new(scheduler, executor, vocab).expect("loop driver");

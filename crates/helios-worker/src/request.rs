@@ -335,10 +335,8 @@ pub(crate) fn prepare_checked(
 
 /// An OpenAI tool definition's name and parameter schema (an object schema if it has none).
 fn tool_schema(t: &Json) -> Option<(String, Json)> {
-    let f = t.get("function").unwrap_or(t);
-    let name = f.get("name").and_then(Json::as_str)?;
-    let parameters = f.get("parameters").cloned().unwrap_or_else(|| serde_json::json!({"type": "object"}));
-    Some((name.to_owned(), parameters))
+    let parameters = t.get("function").unwrap_or(t).get("parameters");
+    Some((tool_name(t)?, parameters.cloned().unwrap_or_else(|| serde_json::json!({"type": "object"}))))
 }
 
 fn prompt_opens_reasoning(prompt: &str) -> bool {

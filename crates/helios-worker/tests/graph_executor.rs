@@ -14,7 +14,7 @@ use helios_replay::graph::{GraphBackend, GraphExecutor};
 use helios_scheduler::{RequestSpec, Scheduler, SchedulerConfig};
 use helios_worker::FinishCause;
 use helios_worker::drive::LoopDriver;
-use helios_worker::workload::finish;
+use helios_worker::workload::{finish, test_config};
 
 fn request(tokens: Vec<u32>, max_output: u32, seed: u64) -> RequestSpec {
     RequestSpec::plain(tokens, max_output, seed)
@@ -42,13 +42,7 @@ fn run_on<B: GraphBackend>(
     let executor = GraphExecutor::new(&m, backend(&core)).expect("drivable core");
     // The fixture's graphs take their tokens from the host only.
     assert!(!helios_replay::Executor::device_fed_decode(&executor));
-    let config = SchedulerConfig {
-        max_concurrency: 4,
-        queue_limit: 64,
-        identity: Default::default(),
-        device_fed_decode: false,
-        speculative_depth: 0,
-    };
+    let config = test_config(4);
     let scheduler = Scheduler::new(m.cache_scheme.clone(), m.capacities.clone(), config).unwrap();
     let mut d = LoopDriver::new(scheduler, executor, m.capacities.vocab_size).unwrap();
     for p in prompts {
@@ -128,13 +122,7 @@ fn device_fed_requests_run_with_two_steps_in_flight() {
     let mut emulator = Emulator::new(&core);
     emulator.deferred = true;
     let executor = GraphExecutor::new(&m, emulator).unwrap();
-    let config = SchedulerConfig {
-        max_concurrency: 4,
-        queue_limit: 64,
-        identity: Default::default(),
-        device_fed_decode: true,
-        speculative_depth: 0,
-    };
+    let config = SchedulerConfig { device_fed_decode: true, ..test_config(4) };
     let scheduler = Scheduler::new(m.cache_scheme.clone(), m.capacities.clone(), config).unwrap();
     let mut d = LoopDriver::new(scheduler, executor, m.capacities.vocab_size).unwrap();
     for p in 0..3u32 {
