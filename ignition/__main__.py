@@ -74,6 +74,13 @@ def _parser() -> argparse.ArgumentParser:
         default="scan",
         help="hybrid recipes: the Gated DeltaNet prefill as a token scan or in chunks of matrix products",
     )
+    prepare.add_argument(
+        "--speculative-depth",
+        type=int,
+        default=7,
+        help="proposals per request the speculative programs verify at most (0: none); larger buckets verify "
+        "fewer, within 16 lanes per program",
+    )
     rnd = sub.add_parser("random-checkpoint", help="a seeded random-weight checkpoint of a config.json")
     rnd.add_argument("--config", required=True, type=Path)
     rnd.add_argument("--out", required=True, type=Path)
@@ -156,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                 attention_kernel=not args.gather_attention,
                 decode_projections=args.decode_projections,
                 gdn_prefill=args.gdn_prefill,
+                speculative_depth=args.speculative_depth,
                 served_name=args.served_name,
                 reference_prompts=args.reference_prompts,
                 dump_io=args.dump_io,

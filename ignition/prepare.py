@@ -17,7 +17,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +54,27 @@ class Capacities:
     request_slots: int
     snapshot_rows: int
     max_kv_pages: int
+    # (requests, depth) of the speculative programs (`speculative_programs`).
+    speculative: list[tuple[int, int]] = field(default_factory=list)
+
+
+MAX_SPECULATIVE_DEPTH = 15
+# Lanes of a speculative program, at most: they then share the decode buckets' projection shapes
+# (`ignition.capture.paged.MIN_GEMM_ROWS` padded GEMMs, or `GEMV_MAX_ROWS` few-row kernels), so
+# a lane's logits are bitwise a decode row's and verification emits what ordinary decoding would.
+MAX_VERIFY_LANES = 16
+
+
+def speculative_programs(decode_buckets: list[int], depth: int) -> list[tuple[int, int]]:
+    """(requests, depth) of the speculative programs for these buckets: each bucket verifies up
+    to `depth` proposals per request, fewer where its lanes would exceed `MAX_VERIFY_LANES`
+    (none where not even one proposal fits)."""
+    out = []
+    for b in decode_buckets:
+        d = min(depth, MAX_VERIFY_LANES // b - 1)
+        if d >= 1:
+            out.append((b, d))
+    return out
 
 
 def plan_capacities(
@@ -63,6 +84,7 @@ def plan_capacities(
     context_limit: int | None,
     kv_pages: int | None,
     page_tokens: int = 64,
+    speculative_depth: int = 0,
 ) -> Capacities:
     try:
         buckets = [int(x) for x in decode_buckets.split(",") if x.strip()]
@@ -92,7 +114,10 @@ def plan_capacities(
     # rows than pages, snapshot pressure thins each new chain to its endpoint before page
     # pressure can retire stale checkpoints, losing shared prefixes (measured on the GPU with
     # 32 rows for 576 pages; tests/ lifecycle `a_shared_prefix_survives_page_pressure...`).
-    return Capacities(buckets, chunks, limit, slots, max(8 * slots, pages), pages)
+    if not 0 <= speculative_depth <= MAX_SPECULATIVE_DEPTH:
+        raise CapacityError("--speculative-depth", f"{speculative_depth} outside 0..={MAX_SPECULATIVE_DEPTH}")
+    speculative = speculative_programs(buckets, speculative_depth)
+    return Capacities(buckets, chunks, limit, slots, max(8 * slots, pages), pages, speculative)
 
 
 def _eos_ids(model: Path, config: RecipeConfig) -> list[int]:
@@ -180,6 +205,9 @@ class PrepareOptions:
     served_name: str | None = None
     reference_prompts: Path | None = None
     dump_io: bool = False
+    # Proposals per request the speculative programs verify at most (0: no speculative programs);
+    # larger buckets verify fewer (their lanes stay within `MAX_VERIFY_LANES`).
+    speculative_depth: int = 7
 
 
 def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> dict[str, Any]:
@@ -211,7 +239,14 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
         config = recipe.parse_config(raw)
         ckpt = Checkpoint.open(model)
         mapping = recipe.plan_weight_mapping(config, ckpt.tensors, ckpt.files)
-        caps = plan_capacities(config, o.decode_buckets, o.prefill_chunk, o.context_limit, o.kv_pages)
+        caps = plan_capacities(
+            config,
+            o.decode_buckets,
+            o.prefill_chunk,
+            o.context_limit,
+            o.kv_pages,
+            speculative_depth=o.speculative_depth,
+        )
         eos = _eos_ids(model, config)
         template = _chat_template(model)
         tokenizer = (model / "tokenizer.json").read_bytes()
@@ -233,8 +268,9 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
             setattr(torch._dynamo.config, key, value)
     weight_bytes = sum(math.prod(d.shape) * 2 for d in mapping.destinations.values())
     state_bytes = plan.state_bytes()
-    # One pool per graph: decode buckets, prefill chunks, resume and four maintenance graphs.
-    graphs = len(caps.decode_buckets) + len(caps.prefill_chunks) + 5
+    # One pool per graph: decode buckets, speculative programs, prefill chunks, resume and four
+    # maintenance graphs.
+    graphs = len(caps.decode_buckets) + len(caps.speculative) + len(caps.prefill_chunks) + 5
     arena_bytes = weight_bytes + state_bytes + plan.pool_bytes() * graphs
     if arena_bytes > device["free_bytes"] - (2 << 30):
         raise CapacityError(
@@ -330,6 +366,75 @@ def _tune_projections(rec: Any, buckets: list[int]) -> dict[str, Any]:
     return out
 
 
+def _speculative_check(runner: Any, gens: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each reference generation again through the speculative programs, proposing its own
+    continuation (every proposal right) and with every third position wrong (device-fed): the
+    tokens must be the same; the rounds taken show what verification saves when proposals are."""
+    from ignition.capture.runner import Sampling
+    from ignition.core.stepping import replaying
+
+    vocab = runner.p.geo.vocab
+    same, rounds = [], {"tokens": 0, "right": 0, "one_in_three_wrong": 0}
+    per_prompt = []
+    for g in gens:
+        s, toks = Sampling(**g.get("params", {})), g["tokens"]
+        args = (g["prompt_ids"], g["seed"], s, g["max_tokens"])
+        right, n_right = runner.generate_speculative(*args, replaying(toks))
+        wrong, n_wrong = runner.generate_speculative(*args, replaying(toks, 3, vocab), device_fed=True)
+        same.append(right == toks and wrong == toks)
+        rounds["tokens"] += len(toks) - 1
+        rounds["right"] += n_right
+        rounds["one_in_three_wrong"] += n_wrong
+        first = next((i for i, (a, b) in enumerate(zip(right, toks, strict=False)) if a != b), None)
+        per_prompt.append({"identical": same[-1], "right_rounds": n_right, "right_first_difference": first})
+    out = {
+        "identical": f"{sum(same)}/{len(same)}",
+        "depth": runner.verify_depth(1),
+        "decode_rounds": rounds,
+        "per_prompt": per_prompt,
+        "lanes_against_decode": _lanes_against_decode(runner, gens[0]),
+    }
+    note(
+        f"speculative generation identical to decoding: {out['identical']}; {rounds['tokens']} decoded tokens in "
+        f"{rounds['right']} rounds (proposals right), {rounds['one_in_three_wrong']} (one in three wrong)"
+    )
+    return out
+
+
+def _lanes_against_decode(runner: Any, gen: dict[str, Any]) -> dict[str, Any]:
+    """From one state, two decode steps of a generation's next tokens, then one speculative
+    round consuming the same two tokens: each lane's hidden vector against the decode step's at
+    that position (bitwise, and the largest difference), and the tokens each sampled."""
+    import torch
+
+    from ignition.capture.runner import Row, Sampling
+    from ignition.core.stepping import admit
+
+    p = runner.p
+    state = (p.kv_all, p.rows, p.hist, p.pending)
+    prompt, toks, seed = gen["prompt_ids"], gen["tokens"], gen["seed"]
+    s = Sampling(**gen.get("params", {}))
+    pages = list(range(-(-(len(prompt) + 16) // runner.page_tokens)))
+    admit(runner, 1, pages, prompt, seed, s)
+    saved = [t.clone() for t in state]
+    start = len(prompt)
+    decoded = []
+    for i in range(2):
+        g = runner.decode_graph(1)
+        h, rec = runner.replay(g, [Row(1, pages, start + i, [toks[i]], (seed, 1 + i), s)])
+        decoded.append((h[0].float(), rec[0][runner.header_words]))
+    for t, v in zip(state, saved, strict=True):
+        t.copy_(v)
+    g = runner.verify_graph([Row(1, pages, start, [toks[0], toks[1]], (seed, 1), s)])
+    h, rec = runner.replay(g, [Row(1, pages, start, [toks[0], toks[1]], (seed, 1), s)])
+    lanes = []
+    for i, (hd, td) in enumerate(decoded):
+        hv = h[i].float()
+        lanes.append({"bitwise": bool(torch.equal(hv, hd)), "max_abs_diff": float((hv - hd).abs().max())})
+        lanes[-1]["decode_token"] = td
+    return {"graph": g.name, "lanes": lanes, "record": rec[0][: runner.header_words + 2]}
+
+
 def _torch_dtype(name: str) -> Any:
     import torch
 
@@ -374,6 +479,8 @@ def _check(
             report["reference_generations"] = gens
             report["device_fed_identical"] = f"{sum(fed)}/{len(fed)}"
             note(f"device-fed decode identical to host-fed: {report['device_fed_identical']}")
+            if runner.verify:
+                report["speculative"] = _speculative_check(runner, gens)
             (work / "reference_generations.json").write_text(json.dumps(gens) + "\n")
     with phase("exactness: snapshot and restore, a reused row, split against whole prefill"):
         from ignition.capture.exactness import check as exactness

@@ -450,6 +450,115 @@ class PagedLlama:
         self._sample_and_record(h, torch.where(valid, slots, -1), wants, pos + 1, v, hist, records, pending)
         return h
 
+    def verify(
+        self,
+        v: dict[str, torch.Tensor],
+        kv: torch.Tensor,
+        rows: torch.Tensor,
+        hist: torch.Tensor,
+        records: torch.Tensor,
+        pending: torch.Tensor,
+    ) -> torch.Tensor:
+        """A speculative program: request i owns lanes i*W .. i*W+W; lane j consumes the pending
+        token (j = 0; a negative packed id reads the row's pending token) or proposal j at position
+        start + j and samples with counter + j, its histogram the row's plus the proposals before
+        it (what ordinary decoding would have counted by then). The accepted prefix is the longest
+        run of lanes whose sample equals the next lane's proposal (stopping at EOS or an exhausted
+        grammar); the request emits those samples and the one after them, its row keeps the last
+        accepted lane's hidden vector, its pending token and histogram advance over what it
+        emitted. Rejected lanes wrote KV past the accepted length: garbage the scheduler
+        overwrites before anything reads it. Returns the lanes' hidden vectors [P, H]."""
+        g = self.geo
+        slots = v["request_slots"].long()
+        b = slots.shape[0]
+        p = v["token_ids"].shape[0]
+        w = p // b
+        dev = slots.device
+        lane = torch.arange(p, device=dev)
+        req, j = lane // w, lane % w
+        q = v["query_lengths"].long()
+        live_req = (slots >= 1) & (slots <= g.request_slots) & (q > 0)
+        prow = torch.where(live_req, slots, 0)  # [B]: padding reads and writes the null entry
+        used = (j < q[req]) & live_req[req]
+        pos = v["positions"].long()
+        table = v["page_table"]
+        pidx = (pos // g.page_tokens).clamp(0, g.pages_per_request - 1)
+        slot = table.long()[req, pidx] * g.page_tokens + pos % g.page_tokens
+        slot = torch.where(used & (slot >= 0), slot, -1)
+        packed = v["token_ids"]
+        tok = torch.where((packed < 0) & (j == 0), pending[prow][req], packed)
+        tok = torch.where(used, tok, 0).to(packed.dtype)  # unused lanes: an inert in-vocabulary id
+        live = torch.where(used, prow[req], -1)
+        m = p if self.gemv else max(p, MIN_GEMM_ROWS)
+        if m > p:  # inert rows past the lanes: no KV write, an all -1 page-table row, position 0
+            h = self.hidden(
+                F.pad(tok, (0, m - p)),
+                F.pad(v["positions"], (0, m - p)),
+                F.pad(slot, (0, m - p), value=-1),
+                F.pad(table, (0, 0, 0, 1), value=-1),
+                F.pad(req, (0, m - p), value=b),
+                kv,
+                live=F.pad(live, (0, m - p), value=-1),
+                rows=rows,
+            )[:p]
+        else:
+            h = self.hidden(tok, v["positions"], slot, table, req, kv, few_rows=True, live=live, rows=rows)
+        # Each lane's histogram: the row's, plus the proposals of the lanes before it (1..j).
+        lane_hist = hist[prow][req]
+        k = torch.arange(w, device=dev)
+        before = (k[None, :] >= 1) & (k[None, :] <= j[:, None]) & used[:, None]  # [P, W]
+        ids = tok.long().view(b, w)[req]  # [P, W]: the tokens of the lane's request
+        lane_hist.index_put_((lane[:, None].expand(p, w), ids), before.to(lane_hist.dtype), accumulate=True)
+        s = {key: v[key][req] for key in ("temperature", "top_k", "top_p", "min_p")}
+        y, allowed = sample(
+            self.logits(h),
+            lane_hist,
+            s["temperature"],
+            s["top_k"],
+            s["top_p"],
+            s["min_p"],
+            v["repetition_penalty"][req],
+            v["presence_penalty"][req],
+            v["frequency_penalty"][req],
+            v["rng_seed"][req],
+            v["rng_counter"][req] + j,
+            v.get("grammar_mask"),
+        )
+        eos = torch.zeros_like(allowed)
+        for e in g.eos_token_ids:
+            eos = eos | (y == e)
+        y2, allowed2, eos2 = y.view(b, w), allowed.view(b, w), eos.view(b, w)
+        # Lane c continues the run when its sample equals lane c+1's proposal.
+        nxt = tok.long().view(b, w)[:, 1:]
+        cont = (y2[:, :-1] == nxt) & allowed2[:, :-1] & ~eos2[:, :-1] & (k[None, 1:] < q[:, None])
+        accepted = torch.where(cont, w - 1, k[None, :-1]).amin(-1)  # [B]: the first lane that stops
+        fin = torch.arange(b, device=dev) * w + accepted  # each request's last consumed lane
+        wants = ((v["sample_flags"] & 1) != 0) & live_req
+        sampled = wants & allowed[fin]
+        emitted = (k[None, :] <= accepted[:, None]) & sampled[:, None]  # [B, W]
+        # The row keeps the last consumed lane's hidden vector (padding writes the null row back).
+        self._store_rows(rows, torch.where(live_req, slots, -1), h[fin])
+        flags = (
+            sampled.int() * FLAG_SAMPLED
+            + (sampled & eos[fin]).int() * FLAG_EOS
+            + (wants & ~allowed[fin]).int() * FLAG_GRAMMAR_EXHAUSTED
+        )
+        z = torch.zeros(b, dtype=torch.int32, device=dev)
+        start = pos.view(b, w)[:, 0]
+        counter_low = (v["rng_counter"].long() & M32).to(torch.int32)
+        count = torch.where(sampled, accepted + 1, 0)
+        cols = [z + RECORD_MAGIC, torch.where(live_req, slots, -1).int(), flags.int(), count.int()]
+        cols += [torch.where(live_req, start + 1 + accepted, 0).int(), counter_low, z, z]
+        head = torch.stack(cols, -1)
+        words = torch.where(emitted, y2, 0).int()
+        records.copy_(torch.cat([head, words, z[:, None].expand(b, records.shape[1] - HEADER_WORDS - w)], -1))
+        hist.index_put_((torch.where(emitted, prow[:, None], 0), y2), emitted.int(), accumulate=True)
+        last = y2.gather(1, accepted[:, None])[:, 0]
+        # Requests that store nothing write entry 0 with its own value (a deterministic scatter).
+        target = torch.where(sampled, prow, 0)
+        pending.index_put_((target,), torch.where(target > 0, last.to(pending.dtype), pending[0]))
+        return h
+
     def prefill(
         self,
         v: dict[str, torch.Tensor],

@@ -61,12 +61,16 @@ SAMPLING = (
 @dataclass
 class GraphSpec:
     name: str
-    kind: str  # decode | prefill | resume_sampling | state_maintenance
+    kind: str  # decode | prefill | resume_sampling | state_maintenance | speculative
     method: str
     request_count: int
     token_capacity: int
     shapes: dict[str, tuple[int, ...]]
     maintenance_op: str | None = None
+    # Speculative programs: proposals per request (W = depth + 1 lanes each, P = B * W lanes).
+    proposal_depth: int = 0
+    # Token words of each completion record (a speculative program reports up to W tokens).
+    completion_tokens: int = COMPLETION_TOKENS
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     records: torch.Tensor | None = None
     fn: Any = None
@@ -75,11 +79,17 @@ class GraphSpec:
     output: torch.Tensor | None = None
 
 
-def catalog(geo: Geometry, decode_buckets: list[int], prefill_chunks: list[int]) -> list[GraphSpec]:
+def catalog(
+    geo: Geometry,
+    decode_buckets: list[int],
+    prefill_chunks: list[int],
+    speculative: list[tuple[int, int]] | None = None,
+) -> list[GraphSpec]:
+    """Every graph of a core; `speculative`: (requests, depth) of its speculative programs."""
     p, w = geo.pages_per_request, geo.mask_words
 
-    def sampling(b: int) -> dict[str, tuple[int, ...]]:
-        return {**{k: (b,) for k in SAMPLING}, "grammar_mask": (b, w)}
+    def sampling(b: int, lanes: int | None = None) -> dict[str, tuple[int, ...]]:
+        return {**{k: (b,) for k in SAMPLING}, "grammar_mask": (lanes or b, w)}
 
     out = []
     for b in decode_buckets:
@@ -91,6 +101,27 @@ def catalog(geo: Geometry, decode_buckets: list[int], prefill_chunks: list[int])
                 b,
                 b,
                 {"token_ids": (b,), "positions": (b,), "request_slots": (b,), "page_table": (b, p), **sampling(b)},
+            )
+        )
+    for b, d in speculative or []:
+        lanes = b * (d + 1)
+        out.append(
+            GraphSpec(
+                f"verify_b{b}_d{d}",
+                "speculative",
+                "verify",
+                b,
+                lanes,
+                {
+                    "token_ids": (lanes,),
+                    "positions": (lanes,),
+                    "query_lengths": (b,),
+                    "request_slots": (b,),
+                    "page_table": (b, p),
+                    **sampling(b, lanes),
+                },
+                proposal_depth=d,
+                completion_tokens=d + 1,
             )
         )
     for t in prefill_chunks:
@@ -181,7 +212,9 @@ class Program:
         self.rows = torch.zeros(shape, dtype=dtype, device=dev)
         self.hist = torch.zeros(1 + g.request_slots, g.vocab, dtype=torch.int32, device=dev)
         self.pending = torch.zeros(1 + g.request_slots, dtype=torch.int32, device=dev)
-        self.records = torch.zeros(g.request_slots, HEADER_WORDS + COMPLETION_TOKENS, dtype=torch.int32, device=dev)
+        # One records buffer; each graph views its start as [B, HEADER_WORDS + its token words].
+        tokens = max((spec.completion_tokens for spec in graphs), default=COMPLETION_TOKENS)
+        self.records = torch.zeros(g.request_slots, HEADER_WORDS + tokens, dtype=torch.int32, device=dev)
         regions: dict[str, int] = {}
         for spec in graphs:
             for value, shape in spec.shapes.items():
@@ -198,7 +231,8 @@ class Program:
                 dt = VALUE_DTYPES[value][0]
                 off = self.offsets[value]
                 spec.inputs[value] = self.staging[off : off + _numel(shape) * dt.itemsize].view(dt).view(shape)
-            spec.records = self.records[: spec.request_count]
+            width = HEADER_WORDS + spec.completion_tokens
+            spec.records = self.records.view(-1)[: spec.request_count * width].view(spec.request_count, width)
 
     def state(self) -> dict[str, torch.Tensor]:
         return {
@@ -272,6 +306,23 @@ class Program:
                 x["request_slots"][-1] = -1  # a padded lane, device-fed: it reads entry 0
                 x["token_ids"][-1] = -1
             x["page_table"].copy_(pages)
+        elif spec.kind == "speculative":
+            w = spec.proposal_depth + 1
+            ends = [5, g.page_tokens - 2, 2 * g.page_tokens + 3, g.context_limit - w]
+            lanes = torch.randint(0, g.vocab, (b, w), generator=gen).int()
+            lanes[0, 0] = -1  # request 0 device-fed
+            used = [w, max(1, w // 2), 1, w][:b] + [w] * max(0, b - 4)
+            for i in range(b):
+                lanes[i, used[i] :] = -1
+            x["token_ids"].copy_(lanes.view(-1))
+            start = torch.tensor([ends[i % 4] for i in range(b)]).int()
+            x["positions"].copy_((start[:, None] + torch.arange(w)[None, :]).int().view(-1))
+            x["query_lengths"].copy_(torch.tensor(used).int())
+            x["request_slots"].copy_(torch.arange(1, b + 1).int())
+            if b > 1:
+                x["request_slots"][-1] = -1  # a padded request
+                x["query_lengths"][-1] = 0
+            x["page_table"].copy_(pages)
         elif spec.kind == "prefill":
             t = spec.token_capacity
             real = max(1, t - 3)  # the last three lanes are padding
@@ -332,4 +383,6 @@ class ProgramPlan:
 
     def build(self, weights: dict[str, torch.Tensor], device: Any, options: Any) -> Program:
         model = self.make_model(weights, device, options)
-        return Program(model, catalog(self.geo, self.capacities.decode_buckets, self.capacities.prefill_chunks))
+        caps = self.capacities
+        speculative = list(getattr(caps, "speculative", []))
+        return Program(model, catalog(self.geo, caps.decode_buckets, caps.prefill_chunks, speculative))

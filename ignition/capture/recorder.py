@@ -28,7 +28,7 @@ import torch
 from ignition.capture import driver as D
 from ignition.capture.arena import DEFAULT_BASE, FixedArena, build_allocator
 from ignition.capture.paged import HEADER_WORDS
-from ignition.capture.program import COMPLETION_TOKENS, VALUE_DTYPES, GraphSpec, Program
+from ignition.capture.program import VALUE_DTYPES, GraphSpec, Program
 from ignition.core import safetensors_io as st
 from ignition.core.manifest import Dtype
 
@@ -53,7 +53,12 @@ STATE_ROLES = {
     "staging": ("staging_inputs", "u8", "zero"),
 }
 # How each sampling graph binds the pending tokens: all store what they sample, decode also reads.
-PENDING_DIRECTION = {"decode": "state_read_write", "prefill": "state_write", "resume_sampling": "state_write"}
+PENDING_DIRECTION = {
+    "decode": "state_read_write",
+    "speculative": "state_read_write",
+    "prefill": "state_write",
+    "resume_sampling": "state_write",
+}
 
 
 # -- kernel images ---------------------------------------------------------------------------
@@ -424,9 +429,13 @@ class Recorder:
                 {
                     "name": g.name,
                     "kind": g.kind,
-                    "capacity": {"request_count": g.request_count, "token_capacity": g.token_capacity},
+                    "capacity": {
+                        "request_count": g.request_count,
+                        "token_capacity": g.token_capacity,
+                        "proposal_depth": g.proposal_depth,
+                    },
                     "event_count": 0,
-                    "completion_token_capacity": COMPLETION_TOKENS,
+                    "completion_token_capacity": g.completion_tokens,
                     "continuation_rows_per_request": 1,
                     "nodes": rec_nodes,
                     "edges": edges,

@@ -132,6 +132,7 @@ def check_core(core: RuntimeCore) -> None:
     for bucket in c.decode_request_buckets:
         if not any(g.kind is GraphKind.DECODE and g.capacity.request_count == bucket for g in core.graphs):
             raise ManifestError("capacities.decode_request_buckets", f"no decode graph for bucket {bucket}")
+    _check_speculative(core)
     for cap in c.prefill_chunk_capacities:
         if not any(g.kind is GraphKind.PREFILL and g.capacity.token_capacity == cap for g in core.graphs):
             raise ManifestError("capacities.prefill_chunk_capacities", f"no prefill graph for capacity {cap}")
@@ -147,6 +148,25 @@ def check_core(core: RuntimeCore) -> None:
         raise ManifestError("frontend.sampling.max_output_tokens", "must be positive")
 
 
+def _check_speculative(core: RuntimeCore) -> None:
+    """A speculative program of B requests and D proposals has W = D + 1 lanes per request,
+    P = B * W lanes and W record tokens; no two share (B, D); only ABI 3 cores carry them."""
+    seen: set[tuple[int, int]] = set()
+    for g in core.graphs:
+        if g.kind is not GraphKind.SPECULATIVE:
+            continue
+        f = f"graphs[{g.name}]"
+        if core.identity.abi_version < 3:
+            raise ManifestError(f"{f}.kind", f"speculative programs need ABI 3 (core: {core.identity.abi_version})")
+        b, d, p = g.capacity.request_count, g.capacity.proposal_depth, g.capacity.token_capacity
+        if b < 1 or d < 1 or p != b * (d + 1) or g.completion_token_capacity != d + 1:
+            got = f"B={b} D={d} P={p} tokens={g.completion_token_capacity}"
+            raise ManifestError(f"{f}.capacity", f"need B >= 1, D >= 1, P = B*(D+1), D+1 record tokens; {got}")
+        if (b, d) in seen:
+            raise ManifestError(f"{f}.capacity", f"a second program for B={b} D={d}")
+        seen.add((b, d))
+
+
 def _check_pending_tokens(core: RuntimeCore) -> None:
     """A decode reading a pending token that some sampling graph did not store would consume a
     stale one: when any graph binds PENDING_TOKENS, every sampling graph binds the same buffer."""
@@ -154,7 +174,8 @@ def _check_pending_tokens(core: RuntimeCore) -> None:
     if not views:
         return
     for g in core.graphs:
-        if g.kind in (GraphKind.DECODE, GraphKind.PREFILL, GraphKind.RESUME_SAMPLING) and g.name not in views:
+        sampling = (GraphKind.DECODE, GraphKind.SPECULATIVE, GraphKind.PREFILL, GraphKind.RESUME_SAMPLING)
+        if g.kind in sampling and g.name not in views:
             raise ManifestError(f"graphs[{g.name}].bindings", "missing PENDING_TOKENS (other graphs bind it)")
     if len(set(views.values())) != 1:
         raise ManifestError("graphs.bindings[PENDING_TOKENS]", f"views in several buffers: {views}")

@@ -56,9 +56,11 @@ _PER_REQUEST_F32 = {
 
 
 # Persistent request state a graph kind binds, and how: sampling graphs store every sampled
-# token; only decode reads it (a negative packed token id takes the row's pending token).
+# token; decode and speculative programs read it (a negative packed token id takes the row's
+# pending token).
 _PENDING_DIRECTION = {
     GraphKind.DECODE: Direction.STATE_READ_WRITE,
+    GraphKind.SPECULATIVE: Direction.STATE_READ_WRITE,
     GraphKind.PREFILL: Direction.STATE_WRITE,
     GraphKind.RESUME_SAMPLING: Direction.STATE_WRITE,
 }
@@ -95,7 +97,9 @@ def expected_view(
     if value is V.SAMPLE_FLAGS:
         return ExpectedView((Dtype.U32,), (b,), inp)
     if value is V.GRAMMAR_MASK:
-        return ExpectedView((Dtype.U32,), (b, -(-caps.vocab_size // 32)), inp)
+        # A speculative program masks each lane (the grammar state at its position).
+        rows = t if kind is GraphKind.SPECULATIVE else b
+        return ExpectedView((Dtype.U32,), (rows, -(-caps.vocab_size // 32)), inp)
     if value is V.COMPLETION_RECORDS:
         words = caps.completion_record_header_words + completion_token_capacity
         return ExpectedView((Dtype.U32,), (b, words), Direction.OUTPUT)
@@ -117,6 +121,8 @@ def required_values(kind: GraphKind, op: MaintenanceOp | None) -> tuple[ValueKin
         )
     if kind is GraphKind.DECODE:
         return (V.REQUEST_SLOTS, V.PAGE_TABLE, V.COMPLETION_RECORDS)
+    if kind is GraphKind.SPECULATIVE:
+        return (V.TOKEN_IDS, V.POSITIONS, V.QUERY_LENGTHS, V.REQUEST_SLOTS, V.PAGE_TABLE, V.COMPLETION_RECORDS)
     if kind is GraphKind.RESUME_SAMPLING:
         return (V.REQUEST_SLOTS, V.STATE_ROW_INDICES, V.COMPLETION_RECORDS)
     if kind is GraphKind.STATE_MAINTENANCE:

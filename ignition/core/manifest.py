@@ -15,7 +15,8 @@ from typing import Any
 
 from ignition.core.schema import load_schema
 
-ABI_VERSION = 2
+# 3: speculative programs (GraphKind.SPECULATIVE). Helios reads every earlier ABI.
+ABI_VERSION = 3
 MANIFEST_FILE = "manifest.pb"
 
 
@@ -95,6 +96,7 @@ class GraphKind(IntEnum):
     STATE_MAINTENANCE = 4
     VISION = 5
     TUNING_PRODUCER = 6
+    SPECULATIVE = 7
 
 
 class MaintenanceOp(IntEnum):

@@ -37,6 +37,11 @@ PAD: dict[str, Any] = {
     "expected_consumed": -1,
 }
 
+# A decode lane packed with this token id consumes its row's pending token (the one the row's
+# last sampling step stored on the device) instead of a host-packed one. A speculative program's
+# lane 0 reads it the same way; its unused lanes are packed with it too (and ignored).
+DEVICE_FED_TOKEN = -1
+
 # Completion record flags (helios_contract::record).
 FLAG_SAMPLED, FLAG_EOS, FLAG_GRAMMAR_EXHAUSTED = 1, 2, 4
 
@@ -66,20 +71,31 @@ class Row:
 
 
 def pack_rows(
-    page_tokens: int, pages_per_request: int, rows: list[Row], grammar_mask_words: int | None = None
+    page_tokens: int,
+    pages_per_request: int,
+    rows: list[Row],
+    grammar_mask_words: int | None = None,
+    lanes: int | None = None,
 ) -> dict[str, list[Any]]:
     """The values Helios' GraphExecutor packs for these rows (padding is the caller's `PAD`).
 
-    `grammar_mask_words`: the graph's mask length when it has one (all bits set: no grammar)."""
+    `grammar_mask_words`: the graph's mask length when it has one (all bits set: no grammar).
+    `lanes`: a speculative program's lanes per request (W): each row's tokens (the pending token
+    or -1, then its proposals) start at a multiple of W, unused lanes packed -1 at position 0."""
     v: dict[str, list[Any]] = {k: [] for k in PAD}
     for r in rows:
         if len(r.pages) > pages_per_request:
             raise ValueError(f"row {r.live_row}: {len(r.pages)} pages exceed {pages_per_request} per request")
+        if lanes is not None and len(r.tokens) > lanes:
+            raise ValueError(f"row {r.live_row}: {len(r.tokens)} tokens exceed {lanes} lanes")
         for i, tok in enumerate(r.tokens):
             pos = r.start + i
             v["token_ids"].append(tok)
             v["positions"].append(pos)
             v["slot_mapping"].append(r.pages[pos // page_tokens] * page_tokens + pos % page_tokens)
+        if lanes is not None:
+            v["token_ids"] += [DEVICE_FED_TOKEN] * (lanes - len(r.tokens))
+            v["positions"] += [0] * (lanes - len(r.tokens))
         v["page_table"] += r.pages + [-1] * (pages_per_request - len(r.pages))
         v["request_slots"].append(r.live_row)
         v["state_row_indices"].append(r.live_row)
@@ -122,6 +138,18 @@ class Stepper(Protocol):
         ...
 
 
+class SpeculativeStepper(Stepper, Protocol):
+    """A Stepper whose core has speculative programs."""
+
+    def verify_depth(self, rows: int) -> int:
+        """The most proposals per request a speculative program for `rows` requests verifies."""
+        ...
+
+    def verify_step(self, rows: list[Row]) -> list[list[int]]:
+        """Replays the smallest speculative program holding the rows and their proposals."""
+        ...
+
+
 G = TypeVar("G")
 
 
@@ -148,6 +176,14 @@ def sampled_token(record: list[int], header_words: int) -> int:
     return record[header_words]
 
 
+def emitted_tokens(record: list[int], header_words: int) -> list[int]:
+    """The tokens a record reports, in order (a speculative program's: accepted proposals and
+    the sample after them)."""
+    if not record[2] & FLAG_SAMPLED:
+        raise StepError(f"the graph did not sample: record {record[:header_words]}")
+    return record[header_words : header_words + record[3]]
+
+
 def admit(
     s: Stepper,
     live_row: int,
@@ -171,11 +207,6 @@ def admit(
         rec = s.prefill_step([Row(live_row, pages, at, part, (seed, 0) if last else None, params)])
         at += len(part)
     return sampled_token(rec[0], s.header_words)
-
-
-# A decode lane packed with this token id consumes its row's pending token (the one the row's
-# last sampling step stored on the device) instead of a host-packed one.
-DEVICE_FED_TOKEN = -1
 
 
 def generate(
@@ -204,3 +235,56 @@ def generate(
         rec = s.decode_step([Row(live_row, pages, len(prompt) + len(out) - 1, [tok], (seed, len(out)), params)])
         out.append(sampled_token(rec[0], s.header_words))
     return out
+
+
+Proposer = Callable[[list[int]], list[int]]
+
+
+def replaying(tokens: list[int], wrong_every: int = 0, vocab: int = 1) -> Proposer:
+    """Proposes the continuation of a known generation `tokens`, each position that is a multiple
+    of `wrong_every` (when set) replaced by another id: proposals right, or right with known
+    misses, to check that verification emits the same tokens either way."""
+
+    def propose(out: list[int]) -> list[int]:
+        at = len(out)
+        nxt = tokens[at : at + 16]
+        if wrong_every:
+            nxt = [(t + 1) % vocab if (at + i) % wrong_every == 0 else t for i, t in enumerate(nxt)]
+        return nxt
+
+    return propose
+
+
+def generate_speculative(
+    s: SpeculativeStepper,
+    prompt: list[int],
+    seed: int,
+    params: Sampling,
+    max_tokens: int,
+    eos: tuple[int, ...],
+    propose: Proposer,
+    live_row: int = 1,
+    device_fed: bool = False,
+) -> tuple[list[int], int]:
+    """`generate` through the speculative program: each step verifies `propose(tokens so far)`
+    (cut to the program's depth and to what `max_tokens` leaves) after the pending token. The
+    tokens must equal `generate`'s whatever the proposals are; returns them and the steps taken.
+    Pages cover the lanes past the end too (rejected lanes write KV there)."""
+    depth = s.verify_depth(1)
+    need = len(prompt) + max_tokens + depth
+    if need > s.context_limit:
+        raise StepError(f"{need} positions exceed the context limit {s.context_limit}")
+    pages = list(range(-(-need // s.page_tokens)))
+    out = [admit(s, live_row, pages, prompt, seed, params)]
+    steps = 0
+    while out[-1] not in eos and len(out) < max_tokens:
+        proposals = propose(out)[: min(depth, max_tokens - len(out) - 1)]
+        tok = DEVICE_FED_TOKEN if device_fed else out[-1]
+        start = len(prompt) + len(out) - 1
+        rec = s.verify_step([Row(live_row, pages, start, [tok, *proposals], (seed, len(out)), params)])
+        got = emitted_tokens(rec[0], s.header_words)
+        if not 1 <= len(got) <= len(proposals) + 1 or rec[0][4] != start + len(got):
+            raise StepError(f"verify record {rec[0]} for {len(proposals)} proposals at {start}")
+        out += got
+        steps += 1
+    return out, steps

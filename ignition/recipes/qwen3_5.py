@@ -246,7 +246,9 @@ class Qwen35Recipe:
         from ignition.capture.program import ProgramPlan, capacity_fields
 
         rows = min(capacities.snapshot_rows, SNAPSHOT_ROWS_PER_SLOT * capacities.request_slots)
-        caps = replace(capacities, snapshot_rows=rows)
+        # No speculative programs yet: verifying W positions needs a recurrent state column per
+        # position (the accepted one becoming the live state), which this forward does not keep.
+        caps = replace(capacities, snapshot_rows=rows, speculative=[])
         geo = HybridGeometry.from_qwen35(config, eos, **capacity_fields(caps))
         largest = max(caps.decode_buckets)
         return ProgramPlan(geo, caps, functools.partial(build_model, config, geo, largest))

@@ -14,7 +14,7 @@ fn fixture(name: &str) -> PathBuf {
 
 #[test]
 fn check_prints_summary() {
-    for (name, abi) in [("abi2", "2"), ("abi1", "1")] {
+    for (name, abi) in [("abi3", "3"), ("abi2", "2"), ("abi1", "1")] {
         let out = flare().arg("check").arg(fixture(name)).output().unwrap();
         let stdout = String::from_utf8(out.stdout).unwrap();
         assert!(out.status.success(), "{stdout}");
@@ -22,6 +22,8 @@ fn check_prints_summary() {
         assert!(stdout.contains("decode buckets     [1, 2, 4]"), "{stdout}");
         assert!(stdout.contains("kv pages"), "{stdout}");
         assert!(stdout.contains("prefill            T=64"), "{stdout}");
+        // Speculative programs arrived with ABI 3.
+        assert_eq!(stdout.contains("speculative        B=1 D=3, B=2 D=3, B=4 D=1"), abi == "3", "{stdout}");
     }
 }
 

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 
 use crate::model::{
     BufferId, BufferRole, DType, Direction, Graph, GraphCapacity, GraphId, GraphKind, MaintenanceOp, Manifest,
-    ValueKind,
+    SpeculativeProgram, ValueKind,
 };
 
 const VALUE_KINDS: usize = ValueKind::PendingTokens as usize + 1;
@@ -126,6 +126,9 @@ pub enum CapacityError {
     Exceeded { kind: GraphKind, requested: u32, largest: u32 },
     #[error("the core has no {kind:?} graph{}", op.map(|o| format!(" for {o:?}")).unwrap_or_default())]
     Missing { kind: GraphKind, op: Option<MaintenanceOp> },
+    /// Speculative programs are looked up exactly: a larger one would verify other lanes.
+    #[error("the core has no speculative program for {requests} requests at depth {depth}")]
+    MissingProgram { requests: u32, depth: u32 },
 }
 
 /// One graph with its value views resolved.
@@ -151,9 +154,17 @@ impl BoundGraph {
 
     /// Whether a negative token id packed for a lane makes the graph read that lane's input
     /// token from its row's pending token on the device (device-fed generation): such a step
-    /// does not wait for the completion that sampled the token.
+    /// does not wait for the completion that sampled the token. Decode and speculative graphs
+    /// only (for a speculative graph, lane 0 of a request).
     pub fn reads_pending_token(&self) -> bool {
-        self.kind == GraphKind::Decode && self.view(ValueKind::PendingTokens).is_some_and(|v| v.direction.reads_state())
+        matches!(self.kind, GraphKind::Decode | GraphKind::Speculative)
+            && self.view(ValueKind::PendingTokens).is_some_and(|v| v.direction.reads_state())
+    }
+
+    /// Lanes per request W: `proposal_depth + 1` for a speculative graph (request `i` owns
+    /// lanes `i*W .. i*W + W` of its per-token values), 1 for any other graph.
+    pub fn lanes_per_request(&self) -> u32 {
+        if self.kind == GraphKind::Speculative { self.capacity.proposal_depth + 1 } else { 1 }
     }
 
     /// Whether the graph stores every token it samples as its row's pending token.
@@ -176,6 +187,8 @@ pub struct BoundContract {
     resume_by_requests: BTreeMap<u32, usize>,
     maintenance: BTreeMap<(MaintenanceOp, u32), usize>,
     vision_by_patches: BTreeMap<u32, usize>,
+    /// (requests, depth) → graph; validation made the pairs unique.
+    speculative_by_program: BTreeMap<(u32, u32), usize>,
 }
 
 impl BoundContract {
@@ -189,6 +202,7 @@ impl BoundContract {
             resume_by_requests: BTreeMap::new(),
             maintenance: BTreeMap::new(),
             vision_by_patches: BTreeMap::new(),
+            speculative_by_program: BTreeMap::new(),
             graphs,
         };
         for (i, g) in contract.graphs.iter().enumerate() {
@@ -208,6 +222,9 @@ impl BoundContract {
                 }
                 (GraphKind::Vision, _) => {
                     contract.vision_by_patches.entry(c.patch_capacity).or_insert(i);
+                }
+                (GraphKind::Speculative, _) => {
+                    contract.speculative_by_program.entry((c.request_count, c.proposal_depth)).or_insert(i);
                 }
                 _ => {}
             }
@@ -240,6 +257,17 @@ impl BoundContract {
 
     pub fn vision(&self, patches: u32) -> Result<&BoundGraph, CapacityError> {
         smallest_at_least(&self.graphs, &self.vision_by_patches, patches, GraphKind::Vision)
+    }
+
+    /// The speculative graph of `program`: the one captured for exactly `program.requests`
+    /// requests at `program.depth` proposals (its `width` and `rows` follow from those, so they
+    /// are not compared). The scheduler picks programs from `Capacities::speculative_programs`,
+    /// which validation derived from these very graphs, so a miss is a caller bug.
+    pub fn speculative(&self, program: SpeculativeProgram) -> Result<&BoundGraph, CapacityError> {
+        match self.speculative_by_program.get(&(program.requests, program.depth)) {
+            Some(&i) => Ok(&self.graphs[i]),
+            None => Err(CapacityError::MissingProgram { requests: program.requests, depth: program.depth }),
+        }
     }
 
     /// The smallest maintenance graph for `op` holding `requests` rows.

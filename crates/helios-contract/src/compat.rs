@@ -10,6 +10,7 @@
 //! | 2   | `CacheScheme.padding_slot` | -1 |
 //! | 2   | `Graph.continuation_rows_per_request` | 1 |
 //! | 2   | `KernelNode.launch_attributes` | none (an ABI 1 core carrying them is invalid) |
+//! | 3   | `GRAPH_KIND_SPECULATIVE` graphs, from which `Capacities.speculative_programs` is derived | none (an ABI 1 or 2 core carrying one is invalid) |
 //!
 //! `Graph.completion_token_capacity`: omitted or zero resolves to
 //! [`DEFAULT_COMPLETION_TOKEN_CAPACITY`] in every ABI.
@@ -22,6 +23,7 @@ use crate::model::{ABI_VERSIONS, DEFAULT_COMPLETION_TOKEN_CAPACITY};
 pub enum AbiReader {
     V1,
     V2,
+    V3,
 }
 
 impl AbiReader {
@@ -29,6 +31,7 @@ impl AbiReader {
         match version {
             1 => Ok(AbiReader::V1),
             2 => Ok(AbiReader::V2),
+            3 => Ok(AbiReader::V3),
             found => Err(CoreError::UnsupportedAbi { field: field.clone(), found, supported: ABI_VERSIONS }),
         }
     }
@@ -37,21 +40,22 @@ impl AbiReader {
         match self {
             AbiReader::V1 => 1,
             AbiReader::V2 => 2,
+            AbiReader::V3 => 3,
         }
     }
 
     pub fn verification_width(self, field: &FieldPath, raw: u32) -> Result<u32, CoreError> {
         match self {
             AbiReader::V1 => Ok(1),
-            AbiReader::V2 => positive(field, raw),
+            AbiReader::V2 | AbiReader::V3 => positive(field, raw),
         }
     }
 
     pub fn padding_slot(self, field: &FieldPath, raw: i64) -> Result<i64, CoreError> {
         match self {
             AbiReader::V1 => Ok(-1),
-            AbiReader::V2 if raw < 0 => Ok(raw),
-            AbiReader::V2 => {
+            AbiReader::V2 | AbiReader::V3 if raw < 0 => Ok(raw),
+            AbiReader::V2 | AbiReader::V3 => {
                 Err(CoreError::InvalidValue { field: field.clone(), reason: InvalidReason::NotNegative(raw) })
             }
         }
@@ -60,7 +64,7 @@ impl AbiReader {
     pub fn continuation_rows_per_request(self, raw: u32) -> u32 {
         match self {
             AbiReader::V1 => 1,
-            AbiReader::V2 => raw,
+            AbiReader::V2 | AbiReader::V3 => raw,
         }
     }
 
@@ -70,7 +74,12 @@ impl AbiReader {
 
     /// Whether `KernelNode.launch_attributes` may be present.
     pub fn has_launch_attributes(self) -> bool {
-        matches!(self, AbiReader::V2)
+        matches!(self, AbiReader::V2 | AbiReader::V3)
+    }
+
+    /// Whether graphs of kind `GRAPH_KIND_SPECULATIVE` may be present.
+    pub fn has_speculative_programs(self) -> bool {
+        matches!(self, AbiReader::V3)
     }
 }
 
@@ -79,5 +88,25 @@ fn positive(field: &FieldPath, raw: u32) -> Result<u32, CoreError> {
         Err(CoreError::InvalidValue { field: field.clone(), reason: InvalidReason::MustBePositive })
     } else {
         Ok(raw)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_shipped_abi_has_a_reader() {
+        let field = FieldPath::root("abi");
+        for &v in ABI_VERSIONS {
+            assert_eq!(AbiReader::for_version(&field, v).map(AbiReader::version).ok(), Some(v));
+        }
+        assert!(matches!(AbiReader::for_version(&field, 4), Err(CoreError::UnsupportedAbi { found: 4, .. })));
+        let speculative: Vec<bool> = ABI_VERSIONS
+            .iter()
+            .filter_map(|&v| AbiReader::for_version(&field, v).ok())
+            .map(AbiReader::has_speculative_programs)
+            .collect();
+        assert_eq!(speculative, vec![false, false, true]);
     }
 }

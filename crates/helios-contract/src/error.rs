@@ -172,6 +172,11 @@ impl fmt::Display for RangeOwner {
 }
 
 /// Why a scalar field's value is invalid.
+///
+/// Speculative programs (ABI 3): `NeedsAbi` is a value an older ABI cannot carry; `ProgramShape`
+/// a speculative graph's capacity that breaks `W = D + 1`, `P = B × W` or
+/// `completion_token_capacity = W` (`expected` is what its requests B and depth D imply);
+/// `DuplicateProgram` a second speculative graph for the same (requests, depth).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum InvalidReason {
     MustBePositive,
@@ -200,6 +205,9 @@ pub enum InvalidReason {
     EmptyRange,
     BadRelocationWord { word: u64, expected: u64 },
     UnrelocatedPointer { param_index: u32, byte_offset: u32, word: u64 },
+    NeedsAbi { abi: u32, found: u32 },
+    ProgramShape { expected: u64, found: u64 },
+    DuplicateProgram { requests: u32, depth: u32 },
 }
 
 impl fmt::Display for InvalidReason {
@@ -248,6 +256,16 @@ impl fmt::Display for InvalidReason {
             ),
             InvalidReason::BadRelocationWord { word, expected } => {
                 write!(f, "pointer word {word:#x} does not equal the recorded address {expected:#x}")
+            }
+            InvalidReason::NeedsAbi { abi, found } => {
+                write!(f, "needs execution ABI {abi} or later; the core declares ABI {found}")
+            }
+            InvalidReason::ProgramShape { expected, found } => write!(
+                f,
+                "{found}, but the program's requests B and depth D need {expected} (W = D + 1 lanes per request, P = B x W)"
+            ),
+            InvalidReason::DuplicateProgram { requests, depth } => {
+                write!(f, "a second speculative program for {requests} requests at depth {depth}")
             }
         }
     }

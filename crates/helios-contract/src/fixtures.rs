@@ -4,6 +4,7 @@
 //! result to a directory. The cores are structurally complete (every graph kind the lifecycle
 //! needs, relocated kernel parameters, memcpy/memset/event nodes, bindings for every required
 //! value) but their kernel images are placeholders: they load everywhere except on a GPU.
+//! Speculative graphs (execution ABI 3) are added for the programs a spec lists.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -29,6 +30,10 @@ pub struct FixtureSpec {
     pub context_limit: u32,
     pub vocab_size: u32,
     pub hidden: u64,
+    /// Speculative programs to capture, as (requests B, depth D): one speculative graph each,
+    /// after every other graph (so a spec without them builds exactly what it did before).
+    /// Built whatever `abi` says, so tests can check that an older ABI rejects them.
+    pub speculative_programs: Vec<(u32, u32)>,
 }
 
 impl Default for FixtureSpec {
@@ -46,6 +51,7 @@ impl Default for FixtureSpec {
             context_limit: 1024,
             vocab_size: 64,
             hidden: 8,
+            speculative_programs: vec![],
         }
     }
 }
@@ -54,6 +60,17 @@ impl FixtureSpec {
     /// The first-release layout: fields added in ABI 2 are absent.
     pub fn abi1() -> Self {
         FixtureSpec { abi: 1, ..FixtureSpec::default() }
+    }
+
+    /// The ABI 2 layout: no speculative programs.
+    pub fn abi2() -> Self {
+        FixtureSpec { abi: 2, ..FixtureSpec::default() }
+    }
+
+    /// The current ABI with speculative programs for 1 and 2 requests at depth 3 (W = 4) and
+    /// for 4 requests at depth 1 (W = 2).
+    pub fn speculative() -> Self {
+        FixtureSpec { speculative_programs: vec![(1, 3), (2, 3), (4, 1)], ..FixtureSpec::default() }
     }
 }
 
@@ -139,6 +156,8 @@ struct PlannedGraph {
     name: String,
     capacity: pb::GraphCapacity,
     bindings: Vec<PlannedBinding>,
+    /// `Graph.completion_token_capacity` as written.
+    completion_tokens: u32,
 }
 
 impl Fixture {
@@ -164,14 +183,15 @@ impl Fixture {
                 offset: v.take(bytes),
             }
         };
-        let record = |v: &mut Views, b: u64| PlannedBinding {
+        let record_of = |v: &mut Views, b: u64, words: u64| PlannedBinding {
             value: pb::ValueKind::CompletionRecords,
             direction: pb::Direction::Output,
             dtype: pb::Dtype::U32,
-            shape: vec![b, record_words],
+            shape: vec![b, words],
             in_completion: true,
-            offset: v.take(b * record_words * 4),
+            offset: v.take(b * words * 4),
         };
+        let record = |v: &mut Views, b: u64| record_of(v, b, record_words);
         use pb::ValueKind as V;
         for &b in &spec.decode_buckets {
             let b64 = u64::from(b);
@@ -194,6 +214,7 @@ impl Fixture {
                     patch_capacity: 0,
                 },
                 bindings,
+                completion_tokens,
             });
         }
         for &t in &spec.prefill_capacities {
@@ -218,6 +239,7 @@ impl Fixture {
                     patch_capacity: 0,
                 },
                 bindings,
+                completion_tokens,
             });
         }
         graphs.push(PlannedGraph {
@@ -230,6 +252,7 @@ impl Fixture {
                 input(&mut staging, V::StateRowIndices, pb::Dtype::I32, vec![1]),
                 record(&mut completion, 1),
             ],
+            completion_tokens,
         });
         for (op, name) in [
             (pb::MaintenanceOp::Snapshot, "snapshot"),
@@ -252,6 +275,40 @@ impl Fixture {
                     patch_capacity: 0,
                 },
                 bindings,
+                completion_tokens,
+            });
+        }
+
+        // Speculative programs: P = B * W lanes, W = D + 1 record token slots.
+        let mask_words = u64::from(spec.vocab_size).div_ceil(32);
+        for &(b, d) in &spec.speculative_programs {
+            let (b64, w) = (u64::from(b), u64::from(d) + 1);
+            let p = b64 * w;
+            let bindings = vec![
+                input(&mut staging, V::TokenIds, pb::Dtype::I32, vec![p]),
+                input(&mut staging, V::Positions, pb::Dtype::I32, vec![p]),
+                input(&mut staging, V::QueryLengths, pb::Dtype::I32, vec![b64]),
+                input(&mut staging, V::RequestSlots, pb::Dtype::I32, vec![b64]),
+                input(&mut staging, V::PageTable, pb::Dtype::I32, vec![b64, pages_per_request]),
+                input(&mut staging, V::Temperature, pb::Dtype::F32, vec![b64]),
+                input(&mut staging, V::TopK, pb::Dtype::I32, vec![b64]),
+                input(&mut staging, V::RngSeed, pb::Dtype::U64, vec![b64]),
+                input(&mut staging, V::RngCounter, pb::Dtype::U64, vec![b64]),
+                input(&mut staging, V::GrammarMask, pb::Dtype::U32, vec![p, mask_words]),
+                record_of(&mut completion, b64, u64::from(COMPLETION_HEADER_WORDS) + w),
+            ];
+            graphs.push(PlannedGraph {
+                kind: pb::GraphKind::Speculative,
+                op: pb::MaintenanceOp::Unspecified,
+                name: format!("speculative_b{b}_d{d}"),
+                capacity: pb::GraphCapacity {
+                    request_count: b,
+                    token_capacity: p as u32,
+                    proposal_depth: d,
+                    patch_capacity: 0,
+                },
+                bindings,
+                completion_tokens: w as u32,
             });
         }
 
@@ -500,7 +557,7 @@ impl Fixture {
                     edges,
                     bindings,
                     event_count: 1,
-                    completion_token_capacity: completion_tokens,
+                    completion_token_capacity: g.completion_tokens,
                     continuation_rows_per_request: if abi2 { 1 } else { 0 },
                     embedding_table_buffers: vec![],
                     requires_producer: 0,
@@ -620,7 +677,8 @@ impl Fixture {
     }
 
     /// Adds device-side pending tokens: a zero-filled request-state buffer at the arena's end,
-    /// read and written by every decode graph, written by prefill and resume sampling.
+    /// read and written by every decode and speculative graph, written by prefill and resume
+    /// sampling.
     /// Returns the buffer's id.
     pub fn add_pending_tokens(&mut self) -> u32 {
         let m = &mut self.manifest;
@@ -643,7 +701,7 @@ impl Fixture {
         });
         for g in &mut m.graphs {
             let direction = match pb::GraphKind::try_from(g.kind) {
-                Ok(pb::GraphKind::Decode) => pb::Direction::StateReadWrite,
+                Ok(pb::GraphKind::Decode | pb::GraphKind::Speculative) => pb::Direction::StateReadWrite,
                 Ok(pb::GraphKind::Prefill | pb::GraphKind::ResumeSampling) => pb::Direction::StateWrite,
                 _ => continue,
             };

@@ -6,9 +6,9 @@
 use std::collections::BTreeMap;
 
 /// Execution ABI numbers this engine reads. The newest is what Ignition writes.
-pub const ABI_VERSIONS: &[u32] = &[1, 2];
+pub const ABI_VERSIONS: &[u32] = &[1, 2, 3];
 /// The ABI Ignition exports today.
-pub const CURRENT_ABI: u32 = 2;
+pub const CURRENT_ABI: u32 = 3;
 /// Completion token slots for a graph that declares none (ABI 1, or an explicit zero).
 pub const DEFAULT_COMPLETION_TOKEN_CAPACITY: u32 = 8;
 
@@ -228,16 +228,21 @@ pub enum GraphKind {
     StateMaintenance,
     Vision,
     TuningProducer,
+    /// A speculative program (execution ABI 3): `capacity.request_count` B requests,
+    /// `capacity.proposal_depth` D >= 1, `capacity.token_capacity` P = B × (D + 1) lanes and
+    /// `completion_token_capacity` W = D + 1. See [`SpeculativeProgram`].
+    Speculative,
 }
 
 impl GraphKind {
-    pub const ALL: [GraphKind; 6] = [
+    pub const ALL: [GraphKind; 7] = [
         GraphKind::Prefill,
         GraphKind::Decode,
         GraphKind::ResumeSampling,
         GraphKind::StateMaintenance,
         GraphKind::Vision,
         GraphKind::TuningProducer,
+        GraphKind::Speculative,
     ];
 
     pub fn name(self) -> &'static str {
@@ -248,6 +253,7 @@ impl GraphKind {
             GraphKind::StateMaintenance => "state maintenance",
             GraphKind::Vision => "vision",
             GraphKind::TuningProducer => "tuning producer",
+            GraphKind::Speculative => "speculative",
         }
     }
 }
@@ -266,9 +272,9 @@ pub enum MaintenanceOp {
 pub struct GraphCapacity {
     /// Request rows B.
     pub request_count: u32,
-    /// Token rows T.
+    /// Token rows T (a speculative graph's lanes P = B × (D + 1)).
     pub token_capacity: u32,
-    /// Proposal depth D.
+    /// Proposal depth D (>= 1 for a speculative graph).
     pub proposal_depth: u32,
     /// Image patches (vision graphs only).
     pub patch_capacity: u32,
@@ -569,8 +575,9 @@ pub struct Capacities {
     pub max_kv_pages: u32,
     pub vocab_size: u32,
     pub completion_record_header_words: u32,
-    /// Captured speculative programs, ascending by (requests, depth); empty: none (every core
-    /// before speculative programs existed).
+    /// Captured speculative programs, ascending by (requests, depth), one per speculative graph
+    /// (validation derives them; no two share (requests, depth)). Empty: none (every ABI 1 and
+    /// 2 core, and ABI 3 cores prepared without speculation).
     pub speculative_programs: Vec<SpeculativeProgram>,
 }
 
@@ -579,8 +586,9 @@ pub struct Capacities {
 /// sampler (so outputs are distributed as ordinary decoding), commits the accepted prefix to
 /// request state and reports, per request, the accepted proposals and one more sampled token.
 ///
-/// Invariants: `width == depth + 1` target rows per request (the pending token included);
-/// `rows == requests * width` (rectangular programs).
+/// Invariants: `depth >= 1`; `width == depth + 1` target rows (lanes) per request, the pending
+/// token included; `rows == requests * width` (rectangular programs). A program derived from a
+/// core is exactly its speculative graph's capacity: `requests` = B, `depth` = D, `rows` = P.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SpeculativeProgram {
     pub requests: u32,

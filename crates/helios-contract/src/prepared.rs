@@ -3,6 +3,10 @@
 //!
 //! Shapes are derived from the graph's captured capacity and the core's declared geometry only,
 //! so shared packing code can write any model's inputs without knowing the model.
+//!
+//! Per-token values are `[token_capacity]`, per-request values `[request_count]`. For a
+//! speculative graph the token capacity is its `P = B × W` lanes (request `i` owns lanes
+//! `i*W .. i*W + W`), and its grammar mask is per lane, `[P, words]`.
 
 use crate::model::{CacheScheme, Capacities, DType, Direction, Graph, GraphKind, MaintenanceOp, ValueKind};
 
@@ -67,9 +71,14 @@ pub fn expected_view(value: ValueKind, graph: &Graph, scheme: &CacheScheme, caps
         | ValueKind::FrequencyPenalty => per_request(F32),
         ValueKind::RngSeed | ValueKind::RngCounter => per_request(WORD64),
         ValueKind::SampleFlags => per_request(U32),
+        // One mask per request; a speculative program samples at every lane, each lane with
+        // the grammar state at its position.
         ValueKind::GrammarMask => ExpectedView {
             dtypes: U32,
-            shape: vec![Some(b), Some(u64::from(caps.vocab_size).div_ceil(32))],
+            shape: vec![
+                Some(if graph.kind == GraphKind::Speculative { t } else { b }),
+                Some(u64::from(caps.vocab_size).div_ceil(32)),
+            ],
             direction: Direction::Input,
         },
         ValueKind::CompletionRecords => ExpectedView {
@@ -120,5 +129,8 @@ pub fn required_values(kind: GraphKind, op: Option<MaintenanceOp>) -> &'static [
         },
         GraphKind::Vision => &[V::PatchPixels],
         GraphKind::TuningProducer => &[],
+        GraphKind::Speculative => {
+            &[V::TokenIds, V::Positions, V::QueryLengths, V::RequestSlots, V::PageTable, V::CompletionRecords]
+        }
     }
 }

@@ -72,6 +72,9 @@ impl fmt::Display for Summary<'_> {
                 }
                 GraphKind::Vision => format!("patches={}", c.patch_capacity),
                 GraphKind::TuningProducer => g.name.clone(),
+                GraphKind::Speculative => {
+                    format!("B={} D={} P={}", c.request_count, c.proposal_depth, c.token_capacity)
+                }
             };
             by_kind.entry(g.kind).or_default().push(format!("{label} ({} nodes)", g.nodes.len()));
         }
@@ -118,6 +121,11 @@ impl fmt::Display for Summary<'_> {
         writeln!(f, "  prefill chunks     {:?}", c.prefill_chunk_capacities)?;
         if !c.image_patch_buckets.is_empty() {
             writeln!(f, "  image patches      {:?}", c.image_patch_buckets)?;
+        }
+        if !c.speculative_programs.is_empty() {
+            let programs: Vec<String> =
+                c.speculative_programs.iter().map(|p| format!("B={} D={}", p.requests, p.depth)).collect();
+            writeln!(f, "  speculative        {}", programs.join(", "))?;
         }
         writeln!(f, "  kv pages (virtual) {}", c.max_kv_pages)?;
         writeln!(f, "  vocabulary         {}", c.vocab_size)?;

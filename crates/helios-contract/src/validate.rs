@@ -1,8 +1,9 @@
 //! Decoded protobuf → validated [`Manifest`]. Pure: touches no file and no device.
 //!
 //! Order: identity (selects the ABI reader), arena, buffers, payload files, kernels, cache
-//! scheme, capacities, graphs (which need all of the above), frontend. The first violation is
-//! returned, naming its field.
+//! scheme, capacities, graphs (which need all of the above; the speculative programs of the
+//! capacities are derived from them), frontend. The first violation is returned, naming its
+//! field.
 
 use std::collections::{BTreeMap, HashSet};
 
@@ -32,7 +33,7 @@ pub fn validate(raw: &pb::RuntimeCore) -> Result<Manifest> {
     let scheme_path = root.field("cache_scheme");
     let cache_scheme = cache_scheme(required(&raw.cache_scheme, &scheme_path)?, abi, &scheme_path)?;
     let caps_path = root.field("capacities");
-    let capacities = capacities(required(&raw.capacities, &caps_path)?, &caps_path)?;
+    let mut capacities = capacities(required(&raw.capacities, &caps_path)?, &caps_path)?;
     check_cache_storage(&buffers, &cache_scheme, &capacities, &root.field("buffers"))?;
     let ctx = GraphContext {
         abi,
@@ -43,6 +44,7 @@ pub fn validate(raw: &pb::RuntimeCore) -> Result<Manifest> {
         caps: &capacities,
     };
     let graphs = graphs(&raw.graphs, &ctx, &root.field("graphs"))?;
+    capacities.speculative_programs = speculative_programs(&graphs);
     check_graph_catalog(&graphs, &capacities, &caps_path)?;
     let fe_path = root.field("frontend");
     let frontend = frontend(required(&raw.frontend, &fe_path)?, &capacities, &fe_path)?;
@@ -435,7 +437,7 @@ fn capacities(raw: &pb::Capacities, path: &FieldPath) -> Result<Capacities> {
         max_kv_pages: positive_u32(raw.max_kv_pages, &path.field("max_kv_pages"))?,
         vocab_size: positive_u32(raw.vocab_size, &path.field("vocab_size"))?,
         completion_record_header_words: raw.completion_record_header_words,
-        // Execution ABI 2 declares none.
+        // Derived from the speculative graphs once they are validated.
         speculative_programs: Vec::new(),
     })
 }
@@ -507,6 +509,7 @@ fn graph_kind(raw: i32, field: &FieldPath) -> Result<GraphKind> {
         pb::GraphKind::StateMaintenance => GraphKind::StateMaintenance,
         pb::GraphKind::Vision => GraphKind::Vision,
         pb::GraphKind::TuningProducer => GraphKind::TuningProducer,
+        pb::GraphKind::Speculative => GraphKind::Speculative,
         pb::GraphKind::Unspecified => return Err(CoreError::UnknownEnum { field: field.clone(), value: raw }),
     })
 }
@@ -522,12 +525,34 @@ fn graphs(raw: &[pb::Graph], ctx: &GraphContext<'_>, path: &FieldPath) -> Result
     let kinds: BTreeMap<u32, i32> = raw.iter().map(|g| (g.id, g.kind)).collect();
     let mut out =
         raw.iter().enumerate().map(|(i, g)| graph(g, ctx, &kinds, &path.index(i))).collect::<Result<Vec<_>>>()?;
+    // The scheduler and executor address a speculative program by (requests, depth).
+    let mut programs = HashSet::new();
+    for (i, g) in out.iter().enumerate().filter(|(_, g)| g.kind == GraphKind::Speculative) {
+        let (requests, depth) = (g.capacity.request_count, g.capacity.proposal_depth);
+        if !programs.insert((requests, depth)) {
+            return Err(invalid(&path.index(i).field("capacity"), InvalidReason::DuplicateProgram { requests, depth }));
+        }
+    }
     out.sort_by_key(|g| g.id);
     Ok(out)
 }
 
+/// The programs of validated speculative graphs, ascending by (requests, depth).
+fn speculative_programs(graphs: &[Graph]) -> Vec<SpeculativeProgram> {
+    let mut programs: Vec<SpeculativeProgram> = graphs
+        .iter()
+        .filter(|g| g.kind == GraphKind::Speculative)
+        .map(|g| SpeculativeProgram::rectangular(g.capacity.request_count, g.capacity.proposal_depth))
+        .collect();
+    programs.sort_by_key(|p| (p.requests, p.depth));
+    programs
+}
+
 fn graph(raw: &pb::Graph, ctx: &GraphContext<'_>, kinds: &BTreeMap<u32, i32>, path: &FieldPath) -> Result<Graph> {
     let kind = graph_kind(raw.kind, &path.field("kind"))?;
+    if kind == GraphKind::Speculative && !ctx.abi.has_speculative_programs() {
+        return Err(invalid(&path.field("kind"), InvalidReason::NeedsAbi { abi: 3, found: ctx.abi.version() }));
+    }
     let maintenance_op = match (kind, raw.maintenance_op) {
         (GraphKind::StateMaintenance, op) => {
             Some(match enum_value::<pb::MaintenanceOp>(op, &path.field("maintenance_op"))? {
@@ -564,6 +589,17 @@ fn graph(raw: &pb::Graph, ctx: &GraphContext<'_>, kinds: &BTreeMap<u32, i32>, pa
             positive_u32(capacity.patch_capacity, &cap_path.field("patch_capacity"))?;
         }
         GraphKind::TuningProducer => {}
+        GraphKind::Speculative => {
+            let b = positive_u32(capacity.request_count, &cap_path.field("request_count"))?;
+            let d = positive_u32(capacity.proposal_depth, &cap_path.field("proposal_depth"))?;
+            let lanes = u64::from(b) * (u64::from(d) + 1);
+            if u64::from(capacity.token_capacity) != lanes {
+                return Err(invalid(
+                    &cap_path.field("token_capacity"),
+                    InvalidReason::ProgramShape { expected: lanes, found: u64::from(capacity.token_capacity) },
+                ));
+            }
+        }
     }
     if capacity.request_count > ctx.caps.request_slots {
         return Err(CoreError::OutOfRange {
@@ -623,6 +659,14 @@ fn graph(raw: &pb::Graph, ctx: &GraphContext<'_>, kinds: &BTreeMap<u32, i32>, pa
         embedding_table_buffers: Vec::new(),
         requires_producer: None,
     };
+    // A speculative record holds up to one token per lane of a request.
+    let width = u64::from(graph.capacity.proposal_depth) + 1;
+    if kind == GraphKind::Speculative && u64::from(graph.completion_token_capacity) != width {
+        return Err(invalid(
+            &path.field("completion_token_capacity"),
+            InvalidReason::ProgramShape { expected: width, found: u64::from(graph.completion_token_capacity) },
+        ));
+    }
     if graph.continuation_rows_per_request > ctx.scheme.rows_per_slot() {
         return Err(CoreError::OutOfRange {
             field: path.field("continuation_rows_per_request"),
@@ -929,8 +973,15 @@ fn bindings(
         let dtype = dtype(b.dtype, &p.field("dtype"))?;
         let expected = expected_view(value, graph, ctx.scheme, ctx.caps);
         let direction_ok = if expected.direction.is_state() {
-            // Only decode may read request state; any sampling graph may write it.
-            direction.is_state() && (graph.kind == GraphKind::Decode || !direction.reads_state())
+            match graph.kind {
+                // Decode may read request state (device-fed rows), write it, or both.
+                GraphKind::Decode => direction.is_state(),
+                // A speculative program reads device-fed rows' pending tokens and stores the
+                // last token it emits: both, always.
+                GraphKind::Speculative => direction == Direction::StateReadWrite,
+                // Any other sampling graph may only write it.
+                _ => direction.is_state() && !direction.reads_state(),
+            }
         } else {
             direction == expected.direction
         };

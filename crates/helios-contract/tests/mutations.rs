@@ -105,8 +105,12 @@ proptest! {
 
     /// Structural mutations of a decoded manifest: validation returns Ok or a named error.
     #[test]
-    fn field_mutations_are_named(abi1 in any::<bool>(), edits in prop::collection::vec((0usize..32, any::<u64>()), 1..4)) {
-        let spec = if abi1 { FixtureSpec::abi1() } else { FixtureSpec::default() };
+    fn field_mutations_are_named(abi in 1u32..4, edits in prop::collection::vec((0usize..32, any::<u64>()), 1..4)) {
+        let spec = match abi {
+            1 => FixtureSpec::abi1(),
+            2 => FixtureSpec::abi2(),
+            _ => FixtureSpec::speculative(),
+        };
         let mut f = Fixture::build(&spec);
         for (which, v) in edits {
             mutate(&mut f.manifest, which, v);

@@ -39,8 +39,9 @@ fn fixture_opens_and_round_trips() {
     let f = fixture();
     let core = open(&f).unwrap();
     let m = core.manifest();
-    assert_eq!(m.identity.abi_version, 2);
+    assert_eq!(m.identity.abi_version, helios_contract::CURRENT_ABI);
     assert_eq!(m.graphs_of(GraphKind::Decode).len(), 3);
+    assert!(m.capacities.speculative_programs.is_empty());
     assert_eq!(m.cache_scheme.verification_width, 1);
     assert_eq!(m.cache_scheme.padding_slot, -1);
     // Encode → decode → validate is the identity on the validated manifest.

@@ -20,9 +20,17 @@
 //!   buffer; host transfers copy whole pages and whole rows, in step order with the replays;
 //! - rows the scheduler did not fill are padded with `padding_slot` (slots, slot mappings)
 //!   or `-1` (page tables, rows), zero for counts, and records are cleared before each replay,
-//!   so a record the graph did not write is rejected rather than read stale.
+//!   so a record the graph did not write is rejected rather than read stale;
+//! - a [`StepOp::Verify`] replays the speculative graph captured for exactly its program's
+//!   (requests, depth), packing per lane with stride `W = depth + 1`: request `i`'s tokens
+//!   (`-1` first for a device-fed row, then its [`ConsumeRow`] tokens) at lanes `i*W + j` with
+//!   positions `start + j`; unused lanes hold token `-1`, position 0. Each record's tokens,
+//!   accepted proposals and then the token that ended the round, become that many
+//!   [`SampledToken`]s in order.
 
-use helios_contract::model::{BufferId, BufferRole, GraphId, GraphKind, MaintenanceOp, Manifest, ValueKind};
+use helios_contract::model::{
+    BufferId, BufferRole, GraphId, GraphKind, MaintenanceOp, Manifest, SpeculativeProgram, ValueKind,
+};
 use helios_contract::record::{CompletionRecord, FLAG_SAMPLED, RecordError};
 use helios_contract::{BoundContract, BoundGraph, ByteView, Element};
 use helios_offload::{HostArena, HostExtent, StoreGeometry};
@@ -105,8 +113,8 @@ struct RecordRead {
     ticket: Option<ReadTicket>,
     width: usize,
     token_capacity: u32,
-    /// Per graph row, the request it samples for.
-    rows: Vec<Option<RequestId>>,
+    /// Per graph row, the request it samples for and the most tokens its record may emit.
+    rows: Vec<Option<(RequestId, usize)>>,
 }
 
 #[derive(Debug)]
@@ -162,14 +170,13 @@ impl<B: GraphBackend> GraphExecutor<B> {
         let size = manifest.buffer(id).map_or(0, |b| b.byte_size) as usize;
         let kv = manifest.buffers.iter().find(|b| b.role == BufferRole::KvPages).map(|b| b.id);
         let rows_buffer = manifest.buffers.iter().find(|b| b.role == BufferRole::ContinuationRows).map(|b| b.id);
-        let samplers = || {
-            bound
-                .graphs()
-                .iter()
-                .filter(|g| matches!(g.kind, GraphKind::Decode | GraphKind::Prefill | GraphKind::ResumeSampling))
-        };
-        let device_fed = samplers().all(|g| g.writes_pending_token())
-            && bound.graphs().iter().filter(|g| g.kind == GraphKind::Decode).all(|g| g.reads_pending_token());
+        let of = |kinds: &'static [GraphKind]| bound.graphs().iter().filter(move |g| kinds.contains(&g.kind));
+        // A device-fed row may land in a decode or a speculative step, and the step after it
+        // reads what any sampling graph stored.
+        use GraphKind as K;
+        let device_fed = of(&[K::Decode, K::Prefill, K::ResumeSampling, K::Speculative])
+            .all(|g| g.writes_pending_token())
+            && of(&[K::Decode, K::Speculative]).all(|g| g.reads_pending_token());
         Ok(GraphExecutor {
             backend,
             manifest: manifest.clone(),
@@ -314,8 +321,34 @@ impl<B: GraphBackend> GraphExecutor<B> {
         Ok(())
     }
 
-    /// Packs and replays one batch of rows (decode, prefill or resume), then enqueues the copy
-    /// of its records.
+    /// Packs and replays one speculative round through its program's graph (see the module
+    /// docs for the lane layout), then enqueues the copy of its records.
+    fn verify(
+        &mut self,
+        program: SpeculativeProgram,
+        rows: &[ConsumeRow],
+        inputs: &StepInputs,
+        reads: &mut Vec<RecordRead>,
+    ) -> Result<(), ExecutorError> {
+        let g = self.bound.speculative(program)?.clone();
+        if rows.len() > g.capacity.request_count as usize {
+            return Err(ExecutorError::VerifyRows { program, rows: rows.len() });
+        }
+        let width = g.lanes_per_request() as usize;
+        let mut batch = Vec::with_capacity(rows.len());
+        for row in rows {
+            // Every row consumes its pending token and at most `depth` proposals.
+            if row.is_empty() || row.len() > width {
+                return Err(ExecutorError::VerifyLanes { program, live_row: row.live_row, lanes: row.len() });
+            }
+            let sample = row.sample.ok_or(ExecutorError::VerifyWithoutSample(row.live_row))?;
+            batch.push((row, Some(sample)));
+        }
+        self.rows(&g, &batch, inputs, reads)
+    }
+
+    /// Packs and replays one batch of rows (decode, prefill, resume, or a speculative round
+    /// with one `W`-lane stride per row), then enqueues the copy of its records.
     fn rows(
         &mut self,
         g: &BoundGraph,
@@ -326,9 +359,14 @@ impl<B: GraphBackend> GraphExecutor<B> {
         let scheme = &self.manifest.cache_scheme;
         let (pt, pad_slot) = (i64::from(scheme.page_tokens), scheme.padding_slot);
         let pages = self.manifest.capacities.pages_per_request(scheme.page_tokens) as usize;
+        // Speculative: request i's tokens start at lane i*W; otherwise rows' tokens follow each
+        // other (prefill: one row of many tokens; decode and resume: one token per row).
+        let stride = (g.kind == GraphKind::Speculative).then(|| g.lanes_per_request() as usize);
         let mut tokens = Vec::new();
         let mut positions = Vec::new();
         let mut slot_mapping = Vec::new();
+        // Lanes that consume a token, per token value (speculative grammar masks are per lane).
+        let mut lane_rows: Vec<Option<usize>> = Vec::new();
         let mut page_table = Vec::new();
         let mut slots = Vec::new();
         let mut query = Vec::new();
@@ -337,9 +375,17 @@ impl<B: GraphBackend> GraphExecutor<B> {
         let mut seeds = Vec::new();
         let mut counters = Vec::new();
         let mut flags = Vec::new();
-        for (row, sample) in rows {
+        let mut record_rows = Vec::with_capacity(rows.len());
+        for (r, (row, sample)) in rows.iter().enumerate() {
             if row.device_token && !g.reads_pending_token() {
                 return Err(ExecutorError::DeviceFedUnsupported);
+            }
+            if let Some(w) = stride {
+                // The previous request's unused lanes: token -1, position 0, no KV write.
+                tokens.resize(r * w, -1);
+                positions.resize(r * w, 0);
+                slot_mapping.resize(r * w, pad_slot);
+                lane_rows.resize(r * w, None);
             }
             // A negative id: the graph reads the row's pending token on the device.
             let device = row.device_token.then_some(-1i32);
@@ -353,6 +399,7 @@ impl<B: GraphBackend> GraphExecutor<B> {
                 tokens.push(t);
                 positions.push(position as i32);
                 slot_mapping.push(i64::from(*page) * pt + position % pt);
+                lane_rows.push(Some(r));
             }
             let mut table: Vec<i32> = row.page_table.iter().map(|&p| p as i32).collect();
             table.resize(pages, -1);
@@ -363,11 +410,17 @@ impl<B: GraphBackend> GraphExecutor<B> {
             let s = sample.and_then(|s| inputs.sampling.get(&s.request)).cloned().unwrap_or_default();
             sampling.push(s);
             seeds.push(sample.map_or(0, |s| s.seed));
+            // Speculative: the counter of lane 0; lane j samples with counter + j.
             counters.push(sample.map_or(0, |s| u64::from(s.counter)));
             flags.push(u32::from(sample.is_some()));
+            // A verify record emits its accepted proposals and one more token: at most one per
+            // lane used. Every other record emits exactly one.
+            let most = if stride.is_some() { row.len() } else { 1 };
+            record_rows.push(sample.map(|s| (s.request, most)));
         }
         use ValueKind as V;
-        self.pack(g, V::TokenIds, &tokens, 0)?;
+        // Unused speculative lanes are -1 (ignored); padded decode and prefill tokens stay 0.
+        self.pack(g, V::TokenIds, &tokens, if stride.is_some() { -1 } else { 0 })?;
         self.pack(g, V::Positions, &positions, 0)?;
         self.pack(g, V::SlotMapping, &slot_mapping, pad_slot)?;
         self.pack(g, V::PageTable, &page_table, -1)?;
@@ -389,9 +442,17 @@ impl<B: GraphBackend> GraphExecutor<B> {
         self.pack(g, V::SampleFlags, &flags, 0)?;
         if let Some(view) = g.view(V::GrammarMask) {
             let words = view.shape.get(1).copied().unwrap_or(0) as usize;
-            let mut mask = Vec::with_capacity(words * rows.len());
-            for s in &sampling {
-                match &s.mask {
+            // One mask per request, or per lane for a speculative graph. RowSampling carries a
+            // request's mask for its next token only, and the scheduler does not speculate
+            // requests under a grammar, so each used lane repeats its request's mask (a mask
+            // per lane needs the grammar state at each proposal). Unused lanes allow all.
+            let masks: Vec<Option<&RowSampling>> = match stride {
+                Some(_) => lane_rows.iter().map(|r| r.map(|r| &sampling[r])).collect(),
+                None => sampling.iter().map(Some).collect(),
+            };
+            let mut mask = Vec::with_capacity(words * masks.len());
+            for s in masks {
+                match s.and_then(|s| s.mask.as_ref()) {
                     Some(m) => mask.extend((0..words).map(|i| m.get(i).copied().unwrap_or(0))),
                     None => mask.extend(std::iter::repeat_n(u32::MAX, words)),
                 }
@@ -416,7 +477,7 @@ impl<B: GraphBackend> GraphExecutor<B> {
             ticket,
             width: (header + g.completion_token_capacity) as usize,
             token_capacity: g.completion_token_capacity,
-            rows: rows.iter().map(|(_, s)| s.map(|s| s.request)).collect(),
+            rows: record_rows,
         });
         Ok(())
     }
@@ -427,8 +488,8 @@ impl<B: GraphBackend> GraphExecutor<B> {
         let header = self.manifest.capacities.completion_record_header_words;
         let vocab = self.manifest.capacities.vocab_size;
         let width = read.width;
-        for (i, request) in read.rows.iter().enumerate() {
-            let Some(request) = *request else { continue };
+        for (i, row) in read.rows.iter().enumerate() {
+            let Some((request, most)) = *row else { continue };
             let words: Vec<u32> = bytes
                 .get(i * width * 4..(i + 1) * width * 4)
                 .ok_or(ExecutorError::Record { row: i, error: RecordError::WrongLength { got: 0, expected: width } })?
@@ -437,11 +498,15 @@ impl<B: GraphBackend> GraphExecutor<B> {
                 .collect();
             let record = CompletionRecord::parse(&words, header, read.token_capacity, vocab)
                 .map_err(|error| ExecutorError::Record { row: i, error })?;
-            let token = match record.tokens.first() {
-                Some(&t) if record.flags & FLAG_SAMPLED != 0 => t,
-                _ => return Err(ExecutorError::NotSampled(i)),
-            };
-            sampled.push(SampledToken { request, token });
+            if record.flags & FLAG_SAMPLED == 0 || record.tokens.is_empty() {
+                return Err(ExecutorError::NotSampled(i));
+            }
+            if record.tokens.len() > most {
+                return Err(ExecutorError::TooManyTokens { row: i, count: record.tokens.len(), most });
+            }
+            // A verify record's tokens, in order: its accepted proposals, then the sample that
+            // ended the round.
+            sampled.extend(record.tokens.iter().map(|&token| SampledToken { request, token }));
         }
         Ok(())
     }
@@ -503,8 +568,7 @@ impl<B: GraphBackend> Executor for GraphExecutor<B> {
                     let batch: Vec<(&ConsumeRow, Option<SampleSpec>)> = rows.iter().map(|r| (r, r.sample)).collect();
                     self.rows(&g, &batch, inputs, &mut reads)?;
                 }
-                // Execution ABI 2 declares no speculative programs, so no scheduler plans one.
-                StepOp::Verify { program, .. } => return Err(ExecutorError::NoSpeculativeProgram(*program)),
+                StepOp::Verify { program, rows } => self.verify(*program, rows, inputs, &mut reads)?,
                 StepOp::Prefill { capacity, row } => {
                     let g = self.bound.prefill(*capacity)?.clone();
                     self.rows(&g, &[(row, row.sample)], inputs, &mut reads)?;
@@ -594,7 +658,7 @@ impl<B: GraphBackend> Executor for GraphExecutor<B> {
 pub fn graph_for(bound: &BoundContract, op: &StepOp) -> Option<GraphId> {
     let g = match op {
         StepOp::Decode { bucket, .. } => bound.decode(*bucket).ok(),
-        StepOp::Verify { .. } => None,
+        StepOp::Verify { program, .. } => bound.speculative(*program).ok(),
         StepOp::Prefill { capacity, .. } => bound.prefill(*capacity).ok(),
         StepOp::ResumeSampling { .. } => bound.resume_sampling(1).ok(),
         StepOp::Initialize { .. } => bound.maintenance(MaintenanceOp::Initialize, 1).ok(),

@@ -156,12 +156,20 @@ pub enum ExecutorError {
     NoSpeculativeProgram(helios_contract::model::SpeculativeProgram),
     #[error("verify row of live row {0} samples nothing")]
     VerifyWithoutSample(u32),
+    #[error("{rows} verify rows exceed the {} requests of program {program:?}", program.requests)]
+    VerifyRows { program: helios_contract::model::SpeculativeProgram, rows: usize },
+    #[error("verify row of live row {live_row} consumes {lanes} tokens; program {program:?} verifies 1 to depth + 1")]
+    VerifyLanes { program: helios_contract::model::SpeculativeProgram, live_row: u32, lanes: usize },
     #[error("packing step inputs: {0}")]
     Pack(#[from] helios_contract::PackError),
     #[error("completion record of row {row}: {error}")]
     Record { row: usize, error: helios_contract::record::RecordError },
     #[error("completion record of row {0} holds no sampled token")]
     NotSampled(usize),
+    /// A decode, prefill or resume record emits one token; a verify record at most one per
+    /// lane its row used (accepted proposals + 1).
+    #[error("completion record of row {row} holds {count} tokens; its row may emit at most {most}")]
+    TooManyTokens { row: usize, count: usize, most: usize },
     #[error("row {0} decodes its pending token, but no sampling op wrote one since it was initialized")]
     NoPendingToken(u32),
     #[error("a device-fed decode row, but the core's graphs do not keep the pending token on the device")]

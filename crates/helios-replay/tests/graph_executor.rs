@@ -160,3 +160,268 @@ fn contiguous_host_transfers_coalesce() {
         assert!(executor.backend().arena[start..start + page_bytes as usize].iter().all(|&b| b == fill), "page {page}");
     }
 }
+
+/// A backend that adds one token to every record a replay writes: a device that claims more
+/// tokens than its row may emit.
+#[derive(Debug)]
+struct Overclaim(Emulator);
+
+impl helios_replay::graph::GraphBackend for Overclaim {
+    fn write(
+        &mut self,
+        buffer: helios_contract::model::BufferId,
+        offset: u64,
+        bytes: &[u8],
+    ) -> Result<(), helios_replay::ExecutorError> {
+        self.0.write(buffer, offset, bytes)
+    }
+    fn read(
+        &mut self,
+        buffer: helios_contract::model::BufferId,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u8>, helios_replay::ExecutorError> {
+        self.0.read(buffer, offset, len)
+    }
+    fn copy(
+        &mut self,
+        src: (helios_contract::model::BufferId, u64),
+        dst: (helios_contract::model::BufferId, u64),
+        len: u64,
+    ) -> Result<(), helios_replay::ExecutorError> {
+        self.0.copy(src, dst, len)
+    }
+    fn replay(&mut self, graph: helios_contract::model::GraphId) -> Result<(), helios_replay::ExecutorError> {
+        self.0.replay(graph)?;
+        let m = self.0.manifest.clone();
+        let g = m.graph(graph).unwrap();
+        let Some(b) = g.binding(helios_contract::model::ValueKind::CompletionRecords) else { return Ok(()) };
+        let start = (m.buffer(b.view.buffer).unwrap().offset + b.view.offset) as usize;
+        for r in 0..b.shape[0] as usize {
+            let at = start + r * b.shape[1] as usize * 4 + 12;
+            let count = u32::from_le_bytes(self.0.arena[at..at + 4].try_into().unwrap());
+            self.0.arena[at..at + 4].copy_from_slice(&(count + 1).to_le_bytes());
+        }
+        Ok(())
+    }
+}
+
+mod speculative {
+    use super::support::device_fixture::{Emulator, device_fixture, device_fixture_with, toy_next};
+    use super::*;
+    use helios_contract::model::{SpeculativeProgram, ValueKind};
+    use helios_contract::{BoundContract, CapacityError};
+    use helios_replay::graph::graph_for;
+    use helios_replay::{Executor, ExecutorError, RowSampling, SamplingParams, StepInputs};
+    use helios_scheduler::{ConsumeRow, RequestId, SampleSpec, SampledToken, Step, StepOp};
+
+    fn verify_step(program: SpeculativeProgram, rows: Vec<ConsumeRow>) -> Step {
+        Step { fence: helios_cache::Fence(1), ops: vec![StepOp::Verify { program, rows }] }
+    }
+
+    fn row(live_row: u32, start: u32, tokens: Vec<u32>, request: u64, counter: u32) -> ConsumeRow {
+        ConsumeRow {
+            live_row,
+            start,
+            tokens,
+            device_token: false,
+            page_table: vec![0, 1],
+            sample: Some(SampleSpec { request: RequestId(request), seed: 40 + request, counter }),
+        }
+    }
+
+    /// A verify round through the (2 requests, depth 3) program: request 0 consumes its pending
+    /// token and two proposals (the first accepted, the second not), request 1 is device-fed. The
+    /// staging views hold the lanes with stride W = 4, and the records' tokens come back as
+    /// samples in order: accepted proposal, then the sample that ended the round.
+    #[test]
+    fn verify_packs_lanes_with_stride_w_and_returns_every_record_token() {
+        let dir = tempfile::tempdir().unwrap();
+        let core = device_fixture_with(dir.path(), &FixtureSpec::speculative(), |f| {
+            f.add_pending_tokens();
+        });
+        let m = core.manifest().clone();
+        let vocab = m.capacities.vocab_size;
+        let mut executor = GraphExecutor::new(&m, Emulator::new(&core)).unwrap();
+        // Decode and speculative graphs read the pending token, every sampling graph writes it.
+        assert!(executor.device_fed_decode());
+
+        // Pending token 10 at position 5: the target samples y0; propose it, then a miss.
+        let y0 = toy_next(10, 5, vocab);
+        let y1 = toy_next(y0, 6, vocab);
+        let miss = (y1 + 1) % vocab;
+        let program = SpeculativeProgram::rectangular(2, 3);
+        let mut device_fed = row(2, 9, vec![], 1, 4);
+        device_fed.device_token = true;
+        let step = verify_step(program, vec![row(1, 5, vec![10, y0, miss], 0, 7), device_fed]);
+        // The device-fed row's pending token, as an earlier step on slot 2 stored it.
+        let pending = m.buffers.iter().find(|b| b.name == "pending_tokens").unwrap().offset as usize;
+        executor.backend_mut().arena[pending + 8..pending + 12].copy_from_slice(&21u32.to_le_bytes());
+        let z0 = toy_next(21, 9, vocab);
+
+        let words = vocab.div_ceil(32) as usize;
+        let mask: Vec<u32> = (0..words as u32).map(|i| 0x0f0f_0000 | i).collect();
+        let mut inputs = StepInputs::default();
+        inputs.sampling.insert(
+            RequestId(0),
+            RowSampling {
+                params: SamplingParams { temperature: 0.5, top_k: 9, ..SamplingParams::default() },
+                mask: Some(mask.clone().into()),
+            },
+        );
+        executor.submit(&step, &inputs).unwrap();
+        let done = executor.synchronize().unwrap();
+        let sample = |request, token| SampledToken { request: RequestId(request), token };
+        assert_eq!(done[0].sampled, vec![sample(0, y0), sample(0, y1), sample(1, z0)]);
+
+        // What was staged, read back from the emulated device.
+        let bound = BoundContract::bind(&m);
+        let g = bound.speculative(program).unwrap();
+        assert_eq!(graph_for(&bound, &step.ops[0]), Some(g.id));
+        let arena = &executor.backend().arena;
+        let staged = |v: ValueKind| {
+            let view = g.view(v).unwrap();
+            let b = m.buffer(view.buffer).unwrap();
+            (view.clone(), &arena[b.offset as usize..b.end() as usize])
+        };
+        let i32s = |v| {
+            let (view, bytes) = staged(v);
+            view.read::<i32>(bytes).unwrap()
+        };
+        assert_eq!(i32s(ValueKind::TokenIds), vec![10, y0 as i32, miss as i32, -1, -1, -1, -1, -1]);
+        assert_eq!(i32s(ValueKind::Positions), vec![5, 6, 7, 0, 9, 0, 0, 0]);
+        assert_eq!(i32s(ValueKind::QueryLengths), vec![3, 1]);
+        assert_eq!(i32s(ValueKind::RequestSlots), vec![1, 2]);
+        assert_eq!(i32s(ValueKind::TopK), vec![9, 0]);
+        assert_eq!(i32s(ValueKind::PageTable)[..2], [0, 1]);
+        let (view, bytes) = staged(ValueKind::RngCounter);
+        assert_eq!(view.read::<u64>(bytes).unwrap(), vec![7, 4], "the counter of lane 0");
+        let (view, bytes) = staged(ValueKind::RngSeed);
+        assert_eq!(view.read::<u64>(bytes).unwrap(), vec![40, 41]);
+        let (view, bytes) = staged(ValueKind::Temperature);
+        assert_eq!(view.read::<f32>(bytes).unwrap(), vec![0.5, 1.0]);
+        // One mask per lane: request 0's on its three used lanes, every other lane unmasked.
+        let (view, bytes) = staged(ValueKind::GrammarMask);
+        assert_eq!(view.shape, vec![8, words as u64]);
+        let lanes: Vec<Vec<u32>> = view.read::<u32>(bytes).unwrap().chunks(words).map(<[u32]>::to_vec).collect();
+        let open = vec![u32::MAX; words];
+        assert_eq!(
+            lanes,
+            vec![mask.clone(), mask.clone(), mask, open.clone(), open.clone(), open.clone(), open.clone(), open]
+        );
+        // The emulated program stored each request's last emitted token as its pending token.
+        let pending_of =
+            |slot: usize| u32::from_le_bytes(arena[pending + 4 * slot..pending + 4 * slot + 4].try_into().unwrap());
+        assert_eq!((pending_of(1), pending_of(2)), (y1, z0));
+    }
+
+    /// Every proposal accepted: the record holds W tokens (depth + 1), all of them samples.
+    #[test]
+    fn a_fully_accepted_round_emits_depth_plus_one_tokens() {
+        let dir = tempfile::tempdir().unwrap();
+        let core = device_fixture(dir.path(), &FixtureSpec::speculative());
+        let m = core.manifest().clone();
+        let vocab = m.capacities.vocab_size;
+        let mut executor = GraphExecutor::new(&m, Emulator::new(&core)).unwrap();
+        // The speculative graphs here keep no pending token: nothing is device-fed.
+        assert!(!executor.device_fed_decode());
+        let mut chain = vec![3u32];
+        for j in 0..4 {
+            chain.push(toy_next(chain[j], 20 + j as u32, vocab));
+        }
+        let step = verify_step(SpeculativeProgram::rectangular(1, 3), vec![row(1, 20, chain[..4].to_vec(), 5, 0)]);
+        executor.submit(&step, &StepInputs::default()).unwrap();
+        let done = executor.synchronize().unwrap();
+        let tokens: Vec<u32> = done[0].sampled.iter().map(|s| s.token).collect();
+        assert_eq!(tokens, chain[1..].to_vec());
+        assert!(done[0].sampled.iter().all(|s| s.request == RequestId(5)));
+    }
+
+    #[test]
+    fn verify_outside_the_cores_programs_is_a_typed_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let core = device_fixture(dir.path(), &FixtureSpec::speculative());
+        let m = core.manifest().clone();
+        let bound = BoundContract::bind(&m);
+        let mut executor = GraphExecutor::new(&m, Emulator::new(&core)).unwrap();
+        let rows = || vec![row(1, 0, vec![1, 2], 0, 0)];
+        // (2, 2) is not captured; (2, 3) is, but is not looked up in its place.
+        let missing = verify_step(SpeculativeProgram::rectangular(2, 2), rows());
+        assert_eq!(graph_for(&bound, &missing.ops[0]), None);
+        assert_eq!(
+            executor.submit(&missing, &StepInputs::default()),
+            Err(ExecutorError::Capacity(CapacityError::MissingProgram { requests: 2, depth: 2 }))
+        );
+        // Rows that do not fit the program.
+        let program = SpeculativeProgram::rectangular(1, 3);
+        let two = verify_step(program, vec![row(1, 0, vec![1], 0, 0), row(2, 0, vec![1], 1, 0)]);
+        assert_eq!(executor.submit(&two, &StepInputs::default()), Err(ExecutorError::VerifyRows { program, rows: 2 }));
+        let deep = verify_step(program, vec![row(1, 0, vec![1, 2, 3, 4, 5], 0, 0)]);
+        assert_eq!(
+            executor.submit(&deep, &StepInputs::default()),
+            Err(ExecutorError::VerifyLanes { program, live_row: 1, lanes: 5 })
+        );
+        let mut silent = row(1, 0, vec![1, 2], 0, 0);
+        silent.sample = None;
+        assert_eq!(
+            executor.submit(&verify_step(program, vec![silent]), &StepInputs::default()),
+            Err(ExecutorError::VerifyWithoutSample(1))
+        );
+        // Graphs without the pending token cannot take a device-fed row.
+        let mut device_fed = row(1, 3, vec![], 0, 0);
+        device_fed.device_token = true;
+        assert_eq!(
+            executor.submit(&verify_step(program, vec![device_fed]), &StepInputs::default()),
+            Err(ExecutorError::DeviceFedUnsupported)
+        );
+
+        // A core of an older ABI has no programs at all.
+        let dir = tempfile::tempdir().unwrap();
+        let core = device_fixture(dir.path(), &FixtureSpec::abi2());
+        let mut executor = GraphExecutor::new(core.manifest(), Emulator::new(&core)).unwrap();
+        assert_eq!(
+            executor.submit(&verify_step(program, rows()), &StepInputs::default()),
+            Err(ExecutorError::Capacity(CapacityError::MissingProgram { requests: 1, depth: 3 }))
+        );
+    }
+
+    /// A record may emit at most one token per lane its row used (a decode record exactly one).
+    #[test]
+    fn records_claiming_more_tokens_than_lanes_are_rejected() {
+        let dir = tempfile::tempdir().unwrap();
+        let core = device_fixture(dir.path(), &FixtureSpec::speculative());
+        let m = core.manifest().clone();
+        let mut executor = GraphExecutor::new(&m, super::Overclaim(Emulator::new(&core))).unwrap();
+        let program = SpeculativeProgram::rectangular(1, 3);
+        // Pending token and one proposal, rejected: one token, claimed as two, fits two lanes…
+        executor.submit(&verify_step(program, vec![row(1, 0, vec![1, 63], 0, 0)]), &StepInputs::default()).unwrap();
+        assert_eq!(executor.synchronize().unwrap()[0].sampled.len(), 2);
+        // …but a lone pending token has one lane.
+        executor.submit(&verify_step(program, vec![row(1, 0, vec![1], 0, 0)]), &StepInputs::default()).unwrap();
+        assert_eq!(executor.synchronize(), Err(ExecutorError::TooManyTokens { row: 0, count: 2, most: 1 }));
+
+        let mut executor = GraphExecutor::new(&m, super::Overclaim(Emulator::new(&core))).unwrap();
+        let decode = Step {
+            fence: helios_cache::Fence(1),
+            ops: vec![StepOp::Decode { bucket: 1, rows: vec![row(1, 0, vec![1], 0, 0)] }],
+        };
+        executor.submit(&decode, &StepInputs::default()).unwrap();
+        assert_eq!(executor.synchronize(), Err(ExecutorError::TooManyTokens { row: 0, count: 2, most: 1 }));
+    }
+
+    /// Device-fed generation needs every speculative graph to read and write the pending token.
+    #[test]
+    fn device_fed_needs_speculative_graphs_that_keep_the_pending_token() {
+        let dir = tempfile::tempdir().unwrap();
+        let core = device_fixture_with(dir.path(), &FixtureSpec::speculative(), |f| {
+            f.add_pending_tokens();
+            let kind = helios_contract::pb::GraphKind::Speculative as i32;
+            let pending = helios_contract::pb::ValueKind::PendingTokens as i32;
+            for g in f.manifest.graphs.iter_mut().filter(|g| g.kind == kind) {
+                g.bindings.retain(|b| b.value != pending);
+            }
+        });
+        let executor = GraphExecutor::new(core.manifest(), Emulator::new(&core)).unwrap();
+        assert!(!executor.device_fed_decode());
+    }
+}

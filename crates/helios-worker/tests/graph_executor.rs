@@ -134,3 +134,46 @@ fn device_fed_requests_run_with_two_steps_in_flight() {
     assert_eq!(finished.len(), 3);
     assert!(finished.iter().all(|f| f.output.len() == 10 && finish(f).cause == FinishCause::Length));
 }
+
+/// Whole requests with copy proposals verified through the fixture's speculative programs, host-
+/// and device-fed, records landing at once or a turn later. The emulated programs verify with a
+/// toy sampler of their own (not the decode graph's), so outputs differ from a run without
+/// speculation; what must hold is that every round's multi-token records land as samples the
+/// scheduler accepts: each request completes at its length, and storage drains.
+#[test]
+fn speculative_rounds_replay_through_records() {
+    let spec = FixtureSpec::speculative();
+    for (device_fed, deferred) in [(false, false), (false, true), (true, true)] {
+        let dir = tempfile::tempdir().unwrap();
+        let core = device_fixture_with(dir.path(), &spec, |f| {
+            if device_fed {
+                f.add_pending_tokens();
+            }
+        });
+        let m = core.manifest().clone();
+        let mut emulator = Emulator::new(&core);
+        emulator.deferred = deferred;
+        let executor = GraphExecutor::new(&m, emulator).unwrap();
+        assert_eq!(helios_replay::Executor::device_fed_decode(&executor), device_fed);
+        let config = SchedulerConfig { device_fed_decode: device_fed, speculative_depth: 3, ..test_config(4) };
+        let scheduler = Scheduler::new(m.cache_scheme.clone(), m.capacities.clone(), config).unwrap();
+        let mut d = LoopDriver::new(scheduler, executor, m.capacities.vocab_size).unwrap();
+        for p in 0..3u32 {
+            // Repetitive prompts: the history offers copy proposals.
+            let tokens = (0..48).map(|i| (i % 6) * 5 + p).collect();
+            d.submit(request(tokens, 24, 1)).unwrap();
+        }
+        d.drain().unwrap();
+        let finished = d.take_ended();
+        assert_eq!(finished.len(), 3);
+        for f in &finished {
+            assert_eq!((f.output.len(), finish(f).cause), (24, FinishCause::Length), "device-fed {device_fed}");
+            assert!(f.output.iter().all(|&t| t < spec.vocab_size));
+        }
+        let scheduler = d.scheduler_mut();
+        let stats = scheduler.stats();
+        assert!(stats.verify_steps > 0 && stats.proposed_tokens > 0, "no speculative round (device-fed {device_fed})");
+        scheduler.evict_cache();
+        assert!(scheduler.all_storage_free());
+    }
+}

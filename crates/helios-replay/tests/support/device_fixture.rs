@@ -1,11 +1,15 @@
 //! The fixture core made executable: PTX kernels implementing its two recorded parameter
 //! layouts, and a CPU emulation of the same graphs over a host arena. Shared by the CPU
 //! executor test and the device qualification example.
+//!
+//! Speculative graphs are emulated only: after their nodes run, [`emulate`] rewrites their
+//! records with a toy verifier ([`toy_next`]), and the PTX sampler writes records of the
+//! first graph's width, which is not theirs.
 #![allow(dead_code, unreachable_pub, clippy::unwrap_used, clippy::expect_used)]
 
 use helios_contract::fixtures::{Fixture, FixtureSpec};
-use helios_contract::model::{BufferId, GraphId, Manifest, NodeOp, Payload};
-use helios_contract::record::{FLAG_SAMPLED, RECORD_MAGIC};
+use helios_contract::model::{BufferId, Graph, GraphId, GraphKind, Manifest, NodeOp, Payload, ValueKind};
+use helios_contract::record::{FLAG_EOS, FLAG_SAMPLED, RECORD_MAGIC};
 use helios_contract::{RuntimeCore, core::sha256_hex, pb};
 use helios_replay::ExecutorError;
 use helios_replay::graph::GraphBackend;
@@ -117,6 +121,76 @@ pub fn record_words(m: &Manifest) -> u64 {
         .shape[1]
 }
 
+/// Record words of one graph's records (speculative graphs have `header + W`).
+fn graph_record_words(m: &Manifest, g: &Graph) -> u64 {
+    g.binding(ValueKind::CompletionRecords).map_or_else(|| record_words(m), |b| b.shape[1])
+}
+
+/// The emulated speculative target: the token sampled after consuming `token` at `position`.
+/// Tests craft accepted proposals with it.
+pub fn toy_next(token: u32, position: u32, vocab: u32) -> u32 {
+    token.wrapping_mul(7).wrapping_add(position).wrapping_add(3) % vocab
+}
+
+/// A speculative graph's verification (spec 21), with [`toy_next`] as the sampler: per request
+/// `i` with `q = QUERY_LENGTHS[i] > 0` lanes, `y_j = toy_next(token_j, position_j)` (a negative
+/// lane-0 token reads the slot's pending token), accepted `a` = the longest prefix of proposals
+/// equal to the samples before them (stopping after an EOS), record = `y_0 ..= y_a`, pending
+/// token = `y_a`.
+fn emulate_verify(m: &Manifest, g: &Graph, arena: &mut [u8]) {
+    let at = |v: ValueKind| g.binding(v).map(|b| m.buffer(b.view.buffer).unwrap().offset + b.view.offset);
+    let (tokens, positions, query, slots) = (
+        at(ValueKind::TokenIds).unwrap(),
+        at(ValueKind::Positions).unwrap(),
+        at(ValueKind::QueryLengths).unwrap(),
+        at(ValueKind::RequestSlots).unwrap(),
+    );
+    let (records, counters, pending) =
+        (at(ValueKind::CompletionRecords).unwrap(), at(ValueKind::RngCounter), at(ValueKind::PendingTokens));
+    let (vocab, header) = (m.capacities.vocab_size, u64::from(m.capacities.completion_record_header_words));
+    let eos = &m.frontend.eos_token_ids;
+    let rw = graph_record_words(m, g);
+    let w = u64::from(g.capacity.proposal_depth) + 1;
+    for i in 0..u64::from(g.capacity.request_count) {
+        let q = u32_at(arena, query + 4 * i) as i32;
+        if q <= 0 {
+            continue;
+        }
+        let slot = u32_at(arena, slots + 4 * i);
+        let lane = |arena: &[u8], j: u64| {
+            let t = u32_at(arena, tokens + 4 * (i * w + j)) as i32;
+            let t =
+                if t < 0 { u32_at(arena, pending.expect("device-fed lane") + 4 * u64::from(slot)) } else { t as u32 };
+            (t, u32_at(arena, positions + 4 * (i * w + j)))
+        };
+        let mut emitted = Vec::new();
+        for j in 0..q as u64 {
+            let (t, p) = lane(arena, j);
+            let y = toy_next(t, p, vocab);
+            emitted.push(y);
+            let next = (j + 1 < q as u64).then(|| lane(arena, j + 1).0);
+            if next != Some(y) || eos.contains(&y) {
+                break;
+            }
+        }
+        let last = *emitted.last().unwrap();
+        let start = lane(arena, 0).1;
+        let at = records + 4 * i * rw;
+        put_u32(arena, at + 4, slot);
+        put_u32(arena, at + 8, FLAG_SAMPLED | if eos.contains(&last) { FLAG_EOS } else { 0 });
+        put_u32(arena, at + 12, emitted.len() as u32);
+        put_u32(arena, at + 16, start + emitted.len() as u32);
+        put_u32(arena, at + 20, counters.map_or(0, |c| u32_at(arena, c + 8 * i)));
+        for (k, &y) in emitted.iter().enumerate() {
+            put_u32(arena, at + 4 * (header + k as u64), y);
+        }
+        put_u32(arena, at, RECORD_MAGIC);
+        if let Some(pending) = pending {
+            put_u32(arena, pending + 4 * u64::from(slot), last);
+        }
+    }
+}
+
 /// The fixture core (`spec`) with PTX kernels, written to `dir` and opened.
 pub fn device_fixture(dir: &std::path::Path, spec: &FixtureSpec) -> RuntimeCore {
     device_fixture_with(dir, spec, |_| {})
@@ -161,7 +235,7 @@ pub fn emulate(m: &Manifest, graph: GraphId, arena: &mut [u8], base: u64) {
     let g = m.graphs.iter().find(|g| g.id == graph).expect("graph");
     let vocab = m.capacities.vocab_size;
     let header = u64::from(m.capacities.completion_record_header_words);
-    let rw = record_words(m);
+    let rw = graph_record_words(m, g);
     let addr = |buffer: BufferId, off: u64| m.buffer(buffer).unwrap().offset + off;
     let mut done = vec![false; g.nodes.len()];
     while done.iter().any(|d| !d) {
@@ -233,6 +307,9 @@ pub fn emulate(m: &Manifest, graph: GraphId, arena: &mut [u8], base: u64) {
             }
             done[i] = true;
         }
+    }
+    if g.kind == GraphKind::Speculative {
+        emulate_verify(m, g, arena);
     }
 }
 
