@@ -229,8 +229,10 @@ fn serves_chat_completions_with_usage_and_cached_tokens() {
 fn typed_errors_before_headers_and_in_streams() {
     let server = Server::start(&[]);
     let user = json!([{"role": "user", "content": "hello"}]);
+    // Temperature 0 is greedy decoding, as OpenAI-compatible servers treat it.
+    assert_eq!(server.post("/v1/chat/completions", &chat(user.clone(), json!({"temperature": 0}))).0, 200);
     let cases: Vec<(Value, u16, &str)> = vec![
-        (chat(user.clone(), json!({"temperature": 0})), 400, "invalid_parameter"),
+        (chat(user.clone(), json!({"temperature": -0.5})), 400, "invalid_parameter"),
         (chat(user.clone(), json!({"max_tokens": 0})), 400, "invalid_max_tokens"),
         (chat(user.clone(), json!({"top_p": 2})), 400, "invalid_parameter"),
         (chat(user.clone(), json!({"n": 0})), 400, "invalid_choice_count"),
@@ -869,7 +871,7 @@ fn metrics_expose_vllm_style_families_and_count_failures() {
     }
     // Failures before admission: validation (400), an unparsable body (400), an unknown model (404).
     let user = json!([{"role": "user", "content": "hi"}]);
-    assert_eq!(server.post("/v1/chat/completions", &chat(user.clone(), json!({"temperature": 0}))).0, 400);
+    assert_eq!(server.post("/v1/chat/completions", &chat(user.clone(), json!({"temperature": -1}))).0, 400);
     assert_eq!(server.request("POST", "/v1/chat/completions", Some("application/json"), "{bad").0, 400);
     assert_eq!(server.post("/v1/messages", &json!({"model": "nope", "max_tokens": 4, "messages": user})).0, 404);
 

@@ -18,7 +18,8 @@ pub struct SamplingRequest {
 }
 
 /// Effective parameters. Invariant: `temperature > 0`, every value finite and inside
-/// the core's range, `1 <= max_output_tokens <= cap` (the deployment's output cap).
+/// the core's range (greedy requests aside: temperature 1 and top-k 1, see
+/// [`resolve_sampling`]), `1 <= max_output_tokens <= cap` (the deployment's output cap).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ResolvedSampling {
     pub temperature: f64,
@@ -42,21 +43,23 @@ fn pick(name: &'static str, p: &SamplingParameter, v: Option<f64>) -> Result<f64
     Ok(p.resolve(finite(name, v)?))
 }
 
-/// Clamps the request into the core's ranges. A non-positive temperature, requested or
-/// resolved, is rejected: greedy decoding is not offered. The output limit is the request's,
-/// else the core's default (`d.max_output_tokens`), clamped to `cap`, the deployment's
-/// stated output cap.
+/// Clamps the request into the core's ranges. A requested temperature of 0 is greedy
+/// decoding, as OpenAI-compatible servers treat it: temperature 1 and top-k 1, so the device
+/// sampler keeps only the most probable token (exact ties all kept, drawn by the seed);
+/// penalties still apply. A negative temperature, or a non-positive resolved one, is
+/// rejected. The output limit is the request's, else the core's default
+/// (`d.max_output_tokens`), clamped to `cap`, the deployment's stated output cap.
 pub fn resolve_sampling(
     d: &SamplingDefaults,
     r: &SamplingRequest,
     cap: u32,
 ) -> Result<ResolvedSampling, SamplingError> {
-    if let Some(t) = finite("temperature", r.temperature)?
-        && t <= 0.0
-    {
-        return Err(SamplingError::NonPositiveTemperature(t));
-    }
-    let temperature = pick("temperature", &d.temperature, r.temperature)?;
+    let greedy = match finite("temperature", r.temperature)? {
+        Some(t) if t < 0.0 => return Err(SamplingError::NonPositiveTemperature(t)),
+        Some(t) => t == 0.0,
+        None => false,
+    };
+    let temperature = if greedy { 1.0 } else { pick("temperature", &d.temperature, r.temperature)? };
     if temperature <= 0.0 {
         return Err(SamplingError::NonPositiveTemperature(temperature));
     }
@@ -68,7 +71,8 @@ pub fn resolve_sampling(
     if max_output_tokens == 0 {
         return Err(SamplingError::ZeroMaxTokens);
     }
-    let top_k = pick("top_k", &d.top_k, r.top_k)?.round().clamp(0.0, f64::from(u32::MAX)) as u32;
+    let top_k =
+        if greedy { 1 } else { pick("top_k", &d.top_k, r.top_k)?.round().clamp(0.0, f64::from(u32::MAX)) as u32 };
     Ok(ResolvedSampling {
         temperature,
         top_k,
@@ -123,10 +127,14 @@ mod tests {
     }
 
     #[test]
-    fn zero_temperature_rejected() {
+    fn zero_temperature_is_greedy_and_negative_rejected() {
         let d = defaults();
-        let req = SamplingRequest { temperature: Some(0.0), ..Default::default() };
-        assert_eq!(resolve_sampling(&d, &req, 4096), Err(SamplingError::NonPositiveTemperature(0.0)));
+        // Below the core's temperature range (0.01..): greedy, not clamped to 0.01.
+        let req = SamplingRequest { temperature: Some(0.0), top_k: Some(50.0), ..Default::default() };
+        let r = resolve_sampling(&d, &req, 4096).expect("greedy");
+        assert_eq!((r.temperature, r.top_k, r.top_p), (1.0, 1, 0.8));
+        let req = SamplingRequest { temperature: Some(-0.5), ..Default::default() };
+        assert_eq!(resolve_sampling(&d, &req, 4096), Err(SamplingError::NonPositiveTemperature(-0.5)));
         let req = SamplingRequest { top_p: Some(f64::NAN), ..Default::default() };
         assert_eq!(resolve_sampling(&d, &req, 4096), Err(SamplingError::NotFinite { name: "top_p" }));
         let mut d0 = d;

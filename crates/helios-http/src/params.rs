@@ -54,9 +54,9 @@ pub(crate) struct RawSampling {
 
 impl RawSampling {
     /// Checks OpenAI's documented ranges; the core's ranges clamp afterwards. Temperature 0
-    /// (greedy) is not a prepared sampling mode and is rejected.
+    /// asks for greedy decoding (`helios_frontend::sampling::resolve_sampling`).
     pub(crate) fn validate(self, max_tokens_param: &str) -> Result<SamplingRequest, ApiError> {
-        range("temperature", self.temperature, 0.0, 2.0, true)?;
+        range("temperature", self.temperature, 0.0, 2.0, false)?;
         range("top_p", self.top_p, 0.0, 1.0, true)?;
         range("min_p", self.min_p, 0.0, 1.0, false)?;
         range("presence_penalty", self.presence_penalty, -2.0, 2.0, false)?;
@@ -336,9 +336,11 @@ mod tests {
     fn ranges_reject_out_of_bounds() {
         let ok = RawSampling { temperature: Some(0.7), top_p: Some(1.0), max_tokens: Some(5), ..Default::default() };
         assert!(ok.validate("max_tokens").is_ok());
+        let greedy = RawSampling { temperature: Some(0.0), ..Default::default() };
+        assert_eq!(greedy.validate("max_tokens").expect("greedy").temperature, Some(0.0));
         for bad in [
-            RawSampling { temperature: Some(0.0), ..Default::default() },
-            RawSampling { temperature: Some(-1.0), ..Default::default() },
+            RawSampling { temperature: Some(-0.1), ..Default::default() },
+            RawSampling { temperature: Some(2.5), ..Default::default() },
             RawSampling { top_p: Some(2.0), ..Default::default() },
             RawSampling { max_tokens: Some(0), ..Default::default() },
             RawSampling { top_k: Some(1.5), ..Default::default() },
