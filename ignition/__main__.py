@@ -77,9 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     prepare.add_argument(
         "--speculative-depth",
         type=int,
-        default=7,
-        help="proposals per request the speculative programs verify at most (0: none); larger buckets verify "
-        "fewer, within 16 lanes per program",
+        default=0,
+        help="proposals per request the speculative programs verify at most (0, the default until they are "
+        "qualified on the device: none); larger buckets verify fewer, within 16 lanes per program",
     )
     rnd = sub.add_parser("random-checkpoint", help="a seeded random-weight checkpoint of a config.json")
     rnd.add_argument("--config", required=True, type=Path)

@@ -206,8 +206,10 @@ class PrepareOptions:
     reference_prompts: Path | None = None
     dump_io: bool = False
     # Proposals per request the speculative programs verify at most (0: no speculative programs);
-    # larger buckets verify fewer (their lanes stay within `MAX_VERIFY_LANES`).
-    speculative_depth: int = 7
+    # larger buckets verify fewer (their lanes stay within `MAX_VERIFY_LANES`). Off by default
+    # until the programs are qualified on the device (2026-12-05: their lanes did not yet sample
+    # what decode samples there; see qualification/device_2026-12-05_s10.md).
+    speculative_depth: int = 0
 
 
 def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> dict[str, Any]:
