@@ -206,7 +206,8 @@ case "$STAGE" in
       for _ in $(seq 1 540); do grep -q "ready: listening" "$OUT/serve_$run.log" && break; kill -0 $pid 2>/dev/null || break; sleep 1; done
       t1=$(date +%s.%N)
       curl -s http://127.0.0.1:8123/v1/chat/completions -H 'content-type: application/json' \
-        -d '{"model":"x","messages":[{"role":"user","content":"Hello"}],"max_tokens":16}' > "$OUT/reply_$run.json"
+        -d '{"model":"default-smollm2-135m-instruct","messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":24,"temperature":0}' \
+        > "$OUT/reply_$run.json"
       kill -TERM $pid; wait $pid
       echo "$run: ready after $(python3 -c "print(round($t1-$t0,2))") s"
     done | tee "$OUT/serve_default.txt" ;;
