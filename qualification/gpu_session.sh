@@ -22,6 +22,7 @@
 #                                        and prepare in a child process), then starts again from the cached core
 #   q35-prepare                          the seeded random Qwen3.5 (0.8B text geometry): random-checkpoint, prepare
 #   q35-all      (carry .dev/b1 .dev/b2) after q35-prepare: serving + agent bench, floor, bitwise, lifecycle, breakdown
+#   spec-diag                            issue 21: speculative lanes against decode, tiny model, every variant (~3 min)
 #   q35-bw       (carry .dev/b2)         the Qwen3.5 core with gemv decode projections and the chunked GDN prefill (bg)
 #   r1b-measure-only                     as smol-measure for the 1B core (no Transformers run)
 #   r1b-serve, r1b-native                r1b-measure-only in two calls (serving; Rust bitwise + lifecycle +
@@ -237,6 +238,9 @@ case "$STAGE" in
     timeout 120 python3 qualification/gdn_components.py "$OUT/gdn_components.json" > "$OUT/gdn_components.log" 2>&1
     echo "gdn_components rc=$?"
     bw_measure /tmp/q35 /tmp/q35core_bw bw ;;
+  spec-diag)  # issue 21: speculative lanes against decode on a tiny model (kernels, compile, gemv, precision casts)
+    timeout 500 python3 qualification/speculative_diag.py > "$OUT/speculative_diag.jsonl" 2> "$OUT/speculative_diag.log"
+    echo "speculative_diag rc=$?"; cut -c1-400 "$OUT/speculative_diag.jsonl" ;;
   r1b-measure-only)
     measure /tmp/r1b /tmp/r1bcore ;;
   r1b-serve)  # SPLIT_MEASURE=1: the serving half of r1b-measure-only; r1b-native runs the rest

@@ -261,14 +261,24 @@ def _launch_delta_rule(
     )
 
 
-def store_rows(h: torch.Tensor, rows: torch.Tensor, live: torch.Tensor, block: int = 256) -> torch.Tensor:
-    """h [B, N] into rows [R, N] (a strided view) at each lane's live row (negative: nowhere);
-    returns a fresh copy of h, for the step to consume."""
+def store_rows(
+    h: torch.Tensor,
+    rows: torch.Tensor,
+    live: torch.Tensor,
+    stamps: torch.Tensor,
+    consumed: torch.Tensor,
+    block: int = 256,
+) -> torch.Tensor:
+    """h [B, N] into rows [R, N] (a strided view) at each lane's live row (negative: nowhere), and
+    the lane's consumed count into that row's stamp (`stamps` [R, 2] int32, a strided view;
+    the epoch word is left as it is); returns a fresh copy of h, for the step to consume."""
     b, n = h.shape
     out = torch.empty_like(h)
     if b:
         grid = (b, -(-n // block))
-        _kernels().store_row_kernel[grid](h, rows, live, out, n, h.stride(0), rows.stride(0), BLOCK=block)
+        _kernels().store_row_kernel[grid](
+            h, rows, live, out, stamps, consumed, n, h.stride(0), rows.stride(0), stamps.stride(0), BLOCK=block
+        )
     return out
 
 
@@ -370,13 +380,19 @@ def gdn_ops() -> tuple[CustomOpDef, CustomOpDef, CustomOpDef]:
         return torch.empty(q.shape[0], v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
 
     @custom_op("flare::store_row", mutates_args=())
-    def store(h: torch.Tensor, rows: torch.Tensor, live: torch.Tensor, offset: int) -> torch.Tensor:
+    def store(
+        h: torch.Tensor, rows: torch.Tensor, live: torch.Tensor, offset: int, consumed: torch.Tensor, stamp: int
+    ) -> torch.Tensor:
         view = _region(rows, offset, h.shape[1] * h.element_size(), h.dtype, (h.shape[1],))
+        stamps = _region(rows, stamp, 8, torch.int32, (2,))
         _int32(live, None)
-        return store_rows(h.contiguous(), view, live)
+        _int32(consumed, None)
+        return store_rows(h.contiguous(), view, live, stamps, consumed)
 
     @store.register_fake
-    def _(h: torch.Tensor, rows: torch.Tensor, live: torch.Tensor, offset: int) -> torch.Tensor:
+    def _(
+        h: torch.Tensor, rows: torch.Tensor, live: torch.Tensor, offset: int, consumed: torch.Tensor, stamp: int
+    ) -> torch.Tensor:
         return torch.empty_like(h)
 
     return conv, delta, store

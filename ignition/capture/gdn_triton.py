@@ -246,9 +246,10 @@ def delta_rule_chunked_kernel(
 
 
 @triton.jit
-def store_row_kernel(H, ROWS, LIVE, OUT, N, sh, sr, BLOCK: tl.constexpr):
+def store_row_kernel(H, ROWS, LIVE, OUT, STAMPS, CONSUMED, N, sh, sr, ss, BLOCK: tl.constexpr):
     """Program (lane, block): the lane's vector into its live row (none for a negative row) and
-    into OUT, the copy the step consumes downstream."""
+    into OUT, the copy the step consumes downstream; block 0 also writes the lane's consumed
+    count into the row's stamp (word 0; the epoch, word 1, is not touched)."""
     lane = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
@@ -256,3 +257,5 @@ def store_row_kernel(H, ROWS, LIVE, OUT, N, sh, sr, BLOCK: tl.constexpr):
     x = tl.load(H + lane * sh + i, mask=m, other=0.0)
     tl.store(OUT + lane * sh + i, x, mask=m)
     tl.store(ROWS + tl.where(row >= 0, row, 0) * sr + i, x, mask=m & (i * 0 + row >= 0))
+    c = tl.load(CONSUMED + lane + i * 0)
+    tl.store(STAMPS + tl.where(row >= 0, row, 0) * ss + i * 0, c, mask=(i == 0) & (i * 0 + row >= 0))

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ignition.capture import gdn
 from ignition.capture.attention import attend_gather, rotate
 from ignition.capture.gemv import Problem, Variant
-from ignition.capture.paged import GEMV_MAX_ROWS, Geometry, PagedLlama
+from ignition.capture.paged import GEMV_MAX_ROWS, STAMP_BYTES, Geometry, PagedLlama
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -80,6 +80,9 @@ class HybridGeometry(Geometry):
             out.append({"name": f"layer{i}.recurrent", "kind": "recurrent_state", "offset": at, "byte_size": recurrent})
             at += _up(recurrent)
         out.append({"name": "final_hidden", "kind": "hidden_vector", "offset": at, "byte_size": self.hidden * 2})
+        # The stamp right after the hidden vector (4-byte aligned: the hidden size is even).
+        at += self.hidden * 2
+        out.append({"name": "stamp", "kind": "position_metadata", "offset": at, "byte_size": STAMP_BYTES})
         return out
 
     @property
@@ -228,11 +231,23 @@ class PagedQwen35(PagedLlama):
         shape = (g.gdn_value_heads, g.gdn_key_dim, g.gdn_value_dim)
         return self._region(rows, f"layer{layer}.recurrent", torch.float32, shape)
 
-    def _store_rows(self, rows: torch.Tensor, slots: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def hidden_offset(self) -> int:
+        return int(self.regions["final_hidden"]["offset"])
+
+    def _store_rows(
+        self, rows: torch.Tensor, slots: torch.Tensor, h: torch.Tensor, consumed: torch.Tensor
+    ) -> torch.Tensor:
         if self.gdn is None:
-            return super()._store_rows(rows, slots, h)
+            return super()._store_rows(rows, slots, h, consumed)
         live = torch.where((slots >= 0) & (slots < rows.shape[0]), slots, -1).int()
-        out: torch.Tensor = self.gdn[2](h.to(torch.bfloat16), rows, live, self.regions["final_hidden"]["offset"])
+        out: torch.Tensor = self.gdn[2](
+            h.to(torch.bfloat16),
+            rows,
+            live,
+            self.regions["final_hidden"]["offset"],
+            consumed.to(torch.int32),
+            self.stamp_offset(),
+        )
         return out
 
     def cache_scheme(self) -> dict[str, Any]:

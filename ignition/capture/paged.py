@@ -11,7 +11,11 @@ State and its invariants (row indices follow the cache scheme: row 0 is the null
   (negative slot) go to the trash page, so they never race a real write.
 - `rows[r]` is the final (normed) hidden vector of the last token consumed by row r: what resume
   sampling projects and samples from, what snapshot and restore copy. Row 0, the null row, is
-  never written (padding lanes store its own bytes back).
+  never written (padding lanes store its own bytes back). Every row ends in its stamp
+  (`STAMP_BYTES`: consumed count, epoch; i32 each): a live row's consumed count is written by
+  every step that consumes into it, its epoch by initialize (0) and restore; a snapshot row's
+  stamp is its checkpoint's. Snapshot and restore check the source's stamp against the
+  expected (consumed, epoch) before writing anything, and report the outcome in a record.
 - `hist[r]` counts live row r's prompt (added once at admission by admit_histogram, after
   initialize or restore cleared the row) and every token sampled since (request state, outside
   every checkpoint). Penalties read it.
@@ -40,6 +44,10 @@ if TYPE_CHECKING:
     from ignition.recipes.llama import LlamaFamilyConfig
 
 RECORD_MAGIC = 0x464C_5243
+# A maintenance record's flag: the op's check failed and it wrote nothing (helios_contract::record).
+FLAG_CHECKPOINT_REJECTED = 1 << 3
+# A continuation row's stamp: consumed count and epoch, i32 each, at the end of the row.
+STAMP_BYTES = 8
 # Without the few-row projection kernel (`flare::gemv`), decode buckets and single-row projections
 # run their GEMMs over at least this many rows (padding rows are inert). A GEMM tile holds 16 rows
 # anyway, so it costs nothing on the GPU, and every bucket then shares one GEMM shape: one
@@ -98,8 +106,8 @@ class Geometry:
 
     @property
     def row_bytes(self) -> int:
-        """One continuation row: the final hidden vector (bf16)."""
-        return self.hidden * 2
+        """One continuation row: the final hidden vector (bf16), then the stamp."""
+        return self.hidden * 2 + STAMP_BYTES
 
     def state_bytes(self) -> int:
         """KV pages (with the trash page), continuation rows, histograms and pending tokens."""
@@ -362,12 +370,34 @@ class PagedLlama:
 
     # -- continuation rows ---------------------------------------------------------------------
     def row_storage(self) -> tuple[tuple[int, ...], torch.dtype]:
-        """Shape and dtype of the continuation rows tensor (this recipe: the final hidden vector)."""
-        return (self.geo.total_rows, self.geo.hidden), torch.bfloat16
+        """Shape and dtype of the continuation rows tensor (this recipe: the final hidden vector
+        and the stamp, as bf16 words)."""
+        return (self.geo.total_rows, self.geo.hidden + STAMP_BYTES // 2), torch.bfloat16
 
     def hidden_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """The [R, hidden] view of the rows' saved final hidden vectors."""
-        return rows
+        return rows[:, : self.geo.hidden]
+
+    def hidden_offset(self) -> int:
+        """Byte offset of the hidden vector in a row."""
+        return 0
+
+    def stamp_offset(self) -> int:
+        """Byte offset of the stamp in a row: right after the hidden vector (`_store_rows`
+        writes both at once)."""
+        return self.hidden_offset() + self.geo.hidden * 2
+
+    def stamps(self, rows: torch.Tensor) -> torch.Tensor:
+        """The [R, 2] int32 view of the rows' stamps (consumed, epoch)."""
+        raw = rows.view(torch.uint8).view(rows.shape[0], -1)
+        at = self.stamp_offset()
+        return raw[:, at : at + STAMP_BYTES].view(torch.int32)
+
+    @staticmethod
+    def row_bits(rows: torch.Tensor) -> torch.Tensor:
+        """The rows as integers of their own width: copies through them keep every bit (a float
+        select could quiet a NaN-shaped stamp)."""
+        return rows.view({2: torch.int16, 4: torch.int32}.get(rows.element_size(), torch.uint8))
 
     def recurrent_states(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """Views of the rows' recurrent state per layer that keeps one (none for this recipe)."""
@@ -387,22 +417,36 @@ class PagedLlama:
                 for i in range(g.kv_layers)
                 for half in ("k", "v")
             ],
-            "continuation_row_bytes": g.hidden * 2,
-            "row_layout": [{"name": "final_hidden", "kind": "hidden_vector", "offset": 0, "byte_size": g.hidden * 2}],
+            "continuation_row_bytes": g.row_bytes,
+            "row_layout": [
+                {"name": "final_hidden", "kind": "hidden_vector", "offset": 0, "byte_size": g.hidden * 2},
+                {"name": "stamp", "kind": "position_metadata", "offset": self.stamp_offset(), "byte_size": STAMP_BYTES},
+            ],
             "live_rows_per_slot": 1,
             "verification_width": 1,
             "padding_slot": -1,
         }
 
-    def _store_rows(self, rows: torch.Tensor, slots: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """Saves each live lane's hidden vector in its row; returns the vectors the step goes on
-        with (here `h` itself; a recipe storing through an op returns the op's output)."""
-        view = self.hidden_rows(rows)
-        live = (slots >= 0) & (slots < view.shape[0])
+    def _store_rows(
+        self, rows: torch.Tensor, slots: torch.Tensor, h: torch.Tensor, consumed: torch.Tensor
+    ) -> torch.Tensor:
+        """Saves each live lane's hidden vector in its row and its consumed count in the row's
+        stamp (the epoch kept); returns the vectors the step goes on with (here `h` itself; a
+        recipe storing through an op returns the op's output)."""
+        live = (slots >= 0) & (slots < rows.shape[0])
         idx = torch.where(live, slots, 0).long()
+        # One write, as integers (exact bits), of the span from the hidden vector to the end of
+        # the stamp that follows it: the vector, the new consumed count, the row's epoch.
+        bits = self.row_bits(rows)
+        size = bits.element_size()
+        a, b = self.hidden_offset() // size, (self.stamp_offset() + STAMP_BYTES) // size
+        stamp = torch.stack([consumed.to(torch.int32), self.stamps(rows)[idx, 1]], -1)
+        vec = h.to(torch.bfloat16).view(bits.dtype)
+        new = torch.cat([vec, stamp.view(bits.dtype).view(h.shape[0], -1)], -1)
         # Lanes that store nothing write the null row's own value back: every write to row 0 then
         # carries the same bytes, so the unordered scatter is deterministic and row 0 unchanged.
-        view[idx] = torch.where(live[:, None], h.to(view.dtype), view[0].expand_as(h))
+        span = bits[:, a:b]
+        span[idx] = torch.where(live[:, None], new, span[0].expand_as(new))
         return h
 
     # -- step programs -----------------------------------------------------------------------
@@ -445,7 +489,7 @@ class PagedLlama:
             )[:b]
         else:
             h = self.hidden(tok, v["positions"], slot, table, rowsel, kv, few_rows=True, live=live, rows=rows)
-        h = self._store_rows(rows, live, h)
+        h = self._store_rows(rows, live, h, pos + 1)
         wants = (v["sample_flags"] & 1) != 0
         self._sample_and_record(h, torch.where(valid, slots, -1), wants, pos + 1, v, hist, records, pending)
         return h
@@ -537,14 +581,14 @@ class PagedLlama:
         sampled = wants & allowed[fin]
         emitted = (k[None, :] <= accepted[:, None]) & sampled[:, None]  # [B, W]
         # The row keeps the last consumed lane's hidden vector (padding writes the null row back).
-        self._store_rows(rows, torch.where(live_req, slots, -1), h[fin])
+        start = pos.view(b, w)[:, 0]
+        self._store_rows(rows, torch.where(live_req, slots, -1), h[fin], start + 1 + accepted)
         flags = (
             sampled.int() * FLAG_SAMPLED
             + (sampled & eos[fin]).int() * FLAG_EOS
             + (wants & ~allowed[fin]).int() * FLAG_GRAMMAR_EXHAUSTED
         )
         z = torch.zeros(b, dtype=torch.int32, device=dev)
-        start = pos.view(b, w)[:, 0]
         counter_low = (v["rng_counter"].long() & M32).to(torch.int32)
         count = torch.where(sampled, accepted + 1, 0)
         cols = [z + RECORD_MAGIC, torch.where(live_req, slots, -1).int(), flags.int(), count.int()]
@@ -579,9 +623,10 @@ class PagedLlama:
         last = (q - 1).clamp(0, t - 1)
         h_last = h[last]
         slots = torch.where(q > 0, v["request_slots"].long(), -1)
-        h_last = self._store_rows(rows, slots, h_last)
+        consumed = v["positions"].long()[last] + 1
+        h_last = self._store_rows(rows, slots, h_last, consumed)
         wants = (v["sample_flags"] & 1) != 0
-        self._sample_and_record(h_last, slots, wants, v["positions"].long()[last] + 1, v, hist, records, pending)
+        self._sample_and_record(h_last, slots, wants, consumed, v, hist, records, pending)
         return h
 
     def resume(
@@ -610,10 +655,12 @@ class PagedLlama:
         records: torch.Tensor,
         pending: torch.Tensor,
     ) -> torch.Tensor:
+        """Clears a live row (its stamp becomes (0, 0)) and its histogram."""
         dst = v["destination_rows"].long().clamp(0, rows.shape[0] - 1)
         rows[dst] = torch.zeros_like(rows[dst])
         hd = torch.where(dst <= self.geo.request_slots, dst, 0)
         hist[hd] = torch.zeros_like(hist[hd])
+        self._maintenance_record(records, dst, torch.zeros_like(dst, dtype=torch.bool), self.stamps(rows)[dst])
         return rows[dst]
 
     def restore(
@@ -625,12 +672,75 @@ class PagedLlama:
         records: torch.Tensor,
         pending: torch.Tensor,
     ) -> torch.Tensor:
-        src = v["source_rows"].long().clamp(0, rows.shape[0] - 1)
-        dst = v["destination_rows"].long().clamp(0, rows.shape[0] - 1)
-        rows[dst] = rows[src].clone()
+        """A snapshot row into a live row, stamp included, and the live row's histogram cleared;
+        nothing written unless the snapshot's stamp is the expected (consumed, epoch)."""
+        dst, ok = self._checked_copy(v, rows, records, restore=True)
         hd = torch.where(dst <= self.geo.request_slots, dst, 0)
-        hist[hd] = torch.zeros_like(hist[hd])
+        hist[hd] = torch.where(ok[:, None], torch.zeros_like(hist[hd]), hist[hd])
         return rows[dst]
+
+    def snapshot(
+        self,
+        v: dict[str, torch.Tensor],
+        kv: torch.Tensor,
+        rows: torch.Tensor,
+        hist: torch.Tensor,
+        records: torch.Tensor,
+        pending: torch.Tensor,
+    ) -> torch.Tensor:
+        """A live row into a snapshot row, stamped with the checkpoint's epoch; nothing written
+        unless the live row has consumed the expected count."""
+        dst, _ = self._checked_copy(v, rows, records, restore=False)
+        return rows[dst]
+
+    def _checked_copy(
+        self, v: dict[str, torch.Tensor], rows: torch.Tensor, records: torch.Tensor, restore: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Snapshot (live -> snapshot row) or restore (snapshot -> live row), checked before any
+        write: the direction always; with an expected consumed count >= 0 also the source's
+        stamp (restore: consumed and epoch; snapshot: consumed). Writes the outcome's record;
+        returns (destination rows, accepted)."""
+        g = self.geo
+        n = rows.shape[0]
+        src_in, dst_in = v["source_rows"].long(), v["destination_rows"].long()
+        src, dst = src_in.clamp(0, n - 1), dst_in.clamp(0, n - 1)
+
+        def live(r: torch.Tensor) -> torch.Tensor:
+            return (r >= 1) & (r <= g.request_slots)
+
+        def snap(r: torch.Tensor) -> torch.Tensor:
+            return (r > g.request_slots) & (r < n)
+
+        expected = v["expected_consumed"].long()
+        epoch = v["checkpoint_epoch"].long() if "checkpoint_epoch" in v else torch.zeros_like(expected)
+        found = self.stamps(rows)[src]
+        match = found[:, 0].long() == expected
+        if restore:
+            direction = snap(src_in) & live(dst_in)
+            match = match & (found[:, 1].long() == epoch)
+        else:
+            direction = live(src_in) & snap(dst_in)
+        ok = direction & ((expected < 0) | match)
+        bits = self.row_bits(rows)
+        new = bits[src].clone()
+        if not restore:  # the snapshot carries the checkpoint's epoch
+            words = STAMP_BYTES // bits.element_size()
+            at = self.stamp_offset() // bits.element_size()
+            stamp = torch.stack([found[:, 0], epoch.to(torch.int32)], -1).view(bits.dtype).view(-1, words)
+            new = torch.cat([new[:, :at], stamp, new[:, at + words :]], -1)
+        bits[dst] = torch.where(ok[:, None], new, bits[dst])
+        self._maintenance_record(records, dst, ~ok, found)
+        return dst, ok
+
+    def _maintenance_record(
+        self, records: torch.Tensor, dst: torch.Tensor, rejected: torch.Tensor, found: torch.Tensor
+    ) -> None:
+        """A maintenance op's status record: its destination, whether it was rejected (nothing
+        written), the source's stamp as it found it."""
+        z = torch.zeros(dst.shape[0], dtype=torch.int32, device=dst.device)
+        cols = [z + RECORD_MAGIC, dst.int(), rejected.int() * FLAG_CHECKPOINT_REJECTED, z]
+        cols += [found[:, 0].int(), found[:, 1].int()] + [z] * (records.shape[1] - 6)
+        records.copy_(torch.stack(cols, -1))
 
     def admit_histogram(
         self,
@@ -651,17 +761,3 @@ class PagedLlama:
         target = torch.where(ok, row.expand_as(ids), 0)
         hist.index_put_((target, ids.clamp(0, g.vocab - 1)), ok.int(), accumulate=True)
         return hist[torch.where(live, row, 0)]
-
-    def snapshot(
-        self,
-        v: dict[str, torch.Tensor],
-        kv: torch.Tensor,
-        rows: torch.Tensor,
-        hist: torch.Tensor,
-        records: torch.Tensor,
-        pending: torch.Tensor,
-    ) -> torch.Tensor:
-        src = v["source_rows"].long().clamp(0, rows.shape[0] - 1)
-        dst = v["destination_rows"].long().clamp(0, rows.shape[0] - 1)
-        rows[dst] = rows[src].clone()
-        return rows[dst]

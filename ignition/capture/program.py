@@ -43,6 +43,7 @@ VALUE_DTYPES: dict[str, tuple[torch.dtype, str]] = {
     "source_rows": (torch.int32, "i32"),
     "destination_rows": (torch.int32, "i32"),
     "expected_consumed": (torch.int32, "i32"),
+    "checkpoint_epoch": (torch.int32, "i32"),
 }
 SAMPLING = (
     "temperature",
@@ -184,7 +185,7 @@ def catalog(
                 op,
                 1,
                 0,
-                {"source_rows": (1,), "destination_rows": (1,), "expected_consumed": (1,)},
+                {"source_rows": (1,), "destination_rows": (1,), "expected_consumed": (1,), "checkpoint_epoch": (1,)},
                 maintenance_op=op,
             )
         )
@@ -348,8 +349,13 @@ class Program:
         else:
             x["destination_rows"].fill_(2 if spec.maintenance_op != "snapshot" else g.request_slots + 3)
             if "source_rows" in x:
-                x["source_rows"].fill_(g.request_slots + 1 if spec.maintenance_op == "restore" else 2)
-                x["expected_consumed"].fill_(-1)
+                src = g.request_slots + 1 if spec.maintenance_op == "restore" else 2
+                x["source_rows"].fill_(src)
+                # Restore checked and accepted (the source's own stamp); snapshot checked and
+                # rejected (one token off): both outcomes replay in the checks.
+                stamp = self.model.stamps(self.rows)[src]
+                x["expected_consumed"].fill_(int(stamp[0]) if spec.maintenance_op == "restore" else int(stamp[0]) + 1)
+                x["checkpoint_epoch"].fill_(int(stamp[1]))
 
 
 def capacity_fields(capacities: Any) -> dict[str, int]:

@@ -405,7 +405,8 @@ class Recorder:
                         "shape": list(t.shape),
                     }
                 )
-            if g.kind != "state_maintenance":
+            # Sampling graphs and the maintenance ops that check a stamp write records.
+            if g.kind != "state_maintenance" or g.maintenance_op in ("initialize", "restore", "snapshot"):
                 assert g.records is not None
                 bindings.append(
                     {
@@ -415,6 +416,7 @@ class Recorder:
                         "shape": list(g.records.shape),
                     }
                 )
+            if g.kind != "state_maintenance":
                 pending = self.program.pending
                 bindings.append(
                     {

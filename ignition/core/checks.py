@@ -19,6 +19,8 @@ from ignition.core.manifest import (
     GraphKind,
     KernelImage,
     KernelNode,
+    MaintenanceOp,
+    RowRegionKind,
     RuntimeCore,
     SamplingParameter,
     ValueKind,
@@ -133,6 +135,7 @@ def check_core(core: RuntimeCore) -> None:
         if not any(g.kind is GraphKind.DECODE and g.capacity.request_count == bucket for g in core.graphs):
             raise ManifestError("capacities.decode_request_buckets", f"no decode graph for bucket {bucket}")
     _check_speculative(core)
+    _check_stamps(core)
     for cap in c.prefill_chunk_capacities:
         if not any(g.kind is GraphKind.PREFILL and g.capacity.token_capacity == cap for g in core.graphs):
             raise ManifestError("capacities.prefill_chunk_capacities", f"no prefill graph for capacity {cap}")
@@ -165,6 +168,24 @@ def _check_speculative(core: RuntimeCore) -> None:
         if (b, d) in seen:
             raise ManifestError(f"{f}.capacity", f"a second program for B={b} D={d}")
         seen.add((b, d))
+
+
+def _check_stamps(core: RuntimeCore) -> None:
+    """Checkpoint stamps (helios-contract validate.rs): a row's POSITION_METADATA region is one
+    8-byte stamp; only restore and snapshot bind CHECKPOINT_EPOCH, and one that does also binds
+    its status record, in a core whose rows carry the stamp."""
+    stamps = [r for r in core.cache_scheme.row_layout if r.kind is RowRegionKind.POSITION_METADATA]
+    if len(stamps) > 1 or any(r.byte_size != 8 for r in stamps):
+        raise ManifestError("cache_scheme.row_layout", "at most one POSITION_METADATA region, of 8 bytes")
+    for g in core.graphs:
+        bound = {b.value for b in g.bindings}
+        if ValueKind.CHECKPOINT_EPOCH not in bound:
+            continue
+        f = f"graphs[{g.name}].bindings[CHECKPOINT_EPOCH]"
+        if g.maintenance_op not in (MaintenanceOp.RESTORE, MaintenanceOp.SNAPSHOT):
+            raise ManifestError(f, "only restore and snapshot graphs check a stamp")
+        if ValueKind.COMPLETION_RECORDS not in bound or not stamps:
+            raise ManifestError(f, "needs the graph's status record and a stamp region in the rows")
 
 
 def _check_pending_tokens(core: RuntimeCore) -> None:

@@ -134,6 +134,7 @@ class ValueKind(IntEnum):
     PATCH_PIXELS = 24
     IMAGE_FEATURE_OFFSETS = 25
     PENDING_TOKENS = 26
+    CHECKPOINT_EPOCH = 27
 
 
 class Direction(IntEnum):

@@ -35,6 +35,7 @@ PAD: dict[str, Any] = {
     "source_rows": -1,
     "destination_rows": -1,
     "expected_consumed": -1,
+    "checkpoint_epoch": 0,
 }
 
 # A decode lane packed with this token id consumes its row's pending token (the one the row's

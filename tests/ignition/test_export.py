@@ -317,6 +317,6 @@ def test_a_hybrid_row_layout_exports_and_loads_in_rust(tmp_path: Path, flare_bin
     out = tmp_path / "core"
     core = export(rec, out)
     kinds = [r.kind.name for r in core.cache_scheme.row_layout]
-    assert kinds == ["CONVOLUTION_HISTORY", "RECURRENT_STATE", "HIDDEN_VECTOR"]
+    assert kinds == ["CONVOLUTION_HISTORY", "RECURRENT_STATE", "HIDDEN_VECTOR", "POSITION_METADATA"]
     proc = flare_check(flare_bin, out)
     assert proc.returncode == 0, proc.stderr + proc.stdout

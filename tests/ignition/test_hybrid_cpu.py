@@ -137,6 +137,8 @@ def test_snapshot_restore_continues_bitwise_and_padding_writes_nothing(tmp_path:
         resumed.append(h[:1])
     assert all(torch.equal(a[:1], b) for a, b in zip(straight, resumed, strict=True))
     assert torch.equal(prog.rows[3], state_after)
+    # Both rows' stamps count what they consumed (the hybrid row carries its stamp like any other).
+    assert prog.model.stamps(prog.rows)[[1, 3, snap], 0].tolist() == [95, 95, 90]
     untouched = [r for r in range(prog.rows.shape[0]) if r != 3]
     assert torch.equal(prog.rows[untouched], before[untouched])  # padding lanes wrote no row
 

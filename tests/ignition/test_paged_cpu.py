@@ -221,14 +221,20 @@ def test_records_histograms_and_maintenance(tmp_path: Path) -> None:
     _, rec = _run(prog, "prefill_t128", [Row(2, pages, 50, list(range(60, 70)))])
     assert rec[0, 2] == 0 and prog.hist[2].sum() == 1
     snap = prog.geo.request_slots + 2
+    assert prog.model.stamps(prog.rows)[2].tolist() == [60, 0]  # consumed by the prefills, epoch 0
     spec = next(g for g in prog.graphs if g.name == "snapshot")
     spec.inputs["source_rows"].fill_(2)
     spec.inputs["destination_rows"].fill_(snap)
+    spec.inputs["expected_consumed"].fill_(60)
+    spec.inputs["checkpoint_epoch"].fill_(9)
     prog.call(spec, prog.method(spec))
-    assert torch.equal(prog.rows[snap], prog.rows[2])
+    hidden = prog.model.hidden_rows(prog.rows)
+    assert torch.equal(hidden[snap], hidden[2]) and prog.model.stamps(prog.rows)[snap].tolist() == [60, 9]
     spec = next(g for g in prog.graphs if g.name == "restore")
     spec.inputs["source_rows"].fill_(snap)
     spec.inputs["destination_rows"].fill_(4)
+    spec.inputs["expected_consumed"].fill_(60)
+    spec.inputs["checkpoint_epoch"].fill_(9)
     prog.call(spec, prog.method(spec))
     assert torch.equal(prog.rows[4], prog.rows[snap]) and prog.hist[4].sum() == 0
     # Resume sampling from the restored row equals sampling after the prefill that wrote it.
@@ -236,7 +242,7 @@ def test_records_histograms_and_maintenance(tmp_path: Path) -> None:
     _fill(prog, spec, [Row(4, pages, 60, [], (9, 3))])
     _records(spec).zero_()
     h = prog.call(spec, prog.method(spec))
-    assert torch.equal(h[0], prog.rows[snap]) and _records(spec)[0, 4] == 60 and _records(spec)[0, 5] == 3
+    assert torch.equal(h[0], hidden[snap]) and _records(spec)[0, 4] == 60 and _records(spec)[0, 5] == 3
 
 
 def _state(prog: Program) -> list[torch.Tensor]:
@@ -735,3 +741,56 @@ def test_gemv_compiles_as_an_opaque_op() -> None:
     not traced through) and match the eager reference."""
     report = _interpreted("gemv_compiled.py", 300)
     assert report["gemv_calls_in_compiled_code"] >= 8 and report["max_abs_err"] < 1e-4, report
+
+
+def test_snapshot_and_restore_check_the_stamp_before_writing(tmp_path: Path) -> None:
+    """A maintenance op writes nothing unless the source's stamp is what the executor expects
+    (snapshot: the consumed count; restore: consumed count and epoch) and the rows go the right
+    way (live -> snapshot, snapshot -> live); its record says which, with the stamp it found.
+    An expected count below zero leaves the stamp unchecked (older executors)."""
+    require_torch()
+    import torch
+
+    from ignition.capture.paged import FLAG_CHECKPOINT_REJECTED, RECORD_MAGIC
+    from ignition.capture.runner import Row
+
+    _checkpoint(tmp_path, TINY)
+    prog = _program(_paged(tmp_path, TINY))
+    _run(prog, "prefill_t128", [Row(1, [0, 1], 0, list(range(10, 50)), (5, 0))])
+    snap, other = prog.geo.request_slots + 1, prog.geo.request_slots + 2
+
+    def op(name: str, src: int, dst: int, consumed: int, epoch: int) -> list[int]:
+        spec = next(g for g in prog.graphs if g.name == name)
+        x = spec.inputs
+        x["source_rows"].fill_(src)
+        x["destination_rows"].fill_(dst)
+        x["expected_consumed"].fill_(consumed)
+        x["checkpoint_epoch"].fill_(epoch)
+        _records(spec).zero_()
+        prog.call(spec, prog.method(spec))
+        record: list[int] = _records(spec)[0].tolist()
+        return record
+
+    before = prog.rows.clone()
+    for src, dst, consumed in ((1, snap, 39), (1, snap, 41), (snap, 1, 40), (1, 2, 40)):
+        r = op("snapshot", src, dst, consumed, 7)  # a wrong count, or the wrong direction
+        assert r[0] == RECORD_MAGIC and r[2] == FLAG_CHECKPOINT_REJECTED and r[1] == dst, r
+        assert torch.equal(prog.rows, before)
+    r = op("snapshot", 1, snap, 40, 7)
+    assert r[2] == 0 and r[4:6] == [40, 0] and prog.model.stamps(prog.rows)[snap].tolist() == [40, 7]
+    hidden = prog.model.hidden_rows(prog.rows)
+    assert torch.equal(hidden[snap], hidden[1])
+    prog.hist[3] = 2
+    before = prog.rows.clone()
+    for src, dst, consumed, epoch in ((snap, 3, 40, 8), (snap, 3, 41, 7), (other, 3, 40, 7), (snap, other, 40, 7)):
+        r = op("restore", src, dst, consumed, epoch)
+        assert r[2] == FLAG_CHECKPOINT_REJECTED, (src, dst, consumed, epoch, r)
+        assert torch.equal(prog.rows, before) and int(prog.hist[3].sum()) == 2 * prog.geo.vocab
+    assert op("restore", snap, 3, 40, 7)[2] == 0 and torch.equal(prog.rows[3], prog.rows[snap])
+    assert prog.hist[3].sum() == 0
+    # Unchecked: the stamp is not compared, the direction still is.
+    assert op("restore", other, 2, -1, 0)[2] == 0 and prog.model.stamps(prog.rows)[2].tolist() == [0, 0]
+    assert op("restore", 1, 2, -1, 0)[2] == FLAG_CHECKPOINT_REJECTED
+    # Initialize stamps (0, 0); a decode after the restore advances the consumed count only.
+    _run(prog, "decode_b1", [Row(3, [0, 1], 40, [7], (5, 1))])
+    assert prog.model.stamps(prog.rows)[3].tolist() == [41, 7]

@@ -207,7 +207,7 @@ def test_the_replay_check_inputs_and_the_prepare_check_run_the_programs(tmp_path
     prompt, params = list(range(3, 100)), _params()
     gens = [{"prompt_ids": prompt, "seed": 5, "params": vars(params), "max_tokens": 9}]
     gens[0]["tokens"] = runner.generate(prompt, 5, params, 9)
-    out = _speculative_check(runner, gens)
-    assert out["identical"] == "1/1" and out["depth"] == 3, out
-    assert all(lane["bitwise"] for lane in out["lanes_against_decode"]["lanes"]), out
-    assert out["decode_rounds"]["right"] < out["decode_rounds"]["one_in_three_wrong"] <= 8, out
+    report = _speculative_check(runner, gens)
+    assert report["identical"] == "1/1" and report["depth"] == 3, report
+    assert all(lane["bitwise"] for lane in report["lanes_against_decode"]["lanes"]), report
+    assert report["decode_rounds"]["right"] < report["decode_rounds"]["one_in_three_wrong"] <= 8, report

@@ -290,7 +290,9 @@ def test_missing_max_tokens_is_400(base_url):
     assert_anthropic_error(400, resp.json(), "invalid_request_error")
 
 
-@pytest.mark.parametrize("bad", [{"max_tokens": 0}, {"messages": []}, {"temperature": -1}, {"temperature": 2.5}], ids=str)
+@pytest.mark.parametrize(
+    "bad", [{"max_tokens": 0}, {"messages": []}, {"temperature": -1}, {"temperature": 2.5}], ids=str
+)
 def test_invalid_parameters_raise_bad_request(claude, bad):
     kwargs = dict(model=MODEL, max_tokens=8, messages=USER)
     extra = {}

@@ -12,7 +12,7 @@ use crate::model::{
     SpeculativeProgram, ValueKind,
 };
 
-const VALUE_KINDS: usize = ValueKind::PendingTokens as usize + 1;
+const VALUE_KINDS: usize = ValueKind::CheckpointEpoch as usize + 1;
 
 /// A resolved view: `byte_len` bytes at `arena_offset`, inside buffer `buffer` at `buffer_offset`.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -11,6 +11,7 @@
 //! | 2   | `Graph.continuation_rows_per_request` | 1 |
 //! | 2   | `KernelNode.launch_attributes` | none (an ABI 1 core carrying them is invalid) |
 //! | 3   | `GRAPH_KIND_SPECULATIVE` graphs, from which `Capacities.speculative_programs` is derived | none (an ABI 1 or 2 core carrying one is invalid) |
+//! | 3   | checkpoint stamps, optional within ABI 3: `VALUE_KIND_CHECKPOINT_EPOCH` on restore and snapshot graphs, `VALUE_KIND_COMPLETION_RECORDS` on state-maintenance graphs (status records) | none: maintenance checks nothing and reports nothing, as before (an ABI 1 or 2 core binding them is invalid; an ABI 3 core without them behaves the same) |
 //!
 //! `Graph.completion_token_capacity`: omitted or zero resolves to
 //! [`DEFAULT_COMPLETION_TOKEN_CAPACITY`] in every ABI.
@@ -81,6 +82,11 @@ impl AbiReader {
     pub fn has_speculative_programs(self) -> bool {
         matches!(self, AbiReader::V3)
     }
+
+    /// Whether maintenance graphs may bind the checkpoint epoch and status records.
+    pub fn has_checkpoint_stamps(self) -> bool {
+        matches!(self, AbiReader::V3)
+    }
 }
 
 fn positive(field: &FieldPath, raw: u32) -> Result<u32, CoreError> {
@@ -108,5 +114,11 @@ mod tests {
             .map(AbiReader::has_speculative_programs)
             .collect();
         assert_eq!(speculative, vec![false, false, true]);
+        let stamps: Vec<bool> = ABI_VERSIONS
+            .iter()
+            .filter_map(|&v| AbiReader::for_version(&field, v).ok())
+            .map(AbiReader::has_checkpoint_stamps)
+            .collect();
+        assert_eq!(stamps, vec![false, false, true]);
     }
 }

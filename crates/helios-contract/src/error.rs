@@ -177,6 +177,11 @@ impl fmt::Display for RangeOwner {
 /// a speculative graph's capacity that breaks `W = D + 1`, `P = B × W` or
 /// `completion_token_capacity = W` (`expected` is what its requests B and depth D imply);
 /// `DuplicateProgram` a second speculative graph for the same (requests, depth).
+///
+/// Checkpoint stamps (ABI 3): `StampSize` a position-metadata row region that is not
+/// [`crate::model::STAMP_BYTES`]; `DuplicateRowRegion` a second region of a kind a row holds
+/// once; `NotBindable` a value the graph's kind may not bind (the epoch outside restore and
+/// snapshot); `MissingRowRegion` a binding that needs a row region the scheme lacks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum InvalidReason {
     MustBePositive,
@@ -208,6 +213,10 @@ pub enum InvalidReason {
     NeedsAbi { abi: u32, found: u32 },
     ProgramShape { expected: u64, found: u64 },
     DuplicateProgram { requests: u32, depth: u32 },
+    StampSize(u64),
+    DuplicateRowRegion(&'static str),
+    NotBindable(&'static str),
+    MissingRowRegion(&'static str),
 }
 
 impl fmt::Display for InvalidReason {
@@ -267,6 +276,12 @@ impl fmt::Display for InvalidReason {
             InvalidReason::DuplicateProgram { requests, depth } => {
                 write!(f, "a second speculative program for {requests} requests at depth {depth}")
             }
+            InvalidReason::StampSize(v) => {
+                write!(f, "{v} bytes, but a position metadata stamp is 8 ([consumed: i32, epoch: i32])")
+            }
+            InvalidReason::DuplicateRowRegion(kind) => write!(f, "a second {kind} region in one row"),
+            InvalidReason::NotBindable(v) => write!(f, "graphs of this kind cannot bind {v}"),
+            InvalidReason::MissingRowRegion(kind) => write!(f, "needs a {kind} row region, which the scheme lacks"),
         }
     }
 }

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use crate::core::{MANIFEST_FILE, sha256_hex, to_safetensors_dtype};
-use crate::model::{CURRENT_ABI, DType};
+use crate::model::{CURRENT_ABI, DType, STAMP_BYTES};
 use crate::pb;
 use prost::Message;
 
@@ -34,6 +34,12 @@ pub struct FixtureSpec {
     /// after every other graph (so a spec without them builds exactly what it did before).
     /// Built whatever `abi` says, so tests can check that an older ABI rejects them.
     pub speculative_programs: Vec<(u32, u32)>,
+    /// Checkpoint stamps (execution ABI 3, optional): rows of 64 bytes or more end in a
+    /// position-metadata stamp, restore and snapshot graphs bind the checkpoint epoch, and the
+    /// restore, snapshot and initialize graphs bind one status record each (token capacity 1)
+    /// and copy nothing themselves (emulators perform the checked copy). Off: exactly the
+    /// graphs the builder made before stamps. Built whatever `abi` says, like the programs.
+    pub checkpoint_stamps: bool,
 }
 
 impl Default for FixtureSpec {
@@ -52,6 +58,7 @@ impl Default for FixtureSpec {
             vocab_size: 64,
             hidden: 8,
             speculative_programs: vec![],
+            checkpoint_stamps: false,
         }
     }
 }
@@ -71,6 +78,12 @@ impl FixtureSpec {
     /// for 4 requests at depth 1 (W = 2).
     pub fn speculative() -> Self {
         FixtureSpec { speculative_programs: vec![(1, 3), (2, 3), (4, 1)], ..FixtureSpec::default() }
+    }
+
+    /// The current ABI with checkpoint stamps (and the speculative programs of
+    /// [`Self::speculative`]).
+    pub fn stamped() -> Self {
+        FixtureSpec { checkpoint_stamps: true, ..FixtureSpec::speculative() }
     }
 }
 
@@ -263,7 +276,17 @@ impl Fixture {
             if op != pb::MaintenanceOp::Initialize {
                 bindings.push(input(&mut staging, V::SourceRows, pb::Dtype::I32, vec![1]));
                 bindings.push(input(&mut staging, V::ExpectedConsumed, pb::Dtype::I32, vec![1]));
+                if spec.checkpoint_stamps {
+                    bindings.push(input(&mut staging, V::CheckpointEpoch, pb::Dtype::I32, vec![1]));
+                }
             }
+            // A status record carries no tokens: one slot keeps it small.
+            let completion_tokens = if spec.checkpoint_stamps {
+                bindings.push(record_of(&mut completion, 1, u64::from(COMPLETION_HEADER_WORDS) + 1));
+                1
+            } else {
+                completion_tokens
+            };
             graphs.push(PlannedGraph {
                 kind: pb::GraphKind::StateMaintenance,
                 op,
@@ -489,7 +512,9 @@ impl Fixture {
                 });
                 edges.push(pb::Edge { from: 10, to: 11 });
                 let mut last = 11;
-                if let Some(record_offset) = record_offset {
+                // A maintenance op writes its own status record (emulated), never a sample.
+                let sampling_record = record_offset.filter(|_| g.kind != pb::GraphKind::StateMaintenance);
+                if let Some(record_offset) = sampling_record {
                     // Node 3: sampling kernel writing the completion record.
                     let mut p2 = vec![0u8; 20];
                     p2[0..8].copy_from_slice(&arena_address(scratch_id, 0).to_le_bytes());
@@ -525,7 +550,7 @@ impl Fixture {
                 }
                 // State maintenance copies a row; other graphs record and wait on an event.
                 if g.kind == pb::GraphKind::StateMaintenance {
-                    if let Some(rows) = rows_id {
+                    if let Some(rows) = rows_id.filter(|_| !spec.checkpoint_stamps) {
                         nodes.push(pb::Node {
                             id: 13,
                             op: Some(pb::node::Op::Memcpy(pb::MemcpyNode {
@@ -585,6 +610,16 @@ impl Fixture {
         } else {
             vec![]
         };
+        let mut row_layout = row_layout;
+        if spec.checkpoint_stamps && !row_layout.is_empty() {
+            // The stamp ends the row (the hidden vector ends well before it).
+            row_layout.push(pb::RowRegion {
+                name: "stamp".into(),
+                kind: pb::RowRegionKind::PositionMetadata as i32,
+                offset: spec.continuation_row_bytes - STAMP_BYTES,
+                byte_size: STAMP_BYTES,
+            });
+        }
         let sampling = pb::SamplingDefaults {
             temperature: Some(param(0.7, Some((0.05, 2.0)))),
             top_k: Some(param(20.0, Some((0.0, 64.0)))),

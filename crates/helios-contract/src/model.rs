@@ -371,6 +371,9 @@ pub enum ValueKind {
     ImageFeatureOffsets,
     /// Request state: the token each live row sampled and has not consumed yet.
     PendingTokens,
+    /// Restore and snapshot graphs (ABI 3, optional): the moved checkpoint's epoch, checked
+    /// against the source row's stamp with `ExpectedConsumed` ([`STAMP_BYTES`]).
+    CheckpointEpoch,
 }
 
 impl ValueKind {
@@ -402,6 +405,7 @@ impl ValueKind {
             ValueKind::PatchPixels => "patch_pixels",
             ValueKind::ImageFeatureOffsets => "image_feature_offsets",
             ValueKind::PendingTokens => "pending_tokens",
+            ValueKind::CheckpointEpoch => "checkpoint_epoch",
         }
     }
 }
@@ -481,12 +485,20 @@ pub struct PageRegion {
     pub bytes_per_page: u64,
 }
 
+/// Bytes of a [`RowRegionKind::PositionMetadata`] region: the row's stamp.
+pub const STAMP_BYTES: u64 = 8;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum RowRegionKind {
     RecurrentState,
     ConvolutionHistory,
     PartialPage,
     HiddenVector,
+    /// The row's stamp, exactly [`STAMP_BYTES`]: `[consumed: i32, epoch: i32]` little-endian.
+    /// A live row's consumed count is written by every graph that consumes into it, its epoch
+    /// by initialize (0) and restore (the checkpoint's); a snapshot row holds its checkpoint's
+    /// stamp; the null row's is zero. Restore and snapshot graphs binding
+    /// [`ValueKind::CheckpointEpoch`] check it before writing.
     PositionMetadata,
     TokenHistory,
 }

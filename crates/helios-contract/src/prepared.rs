@@ -7,6 +7,12 @@
 //! Per-token values are `[token_capacity]`, per-request values `[request_count]`. For a
 //! speculative graph the token capacity is its `P = B × W` lanes (request `i` owns lanes
 //! `i*W .. i*W + W`), and its grammar mask is per lane, `[P, words]`.
+//!
+//! Checkpoint stamps (ABI 3, optional): restore and snapshot graphs may bind
+//! `CheckpointEpoch` (i32 `[B]`, input) beside `ExpectedConsumed`, and any state-maintenance
+//! graph may bind `CompletionRecords` (`[B, header + completion_token_capacity]`, output) for
+//! its status records. A graph binding the epoch binds the records too, and the cache scheme
+//! then has a `PositionMetadata` region (validation checks both).
 
 use crate::model::{CacheScheme, Capacities, DType, Direction, Graph, GraphKind, MaintenanceOp, ValueKind};
 
@@ -62,6 +68,7 @@ pub fn expected_view(value: ValueKind, graph: &Graph, scheme: &CacheScheme, caps
         | ValueKind::SourceRows
         | ValueKind::DestinationRows
         | ValueKind::ExpectedConsumed
+        | ValueKind::CheckpointEpoch
         | ValueKind::TopK => per_request(I32),
         ValueKind::Temperature
         | ValueKind::TopP
@@ -101,6 +108,18 @@ pub fn expected_view(value: ValueKind, graph: &Graph, scheme: &CacheScheme, caps
             shape: vec![Some(u64::from(caps.request_slots) + 1)],
             direction: Direction::StateReadWrite,
         },
+    }
+}
+
+/// Whether a graph of this kind (and maintenance op) may bind `value` at all. Most values may
+/// be bound anywhere their view fits; the checkpoint epoch only by the graphs that check it
+/// (restore and snapshot).
+pub fn bindable(value: ValueKind, kind: GraphKind, op: Option<MaintenanceOp>) -> bool {
+    match value {
+        ValueKind::CheckpointEpoch => {
+            kind == GraphKind::StateMaintenance && matches!(op, Some(MaintenanceOp::Restore | MaintenanceOp::Snapshot))
+        }
+        _ => true,
     }
 }
 

@@ -2,16 +2,20 @@
 //! host-side reading. One record is `completion_record_header_words + completion_token_capacity`
 //! little-endian `u32` words:
 //!
-//! | word | meaning |
-//! |---|---|
-//! | 0 | [`RECORD_MAGIC`] — written last by the device; a record without it was not written |
-//! | 1 | request slot the row served (echo of `RequestSlots`) |
-//! | 2 | flags: bit 0 sampled, bit 1 EOS sampled, bit 2 grammar rejected every token |
-//! | 3 | tokens written in the token slots (≤ token capacity) |
-//! | 4 | consumed count after this step, low 32 bits |
-//! | 5 | sampling counter used (echo of `RngCounter`, low 32 bits) |
-//! | 6.. header | reserved, zero |
-//! | header.. | sampled token ids |
+//! | word | meaning | state-maintenance status record |
+//! |---|---|---|
+//! | 0 | [`RECORD_MAGIC`] — written last by the device; a record without it was not written | same |
+//! | 1 | request slot the row served (echo of `RequestSlots`) | destination row (echo of `DestinationRows`) |
+//! | 2 | flags: bit 0 [`FLAG_SAMPLED`], bit 1 [`FLAG_EOS`], bit 2 [`FLAG_GRAMMAR_EXHAUSTED`] | bit 3 [`FLAG_CHECKPOINT_REJECTED`]: the op's check failed and it wrote nothing |
+//! | 3 | tokens written in the token slots (≤ token capacity) | 0 |
+//! | 4 | consumed count after this step, low 32 bits | the source row's stamp: consumed (initialize: the cleared row's, 0) |
+//! | 5 | sampling counter used (echo of `RngCounter`, low 32 bits) | the source row's stamp: epoch (initialize: 0) |
+//! | 6.. header | reserved, zero | reserved, zero |
+//! | header.. | sampled token ids | unused |
+//!
+//! Status records (ABI 3, optional) are what a state-maintenance graph binding
+//! `CompletionRecords` writes, one per op; the stamp is the source row's as the op found it
+//! (`model::RowRegionKind::PositionMetadata`), so a rejection says what the row held.
 //!
 //! Headers shorter than [`MIN_HEADER_WORDS`] cannot carry this layout; [`CompletionRecord::parse`]
 //! rejects them, as it rejects a record that is not written, claims more tokens than it has
@@ -25,6 +29,9 @@ pub const MIN_HEADER_WORDS: u32 = 6;
 pub const FLAG_SAMPLED: u32 = 1;
 pub const FLAG_EOS: u32 = 1 << 1;
 pub const FLAG_GRAMMAR_EXHAUSTED: u32 = 1 << 2;
+/// Status records only: a restore or snapshot whose source stamp (or row kinds) did not match
+/// wrote nothing.
+pub const FLAG_CHECKPOINT_REJECTED: u32 = 1 << 3;
 
 /// A parsed record.
 #[derive(Clone, Debug, PartialEq, Eq)]

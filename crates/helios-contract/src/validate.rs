@@ -11,7 +11,7 @@ use crate::compat::AbiReader;
 use crate::error::{CoreError, FieldPath, InvalidReason, RangeOwner, ReferenceKind};
 use crate::model::*;
 use crate::pb;
-use crate::prepared::{expected_view, required_values};
+use crate::prepared::{bindable, expected_view, required_values};
 
 type Result<T> = std::result::Result<T, CoreError>;
 
@@ -378,6 +378,15 @@ fn cache_scheme(raw: &pb::CacheScheme, abi: AbiReader, path: &FieldPath) -> Resu
             }
         };
         positive_u64(r.byte_size, &p.field("byte_size"))?;
+        if kind == RowRegionKind::PositionMetadata {
+            // The stamp's layout is fixed ([consumed: i32, epoch: i32]), and a row has one.
+            if r.byte_size != STAMP_BYTES {
+                return Err(invalid(&p.field("byte_size"), InvalidReason::StampSize(r.byte_size)));
+            }
+            if row_layout.iter().any(|(_, o): &(usize, RowRegion)| o.kind == kind) {
+                return Err(invalid(&p.field("kind"), InvalidReason::DuplicateRowRegion("position metadata")));
+            }
+        }
         in_range(&p.field("byte_size"), RangeOwner::RowLayout, r.offset, r.byte_size, raw.continuation_row_bytes)?;
         row_layout.push((
             i,
@@ -943,6 +952,7 @@ fn value_kind(raw: i32, field: &FieldPath) -> Result<ValueKind> {
         P::PatchPixels => ValueKind::PatchPixels,
         P::ImageFeatureOffsets => ValueKind::ImageFeatureOffsets,
         P::PendingTokens => ValueKind::PendingTokens,
+        P::CheckpointEpoch => ValueKind::CheckpointEpoch,
         P::Unspecified => return Err(CoreError::UnknownEnum { field: field.clone(), value: raw }),
     })
 }
@@ -959,6 +969,15 @@ fn bindings(
         let value = value_kind(b.value, &p.field("value"))?;
         if out.iter().any(|o| o.value == value) {
             return Err(invalid(&p.field("value"), InvalidReason::DuplicateBinding(value.name())));
+        }
+        if !bindable(value, graph.kind, graph.maintenance_op) {
+            return Err(invalid(&p.field("value"), InvalidReason::NotBindable(value.name())));
+        }
+        // Checkpoint stamps arrived with ABI 3: an older core binding them is invalid.
+        let stamps = value == ValueKind::CheckpointEpoch
+            || (value == ValueKind::CompletionRecords && graph.kind == GraphKind::StateMaintenance);
+        if stamps && !ctx.abi.has_checkpoint_stamps() {
+            return Err(invalid(&p.field("value"), InvalidReason::NeedsAbi { abi: 3, found: ctx.abi.version() }));
         }
         let direction = match enum_value::<pb::Direction>(b.direction, &p.field("direction"))? {
             pb::Direction::Input => Direction::Input,
@@ -1026,6 +1045,16 @@ fn bindings(
     for &value in required_values(graph.kind, graph.maintenance_op) {
         if !out.iter().any(|b| b.value == value) {
             return Err(invalid(path, InvalidReason::MissingBinding(value.name())));
+        }
+    }
+    // A checked op reports its outcome (a rejection must never pass unseen), and checks a
+    // stamp the rows must hold.
+    if out.iter().any(|b| b.value == ValueKind::CheckpointEpoch) {
+        if !out.iter().any(|b| b.value == ValueKind::CompletionRecords) {
+            return Err(invalid(path, InvalidReason::MissingBinding(ValueKind::CompletionRecords.name())));
+        }
+        if !ctx.scheme.has_row_region(RowRegionKind::PositionMetadata) {
+            return Err(invalid(path, InvalidReason::MissingRowRegion("position metadata")));
         }
     }
     Ok(out)

@@ -26,12 +26,19 @@
 //!   (`-1` first for a device-fed row, then its [`ConsumeRow`] tokens) at lanes `i*W + j` with
 //!   positions `start + j`; unused lanes hold token `-1`, position 0. Each record's tokens,
 //!   accepted proposals and then the token that ended the round, become that many
-//!   [`SampledToken`]s in order.
+//!   [`SampledToken`]s in order;
+//! - checkpoint stamps: a restore or snapshot graph that binds `CheckpointEpoch` gets the
+//!   step's `(consumed, epoch)` in `ExpectedConsumed` and `CheckpointEpoch` (the epoch's bits
+//!   as an i32); one that does not gets `ExpectedConsumed = -1` and checks nothing, as every
+//!   core did before stamps. A maintenance graph that binds `CompletionRecords` (initialize,
+//!   restore, snapshot) has its status record cleared before the replay and read back like
+//!   sampling records: a rejected op fails its step with [`ExecutorError::CheckpointRejected`],
+//!   a record not written with [`ExecutorError::Record`].
 
 use helios_contract::model::{
     BufferId, BufferRole, GraphId, GraphKind, MaintenanceOp, Manifest, SpeculativeProgram, ValueKind,
 };
-use helios_contract::record::{CompletionRecord, FLAG_SAMPLED, RecordError};
+use helios_contract::record::{CompletionRecord, FLAG_CHECKPOINT_REJECTED, FLAG_SAMPLED, RecordError};
 use helios_contract::{BoundContract, BoundGraph, ByteView, Element};
 use helios_offload::{HostArena, HostExtent, StoreGeometry};
 use std::collections::VecDeque;
@@ -115,6 +122,19 @@ struct RecordRead {
     token_capacity: u32,
     /// Per graph row, the request it samples for and the most tokens its record may emit.
     rows: Vec<Option<(RequestId, usize)>>,
+    /// A maintenance replay's status record (then `rows` is empty): what the op was asked.
+    status: Option<CheckpointOp>,
+}
+
+/// One maintenance op whose status record is read back.
+#[derive(Clone, Copy, Debug)]
+struct CheckpointOp {
+    op: MaintenanceOp,
+    /// The null row for initialize.
+    source_row: u32,
+    destination_row: u32,
+    /// The checkpoint's (consumed, epoch) the step carried; (0, 0) for initialize.
+    expected: (u32, u32),
 }
 
 #[derive(Debug)]
@@ -287,14 +307,72 @@ impl<B: GraphBackend> GraphExecutor<B> {
         Ok(())
     }
 
-    fn maintenance(&mut self, op: MaintenanceOp, source: Option<u32>, destination: u32) -> Result<(), ExecutorError> {
+    /// Packs and replays one maintenance op. `source` is absent for initialize; `stamp` is the
+    /// checkpoint's (consumed, epoch) for restore and snapshot.
+    fn maintenance(
+        &mut self,
+        op: MaintenanceOp,
+        source: Option<u32>,
+        destination: u32,
+        stamp: Option<(u32, u32)>,
+        reads: &mut Vec<RecordRead>,
+    ) -> Result<(), ExecutorError> {
         let g = self.bound.maintenance(op, 1)?.clone();
         self.pack(&g, ValueKind::DestinationRows, &[destination as i32], -1)?;
         self.pack(&g, ValueKind::SourceRows, &source.map(|s| vec![s as i32]).unwrap_or_default(), -1)?;
-        // The step does not carry the checkpoint's consumed count: -1 leaves the check to the scheduler.
-        self.pack(&g, ValueKind::ExpectedConsumed, &[-1i32], -1)?;
+        // Only a graph that knows epochs checks stamps; any other gets -1 (unchecked), exactly
+        // what it always got.
+        let (expected, epoch) = match stamp {
+            Some((consumed, epoch)) if g.view(ValueKind::CheckpointEpoch).is_some() => {
+                let consumed = i32::try_from(consumed).map_err(|_| ExecutorError::StampRange(u64::from(consumed)))?;
+                // The device compares the epoch's bits.
+                (consumed, i32::from_le_bytes(epoch.to_le_bytes()))
+            }
+            _ => (-1, 0),
+        };
+        self.pack(&g, ValueKind::ExpectedConsumed, &[expected], -1)?;
+        self.pack(&g, ValueKind::CheckpointEpoch, &[epoch], 0)?;
+        let records = g.view(ValueKind::CompletionRecords).cloned();
+        if let Some(view) = &records {
+            self.clear_records(view)?;
+        }
         self.upload()?;
-        self.backend.replay(g.id)
+        self.backend.replay(g.id)?;
+        let Some(view) = records else { return Ok(()) };
+        let status = CheckpointOp {
+            op,
+            source_row: source.unwrap_or(self.manifest.cache_scheme.null_row),
+            destination_row: destination,
+            expected: stamp.unwrap_or_default(),
+        };
+        self.read_records(&view, g.completion_token_capacity, Vec::new(), Some(status), reads)
+    }
+
+    /// Enqueues the copy of a replay's records behind it (or reads them at once when the
+    /// backend cannot defer).
+    fn read_records(
+        &mut self,
+        view: &ByteView,
+        token_capacity: u32,
+        rows: Vec<Option<(RequestId, usize)>>,
+        status: Option<CheckpointOp>,
+        reads: &mut Vec<RecordRead>,
+    ) -> Result<(), ExecutorError> {
+        let header = self.manifest.capacities.completion_record_header_words;
+        let ticket = self.backend.read_later(view.buffer, view.buffer_offset, view.byte_len)?;
+        let bytes = match ticket {
+            Some(_) => None,
+            None => Some(self.backend.read(view.buffer, view.buffer_offset, view.byte_len)?),
+        };
+        reads.push(RecordRead {
+            bytes,
+            ticket,
+            width: (header + token_capacity) as usize,
+            token_capacity,
+            rows,
+            status,
+        });
+        Ok(())
     }
 
     /// Counts `tokens` into the live row's penalty histogram, in chunks of the graph's token
@@ -466,38 +544,55 @@ impl<B: GraphBackend> GraphExecutor<B> {
         self.upload()?;
         self.backend.replay(g.id)?;
         let Some(view) = records else { return Ok(()) };
-        let header = self.manifest.capacities.completion_record_header_words;
-        let ticket = self.backend.read_later(view.buffer, view.buffer_offset, view.byte_len)?;
-        let bytes = match ticket {
-            Some(_) => None,
-            None => Some(self.backend.read(view.buffer, view.buffer_offset, view.byte_len)?),
-        };
-        reads.push(RecordRead {
-            bytes,
-            ticket,
-            width: (header + g.completion_token_capacity) as usize,
-            token_capacity: g.completion_token_capacity,
-            rows: record_rows,
-        });
-        Ok(())
+        self.read_records(&view, g.completion_token_capacity, record_rows, None, reads)
     }
 
-    /// The sampled tokens of one replay's records.
-    fn parse(&self, read: &RecordRead, sampled: &mut Vec<SampledToken>) -> Result<(), ExecutorError> {
+    /// Record `i` of one replay's records.
+    fn record(&self, read: &RecordRead, i: usize) -> Result<CompletionRecord, ExecutorError> {
         let bytes = read.bytes.as_deref().unwrap_or_default();
         let header = self.manifest.capacities.completion_record_header_words;
         let vocab = self.manifest.capacities.vocab_size;
         let width = read.width;
+        let words: Vec<u32> = bytes
+            .get(i * width * 4..(i + 1) * width * 4)
+            .ok_or(ExecutorError::Record { row: i, error: RecordError::WrongLength { got: 0, expected: width } })?
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        CompletionRecord::parse(&words, header, read.token_capacity, vocab)
+            .map_err(|error| ExecutorError::Record { row: i, error })
+    }
+
+    /// A maintenance op's status record: written, for the row the op wrote, and not rejected.
+    fn check_status(&self, read: &RecordRead, status: CheckpointOp) -> Result<(), ExecutorError> {
+        let record = self.record(read, 0)?;
+        if record.slot != status.destination_row {
+            return Err(ExecutorError::CheckpointRecordRow {
+                op: status.op,
+                expected: status.destination_row,
+                found: record.slot,
+            });
+        }
+        if record.flags & FLAG_CHECKPOINT_REJECTED != 0 {
+            return Err(ExecutorError::CheckpointRejected {
+                op: status.op,
+                source_row: status.source_row,
+                destination_row: status.destination_row,
+                expected: status.expected,
+                found: (record.consumed_low, record.counter_low),
+            });
+        }
+        Ok(())
+    }
+
+    /// The sampled tokens of one replay's records (or its status record's verdict).
+    fn parse(&self, read: &RecordRead, sampled: &mut Vec<SampledToken>) -> Result<(), ExecutorError> {
+        if let Some(status) = read.status {
+            return self.check_status(read, status);
+        }
         for (i, row) in read.rows.iter().enumerate() {
             let Some((request, most)) = *row else { continue };
-            let words: Vec<u32> = bytes
-                .get(i * width * 4..(i + 1) * width * 4)
-                .ok_or(ExecutorError::Record { row: i, error: RecordError::WrongLength { got: 0, expected: width } })?
-                .chunks_exact(4)
-                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
-            let record = CompletionRecord::parse(&words, header, read.token_capacity, vocab)
-                .map_err(|error| ExecutorError::Record { row: i, error })?;
+            let record = self.record(read, i)?;
             if record.flags & FLAG_SAMPLED == 0 || record.tokens.is_empty() {
                 return Err(ExecutorError::NotSampled(i));
             }
@@ -547,17 +642,19 @@ impl<B: GraphBackend> Executor for GraphExecutor<B> {
             match op {
                 StepOp::Initialize { live_row, rows } => {
                     for r in *live_row..live_row + rows {
-                        self.maintenance(MaintenanceOp::Initialize, None, r)?;
+                        self.maintenance(MaintenanceOp::Initialize, None, r, None, &mut reads)?;
                     }
                 }
-                StepOp::Restore { snapshot_row, live_row, tail } => {
-                    self.maintenance(MaintenanceOp::Restore, Some(*snapshot_row), *live_row)?;
+                StepOp::Restore { snapshot_row, live_row, tail, consumed, epoch } => {
+                    let stamp = Some((*consumed, *epoch));
+                    self.maintenance(MaintenanceOp::Restore, Some(*snapshot_row), *live_row, stamp, &mut reads)?;
                     if let Some(c) = tail {
                         self.copy_page(c.source, c.destination)?;
                     }
                 }
-                StepOp::Snapshot { live_row, snapshot_row, tail } => {
-                    self.maintenance(MaintenanceOp::Snapshot, Some(*live_row), *snapshot_row)?;
+                StepOp::Snapshot { live_row, snapshot_row, tail, consumed, epoch } => {
+                    let stamp = Some((*consumed, *epoch));
+                    self.maintenance(MaintenanceOp::Snapshot, Some(*live_row), *snapshot_row, stamp, &mut reads)?;
                     if let Some(c) = tail {
                         self.copy_page(c.source, c.destination)?;
                     }
@@ -604,7 +701,7 @@ impl<B: GraphBackend> Executor for GraphExecutor<B> {
                 Some(_) => None,
                 None => Some(self.backend.read(self.staging, 0, 4)?),
             };
-            reads.push(RecordRead { bytes, ticket, width: 0, token_capacity: 0, rows: vec![] });
+            reads.push(RecordRead { bytes, ticket, width: 0, token_capacity: 0, rows: vec![], status: None });
         }
         self.in_flight.push_back(InFlight { fence: step.fence, reads });
         Ok(())

@@ -186,6 +186,26 @@ pub enum ExecutorError {
     TransferGeometry { page_bytes: u64, row_bytes: u64 },
     #[error("the core cannot be driven: {0}")]
     Contract(#[from] graph::GraphExecutorError),
+    /// A restore or snapshot the device refused: it wrote nothing. `expected` is the
+    /// checkpoint's (consumed, epoch) the step carried, `found` the source row's stamp (a
+    /// snapshot compares the consumed counts only: its source is a live row, whose epoch is
+    /// the one its last initialize or restore left). Also reported when the device found the
+    /// rows of the wrong kinds (a live row where a snapshot row belongs, or the reverse).
+    #[error(
+        "{op:?} of row {source_row} into row {destination_row} was rejected: the checkpoint is \
+         (consumed, epoch) {expected:?}, the source row holds {found:?}"
+    )]
+    CheckpointRejected {
+        op: helios_contract::model::MaintenanceOp,
+        source_row: u32,
+        destination_row: u32,
+        expected: (u32, u32),
+        found: (u32, u32),
+    },
+    #[error("status record of {op:?} names row {found}; the op wrote row {expected}")]
+    CheckpointRecordRow { op: helios_contract::model::MaintenanceOp, expected: u32, found: u32 },
+    #[error("a count of {0} tokens does not fit a row's stamp")]
+    StampRange(u64),
     /// A CUDA failure: operation, driver code, name and description.
     #[cfg(feature = "cuda")]
     #[error(transparent)]
@@ -223,13 +243,22 @@ fn splitmix(mut z: u64) -> u64 {
 }
 
 /// CPU stand-in for the device: pages of `page_tokens × (token, position)` words and rows
-/// of `[recurrent hash, consumed count, …]`. Completes each step on submission.
+/// of `[recurrent hash: u64, consumed: u32, epoch: u32, …]`. Completes each step on submission.
+///
+/// `(consumed, epoch)` is the row's stamp, kept by the rules a core's position-metadata region
+/// follows: consuming sets the count, initialize zeroes both, a snapshot stamps its row with
+/// the live row's count and the step's epoch, a restore copies the stamp with the row; host
+/// transfers carry it with the row's bytes. A snapshot whose live row has not consumed the
+/// step's count, or a restore whose snapshot row does not hold the step's (consumed, epoch),
+/// fails with [`ExecutorError::CheckpointRejected`], as a checking device reports it.
 #[derive(Debug)]
 pub struct SimulatedExecutor {
     page_tokens: usize,
     vocab: u32,
     pages: Vec<Vec<u8>>,
     rows: Vec<Vec<u8>>,
+    /// Rows `1..first_snapshot_row` are live rows, the rest (up to `rows.len()`) snapshot rows.
+    first_snapshot_row: u32,
     completions: Vec<Completion>,
     /// Completions are reported only once this many later steps were submitted.
     completion_lag: usize,
@@ -257,6 +286,7 @@ impl SimulatedExecutor {
             vocab: capacities.vocab_size,
             pages: vec![vec![0; scheme.page_tokens as usize * TOKEN_BYTES]; capacities.max_kv_pages as usize],
             rows: vec![vec![0; row_bytes]; rows],
+            first_snapshot_row: scheme.snapshot_row(capacities.request_slots, 0),
             completions: Vec::new(),
             completion_lag: 0,
             model: SimModel::Hash,
@@ -278,19 +308,76 @@ impl SimulatedExecutor {
         self
     }
 
+    /// The row's recurrent hash and consumed count.
     fn row_state(&self, row: u32) -> Result<(u64, u64), ExecutorError> {
         let r = self.rows.get(row as usize).ok_or(ExecutorError::BadRow(row))?;
-        let word = |i: usize| u64::from_le_bytes(r[i * 8..i * 8 + 8].try_into().unwrap_or_default());
-        Ok((word(0), word(1)))
+        let hash = u64::from_le_bytes(r[0..8].try_into().unwrap_or_default());
+        Ok((hash, u64::from(self.stamp(row)?.0)))
     }
 
+    /// The row's stamp: (consumed, epoch).
+    fn stamp(&self, row: u32) -> Result<(u32, u32), ExecutorError> {
+        let r = self.rows.get(row as usize).ok_or(ExecutorError::BadRow(row))?;
+        let word = |at: usize| u32::from_le_bytes(r[at..at + 4].try_into().unwrap_or_default());
+        Ok((word(8), word(12)))
+    }
+
+    fn set_stamp(&mut self, row: u32, (consumed, epoch): (u32, u32)) -> Result<(), ExecutorError> {
+        let r = self.rows.get_mut(row as usize).filter(|_| row != 0).ok_or(ExecutorError::BadRow(row))?;
+        r[8..12].copy_from_slice(&consumed.to_le_bytes());
+        r[12..16].copy_from_slice(&epoch.to_le_bytes());
+        Ok(())
+    }
+
+    /// Consuming sets the hash and the count; the epoch stays what initialize or restore left.
     fn set_row_state(&mut self, row: u32, hash: u64, consumed: u64) -> Result<(), ExecutorError> {
-        if row == 0 {
-            return Err(ExecutorError::BadRow(row));
+        let (_, epoch) = self.stamp(row)?;
+        let consumed = u32::try_from(consumed).map_err(|_| ExecutorError::StampRange(consumed))?;
+        self.set_stamp(row, (consumed, epoch))?;
+        self.rows[row as usize][0..8].copy_from_slice(&hash.to_le_bytes());
+        Ok(())
+    }
+
+    fn is_live_row(&self, row: u32) -> bool {
+        (1..self.first_snapshot_row).contains(&row)
+    }
+
+    fn is_snapshot_row(&self, row: u32) -> bool {
+        (self.first_snapshot_row as usize..self.rows.len()).contains(&(row as usize))
+    }
+
+    /// A snapshot (`live → snapshot row`) or restore (`snapshot → live row`), checked as a
+    /// stamping device checks it before writing anything.
+    fn checkpoint(
+        &mut self,
+        op: helios_contract::model::MaintenanceOp,
+        source_row: u32,
+        destination_row: u32,
+        expected: (u32, u32),
+    ) -> Result<(), ExecutorError> {
+        use helios_contract::model::MaintenanceOp;
+        let restore = op == MaintenanceOp::Restore;
+        let (source_ok, destination_ok) = if restore {
+            (self.is_snapshot_row(source_row), self.is_live_row(destination_row))
+        } else {
+            (self.is_live_row(source_row), self.is_snapshot_row(destination_row))
+        };
+        if !source_ok {
+            return Err(ExecutorError::BadRow(source_row));
         }
-        let r = self.rows.get_mut(row as usize).ok_or(ExecutorError::BadRow(row))?;
-        r[0..8].copy_from_slice(&hash.to_le_bytes());
-        r[8..16].copy_from_slice(&consumed.to_le_bytes());
+        if !destination_ok {
+            return Err(ExecutorError::BadRow(destination_row));
+        }
+        let found = self.stamp(source_row)?;
+        // A snapshot's source is a live row: its epoch is the one its last restore left.
+        let matches = if restore { found == expected } else { found.0 == expected.0 };
+        if !matches {
+            return Err(ExecutorError::CheckpointRejected { op, source_row, destination_row, expected, found });
+        }
+        self.copy_row(source_row, destination_row)?;
+        if !restore {
+            self.set_stamp(destination_row, (found.0, expected.1))?;
+        }
         Ok(())
     }
 
@@ -573,15 +660,17 @@ impl Executor for SimulatedExecutor {
                         self.clear_pending(r);
                     }
                 }
-                StepOp::Restore { snapshot_row, live_row, tail } => {
-                    self.copy_row(*snapshot_row, *live_row)?;
+                StepOp::Restore { snapshot_row, live_row, tail, consumed, epoch } => {
+                    let op = helios_contract::model::MaintenanceOp::Restore;
+                    self.checkpoint(op, *snapshot_row, *live_row, (*consumed, *epoch))?;
                     self.clear_pending(*live_row);
                     if let Some(copy) = tail {
                         self.copy_page(copy.source, copy.destination)?;
                     }
                 }
-                StepOp::Snapshot { live_row, snapshot_row, tail } => {
-                    self.copy_row(*live_row, *snapshot_row)?;
+                StepOp::Snapshot { live_row, snapshot_row, tail, consumed, epoch } => {
+                    let op = helios_contract::model::MaintenanceOp::Snapshot;
+                    self.checkpoint(op, *live_row, *snapshot_row, (*consumed, *epoch))?;
                     if let Some(copy) = tail {
                         self.copy_page(copy.source, copy.destination)?;
                     }
@@ -809,6 +898,76 @@ mod tests {
         let low: Vec<u32> = (0..3).map(|h| nth_allowed(&mask, 90, h, 2).expect("allowed")).collect();
         assert_eq!(low, vec![3, 40, 3]);
         assert_eq!(nth_allowed(&[0, 0], 64, 5, u64::MAX), None);
+    }
+
+    /// Snapshot and restore check the rows' stamps as a stamping device does, and the stamp
+    /// travels with the row through the host tier.
+    #[test]
+    fn checkpoints_check_and_carry_stamps() {
+        use helios_contract::model::MaintenanceOp;
+        use helios_offload::{HostArena, UNIT_BYTES};
+        let scheme = reference_schemes().remove(0);
+        let caps = test_capacities(2, 8, 2);
+        let mut executor = SimulatedExecutor::new(&scheme, &caps);
+        let snap = scheme.snapshot_row(caps.request_slots, 0);
+        let fence = |f| helios_cache::Fence(f);
+        let prefill = ConsumeRow {
+            live_row: 1,
+            start: 0,
+            tokens: vec![5, 6, 7],
+            device_token: false,
+            page_table: vec![0],
+            sample: None,
+        };
+        let epoch = 0xfeed_beef;
+        let snapshot =
+            |consumed, epoch, row| StepOp::Snapshot { live_row: 1, snapshot_row: row, tail: None, consumed, epoch };
+        let restore =
+            |consumed, epoch| StepOp::Restore { snapshot_row: snap, live_row: 2, tail: None, consumed, epoch };
+        let run = |e: &mut SimulatedExecutor, f, ops| e.submit(&Step { fence: fence(f), ops }, &StepInputs::default());
+        run(
+            &mut executor,
+            1,
+            vec![
+                StepOp::Initialize { live_row: 1, rows: 1 },
+                StepOp::Prefill { capacity: 16, row: prefill },
+                snapshot(3, epoch, snap),
+            ],
+        )
+        .expect("fills and snapshots");
+        assert_eq!((executor.stamp(1), executor.stamp(snap)), (Ok((3, 0)), Ok((3, epoch))));
+
+        // A wrong consumed count (snapshot), a wrong count and a wrong epoch (restore).
+        let rejected = |op, source_row, destination_row, expected, found| {
+            Err(ExecutorError::CheckpointRejected { op, source_row, destination_row, expected, found })
+        };
+        assert_eq!(
+            run(&mut executor, 2, vec![snapshot(4, epoch, snap + 1)]),
+            rejected(MaintenanceOp::Snapshot, 1, snap + 1, (4, epoch), (3, 0))
+        );
+        assert_eq!(executor.stamp(snap + 1), Ok((0, 0)), "nothing written");
+        for (consumed, e) in [(2, epoch), (3, epoch + 1)] {
+            assert_eq!(
+                run(&mut executor, 3, vec![restore(consumed, e)]),
+                rejected(MaintenanceOp::Restore, snap, 2, (consumed, e), (3, epoch))
+            );
+            assert_eq!(executor.stamp(2), Ok((0, 0)), "nothing written");
+        }
+        // Rows of the wrong kind.
+        let backwards = StepOp::Snapshot { live_row: snap, snapshot_row: 1, tail: None, consumed: 3, epoch };
+        assert_eq!(run(&mut executor, 4, vec![backwards]), Err(ExecutorError::BadRow(snap)));
+
+        // Out to the host and back into the other snapshot row: the stamp came along.
+        let arena = Arc::new(HostArena::new(4 * UNIT_BYTES).expect("host arena"));
+        let geometry = StoreGeometry::from(&scheme);
+        executor.attach_host_arena(arena, geometry).expect("attaches");
+        let extent = HostExtent { offset: 0, len: UNIT_BYTES };
+        run(&mut executor, 5, vec![StepOp::CopyOut { pages: vec![], rows: vec![(snap, extent)] }]).expect("runs");
+        run(&mut executor, 6, vec![StepOp::CopyIn { pages: vec![], rows: vec![(extent, snap + 1)] }]).expect("runs");
+        assert_eq!(executor.stamp(snap + 1), Ok((3, epoch)));
+        let restore_copy = StepOp::Restore { snapshot_row: snap + 1, live_row: 2, tail: None, consumed: 3, epoch };
+        run(&mut executor, 7, vec![restore_copy]).expect("runs");
+        assert_eq!(executor.stamp(2), Ok((3, epoch)));
     }
 
     #[test]

@@ -425,3 +425,214 @@ mod speculative {
         assert!(!executor.device_fed_decode());
     }
 }
+
+/// Checkpoint stamps: restore and snapshot graphs that bind the epoch get the step's
+/// (consumed, epoch); status records come back with the step, a rejected op as a typed error.
+mod stamps {
+    use super::support::device_fixture::{Emulator, device_fixture, stamp_of};
+    use super::*;
+    use helios_contract::model::{GraphId, MaintenanceOp, Manifest, ValueKind};
+    use helios_contract::record::RecordError;
+    use helios_contract::{BoundContract, model::BufferId};
+    use helios_replay::graph::GraphBackend;
+    use helios_replay::{Executor, ExecutorError, StepInputs};
+    use helios_scheduler::{ConsumeRow, Step, StepOp};
+
+    const EPOCH: u32 = 0x9abc_def0;
+
+    fn step(fence: u64, ops: Vec<StepOp>) -> Step {
+        Step { fence: helios_cache::Fence(fence), ops }
+    }
+
+    /// Live row 1 initialized and fed five prompt tokens (no sample).
+    fn fill_row_1() -> Vec<StepOp> {
+        let row = ConsumeRow {
+            live_row: 1,
+            start: 0,
+            tokens: vec![3, 1, 4, 1, 5],
+            device_token: false,
+            page_table: vec![0],
+            sample: None,
+        };
+        vec![StepOp::Initialize { live_row: 1, rows: 1 }, StepOp::Prefill { capacity: 64, row }]
+    }
+
+    fn snapshot(consumed: u32, epoch: u32, snapshot_row: u32) -> StepOp {
+        StepOp::Snapshot { live_row: 1, snapshot_row, tail: None, consumed, epoch }
+    }
+
+    fn restore(consumed: u32, epoch: u32, snapshot_row: u32) -> StepOp {
+        StepOp::Restore { snapshot_row, live_row: 2, tail: None, consumed, epoch }
+    }
+
+    /// The i32 values staged for `value` in `op`'s maintenance graph.
+    fn staged(m: &Manifest, arena: &[u8], op: MaintenanceOp, value: ValueKind) -> Vec<i32> {
+        let bound = BoundContract::bind(m);
+        let view = bound.maintenance(op, 1).unwrap().view(value).unwrap().clone();
+        let b = m.buffer(view.buffer).unwrap();
+        view.read::<i32>(&arena[b.offset as usize..b.end() as usize]).unwrap()
+    }
+
+    #[test]
+    fn maintenance_packs_the_checkpoint_stamp_and_the_device_checks_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let core = device_fixture(dir.path(), &FixtureSpec::stamped());
+        let m = core.manifest().clone();
+        let snap = m.cache_scheme.snapshot_row(m.capacities.request_slots, 0);
+        let mut emulator = Emulator::new(&core);
+        emulator.deferred = true;
+        let mut executor = GraphExecutor::new(&m, emulator).unwrap();
+
+        let mut ops = fill_row_1();
+        ops.push(snapshot(5, EPOCH, snap));
+        executor.submit(&step(1, ops), &StepInputs::default()).unwrap();
+        assert_eq!(executor.synchronize().unwrap().len(), 1);
+        let arena = executor.backend().arena.clone();
+        assert_eq!(staged(&m, &arena, MaintenanceOp::Snapshot, ValueKind::ExpectedConsumed), vec![5]);
+        assert_eq!(
+            staged(&m, &arena, MaintenanceOp::Snapshot, ValueKind::CheckpointEpoch),
+            vec![EPOCH as i32],
+            "the epoch's bits"
+        );
+        assert_eq!(staged(&m, &arena, MaintenanceOp::Snapshot, ValueKind::SourceRows), vec![1]);
+        assert_eq!(stamp_of(&m, &arena, 1), (5, 0), "a live row's epoch is its initialize's");
+        assert_eq!(stamp_of(&m, &arena, snap), (5, EPOCH));
+
+        // Restored with the same stamp: the live row takes the checkpoint's.
+        executor
+            .submit(
+                &step(2, vec![StepOp::Initialize { live_row: 2, rows: 1 }, restore(5, EPOCH, snap)]),
+                &StepInputs::default(),
+            )
+            .unwrap();
+        assert_eq!(executor.synchronize().unwrap().len(), 1);
+        let arena = executor.backend().arena.clone();
+        assert_eq!(staged(&m, &arena, MaintenanceOp::Restore, ValueKind::ExpectedConsumed), vec![5]);
+        assert_eq!(stamp_of(&m, &arena, 2), (5, EPOCH));
+    }
+
+    #[test]
+    fn a_rejected_checkpoint_is_a_typed_error_and_writes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let core = device_fixture(dir.path(), &FixtureSpec::stamped());
+        let m = core.manifest().clone();
+        let snap = m.cache_scheme.snapshot_row(m.capacities.request_slots, 0);
+        let mut emulator = Emulator::new(&core);
+        emulator.deferred = true;
+        let mut executor = GraphExecutor::new(&m, emulator).unwrap();
+        let mut ops = fill_row_1();
+        ops.push(snapshot(5, EPOCH, snap));
+        executor.submit(&step(1, ops), &StepInputs::default()).unwrap();
+        executor.synchronize().unwrap();
+
+        // A snapshot one token off: the step is submitted, and fails when its records land.
+        executor.submit(&step(2, vec![snapshot(6, EPOCH, snap + 1)]), &StepInputs::default()).unwrap();
+        assert_eq!(
+            executor.synchronize(),
+            Err(ExecutorError::CheckpointRejected {
+                op: MaintenanceOp::Snapshot,
+                source_row: 1,
+                destination_row: snap + 1,
+                expected: (6, EPOCH),
+                found: (5, 0),
+            })
+        );
+        assert_eq!(stamp_of(&m, &executor.backend().arena, snap + 1), (0, 0), "nothing written");
+
+        // A restore of the right count under another epoch, and of another count.
+        for (consumed, epoch) in [(5, EPOCH ^ 1), (4, EPOCH)] {
+            let before = executor.backend().arena.clone();
+            executor.submit(&step(3, vec![restore(consumed, epoch, snap)]), &StepInputs::default()).unwrap();
+            assert_eq!(
+                executor.synchronize(),
+                Err(ExecutorError::CheckpointRejected {
+                    op: MaintenanceOp::Restore,
+                    source_row: snap,
+                    destination_row: 2,
+                    expected: (consumed, epoch),
+                    found: (5, EPOCH),
+                })
+            );
+            let rows =
+                m.buffers.iter().find(|b| b.role == helios_contract::model::BufferRole::ContinuationRows).unwrap();
+            let (start, end) = (rows.offset as usize, rows.end() as usize);
+            assert_eq!(executor.backend().arena[start..end], before[start..end], "no row written");
+        }
+    }
+
+    /// A backend that tampers with maintenance replays: skips them (no status record is
+    /// written), or replays them and then names another row in the record.
+    #[derive(Debug)]
+    struct TamperMaintenance {
+        inner: Emulator,
+        skip: bool,
+    }
+
+    impl GraphBackend for TamperMaintenance {
+        fn write(&mut self, buffer: BufferId, offset: u64, bytes: &[u8]) -> Result<(), ExecutorError> {
+            self.inner.write(buffer, offset, bytes)
+        }
+        fn read(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, ExecutorError> {
+            self.inner.read(buffer, offset, len)
+        }
+        fn copy(&mut self, src: (BufferId, u64), dst: (BufferId, u64), len: u64) -> Result<(), ExecutorError> {
+            self.inner.copy(src, dst, len)
+        }
+        fn replay(&mut self, graph: GraphId) -> Result<(), ExecutorError> {
+            let m = self.inner.manifest.clone();
+            let g = m.graph(graph).unwrap();
+            if g.maintenance_op.is_none() {
+                return self.inner.replay(graph);
+            }
+            if self.skip {
+                return Ok(());
+            }
+            self.inner.replay(graph)?;
+            let b = g.binding(ValueKind::CompletionRecords).unwrap();
+            let at = (m.buffer(b.view.buffer).unwrap().offset + b.view.offset) as usize + 4;
+            self.inner.arena[at] ^= 4;
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_status_record_not_written_or_for_another_row_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let core = device_fixture(dir.path(), &FixtureSpec::stamped());
+        let m = core.manifest().clone();
+        let initialize = step(1, vec![StepOp::Initialize { live_row: 1, rows: 1 }]);
+        let skipping = TamperMaintenance { inner: Emulator::new(&core), skip: true };
+        let mut executor = GraphExecutor::new(&m, skipping).unwrap();
+        executor.submit(&initialize, &StepInputs::default()).unwrap();
+        assert_eq!(executor.synchronize(), Err(ExecutorError::Record { row: 0, error: RecordError::NotWritten(0) }));
+
+        let renaming = TamperMaintenance { inner: Emulator::new(&core), skip: false };
+        let mut executor = GraphExecutor::new(&m, renaming).unwrap();
+        executor.submit(&initialize, &StepInputs::default()).unwrap();
+        assert_eq!(
+            executor.synchronize(),
+            Err(ExecutorError::CheckpointRecordRow { op: MaintenanceOp::Initialize, expected: 1, found: 5 })
+        );
+    }
+
+    /// A core without stamps: maintenance gets -1 (unchecked) whatever the step carries, and
+    /// nothing is read back.
+    #[test]
+    fn cores_without_stamps_check_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let core = device_fixture(dir.path(), &FixtureSpec::speculative());
+        let m = core.manifest().clone();
+        let snap = m.cache_scheme.snapshot_row(m.capacities.request_slots, 0);
+        let mut executor = GraphExecutor::new(&m, Emulator::new(&core)).unwrap();
+        let mut ops = fill_row_1();
+        ops.push(snapshot(99, EPOCH, snap));
+        executor.submit(&step(1, ops), &StepInputs::default()).unwrap();
+        assert_eq!(executor.synchronize().unwrap().len(), 1);
+        let arena = executor.backend().arena.clone();
+        assert_eq!(staged(&m, &arena, MaintenanceOp::Snapshot, ValueKind::ExpectedConsumed), vec![-1]);
+        executor.submit(&step(2, vec![restore(7, 1, snap)]), &StepInputs::default()).unwrap();
+        assert_eq!(executor.synchronize().unwrap().len(), 1);
+        let arena = executor.backend().arena.clone();
+        assert_eq!(staged(&m, &arena, MaintenanceOp::Restore, ValueKind::ExpectedConsumed), vec![-1]);
+    }
+}

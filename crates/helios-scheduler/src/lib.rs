@@ -6,7 +6,7 @@ mod plan;
 pub mod propose;
 mod scheduler;
 
-pub use plan::{Completion, ConsumeRow, PageCopy, RequestId, SampleSpec, SampledToken, Step, StepOp};
+pub use plan::{Completion, ConsumeRow, PageCopy, RequestId, SampleSpec, SampledToken, Step, StepOp, epoch_of};
 pub use scheduler::{
     AdmissionError, ConfigError, DiskCounters, FinishReason, FinishedRequest, Occupancy, RESTORE_BYTES_PER_STEP,
     RequestSpec, RestoreDone, Scheduler, SchedulerConfig, SchedulerStats, select_message_endpoints, snapshot_budget,

@@ -1,8 +1,14 @@
 //! The planned step handed to an executor, and what the executor hands back.
 
-use helios_cache::{Fence, PageId};
+use helios_cache::{Fence, PageId, PrefixKey};
 use helios_contract::model::SpeculativeProgram;
 use helios_offload::HostExtent;
+
+/// A checkpoint's epoch: the low 32 bits of its prefix key's digest. A function of the key
+/// alone, so the same checkpoint has the same epoch on every tier and after a restart.
+pub fn epoch_of(key: &PrefixKey) -> u32 {
+    key.digest.0 as u32
+}
 
 /// Identifies a request for the lifetime of the scheduler.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -59,9 +65,19 @@ pub enum StepOp {
     /// Reset the slot's live rows from the null row.
     Initialize { live_row: u32, rows: u32 },
     /// Copy a snapshot into a live row, and the checkpoint's tail page into a private page.
-    Restore { snapshot_row: u32, live_row: u32, tail: Option<PageCopy> },
+    ///
+    /// `consumed` and `epoch` are the checkpoint's stamp, which the snapshot row holds (see
+    /// `Snapshot`): a device that checks stamps refuses a row holding anything else.
+    Restore { snapshot_row: u32, live_row: u32, tail: Option<PageCopy>, consumed: u32, epoch: u32 },
     /// Copy a live row into a snapshot, and the live tail page into the checkpoint's page.
-    Snapshot { live_row: u32, snapshot_row: u32, tail: Option<PageCopy> },
+    ///
+    /// Invariant: `consumed` is the checkpoint's token count, exactly what the live row has
+    /// consumed when the op runs (ops and steps run in order), and `epoch` its tag, the low 32
+    /// bits of its prefix key's digest ([`epoch_of`]). The device checks the live row's count
+    /// and stamps the snapshot row `(consumed, epoch)`; the stamp travels with the row's bytes
+    /// (host and disk tiers, restarts) and the checkpoint keeps its key, so a later `Restore`
+    /// of it carries the same pair with no counter to keep.
+    Snapshot { live_row: u32, snapshot_row: u32, tail: Option<PageCopy>, consumed: u32, epoch: u32 },
     /// A decode batch at a captured request bucket (`rows.len() <= bucket`).
     Decode { bucket: u32, rows: Vec<ConsumeRow> },
     /// A speculative round through a captured speculative program (`program.requests >=

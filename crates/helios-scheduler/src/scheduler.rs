@@ -47,7 +47,7 @@ use helios_cache::{
 use helios_contract::model::{CacheScheme, Capacities};
 use helios_offload::{DemoteOutcome, HostEntryId, HostExtent, HostTier, PageSource, StoreGeometry, TierStats};
 
-use crate::plan::{Completion, ConsumeRow, PageCopy, RequestId, SampleSpec, SampledToken, Step, StepOp};
+use crate::plan::{Completion, ConsumeRow, PageCopy, RequestId, SampleSpec, SampledToken, Step, StepOp, epoch_of};
 use crate::propose::{CopyProposer, DepthController};
 
 mod tiers;
@@ -809,10 +809,15 @@ impl Scheduler {
             self.prefix.pin(p);
         }
         live.last_fence = fence;
+        // The live row holds exactly `end` tokens when this op runs: every op consuming into it
+        // was planned in an earlier step or earlier in this one (a verify round's count is
+        // settled, since no capture is planned while one is in flight).
         ops.push(StepOp::Snapshot {
             live_row: self.rows.live_row(live.slot),
             snapshot_row: self.rows.snapshot_row(snapshot),
             tail: tail.map(|destination| PageCopy { source: live.page_table[end / pt], destination }),
+            consumed: live.consumed,
+            epoch: epoch_of(&key),
         });
         self.stats.captures += 1;
         self.pending.push(PendingCapture {
@@ -1204,6 +1209,9 @@ impl Scheduler {
                 let snapshot_row = self.rows.snapshot_row(cp.snapshot);
                 let source = cp.tail_page;
                 let id_hit = cp.id;
+                // The stamp its snapshot row was given at capture (or brought back from the host
+                // or disk tier, where the row's bytes and the key travel together).
+                let (consumed, epoch) = (cp.tokens() as u32, epoch_of(&cp.key));
                 let tail = source.and_then(|source| {
                     self.pages.allocate().map(|destination| {
                         page_table.push(destination);
@@ -1211,7 +1219,7 @@ impl Scheduler {
                     })
                 });
                 self.prefix.touch(id_hit, fence);
-                ops.push(StepOp::Restore { snapshot_row, live_row, tail });
+                ops.push(StepOp::Restore { snapshot_row, live_row, tail, consumed, epoch });
             }
             None => ops.push(StepOp::Initialize { live_row, rows: self.scheme.rows_per_slot() }),
         }

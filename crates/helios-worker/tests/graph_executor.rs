@@ -142,7 +142,18 @@ fn device_fed_requests_run_with_two_steps_in_flight() {
 /// scheduler accepts: each request completes at its length, and storage drains.
 #[test]
 fn speculative_rounds_replay_through_records() {
-    let spec = FixtureSpec::speculative();
+    speculative_rounds(&FixtureSpec::speculative());
+}
+
+/// The same rounds on a core with checkpoint stamps: the captures after speculative rounds
+/// pass the device's consumed-count check (the accepted proposals are counted on both sides).
+#[test]
+fn speculative_rounds_keep_stamps_exact() {
+    speculative_rounds(&FixtureSpec::stamped());
+}
+
+fn speculative_rounds(spec: &FixtureSpec) {
+    let spec = spec.clone();
     for (device_fed, deferred) in [(false, false), (false, true), (true, true)] {
         let dir = tempfile::tempdir().unwrap();
         let core = device_fixture_with(dir.path(), &spec, |f| {
@@ -173,7 +184,122 @@ fn speculative_rounds_replay_through_records() {
         let scheduler = d.scheduler_mut();
         let stats = scheduler.stats();
         assert!(stats.verify_steps > 0 && stats.proposed_tokens > 0, "no speculative round (device-fed {device_fed})");
+        assert!(stats.captures > 0);
         scheduler.evict_cache();
         assert!(scheduler.all_storage_free());
+    }
+}
+
+/// A backend that flips one bit of a snapshot row's epoch just before it is restored: what a
+/// corrupted host copy or a stale snapshot row would look like to a stamping device.
+#[derive(Debug)]
+struct FlipRestoredEpoch(Emulator);
+
+impl GraphBackend for FlipRestoredEpoch {
+    fn write(
+        &mut self,
+        buffer: helios_contract::model::BufferId,
+        offset: u64,
+        bytes: &[u8],
+    ) -> Result<(), helios_replay::ExecutorError> {
+        self.0.write(buffer, offset, bytes)
+    }
+    fn read(
+        &mut self,
+        buffer: helios_contract::model::BufferId,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u8>, helios_replay::ExecutorError> {
+        self.0.read(buffer, offset, len)
+    }
+    fn copy(
+        &mut self,
+        src: (helios_contract::model::BufferId, u64),
+        dst: (helios_contract::model::BufferId, u64),
+        len: u64,
+    ) -> Result<(), helios_replay::ExecutorError> {
+        self.0.copy(src, dst, len)
+    }
+    fn replay(&mut self, graph: helios_contract::model::GraphId) -> Result<(), helios_replay::ExecutorError> {
+        use helios_contract::model::{MaintenanceOp, ValueKind};
+        let m = self.0.manifest.clone();
+        let g = m.graph(graph).unwrap();
+        if g.maintenance_op == Some(MaintenanceOp::Restore) {
+            let b = g.binding(ValueKind::SourceRows).unwrap();
+            let at = (m.buffer(b.view.buffer).unwrap().offset + b.view.offset) as usize;
+            let source = u32::from_le_bytes(self.0.arena[at..at + 4].try_into().unwrap());
+            let epoch = device_fixture::stamp_at(&m, source).unwrap() as usize + 4;
+            self.0.arena[epoch] ^= 1;
+        }
+        self.0.replay(graph)
+    }
+}
+
+/// Whole requests over a core with checkpoint stamps: every capture and every restore of a
+/// shared prefix (records read back at once or a turn later) passes the device's checks, so
+/// the scheduler's (consumed, epoch) pairs are the rows' own.
+#[test]
+fn stamped_checkpoints_pass_the_device_checks() {
+    let spec = FixtureSpec::stamped();
+    let vocab = spec.vocab_size;
+    let prompts: Vec<Vec<u32>> = vec![
+        (0..70).map(|i| i % vocab).collect(),
+        (0..70).map(|i| i % vocab).collect(),
+        (0..90).map(|i| i % vocab).collect(),
+        (5..40).map(|i| (i * 7) % vocab).collect(),
+    ];
+    for deferred in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let core = device_fixture(dir.path(), &spec);
+        let m = core.manifest().clone();
+        let mut emulator = Emulator::new(&core);
+        emulator.deferred = deferred;
+        let executor = GraphExecutor::new(&m, emulator).unwrap();
+        let scheduler = Scheduler::new(m.cache_scheme.clone(), m.capacities.clone(), test_config(4)).unwrap();
+        let mut d = LoopDriver::new(scheduler, executor, vocab).unwrap();
+        // One at a time, so the later prompts find the earlier ones' checkpoints.
+        for p in &prompts {
+            d.submit(request(p.clone(), 8, 1)).unwrap();
+            d.drain().unwrap();
+        }
+        let ended = d.take_ended();
+        assert_eq!(ended.len(), prompts.len());
+        assert!(ended.iter().all(|e| e.output.len() == 8 && finish(e).cause == FinishCause::Length));
+        let stats = d.scheduler().stats();
+        assert!(stats.captures > 0 && stats.prefix_hit_tokens >= 70 + 70, "{stats:?}");
+    }
+}
+
+/// A restore the device rejects stops the loop with the typed error (the serving loop then
+/// fails every request and marks the worker failed, as for any executor failure).
+#[test]
+fn a_rejected_restore_stops_the_loop_with_a_typed_error() {
+    use helios_contract::model::MaintenanceOp;
+    use helios_replay::ExecutorError;
+    use helios_worker::LoopError;
+    let spec = FixtureSpec::stamped();
+    let dir = tempfile::tempdir().unwrap();
+    let core = device_fixture(dir.path(), &spec);
+    let m = core.manifest().clone();
+    let executor = GraphExecutor::new(&m, FlipRestoredEpoch(Emulator::new(&core))).unwrap();
+    let scheduler = Scheduler::new(m.cache_scheme.clone(), m.capacities.clone(), test_config(4)).unwrap();
+    let mut d = LoopDriver::new(scheduler, executor, spec.vocab_size).unwrap();
+    let prompt: Vec<u32> = (0..70).map(|i| i % spec.vocab_size).collect();
+    d.submit(request(prompt.clone(), 4, 1)).unwrap();
+    d.drain().unwrap();
+    d.submit(request(prompt, 4, 1)).unwrap();
+    match d.drain() {
+        Err(LoopError::Executor(ExecutorError::CheckpointRejected {
+            op: MaintenanceOp::Restore,
+            destination_row,
+            expected,
+            found,
+            ..
+        })) => {
+            assert!((1..=spec.request_slots).contains(&destination_row));
+            assert_eq!(expected.0, found.0);
+            assert_eq!(expected.1 ^ 1, found.1, "the flipped bit");
+        }
+        other => panic!("expected a rejected restore, got {other:?}"),
     }
 }

@@ -27,7 +27,8 @@ C = 2 * kd + hv * dv  # query, key and value channels
 conv_bytes, state_bytes = C * (K - 1) * 4, hv * dk * dv * 4  # float32 history here
 offsets = [(i * (conv_bytes + state_bytes), i * (conv_bytes + state_bytes) + conv_bytes) for i in range(layers)]
 hidden_at = layers * (conv_bytes + state_bytes)
-row_bytes = hidden_at + hidden * 4
+stamp_at = hidden_at + hidden * 4  # the row's stamp: consumed count (written here), epoch
+row_bytes = stamp_at + 8
 w_in = [torch.randn(C + 2 * hv, hidden, generator=gen) * 0.2 for _ in range(layers)]
 w_conv = [torch.randn(C, K, generator=gen) for _ in range(layers)]
 w_out = [torch.randn(hidden, hv * dv, generator=gen) * 0.2 for _ in range(layers)]
@@ -40,6 +41,9 @@ def region(rows: torch.Tensor, at: int, nbytes: int, shape: tuple[int, ...]) -> 
 def split(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     t = y.shape[0]
     return y[:, :kd].view(t, hk, dk), y[:, kd : 2 * kd].view(t, hk, dk), y[:, 2 * kd :].view(t, hv, dv)
+
+
+consumed = torch.tensor([5, 0, 9], dtype=torch.int32)
 
 
 def step(x: torch.Tensor, rows: torch.Tensor, live: torch.Tensor, hist: torch.Tensor, ops: bool) -> torch.Tensor:
@@ -68,12 +72,14 @@ def step(x: torch.Tensor, rows: torch.Tensor, live: torch.Tensor, hist: torch.Te
         x = x + F.linear(o.reshape(x.shape[0], -1), w_out[i])
     hist.index_put_((torch.where(live >= 0, live, 0),), (live >= 0).int(), accumulate=True)
     if ops:
-        stored: torch.Tensor = store_op(x, rows, live.int(), hidden_at)
+        stored: torch.Tensor = store_op(x, rows, live.int(), hidden_at, consumed, stamp_at)
         return stored
     out_view = region(rows, hidden_at, hidden * 4, (hidden,))
+    stamps = rows[:, stamp_at : stamp_at + 8].view(torch.int32)
     for lane in range(x.shape[0]):
         if int(live[lane]) >= 0:
             out_view[int(live[lane])] = x[lane]
+            stamps[int(live[lane]), 0] = consumed[lane]
     return x
 
 
@@ -94,6 +100,7 @@ as_f32 = rows.view(torch.float32)
 report = {
     "rows_max_abs_err": float((as_f32 - ref_rows.view(torch.float32)).abs().max()),
     "untouched_rows_bitwise": bool(torch.equal(rows[[0, 2, 4]], rows0[[0, 2, 4]])),
+    "stamps_equal": bool(torch.equal(rows[:, stamp_at:], ref_rows[:, stamp_at:])),
     "out_max_abs_err": float((out - ref).abs().max()),
     "hist_equal": bool(torch.equal(hist, ref_hist)),
     "op_calls": sum(code.count(f"flare.{n}.default(") for n in ("gdn_conv", "gdn_delta", "store_row")),
@@ -105,6 +112,7 @@ ok = (
     and report["untouched_rows_bitwise"]
     and report["out_max_abs_err"] < 1e-4
     and report["hist_equal"]
+    and report["stamps_equal"]
     and report["op_calls"] == 2 * layers + 1
     and report["rows_sized_buffers"] == 0
 )

@@ -5,11 +5,19 @@
 //! Speculative graphs are emulated only: after their nodes run, [`emulate`] rewrites their
 //! records with a toy verifier ([`toy_next`]), and the PTX sampler writes records of the
 //! first graph's width, which is not theirs.
+//!
+//! Checkpoint stamps (`FixtureSpec::checkpoint_stamps`) are emulated only too: the stamped
+//! maintenance graphs copy nothing themselves, [`emulate`] performs their checked copy and
+//! writes their status record, and keeps each live row's consumed count in its stamp as the
+//! consuming graphs of a stamped core do (prefill: start + query length; decode: one more;
+//! verify: start + emitted tokens).
 #![allow(dead_code, unreachable_pub, clippy::unwrap_used, clippy::expect_used)]
 
 use helios_contract::fixtures::{Fixture, FixtureSpec};
-use helios_contract::model::{BufferId, Graph, GraphId, GraphKind, Manifest, NodeOp, Payload, ValueKind};
-use helios_contract::record::{FLAG_EOS, FLAG_SAMPLED, RECORD_MAGIC};
+use helios_contract::model::{
+    BufferId, BufferRole, Graph, GraphId, GraphKind, MaintenanceOp, Manifest, NodeOp, Payload, RowRegionKind, ValueKind,
+};
+use helios_contract::record::{FLAG_CHECKPOINT_REJECTED, FLAG_EOS, FLAG_SAMPLED, RECORD_MAGIC};
 use helios_contract::{RuntimeCore, core::sha256_hex, pb};
 use helios_replay::ExecutorError;
 use helios_replay::graph::GraphBackend;
@@ -188,7 +196,100 @@ fn emulate_verify(m: &Manifest, g: &Graph, arena: &mut [u8]) {
         if let Some(pending) = pending {
             put_u32(arena, pending + 4 * u64::from(slot), last);
         }
+        // The row holds the pending token and the accepted proposals.
+        if let Some(at) = stamp_at(m, slot) {
+            put_u32(arena, at, start + emitted.len() as u32);
+        }
     }
+}
+
+/// Arena offset of row `row`'s stamp, for a core with checkpoint stamps and a row that exists.
+pub fn stamp_at(m: &Manifest, row: u32) -> Option<u64> {
+    let scheme = &m.cache_scheme;
+    let region = scheme.row_layout.iter().find(|r| r.kind == RowRegionKind::PositionMetadata)?;
+    let rows = m.buffers.iter().find(|b| b.role == BufferRole::ContinuationRows)?;
+    let total = scheme.total_rows(m.capacities.request_slots, m.capacities.snapshot_rows);
+    (row < total).then(|| rows.offset + u64::from(row) * scheme.continuation_row_bytes + region.offset)
+}
+
+/// Row `row`'s stamp, (consumed, epoch); a row that does not exist reads (0, 0).
+pub fn stamp_of(m: &Manifest, arena: &[u8], row: u32) -> (u32, u32) {
+    stamp_at(m, row).map_or((0, 0), |at| (u32_at(arena, at), u32_at(arena, at + 4)))
+}
+
+/// A stamped core's consuming graph: each live row it consumed into records its new count
+/// (prefill: start + query length; decode, which binds no positions here: one more).
+fn emulate_consumed(m: &Manifest, g: &Graph, arena: &mut [u8]) {
+    let at = |v: ValueKind| g.binding(v).map(|b| m.buffer(b.view.buffer).unwrap().offset + b.view.offset);
+    let Some(slots) = at(ValueKind::RequestSlots) else { return };
+    for i in 0..u64::from(g.capacity.request_count) {
+        let slot = u32_at(arena, slots + 4 * i);
+        let Some(stamp) = stamp_at(m, slot).filter(|_| slot != 0) else { continue };
+        let consumed = match (g.kind, at(ValueKind::QueryLengths), at(ValueKind::Positions)) {
+            (GraphKind::Prefill, Some(query), Some(positions)) => {
+                let q = u32_at(arena, query + 4 * i);
+                if q == 0 {
+                    continue;
+                }
+                u32_at(arena, positions) + q
+            }
+            (GraphKind::Decode, _, _) => u32_at(arena, stamp) + 1,
+            _ => continue,
+        };
+        put_u32(arena, stamp, consumed);
+    }
+}
+
+/// A stamped core's maintenance op (initialize, restore, snapshot), checked before any write
+/// as the contract specifies, with its status record: destination row, rejected flag, the
+/// source row's stamp as found.
+fn emulate_maintenance(m: &Manifest, g: &Graph, arena: &mut [u8]) {
+    let at = |v: ValueKind| g.binding(v).map(|b| m.buffer(b.view.buffer).unwrap().offset + b.view.offset);
+    let value = |arena: &[u8], v: ValueKind| at(v).map(|a| u32_at(arena, a));
+    let Some(records) = at(ValueKind::CompletionRecords) else { return };
+    let scheme = &m.cache_scheme;
+    let first_snapshot = scheme.snapshot_row(m.capacities.request_slots, 0);
+    let total = scheme.total_rows(m.capacities.request_slots, m.capacities.snapshot_rows);
+    let live = |r: u32| (1..first_snapshot).contains(&r);
+    let snapshot = |r: u32| (first_snapshot..total).contains(&r);
+    let rows = m.buffers.iter().find(|b| b.role == BufferRole::ContinuationRows).unwrap();
+    let row_bytes = scheme.continuation_row_bytes as usize;
+    let row_at = |r: u32| rows.offset as usize + r as usize * row_bytes;
+    let dst = value(arena, ValueKind::DestinationRows).unwrap_or(u32::MAX);
+    let (rejected, found) = match g.maintenance_op {
+        Some(MaintenanceOp::Initialize) => {
+            if live(dst) {
+                arena[row_at(dst)..row_at(dst) + row_bytes].fill(0);
+            }
+            (!live(dst), stamp_of(m, arena, dst))
+        }
+        Some(op @ (MaintenanceOp::Restore | MaintenanceOp::Snapshot)) => {
+            let src = value(arena, ValueKind::SourceRows).unwrap_or(u32::MAX);
+            let expected = value(arena, ValueKind::ExpectedConsumed).unwrap_or(u32::MAX) as i32;
+            let epoch = value(arena, ValueKind::CheckpointEpoch).unwrap_or(0);
+            let found = stamp_of(m, arena, src);
+            let restore = op == MaintenanceOp::Restore;
+            let rows_ok = if restore { snapshot(src) && live(dst) } else { live(src) && snapshot(dst) };
+            let stamp_ok =
+                expected < 0 || if restore { found == (expected as u32, epoch) } else { found.0 == expected as u32 };
+            let ok = rows_ok && stamp_ok;
+            if ok {
+                let bytes = arena[row_at(src)..row_at(src) + row_bytes].to_vec();
+                arena[row_at(dst)..row_at(dst) + row_bytes].copy_from_slice(&bytes);
+                if let (false, Some(stamp)) = (restore, stamp_at(m, dst)) {
+                    put_u32(arena, stamp + 4, epoch);
+                }
+            }
+            (!ok, found)
+        }
+        _ => return,
+    };
+    put_u32(arena, records + 4, dst);
+    put_u32(arena, records + 8, if rejected { FLAG_CHECKPOINT_REJECTED } else { 0 });
+    put_u32(arena, records + 12, 0);
+    put_u32(arena, records + 16, found.0);
+    put_u32(arena, records + 20, found.1);
+    put_u32(arena, records, RECORD_MAGIC);
 }
 
 /// The fixture core (`spec`) with PTX kernels, written to `dir` and opened.
@@ -308,8 +409,14 @@ pub fn emulate(m: &Manifest, graph: GraphId, arena: &mut [u8], base: u64) {
             done[i] = true;
         }
     }
-    if g.kind == GraphKind::Speculative {
-        emulate_verify(m, g, arena);
+    let stamped = stamp_at(m, 0).is_some();
+    match g.kind {
+        GraphKind::Speculative => emulate_verify(m, g, arena),
+        GraphKind::StateMaintenance if g.binding(ValueKind::CompletionRecords).is_some() => {
+            emulate_maintenance(m, g, arena)
+        }
+        GraphKind::Prefill | GraphKind::Decode if stamped => emulate_consumed(m, g, arena),
+        _ => {}
     }
 }
 

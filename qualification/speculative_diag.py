@@ -1,0 +1,129 @@
+"""Diagnosis of the speculative programs on the GPU (issue 21): on a tiny seeded random Llama,
+generation through `PagedLlama.verify` against ordinary decoding, eager and compiled, with the
+attention kernels and the gather reference, GEMM templates and `flare::gemv`, with and without
+Inductor's emulated precision casts. Prints one JSON line per case: whether the tokens are
+identical, the rounds taken with right proposals, and each lane's hidden vector against the
+decode step's (`ignition.prepare._lanes_against_decode`).
+
+    python3 qualification/speculative_diag.py [--device cpu]
+
+2026-12-05: prepare's check on SmolLM2 found speculative generation equal to decoding in 1 of 4
+prompts on the H200 while every CPU run agrees; these cases tell the kernels, the compiler's
+fusions and the projections apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+if TYPE_CHECKING:
+    from ignition.capture.program import GraphSpec, Program
+
+CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 4096,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+    "rope_theta": 10000.0,
+    "eos_token_id": 2,
+}
+
+
+class _Replay:
+    """Stands in for a captured graph: replay runs the step (eager or compiled) into the output."""
+
+    def __init__(self, prog: Program, spec: GraphSpec, fn: Any) -> None:
+        self.prog, self.spec, self.fn = prog, spec, fn
+
+    def replay(self) -> None:
+        self.spec.output = self.prog.call(self.spec, self.fn)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    import torch
+    import torch._inductor.config as icfg
+    import transformers
+
+    from ignition.capture.paged import Geometry, PagedLlama, rope_parameters
+    from ignition.capture.program import Program, catalog
+    from ignition.capture.recorder import configure_inductor
+    from ignition.capture.runner import GraphRunner, Sampling
+    from ignition.core.stepping import replaying
+    from ignition.prepare import _lanes_against_decode
+    from ignition.recipes.llama import Checkpoint, LlamaFamilyConfig, plan_weight_mapping, stream_execution_layout
+
+    dev = args.device
+    tmp = Path(tempfile.mkdtemp(prefix="speculative-diag-"))
+    torch.manual_seed(0)
+    hf_cfg = transformers.AutoConfig.for_model("llama", **{k: v for k, v in CONFIG.items() if k != "model_type"})
+    transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16).save_pretrained(str(tmp))
+    config = LlamaFamilyConfig.from_file(tmp / "config.json")
+    ckpt = Checkpoint.open(tmp)
+    mapping = plan_weight_mapping(config, ckpt.tensors, ckpt.files)
+    weights = {}
+    for name, tb in stream_execution_layout(mapping, ckpt):
+        dt = {"BF16": torch.bfloat16, "F32": torch.float32}[tb.dtype.name]
+        weights[name] = torch.frombuffer(bytearray(tb.data), dtype=dt).view(tb.shape).to(dev, torch.bfloat16)
+    geo = Geometry.from_recipe(config, (2,), context_limit=512, request_slots=4, snapshot_rows=4, max_kv_pages=24)
+    inv, scaling = rope_parameters(config.raw, dev)
+    if dev != "cpu":  # Triton GEMM templates, as prepare compiles them (none on CPU)
+        configure_inductor()
+    gpu = dev != "cpu"
+    # (attention kernels, compiled, emulated precision casts, flare::gemv)
+    cases = [
+        (gpu, False, False, False),
+        (gpu, True, False, False),
+        (gpu, True, True, False),
+        (False, True, False, False),
+    ]
+    if gpu:
+        cases.append((True, True, False, True))
+    for kernel, compiled, emulate, gemv in cases:
+        icfg.emulate_precision_casts = emulate
+        torch._dynamo.reset()
+        model = PagedLlama(geo, weights, inv, scaling, attention_kernel=kernel, gemv=gemv)
+        prog = Program(model, catalog(geo, [1, 2], [128], [(1, 7), (2, 7)]))
+
+        for spec in prog.graphs:
+            fn = prog.method(spec)
+            spec.graph = _Replay(prog, spec, torch.compile(fn, fullgraph=True, dynamic=False) if compiled else fn)
+        runner = GraphRunner(prog)
+        prompt = list(range(3, 120))
+        res: dict[str, Any] = {"kernel": kernel, "compiled": compiled, "emulate_precision_casts": emulate, "gemv": gemv}
+        t0 = time.time()
+        want: list[int] = []
+        for name, params in (
+            ("sampled", Sampling(temperature=0.7, top_k=40, top_p=0.9)),
+            ("greedy", Sampling(top_k=1)),
+        ):
+            want = runner.generate(prompt, 21, params, 40)
+            got, steps = runner.generate_speculative(prompt, 21, params, 40, replaying(want))
+            first = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+            res[name] = {"identical": got == want, "rounds": steps, "first_difference": first}
+        gen = {"prompt_ids": prompt, "tokens": want, "seed": 21, "params": vars(Sampling(top_k=1))}
+        res["lanes"] = _lanes_against_decode(runner, gen)
+        res["s"] = round(time.time() - t0, 1)
+        print(json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()
