@@ -7,7 +7,7 @@ mod support;
 
 use helios_contract::fixtures::FixtureSpec;
 use helios_replay::graph::GraphExecutor;
-use support::device_fixture::{Emulator, device_fixture, device_fixture_with};
+use support::device_fixture::{Emulator, Moment, device_fixture, device_fixture_with};
 
 #[test]
 fn device_fed_rows_need_graphs_that_keep_the_pending_token() {
@@ -161,53 +161,25 @@ fn contiguous_host_transfers_coalesce() {
     }
 }
 
-/// A backend that adds one token to every record a replay writes: a device that claims more
-/// tokens than its row may emit.
-#[derive(Debug)]
-struct Overclaim(Emulator);
-
-impl helios_replay::graph::GraphBackend for Overclaim {
-    fn write(
-        &mut self,
-        buffer: helios_contract::model::BufferId,
-        offset: u64,
-        bytes: &[u8],
-    ) -> Result<(), helios_replay::ExecutorError> {
-        self.0.write(buffer, offset, bytes)
+/// A device that adds one token to every record a replay writes: it claims more tokens than
+/// its row may emit.
+fn overclaim(e: &mut Emulator, graph: helios_contract::model::GraphId, when: Moment) {
+    if when == Moment::Before {
+        return;
     }
-    fn read(
-        &mut self,
-        buffer: helios_contract::model::BufferId,
-        offset: u64,
-        len: u64,
-    ) -> Result<Vec<u8>, helios_replay::ExecutorError> {
-        self.0.read(buffer, offset, len)
-    }
-    fn copy(
-        &mut self,
-        src: (helios_contract::model::BufferId, u64),
-        dst: (helios_contract::model::BufferId, u64),
-        len: u64,
-    ) -> Result<(), helios_replay::ExecutorError> {
-        self.0.copy(src, dst, len)
-    }
-    fn replay(&mut self, graph: helios_contract::model::GraphId) -> Result<(), helios_replay::ExecutorError> {
-        self.0.replay(graph)?;
-        let m = self.0.manifest.clone();
-        let g = m.graph(graph).unwrap();
-        let Some(b) = g.binding(helios_contract::model::ValueKind::CompletionRecords) else { return Ok(()) };
-        let start = (m.buffer(b.view.buffer).unwrap().offset + b.view.offset) as usize;
-        for r in 0..b.shape[0] as usize {
-            let at = start + r * b.shape[1] as usize * 4 + 12;
-            let count = u32::from_le_bytes(self.0.arena[at..at + 4].try_into().unwrap());
-            self.0.arena[at..at + 4].copy_from_slice(&(count + 1).to_le_bytes());
-        }
-        Ok(())
+    let m = e.manifest.clone();
+    let g = m.graph(graph).unwrap();
+    let Some(b) = g.binding(helios_contract::model::ValueKind::CompletionRecords) else { return };
+    let start = (m.buffer(b.view.buffer).unwrap().offset + b.view.offset) as usize;
+    for r in 0..b.shape[0] as usize {
+        let at = start + r * b.shape[1] as usize * 4 + 12;
+        let count = u32::from_le_bytes(e.arena[at..at + 4].try_into().unwrap());
+        e.arena[at..at + 4].copy_from_slice(&(count + 1).to_le_bytes());
     }
 }
 
 mod speculative {
-    use super::support::device_fixture::{Emulator, device_fixture, device_fixture_with, toy_next};
+    use super::support::device_fixture::{Emulator, Hooked, device_fixture, device_fixture_with, toy_next};
     use super::*;
     use helios_contract::model::{SpeculativeProgram, ValueKind};
     use helios_contract::{BoundContract, CapacityError};
@@ -391,7 +363,8 @@ mod speculative {
         let dir = tempfile::tempdir().unwrap();
         let core = device_fixture(dir.path(), &FixtureSpec::speculative());
         let m = core.manifest().clone();
-        let mut executor = GraphExecutor::new(&m, super::Overclaim(Emulator::new(&core))).unwrap();
+        let mut executor =
+            GraphExecutor::new(&m, Hooked { emulator: Emulator::new(&core), hook: super::overclaim }).unwrap();
         let program = SpeculativeProgram::rectangular(1, 3);
         // Pending token and one proposal, rejected: one token, claimed as two, fits two lanes…
         executor.submit(&verify_step(program, vec![row(1, 0, vec![1, 63], 0, 0)]), &StepInputs::default()).unwrap();
@@ -400,7 +373,8 @@ mod speculative {
         executor.submit(&verify_step(program, vec![row(1, 0, vec![1], 0, 0)]), &StepInputs::default()).unwrap();
         assert_eq!(executor.synchronize(), Err(ExecutorError::TooManyTokens { row: 0, count: 2, most: 1 }));
 
-        let mut executor = GraphExecutor::new(&m, super::Overclaim(Emulator::new(&core))).unwrap();
+        let mut executor =
+            GraphExecutor::new(&m, Hooked { emulator: Emulator::new(&core), hook: super::overclaim }).unwrap();
         let decode = Step {
             fence: helios_cache::Fence(1),
             ops: vec![StepOp::Decode { bucket: 1, rows: vec![row(1, 0, vec![1], 0, 0)] }],
@@ -429,12 +403,11 @@ mod speculative {
 /// Checkpoint stamps: restore and snapshot graphs that bind the epoch get the step's
 /// (consumed, epoch); status records come back with the step, a rejected op as a typed error.
 mod stamps {
-    use super::support::device_fixture::{Emulator, device_fixture, stamp_of};
+    use super::support::device_fixture::{Emulator, Hooked, Moment, device_fixture, stamp_of};
     use super::*;
+    use helios_contract::BoundContract;
     use helios_contract::model::{GraphId, MaintenanceOp, Manifest, ValueKind};
     use helios_contract::record::RecordError;
-    use helios_contract::{BoundContract, model::BufferId};
-    use helios_replay::graph::GraphBackend;
     use helios_replay::{Executor, ExecutorError, StepInputs};
     use helios_scheduler::{ConsumeRow, Step, StepOp};
 
@@ -560,38 +533,22 @@ mod stamps {
         }
     }
 
-    /// A backend that tampers with maintenance replays: skips them (no status record is
-    /// written), or replays them and then names another row in the record.
-    #[derive(Debug)]
-    struct TamperMaintenance {
-        inner: Emulator,
-        skip: bool,
-    }
-
-    impl GraphBackend for TamperMaintenance {
-        fn write(&mut self, buffer: BufferId, offset: u64, bytes: &[u8]) -> Result<(), ExecutorError> {
-            self.inner.write(buffer, offset, bytes)
-        }
-        fn read(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, ExecutorError> {
-            self.inner.read(buffer, offset, len)
-        }
-        fn copy(&mut self, src: (BufferId, u64), dst: (BufferId, u64), len: u64) -> Result<(), ExecutorError> {
-            self.inner.copy(src, dst, len)
-        }
-        fn replay(&mut self, graph: GraphId) -> Result<(), ExecutorError> {
-            let m = self.inner.manifest.clone();
+    /// A device that tampers with what a maintenance replay wrote: erases its status record
+    /// (`erase`: as if never written) or makes it name another row.
+    fn tamper_maintenance(erase: bool) -> impl FnMut(&mut Emulator, GraphId, Moment) {
+        move |e, graph, when| {
+            let m = e.manifest.clone();
             let g = m.graph(graph).unwrap();
-            if g.maintenance_op.is_none() {
-                return self.inner.replay(graph);
+            if when == Moment::Before || g.maintenance_op.is_none() {
+                return;
             }
-            if self.skip {
-                return Ok(());
-            }
-            self.inner.replay(graph)?;
             let b = g.binding(ValueKind::CompletionRecords).unwrap();
-            let at = (m.buffer(b.view.buffer).unwrap().offset + b.view.offset) as usize + 4;
-            self.inner.arena[at] ^= 4;
-            Ok(())
+            let at = (m.buffer(b.view.buffer).unwrap().offset + b.view.offset) as usize;
+            if erase {
+                e.arena[at..at + 4].fill(0);
+            } else {
+                e.arena[at + 4] ^= 4;
+            }
         }
     }
 
@@ -601,12 +558,12 @@ mod stamps {
         let core = device_fixture(dir.path(), &FixtureSpec::stamped());
         let m = core.manifest().clone();
         let initialize = step(1, vec![StepOp::Initialize { live_row: 1, rows: 1 }]);
-        let skipping = TamperMaintenance { inner: Emulator::new(&core), skip: true };
-        let mut executor = GraphExecutor::new(&m, skipping).unwrap();
+        let erasing = Hooked { emulator: Emulator::new(&core), hook: tamper_maintenance(true) };
+        let mut executor = GraphExecutor::new(&m, erasing).unwrap();
         executor.submit(&initialize, &StepInputs::default()).unwrap();
         assert_eq!(executor.synchronize(), Err(ExecutorError::Record { row: 0, error: RecordError::NotWritten(0) }));
 
-        let renaming = TamperMaintenance { inner: Emulator::new(&core), skip: false };
+        let renaming = Hooked { emulator: Emulator::new(&core), hook: tamper_maintenance(false) };
         let mut executor = GraphExecutor::new(&m, renaming).unwrap();
         executor.submit(&initialize, &StepInputs::default()).unwrap();
         assert_eq!(

@@ -7,7 +7,7 @@
 #[path = "../../helios-replay/tests/support/device_fixture.rs"]
 mod device_fixture;
 
-use device_fixture::{Emulator, PacedReads, device_fixture, device_fixture_with};
+use device_fixture::{Emulator, Hooked, Moment, PacedReads, device_fixture, device_fixture_with};
 use helios_contract::RuntimeCore;
 use helios_contract::fixtures::FixtureSpec;
 use helios_replay::graph::{GraphBackend, GraphExecutor};
@@ -190,48 +190,18 @@ fn speculative_rounds(spec: &FixtureSpec) {
     }
 }
 
-/// A backend that flips one bit of a snapshot row's epoch just before it is restored: what a
+/// A device that flips one bit of a snapshot row's epoch just before it is restored: what a
 /// corrupted host copy or a stale snapshot row would look like to a stamping device.
-#[derive(Debug)]
-struct FlipRestoredEpoch(Emulator);
-
-impl GraphBackend for FlipRestoredEpoch {
-    fn write(
-        &mut self,
-        buffer: helios_contract::model::BufferId,
-        offset: u64,
-        bytes: &[u8],
-    ) -> Result<(), helios_replay::ExecutorError> {
-        self.0.write(buffer, offset, bytes)
-    }
-    fn read(
-        &mut self,
-        buffer: helios_contract::model::BufferId,
-        offset: u64,
-        len: u64,
-    ) -> Result<Vec<u8>, helios_replay::ExecutorError> {
-        self.0.read(buffer, offset, len)
-    }
-    fn copy(
-        &mut self,
-        src: (helios_contract::model::BufferId, u64),
-        dst: (helios_contract::model::BufferId, u64),
-        len: u64,
-    ) -> Result<(), helios_replay::ExecutorError> {
-        self.0.copy(src, dst, len)
-    }
-    fn replay(&mut self, graph: helios_contract::model::GraphId) -> Result<(), helios_replay::ExecutorError> {
-        use helios_contract::model::{MaintenanceOp, ValueKind};
-        let m = self.0.manifest.clone();
-        let g = m.graph(graph).unwrap();
-        if g.maintenance_op == Some(MaintenanceOp::Restore) {
-            let b = g.binding(ValueKind::SourceRows).unwrap();
-            let at = (m.buffer(b.view.buffer).unwrap().offset + b.view.offset) as usize;
-            let source = u32::from_le_bytes(self.0.arena[at..at + 4].try_into().unwrap());
-            let epoch = device_fixture::stamp_at(&m, source).unwrap() as usize + 4;
-            self.0.arena[epoch] ^= 1;
-        }
-        self.0.replay(graph)
+fn flip_restored_epoch(e: &mut Emulator, graph: helios_contract::model::GraphId, when: Moment) {
+    use helios_contract::model::{MaintenanceOp, ValueKind};
+    let m = e.manifest.clone();
+    let g = m.graph(graph).unwrap();
+    if when == Moment::Before && g.maintenance_op == Some(MaintenanceOp::Restore) {
+        let b = g.binding(ValueKind::SourceRows).unwrap();
+        let at = (m.buffer(b.view.buffer).unwrap().offset + b.view.offset) as usize;
+        let source = u32::from_le_bytes(e.arena[at..at + 4].try_into().unwrap());
+        let epoch = device_fixture::stamp_at(&m, source).unwrap() as usize + 4;
+        e.arena[epoch] ^= 1;
     }
 }
 
@@ -281,7 +251,8 @@ fn a_rejected_restore_stops_the_loop_with_a_typed_error() {
     let dir = tempfile::tempdir().unwrap();
     let core = device_fixture(dir.path(), &spec);
     let m = core.manifest().clone();
-    let executor = GraphExecutor::new(&m, FlipRestoredEpoch(Emulator::new(&core))).unwrap();
+    let executor =
+        GraphExecutor::new(&m, Hooked { emulator: Emulator::new(&core), hook: flip_restored_epoch }).unwrap();
     let scheduler = Scheduler::new(m.cache_scheme.clone(), m.capacities.clone(), test_config(4)).unwrap();
     let mut d = LoopDriver::new(scheduler, executor, spec.vocab_size).unwrap();
     let prompt: Vec<u32> = (0..70).map(|i| i % spec.vocab_size).collect();

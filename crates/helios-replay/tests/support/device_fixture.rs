@@ -471,6 +471,39 @@ impl Emulator {
     }
 }
 
+/// When a [`Hooked`] backend's hook runs: before a replay (to tamper with its inputs) or after it
+/// (with what it wrote).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Moment {
+    Before,
+    After,
+}
+
+/// The emulator with a hook around every replay: a device that corrupts state or writes what it
+/// should not. Reads are immediate (the hook sees every replay's results before they are read).
+pub struct Hooked<F> {
+    pub emulator: Emulator,
+    pub hook: F,
+}
+
+impl<F: FnMut(&mut Emulator, GraphId, Moment)> GraphBackend for Hooked<F> {
+    fn write(&mut self, buffer: BufferId, offset: u64, bytes: &[u8]) -> Result<(), ExecutorError> {
+        self.emulator.write(buffer, offset, bytes)
+    }
+    fn read(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, ExecutorError> {
+        self.emulator.read(buffer, offset, len)
+    }
+    fn copy(&mut self, src: (BufferId, u64), dst: (BufferId, u64), len: u64) -> Result<(), ExecutorError> {
+        self.emulator.copy(src, dst, len)
+    }
+    fn replay(&mut self, graph: GraphId) -> Result<(), ExecutorError> {
+        (self.hook)(&mut self.emulator, graph, Moment::Before);
+        self.emulator.replay(graph)?;
+        (self.hook)(&mut self.emulator, graph, Moment::After);
+        Ok(())
+    }
+}
+
 impl GraphBackend for Emulator {
     fn write(&mut self, buffer: BufferId, offset: u64, bytes: &[u8]) -> Result<(), ExecutorError> {
         let r = self.at(buffer, offset, bytes.len() as u64)?;
