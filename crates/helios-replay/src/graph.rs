@@ -749,7 +749,33 @@ impl<B: GraphBackend> Executor for GraphExecutor<B> {
     fn unified_memory(&self) -> bool {
         self.backend.unified_memory()
     }
+
+    /// Replays `op`'s graph over padding only (its rows are ignored): every lane is a padded
+    /// one, which writes nothing a request owns (the trash page, the null row's own bytes).
+    fn measure_step(&mut self, op: &StepOp, reps: u32) -> Result<Option<std::time::Duration>, ExecutorError> {
+        let padded = match op {
+            StepOp::Decode { bucket, .. } => StepOp::Decode { bucket: *bucket, rows: Vec::new() },
+            StepOp::Verify { program, .. } => StepOp::Verify { program: *program, rows: Vec::new() },
+            _ => return Ok(None),
+        };
+        self.synchronize()?;
+        let mut fence = 0u64;
+        let mut run = |ex: &mut Self, n: u32| -> Result<(), ExecutorError> {
+            for _ in 0..n {
+                fence += 1;
+                ex.submit(&Step { fence: Fence(u64::MAX - fence), ops: vec![padded.clone()] }, &StepInputs::default())?;
+            }
+            ex.synchronize().map(drop)
+        };
+        run(self, MEASURE_WARMUP)?;
+        let start = std::time::Instant::now();
+        run(self, reps.max(1))?;
+        Ok(Some(start.elapsed() / reps.max(1)))
+    }
 }
+
+/// Steps replayed before [`GraphExecutor::measure_step`] starts its clock (first-replay costs).
+const MEASURE_WARMUP: u32 = 3;
 
 /// Which graph a step op replays (reports, tests).
 pub fn graph_for(bound: &BoundContract, op: &StepOp) -> Option<GraphId> {

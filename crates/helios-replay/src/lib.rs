@@ -104,6 +104,14 @@ pub trait Executor {
     fn unified_memory(&self) -> bool {
         false
     }
+    /// Wall time of one step holding `op` over padding only (rows empty: nothing is consumed,
+    /// sampled or stored), averaged over `reps` steps after a warm-up, everything in flight
+    /// drained. Before readiness only (it replays graphs). `None`: this executor has no device
+    /// time to measure (the simulated one), and callers keep their assumptions.
+    fn measure_step(&mut self, op: &StepOp, reps: u32) -> Result<Option<std::time::Duration>, ExecutorError> {
+        let _ = (op, reps);
+        Ok(None)
+    }
 }
 
 /// An executor lent for one run (a test driver over an executor its caller keeps).
@@ -134,6 +142,9 @@ impl<E: Executor + ?Sized> Executor for &mut E {
     }
     fn unified_memory(&self) -> bool {
         (**self).unified_memory()
+    }
+    fn measure_step(&mut self, op: &StepOp, reps: u32) -> Result<Option<std::time::Duration>, ExecutorError> {
+        (**self).measure_step(op, reps)
     }
 }
 
@@ -866,6 +877,9 @@ impl<E: Executor> Executor for StepLog<E> {
     }
     fn unified_memory(&self) -> bool {
         self.inner.unified_memory()
+    }
+    fn measure_step(&mut self, op: &StepOp, reps: u32) -> Result<Option<std::time::Duration>, ExecutorError> {
+        self.inner.measure_step(op, reps)
     }
 }
 

@@ -312,9 +312,9 @@ const PROPOSER_MAX_MATCH: usize = 8;
 /// How far back proposals look (the index holds fewer than twice this many tokens per
 /// request: about 8 MB at the longest, whatever the context).
 const PROPOSER_WINDOW: usize = 16_384;
-/// Cost of verifying one more proposal, in plain decode steps, until preparation measures the
-/// speculative programs: decode at small batches is bandwidth-bound, so extra target rows are
-/// nearly free.
+/// Cost of verifying one more proposal, in plain decode steps, until the executor measures the
+/// core's speculative programs (`Scheduler::set_verify_costs`, at startup): decode at small
+/// batches is bandwidth-bound, so extra target rows are nearly free.
 const VERIFY_ROW_COST: f64 = 0.1;
 /// Acceptance assumed before a request has verified anything: optimistic, so it gets to try.
 const ACCEPTANCE_PRIOR: f64 = 0.7;
@@ -339,14 +339,19 @@ impl Speculation {
         available > 0 && self.depth.depth(available) > 0
     }
 
-    fn new(history: &[u32], max_depth: u32) -> Box<Self> {
+    /// `cost`: a round's cost at each depth up to the deepest this request may propose.
+    fn new(history: &[u32], cost: &[f64]) -> Box<Self> {
         // Only the window's tail of a long prompt is indexed (submission runs on the model thread).
         let proposer = CopyProposer::new(PROPOSER_MIN_MATCH, PROPOSER_MAX_MATCH)
             .with_window(PROPOSER_WINDOW)
             .with_history(history);
-        let cost: Vec<f64> = (0..=max_depth).map(|d| 1.0 + VERIFY_ROW_COST * f64::from(d)).collect();
-        Box::new(Speculation { proposer, depth: DepthController::new(&cost, ACCEPTANCE_PRIOR), in_flight: None })
+        Box::new(Speculation { proposer, depth: DepthController::new(cost, ACCEPTANCE_PRIOR), in_flight: None })
     }
+}
+
+/// A round's cost at depths `0..=max_depth` before anything was measured.
+fn assumed_verify_cost(max_depth: u32) -> Vec<f64> {
+    (0..=max_depth).map(|d| 1.0 + VERIFY_ROW_COST * f64::from(d)).collect()
 }
 
 #[derive(Clone, Debug)]
@@ -381,6 +386,10 @@ pub struct Scheduler {
     completed: Fence,
     /// Bytes of restore copies per step.
     restore_budget: u64,
+    /// A verification round's cost at each proposal depth (index), in plain decode steps:
+    /// `[0] == 1`, non-decreasing. Assumed (`VERIFY_ROW_COST` per proposal) until the executor
+    /// measures the core's programs ([`Self::set_verify_costs`]).
+    verify_cost: Vec<f64>,
     next_request: u64,
     next_fence: u64,
     admissions: u64,
@@ -409,6 +418,7 @@ impl Scheduler {
     /// A scheduler over empty pools sized from the scheme and capacities.
     pub fn new(scheme: CacheScheme, capacities: Capacities, config: SchedulerConfig) -> Result<Self, ConfigError> {
         Self::validate(&capacities, &config)?;
+        let verify_cost = assumed_verify_cost(capacities.max_speculative_depth(1));
         Ok(Self {
             pages: FencedPool::new(capacities.max_kv_pages),
             rows: RowPool::new(&scheme, capacities.request_slots, capacities.snapshot_rows),
@@ -429,6 +439,7 @@ impl Scheduler {
             disk: None,
             completed: Fence(0),
             restore_budget: tiers::RESTORE_BYTES_PER_STEP,
+            verify_cost,
             next_request: 0,
             next_fence: 1,
             admissions: 0,
@@ -509,7 +520,8 @@ impl Scheduler {
         let depth = self.speculation_depth();
         // A request that needs host feedback (a grammar) never gets proposals.
         let speculate = depth > 0 && !request.spec.needs_host_feedback;
-        let request = Request { speculation: speculate.then(|| Speculation::new(&request.tokens, depth)), ..request };
+        let cost = &self.verify_cost[..=(depth as usize).min(self.verify_cost.len() - 1)];
+        let request = Request { speculation: speculate.then(|| Speculation::new(&request.tokens, cost)), ..request };
         let pages = self.reservation_pages(&request);
         if pages > u64::from(self.capacities.max_kv_pages) {
             return Err(AdmissionError::LargerThanPool { pages, pool: self.capacities.max_kv_pages });
@@ -1097,6 +1109,30 @@ impl Scheduler {
     }
 
     /// The speculative program depth this configuration allows (0: speculation off).
+    /// Replaces the assumed cost of verification with what the executor measured on this core:
+    /// `round[d]` is the wall time of a round that verifies up to `d` proposals for one request,
+    /// `decode` that of a plain one-request decode step (`round[0]` is ignored). Requests
+    /// submitted afterwards weigh proposals against it; on a core where a round costs as much as
+    /// the tokens it can yield, they never propose. Called before readiness.
+    pub fn set_verify_costs(&mut self, decode: std::time::Duration, round: &[std::time::Duration]) {
+        let base = decode.as_secs_f64();
+        if base <= 0.0 || round.len() != self.verify_cost.len() {
+            return;
+        }
+        let mut cost = vec![1.0];
+        for t in &round[1..] {
+            // Never below a plain step, never cheaper than a shallower round.
+            let c = (t.as_secs_f64() / base).max(*cost.last().unwrap_or(&1.0));
+            cost.push(c);
+        }
+        self.verify_cost = cost;
+    }
+
+    /// The verification cost requests weigh proposals against (see [`Self::set_verify_costs`]).
+    pub fn verify_costs(&self) -> &[f64] {
+        &self.verify_cost
+    }
+
     fn speculation_depth(&self) -> u32 {
         self.config.speculative_depth.min(self.capacities.max_speculative_depth(1))
     }

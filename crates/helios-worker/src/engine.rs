@@ -252,7 +252,11 @@ impl Engine {
                         let caps = helios_contract::model::Capacities { max_kv_pages: pages, ..capacities };
                         let device_fed = device_fed_option && executor.device_fed_decode();
                         let config = SchedulerConfig { device_fed_decode: device_fed, ..config };
-                        let scheduler = Scheduler::new(scheme, caps, config).map_err(|e| e.to_string())?;
+                        let speculating = config.speculative_depth > 0;
+                        let mut scheduler = Scheduler::new(scheme, caps.clone(), config).map_err(|e| e.to_string())?;
+                        if speculating {
+                            measure_verification(&mut executor, &mut scheduler, &caps).map_err(|e| e.to_string())?;
+                        }
                         let scheduler = attach_tiers(&mut executor, scheduler, host_cache_bytes, disk_cache.as_ref())?;
                         Ok((executor, scheduler))
                     })();
@@ -487,6 +491,52 @@ pub(crate) struct ModelLoop<E: Executor> {
 /// [`EngineOptions::host_cache_bytes`] says, and the disk tier below it when asked for (its
 /// directory indexed now: unusable files are logged and removed). Before readiness: the arena
 /// is allocated (and page-locked by the executor) here, never later.
+/// Replays measured per program by [`measure_verification`].
+const VERIFY_MEASURE_REPS: u32 = 20;
+
+/// Times one-request verification rounds at each depth against a plain one-request decode step
+/// on this core (wall time over padding, before readiness) and gives the ratios to the
+/// scheduler, so a request proposes only where its acceptance pays for the round. An executor
+/// that cannot measure (the simulated one) leaves the scheduler's assumption.
+fn measure_verification<E: Executor>(
+    executor: &mut E,
+    scheduler: &mut Scheduler,
+    caps: &helios_contract::model::Capacities,
+) -> Result<(), ExecutorError> {
+    use helios_scheduler::StepOp;
+    let max = caps.max_speculative_depth(1);
+    let Some(bucket) = caps.decode_bucket_for(1) else { return Ok(()) };
+    if max == 0 {
+        return Ok(());
+    }
+    let plain = StepOp::Decode { bucket, rows: Vec::new() };
+    let Some(decode) = executor.measure_step(&plain, VERIFY_MEASURE_REPS)? else { return Ok(()) };
+    let mut rounds = vec![decode];
+    let mut measured: Vec<(helios_contract::model::SpeculativeProgram, Duration)> = Vec::new();
+    for depth in 1..=max {
+        let Some(program) = caps.speculative_program_for(1, depth) else { return Ok(()) };
+        let t = match measured.iter().find(|(p, _)| *p == program) {
+            Some((_, t)) => *t,
+            None => {
+                let op = StepOp::Verify { program, rows: Vec::new() };
+                let Some(t) = executor.measure_step(&op, VERIFY_MEASURE_REPS)? else { return Ok(()) };
+                tracing::info!(
+                    requests = program.requests,
+                    depth = program.depth,
+                    round_us = t.as_secs_f64() * 1e6,
+                    decode_us = decode.as_secs_f64() * 1e6,
+                    "speculative program measured against plain decode"
+                );
+                measured.push((program, t));
+                t
+            }
+        };
+        rounds.push(t);
+    }
+    scheduler.set_verify_costs(decode, &rounds);
+    Ok(())
+}
+
 fn attach_tiers<E: Executor>(
     executor: &mut E,
     scheduler: Scheduler,

@@ -190,6 +190,52 @@ fn speculative_rounds(spec: &FixtureSpec) {
     }
 }
 
+/// The verification cost a core measures decides whether requests propose at all: the same
+/// repetitive workload verifies when a round costs about a plain step and never when it costs
+/// as much as the tokens it could yield. Measuring replays padding only, and serving goes on
+/// after it. (That padding writes nothing a request owns is the prepared graphs' invariant,
+/// checked in Ignition's tests; this toy emulator's kernels accumulate into scratch anyway.)
+#[test]
+fn measured_verification_cost_gates_proposals() {
+    use helios_replay::Executor;
+    use helios_scheduler::StepOp;
+    use std::time::Duration;
+    let spec = FixtureSpec::speculative();
+    let run = |round_ms: Option<f64>, measure: bool| {
+        let dir = tempfile::tempdir().unwrap();
+        let core = device_fixture(dir.path(), &spec);
+        let m = core.manifest().clone();
+        let mut executor = GraphExecutor::new(&m, Emulator::new(&core)).unwrap();
+        if measure {
+            let program = m.capacities.speculative_program_for(1, 3).unwrap();
+            for op in [StepOp::Decode { bucket: 1, rows: vec![] }, StepOp::Verify { program, rows: vec![] }] {
+                assert!(executor.measure_step(&op, 3).unwrap().is_some());
+            }
+        }
+        let config = SchedulerConfig { speculative_depth: 3, ..test_config(4) };
+        let mut scheduler = Scheduler::new(m.cache_scheme.clone(), m.capacities.clone(), config).unwrap();
+        if let Some(ms) = round_ms {
+            let depths = scheduler.verify_costs().len();
+            let round = vec![Duration::from_secs_f64(ms / 1e3); depths];
+            scheduler.set_verify_costs(Duration::from_millis(1), &round);
+            assert!(scheduler.verify_costs()[1] >= 1.0);
+        }
+        let mut d = LoopDriver::new(scheduler, executor, m.capacities.vocab_size).unwrap();
+        for p in 0..3u32 {
+            d.submit(request((0..48).map(|i| (i % 6) * 5 + p).collect(), 24, 1)).unwrap();
+        }
+        d.drain().unwrap();
+        let outputs: Vec<Vec<u32>> = d.take_ended().into_iter().map(|f| f.output).collect();
+        (d.scheduler_mut().stats().verify_steps, outputs)
+    };
+    let (cheap, _) = run(Some(1.05), false);
+    assert!(cheap > 0, "a round about as cheap as a step: requests propose");
+    let (expensive, _) = run(Some(10.0), false);
+    assert_eq!(expensive, 0, "a round costing ten steps never pays at depth 3");
+    let (_, outputs) = run(None, true);
+    assert!(outputs.len() == 3 && outputs.iter().all(|o| o.len() == 24));
+}
+
 /// A device that flips one bit of a snapshot row's epoch just before it is restored: what a
 /// corrupted host copy or a stale snapshot row would look like to a stamping device.
 fn flip_restored_epoch(e: &mut Emulator, graph: helios_contract::model::GraphId, when: Moment) {
