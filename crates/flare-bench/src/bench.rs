@@ -14,7 +14,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum WorkloadKind {
-    /// Every workload below, in order.
+    /// Every workload below but `copy`, in order.
     All,
     /// A long never-seen prompt: time to first token with nothing cached.
     Cold,
@@ -26,6 +26,10 @@ pub enum WorkloadKind {
     Branches,
     /// A `--prefix-tokens` cached prefix, then requests adding a short (~11-token) tail: prefix-hit TTFT.
     Prefix,
+    /// Copy-heavy decode, what speculation with copy proposals is for: a `--copy-lines` source
+    /// file the model reproduces with one function renamed, greedily, at each `--concurrency`
+    /// level (compare runs with and without `--speculative-depth` on the server).
+    Copy,
 }
 
 /// Arguments of `flare bench`.
@@ -80,6 +84,9 @@ pub struct BenchArgs {
     /// Per-request time limit, seconds.
     #[arg(long, default_value_t = 300)]
     pub timeout_secs: u64,
+    /// Lines of the copy workload's source file (fewer where the served context is short).
+    #[arg(long, default_value_t = 200)]
+    pub copy_lines: usize,
 }
 
 /// One request as measured by the client.
@@ -244,7 +251,31 @@ pub async fn run_bench(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     if all || args.workload == WorkloadKind::Prefix {
         report.workloads.push(b.prefix(args).await);
     }
+    if args.workload == WorkloadKind::Copy {
+        for &c in &args.concurrency {
+            report.workloads.push(b.copy(args, c.max(1)).await);
+        }
+    }
     Ok(report)
+}
+
+/// Tokens one line of the copy workload's file takes, about (the budget for prompt and copy).
+const COPY_TOKENS_PER_LINE: usize = 14;
+
+/// The copy workload's file: `lines` lines of small functions, distinct per `seed`.
+fn source_file(lines: usize, seed: u64) -> String {
+    let mut rng = Rng::new(seed);
+    let mut out = String::new();
+    let mut f = 0;
+    while out.lines().count() + 4 <= lines.max(4) {
+        let (a, b) = (rng.range(2, 97), rng.range(1, 999));
+        let word = VOCAB[(rng.next() % VOCAB.len() as u64) as usize];
+        out.push_str(&format!(
+            "def step_{f}(state, x):\n    \"\"\"Advance the {word} by one step.\"\"\"\n    return state * {a} + x - {b}\n\n"
+        ));
+        f += 1;
+    }
+    out
 }
 
 struct Bench {
@@ -404,6 +435,31 @@ impl Bench {
             wall += t0.elapsed();
         }
         summarise(&format!("prefix {}+tail", args.prefix_tokens), WorkloadKind::Prefix, 1, outs, wall)
+    }
+
+    /// `concurrency` requests at once, each reproducing its own file with one rename: long
+    /// outputs that are mostly copies of the prompt.
+    async fn copy(&self, args: &BenchArgs, concurrency: usize) -> Workload {
+        // Prompt and copy each take about the file's tokens; keep both inside the context.
+        let lines = match self.max_model_len {
+            Some(len) => args.copy_lines.min((len as usize).saturating_sub(512) / (2 * COPY_TOKENS_PER_LINE)),
+            None => args.copy_lines,
+        };
+        let bodies = (0..concurrency)
+            .map(|i| {
+                let file = source_file(lines, nonce() ^ i as u64);
+                let functions = file.matches("def step_").count().max(1);
+                let renamed = i % functions;
+                let prompt = format!(
+                    "Here is a Python file:\n\n{file}\nRepeat the whole file exactly as it is, except that the \
+                     function `step_{renamed}` is renamed to `advance_{renamed}`. Output only the file."
+                );
+                let max_tokens = (lines * COPY_TOKENS_PER_LINE * 5 / 4) as u32;
+                self.body(json!([{"role": "user", "content": prompt}]), max_tokens, json!({"temperature": 0}))
+            })
+            .collect();
+        let (outs, wall) = self.concurrent(bodies).await;
+        summarise(&format!("copy c={concurrency}"), WorkloadKind::Copy, concurrency, outs, wall)
     }
 
     async fn decode(&self, args: &BenchArgs, concurrency: usize) -> Workload {
@@ -861,6 +917,7 @@ mod tests {
             branches: 3,
             prefix_words: 50,
             timeout_secs: 10,
+            copy_lines: 40,
         };
         let r = run_bench(&args).await.expect("bench runs");
         assert_eq!(r.model, "fake");
@@ -883,6 +940,12 @@ mod tests {
         assert_eq!((prefix.requests, prefix.failed), (2, 0));
         assert!(prefix.prompt_tokens > 0);
 
+        let copy = BenchArgs { workload: WorkloadKind::Copy, ..args.clone() };
+        let r = run_bench(&copy).await.expect("bench runs");
+        let names: Vec<&str> = r.workloads.iter().map(|w| w.name.as_str()).collect();
+        assert_eq!(names, ["copy c=1", "copy c=2"]);
+        assert!(r.workloads.iter().all(|w| w.failed == 0 && w.prompt_tokens > 0));
+
         let only = BenchArgs { workload: WorkloadKind::Cold, ..args.clone() };
         assert_eq!(run_bench(&only).await.expect("bench runs").workloads.len(), 1);
         // Token-sized cold prompts: the fake server counts a prompt as its JSON length / 4.
@@ -891,6 +954,15 @@ mod tests {
         let got: Vec<u64> = r.workloads.iter().map(|w| w.prompt_tokens / w.requests as u64).collect();
         assert_eq!(r.workloads.iter().map(|w| w.name.as_str()).collect::<Vec<_>>(), ["cold 200 tok", "cold 800 tok"]);
         assert!(got[0] <= 200 && got[0] >= 190 && got[1] <= 800 && got[1] >= 780, "{got:?}");
+    }
+
+    #[test]
+    fn copy_files_have_the_asked_lines_and_differ_per_seed() {
+        let a = source_file(200, 1);
+        assert!((196..=200).contains(&a.lines().count()), "{}", a.lines().count());
+        assert!(a.contains("def step_0(") && a.contains("def step_48("));
+        assert_ne!(a, source_file(200, 2));
+        assert_eq!(a, source_file(200, 1));
     }
 
     #[test]
