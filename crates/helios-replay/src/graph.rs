@@ -520,17 +520,27 @@ impl<B: GraphBackend> GraphExecutor<B> {
         self.pack(g, V::SampleFlags, &flags, 0)?;
         if let Some(view) = g.view(V::GrammarMask) {
             let words = view.shape.get(1).copied().unwrap_or(0) as usize;
-            // One mask per request, or per lane for a speculative graph. RowSampling carries a
-            // request's mask for its next token only, and the scheduler does not speculate
-            // requests under a grammar, so each used lane repeats its request's mask (a mask
-            // per lane needs the grammar state at each proposal). Unused lanes allow all.
-            let masks: Vec<Option<&RowSampling>> = match stride {
-                Some(_) => lane_rows.iter().map(|r| r.map(|r| &sampling[r])).collect(),
-                None => sampling.iter().map(Some).collect(),
-            };
+            // One mask per request, or per lane for a speculative graph: lane j of a constrained
+            // row samples under the grammar's state after its first j proposals
+            // (`RowSampling::proposal_masks`). Unused lanes and unconstrained rows allow all.
+            let mut masks: Vec<Option<&Arc<[u32]>>> = Vec::new();
+            match stride {
+                Some(_) => {
+                    for (k, r) in lane_rows.iter().enumerate() {
+                        let Some(r) = *r else {
+                            masks.push(None);
+                            continue;
+                        };
+                        let lane = k - r * stride.unwrap_or(1);
+                        let request = rows[r].1.map_or(RequestId(0), |s| s.request);
+                        masks.push(sampling[r].lane_mask(request, lane)?);
+                    }
+                }
+                None => masks.extend(sampling.iter().map(|s| s.mask.as_ref())),
+            }
             let mut mask = Vec::with_capacity(words * masks.len());
-            for s in masks {
-                match s.and_then(|s| s.mask.as_ref()) {
+            for m in masks {
+                match m {
                     Some(m) => mask.extend((0..words).map(|i| m.get(i).copied().unwrap_or(0))),
                     None => mask.extend(std::iter::repeat_n(u32::MAX, words)),
                 }

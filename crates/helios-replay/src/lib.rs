@@ -52,6 +52,26 @@ pub struct RowSampling {
     /// Allowed-token bitset, 32 ids per word (id `i` at bit `i % 32` of word `i / 32`);
     /// `None` leaves the vocabulary unconstrained.
     pub mask: Option<Arc<[u32]>>,
+    /// A constrained verify row's masks for its proposal lanes: entry `j` is the grammar's mask
+    /// after proposals `1..=j + 1`, what lane `j + 1` samples under (`mask` is lane 0's). One
+    /// per proposal the row carries when `mask` is set; ignored without `mask`.
+    pub proposal_masks: Vec<Arc<[u32]>>,
+}
+
+impl RowSampling {
+    /// The mask lane `lane` of `request`'s verify row samples under (lane 0: `mask`; `None`:
+    /// unconstrained); a constrained row without that lane's mask is refused.
+    pub fn lane_mask(&self, request: RequestId, lane: usize) -> Result<Option<&Arc<[u32]>>, ExecutorError> {
+        match (&self.mask, lane) {
+            (None, _) => Ok(None),
+            (Some(m), 0) => Ok(Some(m)),
+            (Some(_), j) => self
+                .proposal_masks
+                .get(j - 1)
+                .map(Some)
+                .ok_or(ExecutorError::MissingLaneMask { request: request.0, lane: j as u32 }),
+        }
+    }
 }
 
 /// Host inputs packed beside a step: sampling controls for each request it samples.
@@ -151,6 +171,8 @@ impl<E: Executor + ?Sized> Executor for &mut E {
 /// Executor failures: metadata that does not match the storage it addresses.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ExecutorError {
+    #[error("request {request}: a constrained verify row without the grammar mask of its lane {lane}")]
+    MissingLaneMask { request: u64, lane: u32 },
     #[error("row {row} holds {actual} consumed tokens, step expects {expected}")]
     StaleRow { row: u32, actual: u64, expected: u64 },
     #[error("row {0} outside the pool or is the null row")]
@@ -554,7 +576,19 @@ impl SimulatedExecutor {
                 page_table: row.page_table.clone(),
                 sample: Some(SampleSpec { counter: sample.counter + 1 + j as u32, ..sample }),
             };
-            self.consume(&next, inputs)?;
+            // A constrained row's lane samples under the grammar's state after the proposals
+            // before it, as the device's per-lane masks say.
+            match inputs.sampling.get(&sample.request) {
+                Some(s) if s.mask.is_some() => {
+                    let lane = s.lane_mask(sample.request, j + 1)?.cloned();
+                    let mut lane_inputs = inputs.clone();
+                    if let Some(entry) = lane_inputs.sampling.get_mut(&sample.request) {
+                        entry.mask = lane;
+                    }
+                    self.consume(&next, &lane_inputs)?;
+                }
+                _ => self.consume(&next, inputs)?,
+            }
         }
         Ok(())
     }
@@ -912,6 +946,54 @@ mod tests {
         let low: Vec<u32> = (0..3).map(|h| nth_allowed(&mask, 90, h, 2).expect("allowed")).collect();
         assert_eq!(low, vec![3, 40, 3]);
         assert_eq!(nth_allowed(&[0, 0], 64, 5, u64::MAX), None);
+    }
+
+    /// A constrained verify row samples each lane under its own mask: lane 0 under the row's,
+    /// lane j under the grammar's state after j proposals; a missing lane mask is refused.
+    #[test]
+    fn a_constrained_verify_row_samples_each_lane_under_its_mask() {
+        use helios_contract::model::SpeculativeProgram;
+        let scheme = reference_schemes().remove(0);
+        let caps = Capacities {
+            speculative_programs: vec![SpeculativeProgram::rectangular(1, 3)],
+            ..test_capacities(2, 8, 2)
+        };
+        let only = |id: u32| -> Arc<[u32]> {
+            let mut m = vec![0u32; caps.vocab_size.div_ceil(32) as usize];
+            m[id as usize / 32] |= 1 << (id % 32);
+            m.into()
+        };
+        let request = RequestId(3);
+        let row = |tokens: Vec<u32>| ConsumeRow {
+            live_row: 1,
+            start: 3,
+            tokens,
+            device_token: false,
+            page_table: vec![0],
+            sample: Some(SampleSpec { request, seed: 9, counter: 1 }),
+        };
+        let program = SpeculativeProgram::rectangular(1, 3);
+        let run = |lane_masks: Vec<Arc<[u32]>>| {
+            let mut executor = SimulatedExecutor::new(&scheme, &caps);
+            let prefill = ConsumeRow { sample: None, ..row(vec![5, 6, 7]) };
+            let prefill = ConsumeRow { start: 0, ..prefill };
+            let setup =
+                vec![StepOp::Initialize { live_row: 1, rows: 1 }, StepOp::Prefill { capacity: 16, row: prefill }];
+            executor.submit(&Step { fence: helios_cache::Fence(1), ops: setup }, &StepInputs::default())?;
+            let mut inputs = StepInputs::default();
+            let sampling = RowSampling { mask: Some(only(11)), proposal_masks: lane_masks, ..RowSampling::default() };
+            inputs.sampling.insert(request, sampling);
+            // The proposals are what the masks force, so each lane's sample equals the next.
+            let verify = StepOp::Verify { program, rows: vec![row(vec![8, 11, 12, 13])] };
+            executor.submit(&Step { fence: helios_cache::Fence(2), ops: vec![verify] }, &inputs)?;
+            Ok::<_, ExecutorError>(
+                executor.synchronize()?.into_iter().flat_map(|c| c.sampled).map(|s| s.token).collect::<Vec<_>>(),
+            )
+        };
+        assert_eq!(run(vec![only(12), only(13), only(14)]), Ok(vec![11, 12, 13, 14]));
+        // Lane 2 may sample only 20: the round stops there, emitting it.
+        assert_eq!(run(vec![only(12), only(20), only(14)]), Ok(vec![11, 12, 20]));
+        assert_eq!(run(vec![only(12)]), Err(ExecutorError::MissingLaneMask { request: 3, lane: 2 }));
     }
 
     /// Snapshot and restore check the rows' stamps as a stamping device does, and the stamp

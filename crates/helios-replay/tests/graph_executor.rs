@@ -232,15 +232,20 @@ mod speculative {
         let z0 = toy_next(21, 9, vocab);
 
         let words = vocab.div_ceil(32) as usize;
-        let mask: Vec<u32> = (0..words as u32).map(|i| 0x0f0f_0000 | i).collect();
+        // The grammar's masks at lanes 0, 1 and 2 (after the first and the second proposal).
+        let lane_mask = |lane: u32| -> Vec<u32> { (0..words as u32).map(|i| (0x0f0f_0000 << lane) | i).collect() };
+        let (mask, mask1, mask2) = (lane_mask(0), lane_mask(1), lane_mask(2));
+        let constrained = RowSampling {
+            params: SamplingParams { temperature: 0.5, top_k: 9, ..SamplingParams::default() },
+            mask: Some(mask.clone().into()),
+            proposal_masks: vec![mask1.clone().into(), mask2.clone().into()],
+        };
+        // Without the masks of its proposal lanes, a constrained verify row is refused.
         let mut inputs = StepInputs::default();
-        inputs.sampling.insert(
-            RequestId(0),
-            RowSampling {
-                params: SamplingParams { temperature: 0.5, top_k: 9, ..SamplingParams::default() },
-                mask: Some(mask.clone().into()),
-            },
-        );
+        let partial = RowSampling { proposal_masks: vec![mask1.clone().into()], ..constrained.clone() };
+        inputs.sampling.insert(RequestId(0), partial);
+        assert_eq!(executor.submit(&step, &inputs), Err(ExecutorError::MissingLaneMask { request: 0, lane: 2 }));
+        inputs.sampling.insert(RequestId(0), constrained);
         executor.submit(&step, &inputs).unwrap();
         let done = executor.synchronize().unwrap();
         let sample = |request, token| SampledToken { request: RequestId(request), token };
@@ -272,15 +277,13 @@ mod speculative {
         assert_eq!(view.read::<u64>(bytes).unwrap(), vec![40, 41]);
         let (view, bytes) = staged(ValueKind::Temperature);
         assert_eq!(view.read::<f32>(bytes).unwrap(), vec![0.5, 1.0]);
-        // One mask per lane: request 0's on its three used lanes, every other lane unmasked.
+        // One mask per lane: request 0's grammar state at each of its three used lanes, every
+        // other lane unmasked.
         let (view, bytes) = staged(ValueKind::GrammarMask);
         assert_eq!(view.shape, vec![8, words as u64]);
         let lanes: Vec<Vec<u32>> = view.read::<u32>(bytes).unwrap().chunks(words).map(<[u32]>::to_vec).collect();
         let open = vec![u32::MAX; words];
-        assert_eq!(
-            lanes,
-            vec![mask.clone(), mask.clone(), mask, open.clone(), open.clone(), open.clone(), open.clone(), open]
-        );
+        assert_eq!(lanes, vec![mask, mask1, mask2, open.clone(), open.clone(), open.clone(), open.clone(), open]);
         // The emulated program stored each request's last emitted token as its pending token.
         let pending_of =
             |slot: usize| u32::from_le_bytes(arena[pending + 4 * slot..pending + 4 * slot + 4].try_into().unwrap());

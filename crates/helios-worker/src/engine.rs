@@ -1004,7 +1004,7 @@ impl<E: Executor> ModelLoop<E> {
                     None
                 }
             };
-            inputs.sampling.insert(s.request, RowSampling { params: a.sampling, mask });
+            inputs.sampling.insert(s.request, RowSampling { params: a.sampling, mask, proposal_masks: Vec::new() });
         }
         inputs
     }
