@@ -412,6 +412,35 @@ impl GrammarMatcher {
         }
     }
 
+    /// The longest prefix of `candidates` the grammar accepts from its current state (whose
+    /// mask is `mask`), each with the mask that follows it: lane `j + 1` of a verify round
+    /// samples under `masks[j]`. The matcher ends where it started. Stops at a token the
+    /// grammar forbids and once the grammar is complete (only EOS may follow, and EOS is never
+    /// proposed). Costs one mask computation per accepted candidate.
+    pub fn lookahead(
+        &mut self,
+        mask: &TokenMask,
+        candidates: &[u32],
+    ) -> Result<(Vec<u32>, Vec<TokenMask>), GrammarError> {
+        let (mut tokens, mut masks) = (Vec::new(), Vec::new());
+        let mut allowed = mask.clone();
+        for &c in candidates {
+            if self.matcher.is_stopped() || !allowed.is_allowed(c) {
+                break;
+            }
+            match self.matcher.try_consume_tokens(&[c]) {
+                Ok(1) => {}
+                Ok(_) => break,
+                Err(e) => return Err(matcher_error(e)),
+            }
+            tokens.push(c);
+            allowed = self.compute_mask()?;
+            masks.push(allowed.clone());
+        }
+        self.matcher.rollback(tokens.len()).map_err(matcher_error)?;
+        Ok((tokens, masks))
+    }
+
     /// Undoes the last `n` consumed tokens (speculative decoding).
     pub fn rollback(&mut self, n: usize) -> Result<(), GrammarError> {
         if n > self.consumed {
@@ -474,6 +503,39 @@ mod tests {
         assert!(m.is_accepting());
         let mut m = e.matcher(&AnswerFormat::JsonSchema(schema), &proto).expect("compiles");
         assert!(drive(&e, &mut m, "{\"m\": 1}").is_err());
+    }
+
+    /// Lookahead keeps the candidates the grammar accepts, each with the mask after it, and
+    /// leaves the matcher where it was.
+    #[test]
+    fn lookahead_keeps_the_accepted_prefix_and_its_masks() {
+        let e = env();
+        let schema = json!({"type":"object","properties":{"n":{"type":"integer"}},"required":["n"],"additionalProperties":false});
+        let proto = OutputProtocol {
+            reasoning: ReasoningParser::None,
+            tools: ToolParser::None,
+            calls: Calls::None,
+            starts_in_reasoning: false,
+        };
+        let mut m = e.matcher(&AnswerFormat::JsonSchema(schema), &proto).expect("compiles");
+        let ids = e.tokenizer.encode("{\"n\": 42}", false).expect("encodes").ids;
+        let bad = e.tokenizer.encode("{\"m\": 1}", false).expect("encodes").ids;
+        let mask = m.compute_mask().expect("mask");
+        let (kept, masks) = m.lookahead(&mask, &ids).expect("lookahead");
+        assert_eq!(kept, ids, "a valid continuation is kept whole");
+        assert_eq!(masks.len(), ids.len());
+        // Each mask is what the matcher computes after the tokens before it.
+        let mut probe = e.matcher(&AnswerFormat::JsonSchema(json!({"type":"object","properties":{"n":{"type":"integer"}},"required":["n"],"additionalProperties":false})), &proto).expect("compiles");
+        for (id, after) in ids.iter().zip(&masks) {
+            probe.consume_token(*id).expect("accepted");
+            assert_eq!(probe.compute_mask().expect("mask").words(), after.words());
+        }
+        // The matcher is back where it started: the same mask, and the bad continuation stops
+        // where the grammar refuses it.
+        assert_eq!(m.compute_mask().expect("mask").words(), mask.words());
+        let (kept, _) = m.lookahead(&mask, &bad).expect("lookahead");
+        assert!(kept.len() < bad.len() && bad.starts_with(&kept), "{kept:?} of {bad:?}");
+        drive(&e, &mut m, "{\"n\": 7}").expect("still at the start");
     }
 
     #[test]

@@ -329,6 +329,11 @@ struct Speculation {
     proposer: CopyProposer,
     depth: DepthController,
     in_flight: Option<u32>,
+    /// A request under a grammar proposes only what its grammar accepts: the host looks ahead
+    /// over [`Scheduler::proposal_candidates`] with the grammar (computing each lane's mask) and
+    /// hands back the accepted prefix ([`Scheduler::set_checked_proposals`]); it is used by the
+    /// next round, then cleared. Always `None` for unconstrained requests.
+    checked: Option<Vec<u32>>,
 }
 
 impl Speculation {
@@ -345,7 +350,12 @@ impl Speculation {
         let proposer = CopyProposer::new(PROPOSER_MIN_MATCH, PROPOSER_MAX_MATCH)
             .with_window(PROPOSER_WINDOW)
             .with_history(history);
-        Box::new(Speculation { proposer, depth: DepthController::new(cost, ACCEPTANCE_PRIOR), in_flight: None })
+        Box::new(Speculation {
+            proposer,
+            depth: DepthController::new(cost, ACCEPTANCE_PRIOR),
+            in_flight: None,
+            checked: None,
+        })
     }
 }
 
@@ -518,8 +528,8 @@ impl Scheduler {
             spec,
         };
         let depth = self.speculation_depth();
-        // A request that needs host feedback (a grammar) never gets proposals.
-        let speculate = depth > 0 && !request.spec.needs_host_feedback;
+        // A request that needs host feedback (a grammar) proposes what its grammar accepts.
+        let speculate = depth > 0;
         let cost = &self.verify_cost[..=(depth as usize).min(self.verify_cost.len() - 1)];
         let request = Request { speculation: speculate.then(|| Speculation::new(&request.tokens, cost)), ..request };
         let pages = self.reservation_pages(&request);
@@ -1057,6 +1067,9 @@ impl Scheduler {
                 DecodeInput::Device => Vec::new(),
             };
             let Some(request) = self.requests.get_mut(&id) else { broken("a decoder is not in the request table") };
+            if let Some(spec) = request.speculation.as_mut() {
+                spec.checked = None; // one round's worth: the next comes with the next mask
+            }
             let Some(live) = request.live.as_mut() else { broken("a decoder has no live state") };
             let (tokens, device_token) = match input {
                 DecodeInput::Host => {
@@ -1133,6 +1146,28 @@ impl Scheduler {
         &self.verify_cost
     }
 
+    /// Copy proposals a request under a grammar could verify next, for the host to check with
+    /// its grammar (see `Speculation::checked`): what its proposer finds, as deep as its depth
+    /// controller would go, never past an EOS token. Empty without speculation or a match.
+    pub fn proposal_candidates(&self, id: RequestId) -> Vec<u32> {
+        let Some(r) = self.requests.get(&id) else { return Vec::new() };
+        let Some(spec) = r.speculation.as_ref() else { return Vec::new() };
+        let available = spec.proposer.propose(self.speculation_depth() as usize);
+        let depth = spec.depth.depth(available.len());
+        let proposals = &available[..depth];
+        let end = proposals.iter().position(|t| r.spec.eos_tokens.contains(t)).unwrap_or(proposals.len());
+        proposals[..end].to_vec()
+    }
+
+    /// The proposals a request under a grammar verifies next: a prefix of its
+    /// [`Self::proposal_candidates`] that the grammar accepts, whose lane masks the host packs
+    /// with the round. Replaces any earlier list; used by one round.
+    pub fn set_checked_proposals(&mut self, id: RequestId, tokens: Vec<u32>) {
+        if let Some(spec) = self.requests.get_mut(&id).and_then(|r| r.speculation.as_mut()) {
+            spec.checked = Some(tokens);
+        }
+    }
+
     fn speculation_depth(&self) -> u32 {
         self.config.speculative_depth.min(self.capacities.max_speculative_depth(1))
     }
@@ -1144,13 +1179,16 @@ impl Scheduler {
     fn proposals(&self, id: RequestId, pages: usize) -> Vec<u32> {
         let Some(r) = self.requests.get(&id) else { return Vec::new() };
         let (Some(spec), Some(live)) = (r.speculation.as_ref(), r.live.as_ref()) else { return Vec::new() };
-        if r.spec.needs_host_feedback {
-            return Vec::new();
-        }
         let room_output = r.max_output.saturating_sub(r.generated + 1);
         let room_pages = (pages as u64 * u64::from(self.pt())).saturating_sub(u64::from(live.consumed) + 1);
         let cap = self.speculation_depth().min(room_output).min(room_pages.min(u64::from(u32::MAX)) as u32);
-        let available = spec.proposer.propose(cap as usize);
+        let available = if r.spec.needs_host_feedback {
+            // What the grammar accepted (and has lane masks for), or nothing.
+            let checked = spec.checked.as_deref().unwrap_or_default();
+            &checked[..checked.len().min(cap as usize)]
+        } else {
+            spec.proposer.propose(cap as usize)
+        };
         let depth = spec.depth.depth(available.len());
         let proposals = &available[..depth];
         let end = proposals.iter().position(|t| r.spec.eos_tokens.contains(t)).unwrap_or(proposals.len());

@@ -82,7 +82,7 @@ impl<E: Executor> LoopDriver<E> {
     pub fn submit_sampled(&mut self, spec: RequestSpec, sampling: SamplingParams) -> Result<RequestId, RequestError> {
         let cell = Arc::new(OutputCell::default());
         let (reply, mut answer) = oneshot::channel();
-        self.model.handle(Command::Submit { spec, sampling, grammar: None, cell: cell.clone(), reply });
+        self.model.handle(Command::Submit { spec: Box::new(spec), sampling, grammar: None, cell: cell.clone(), reply });
         let id = answer.try_recv().map_err(|_| RequestError::ChannelClosed)??;
         self.cells.insert(id, cell);
         Ok(id)

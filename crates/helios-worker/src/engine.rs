@@ -157,7 +157,7 @@ impl HealthState {
 
 pub(crate) enum Command {
     Submit {
-        spec: RequestSpec,
+        spec: Box<RequestSpec>,
         sampling: SamplingParams,
         grammar: Option<ReadyGrammar>,
         cell: Arc<OutputCell>,
@@ -394,7 +394,13 @@ impl Engine {
         let (reply, answer) = oneshot::channel();
         let commands = self.sender()?;
         commands
-            .send(Command::Submit { spec, sampling: prepared.sampling_params(), grammar, cell: cell.clone(), reply })
+            .send(Command::Submit {
+                spec: Box::new(spec),
+                sampling: prepared.sampling_params(),
+                grammar,
+                cell: cell.clone(),
+                reply,
+            })
             .map_err(|_| Unavailable::Failed("the model thread stopped".into()))?;
         let id = answer.await.map_err(|_| RequestError::ChannelClosed)??;
         let mut stream = ChoiceStream { cell, id, commands, done: false };
@@ -825,7 +831,7 @@ impl<E: Executor> ModelLoop<E> {
                     return;
                 }
                 let prompt_tokens = spec.tokens.len() as u32;
-                match self.scheduler.submit(spec) {
+                match self.scheduler.submit(*spec) {
                     Ok(id) => {
                         self.metrics.admitted.fetch_add(1, Ordering::Relaxed);
                         self.metrics.prompt_tokens.fetch_add(u64::from(prompt_tokens), Ordering::Relaxed);
@@ -960,6 +966,7 @@ impl<E: Executor> ModelLoop<E> {
             match o {
                 GrammarOutcome::Ready(id, ready) => match self.active.get_mut(&id) {
                     Some(a) => {
+                        self.scheduler.set_checked_proposals(id, ready.proposals.clone());
                         a.grammar = Some(ready);
                         self.scheduler.resume(id);
                     }
@@ -993,8 +1000,13 @@ impl<E: Executor> ModelLoop<E> {
         }
         for s in sampled {
             let Some(a) = self.active.get_mut(&s.request) else { continue };
+            let mut proposal_masks = Vec::new();
             let mask = match &a.grammar {
-                Some(g) => Some(g.mask.clone()),
+                Some(g) => {
+                    // A verify row's lanes: as many of these as the round carries proposals.
+                    proposal_masks.clone_from(&g.proposal_masks);
+                    Some(g.mask.clone())
+                }
                 None if !a.constrained => None,
                 None => {
                     // Held while its mask is computed, so never planned: a broken invariant.
@@ -1004,7 +1016,7 @@ impl<E: Executor> ModelLoop<E> {
                     None
                 }
             };
-            inputs.sampling.insert(s.request, RowSampling { params: a.sampling, mask, proposal_masks: Vec::new() });
+            inputs.sampling.insert(s.request, RowSampling { params: a.sampling, mask, proposal_masks });
         }
         inputs
     }
@@ -1017,15 +1029,15 @@ impl<E: Executor> ModelLoop<E> {
     /// after its request finished is not among them).
     fn publish(&mut self, accepted: &[SampledToken]) {
         let now = Instant::now();
+        // A constrained request's samples of this step (a verify round lands several), in order:
+        // its grammar consumes them all in one job.
+        let mut constrained: Vec<(RequestId, Vec<u32>)> = Vec::new();
         for s in accepted {
             let Some(a) = self.active.get_mut(&s.request) else { continue };
-            // A constrained request that samples again is held until its next mask is back.
-            if let Some(ready) = a.grammar.take() {
-                if !self.scheduler.hold(s.request) {
-                    a.grammar = Some(ready);
-                } else if let Err(e) = self.grammars.dispatch(s.request, ready.matcher, s.token) {
-                    a.failure.get_or_insert(e);
-                    self.scheduler.cancel(s.request);
+            if a.grammar.is_some() {
+                match constrained.iter_mut().find(|(id, _)| *id == s.request) {
+                    Some((_, tokens)) => tokens.push(s.token),
+                    None => constrained.push((s.request, vec![s.token])),
                 }
             }
             match a.last_token {
@@ -1038,6 +1050,20 @@ impl<E: Executor> ModelLoop<E> {
             a.last_token = Some(now);
             self.metrics.generated_tokens.fetch_add(1, Ordering::Relaxed);
             a.cell.push(s.token);
+        }
+        // Held until the next mask is back; the job also checks the next round's proposals.
+        for (id, tokens) in constrained {
+            let Some(a) = self.active.get_mut(&id) else { continue };
+            let Some(ready) = a.grammar.take() else { continue };
+            if !self.scheduler.hold(id) {
+                a.grammar = Some(ready);
+                continue;
+            }
+            let candidates = self.scheduler.proposal_candidates(id);
+            if let Err(e) = self.grammars.dispatch(id, ready.matcher, tokens, candidates) {
+                a.failure.get_or_insert(e);
+                self.scheduler.cancel(id);
+            }
         }
     }
 

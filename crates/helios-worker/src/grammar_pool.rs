@@ -25,6 +25,17 @@ use crate::error::{RequestError, Stage};
 pub(crate) struct ReadyGrammar {
     pub(crate) matcher: Box<GrammarMatcher>,
     pub(crate) mask: Arc<[u32]>,
+    /// Copy proposals the grammar accepts from here, each with the mask after it (what a verify
+    /// round's lanes sample under); empty without speculation.
+    pub(crate) proposals: Vec<u32>,
+    pub(crate) proposal_masks: Vec<Arc<[u32]>>,
+}
+
+impl ReadyGrammar {
+    /// A matcher and its current mask, with nothing looked ahead.
+    pub(crate) fn new(matcher: Box<GrammarMatcher>, mask: Arc<[u32]>) -> Self {
+        ReadyGrammar { matcher, mask, proposals: Vec::new(), proposal_masks: Vec::new() }
+    }
 }
 
 impl std::fmt::Debug for ReadyGrammar {
@@ -34,11 +45,14 @@ impl std::fmt::Debug for ReadyGrammar {
     }
 }
 
-/// One step of grammar work: consume `token`, then compute the next mask.
+/// One step of grammar work: consume `tokens` (a step's samples: one, or a verify round's
+/// accepted proposals and the sample after them), compute the next mask, then look ahead over
+/// `candidates` (copy proposals) for the lanes of the next round.
 pub(crate) struct GrammarJob {
     pub(crate) id: RequestId,
     pub(crate) matcher: Box<GrammarMatcher>,
-    pub(crate) token: u32,
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) candidates: Vec<u32>,
     /// Set when a thread starts the job: a budget counts from here, not from the queue.
     pub(crate) started: Arc<OnceLock<Instant>>,
 }
@@ -47,9 +61,32 @@ pub(crate) struct GrammarJob {
 pub(crate) struct GrammarDone {
     pub(crate) id: RequestId,
     pub(crate) matcher: Box<GrammarMatcher>,
-    pub(crate) mask: Result<Arc<[u32]>, GrammarError>,
+    /// The next mask, and the accepted candidates with the masks after each.
+    pub(crate) mask: Result<Lookahead, GrammarError>,
     /// How long the computation ran (queue wait excluded).
     pub(crate) elapsed: Duration,
+}
+
+/// A job's masks: the next sample's, and the proposals the grammar accepts with theirs.
+pub(crate) struct Lookahead {
+    pub(crate) mask: Arc<[u32]>,
+    pub(crate) proposals: Vec<u32>,
+    pub(crate) proposal_masks: Vec<Arc<[u32]>>,
+}
+
+/// Consumes `tokens`, computes the next mask and looks ahead over `candidates`.
+fn advance(matcher: &mut GrammarMatcher, tokens: &[u32], candidates: &[u32]) -> Result<Lookahead, GrammarError> {
+    for &t in tokens {
+        matcher.consume_token(t)?;
+    }
+    let mask = matcher.compute_mask()?;
+    let (proposals, masks) =
+        if candidates.is_empty() { (Vec::new(), Vec::new()) } else { matcher.lookahead(&mask, candidates)? };
+    Ok(Lookahead {
+        mask: mask.words().into(),
+        proposals,
+        proposal_masks: masks.iter().map(|m| Arc::<[u32]>::from(m.words())).collect(),
+    })
 }
 
 /// Work for a pool thread.
@@ -84,7 +121,7 @@ impl GrammarPool {
                         Ok(q) => q.recv(),
                         Err(_) => return,
                     };
-                    let GrammarJob { id, mut matcher, token, started } = match job {
+                    let GrammarJob { id, mut matcher, tokens, candidates, started } = match job {
                         Ok(Work::Advance(job)) => job,
                         Ok(Work::Drop(matcher)) => {
                             drop(matcher);
@@ -96,9 +133,8 @@ impl GrammarPool {
                     let _ = started.set(t0);
                     // llguidance catches its own panics; this keeps a thread alive regardless,
                     // since a lost result would leave its request held.
-                    let mask = catch_unwind(AssertUnwindSafe(|| matcher.advance(token)))
-                        .unwrap_or_else(|_| Err(GrammarError::Matcher("the grammar matcher panicked".into())))
-                        .map(|m| Arc::<[u32]>::from(m.words()));
+                    let mask = catch_unwind(AssertUnwindSafe(|| advance(&mut matcher, &tokens, &candidates)))
+                        .unwrap_or_else(|_| Err(GrammarError::Matcher("the grammar matcher panicked".into())));
                     if done_tx.send(GrammarDone { id, matcher, mask, elapsed: t0.elapsed() }).is_err() {
                         return;
                     }
@@ -195,16 +231,19 @@ impl GrammarWork {
         self.in_flight.is_empty()
     }
 
-    /// Sends one step of `id`'s grammar (consume `token`, compute the next mask) to the pool.
+    /// Sends one step of `id`'s grammar (consume `tokens`, compute the next mask, look ahead
+    /// over `candidates`) to the pool.
     pub(crate) fn dispatch(
         &mut self,
         id: RequestId,
         matcher: Box<GrammarMatcher>,
-        token: u32,
+        tokens: Vec<u32>,
+        candidates: Vec<u32>,
     ) -> Result<(), RequestError> {
         let started = Arc::new(OnceLock::new());
         let cancel = Box::new(matcher.canceller());
-        self.pool.submit(GrammarJob { id, matcher, token, started: started.clone() }).map_err(|_| {
+        let job = GrammarJob { id, matcher, tokens, candidates, started: started.clone() };
+        self.pool.submit(job).map_err(|_| {
             RequestError::grammar(GrammarError::Matcher("the grammar threads stopped".into()), Stage::Execution)
         })?;
         self.in_flight.insert(id, InFlight { dispatched: Instant::now(), started, cancel });
@@ -279,8 +318,8 @@ impl GrammarWork {
             return;
         }
         let failure = match mask {
-            Ok(mask) if elapsed <= self.budget => {
-                out.push(GrammarOutcome::Ready(id, ReadyGrammar { matcher, mask }));
+            Ok(Lookahead { mask, proposals, proposal_masks }) if elapsed <= self.budget => {
+                out.push(GrammarOutcome::Ready(id, ReadyGrammar { matcher, mask, proposals, proposal_masks }));
                 return;
             }
             Err(e) if elapsed <= self.budget => RequestError::grammar(e, Stage::Execution),
@@ -331,7 +370,7 @@ mod tests {
     fn masks_come_back_and_abandoned_jobs_are_dropped() {
         let (m, open) = matcher();
         let mut work = GrammarWork::new(2, Duration::from_secs(5), Duration::from_millis(2)).expect("pool");
-        work.dispatch(RequestId(1), Box::new(m.fork()), open).expect("dispatches");
+        work.dispatch(RequestId(1), Box::new(m.fork()), vec![open], Vec::new()).expect("dispatches");
         match next(&mut work) {
             GrammarOutcome::Ready(id, ready) => {
                 assert_eq!(id, RequestId(1));
@@ -342,7 +381,7 @@ mod tests {
             o => panic!("{o:?}"),
         }
         assert!(work.is_empty());
-        work.dispatch(RequestId(2), Box::new(m.fork()), open).expect("dispatches");
+        work.dispatch(RequestId(2), Box::new(m.fork()), vec![open], Vec::new()).expect("dispatches");
         work.abandon(RequestId(2));
         assert!(work.is_empty());
         let mut out = Vec::new();
@@ -355,7 +394,7 @@ mod tests {
         let (m, open) = matcher();
         // Nothing runs within no time at all: the watchdog or the job's own clock fails it.
         let mut work = GrammarWork::new(1, Duration::ZERO, Duration::ZERO).expect("pool");
-        work.dispatch(RequestId(7), Box::new(m.fork()), open).expect("dispatches");
+        work.dispatch(RequestId(7), Box::new(m.fork()), vec![open], Vec::new()).expect("dispatches");
         match next(&mut work) {
             GrammarOutcome::Failed(id, e) => {
                 assert_eq!(id, RequestId(7));
@@ -374,12 +413,12 @@ mod tests {
         let cancel = stopped.canceller();
         cancel();
         assert!(stopped.is_cancelled());
-        work.dispatch(RequestId(8), Box::new(stopped), open).expect("dispatches");
+        work.dispatch(RequestId(8), Box::new(stopped), vec![open], Vec::new()).expect("dispatches");
         match next(&mut work) {
             GrammarOutcome::Failed(_, e) => assert_eq!(e.code(), crate::ErrorCode::GrammarFailed, "{e}"),
             o => panic!("{o:?}"),
         }
-        work.dispatch(RequestId(9), Box::new(m.fork()), open).expect("dispatches");
+        work.dispatch(RequestId(9), Box::new(m.fork()), vec![open], Vec::new()).expect("dispatches");
         assert!(matches!(next(&mut work), GrammarOutcome::Ready(RequestId(9), _)));
     }
 }

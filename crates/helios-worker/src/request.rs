@@ -311,8 +311,8 @@ pub(crate) fn prepare_checked(
         };
         let mask: Arc<[u32]> = first.start()?.words().into();
         let mut grammars: Vec<ReadyGrammar> =
-            (1..input.n).map(|_| ReadyGrammar { matcher: Box::new(first.fork()), mask: mask.clone() }).collect();
-        grammars.push(ReadyGrammar { matcher: Box::new(first), mask });
+            (1..input.n).map(|_| ReadyGrammar::new(Box::new(first.fork()), mask.clone())).collect();
+        grammars.push(ReadyGrammar::new(Box::new(first), mask));
         grammars
     };
     Ok(Prepared {

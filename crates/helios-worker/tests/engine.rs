@@ -102,6 +102,50 @@ async fn streams_to_the_output_limit_and_accounts() {
     assert!(m.contains("flare_requests_finished_total{reason=\"length\"} 2"), "{m}");
 }
 
+/// A request under a grammar speculates within it: the grammar threads look ahead over the
+/// copy proposals and compute each lane's mask, the round verifies only what the grammar
+/// accepts, and the output is the one the same request has without speculation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_constrained_request_speculates_within_its_grammar() {
+    let schema = json!({"type": "array", "minItems": 12, "maxItems": 12,
+        "items": {"type": "string", "enum": ["alpha beta gamma delta"]}, "x-guidance": {"whitespace_flexible": false}});
+    let run = |depth: u32| {
+        let schema = schema.clone();
+        async move {
+            let spec =
+                FixtureSpec { vocab_size: 49152, max_kv_pages: 256, context_limit: 4096, ..FixtureSpec::speculative() };
+            let mut m = helios_contract::validate(&Fixture::build(&spec).manifest).expect("valid fixture");
+            m.frontend.eos_token_ids = vec![2];
+            let (scheme, caps) = (m.cache_scheme.clone(), m.capacities.clone());
+            let options = EngineOptions { speculative_depth: depth, ..EngineOptions::default() };
+            let engine = Engine::start(&m, frontend(&m), options, move || {
+                Ok(SimulatedExecutor::with_completion_lag(&scheme, &caps, 1).with_model(SimModel::Induction))
+            })
+            .expect("starts");
+            let mut req = input("List it twelve times", 200);
+            req.ignore_eos = false;
+            req.answer = AnswerFormat::JsonSchema(schema);
+            let (tokens, end) = drain(&engine, req).await;
+            assert_eq!(end.expect("finishes").cause, FinishCause::Eos);
+            let metrics = engine.metrics_text();
+            let rounds = metrics
+                .lines()
+                .find_map(|l| l.strip_prefix("flare_speculative_rounds_total "))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .unwrap_or(0);
+            (tokens, rounds)
+        }
+    };
+    let (plain, no_rounds) = run(0).await;
+    let (speculated, rounds) = run(3).await;
+    assert_eq!(no_rounds, 0);
+    assert!(rounds > 0, "the repeated items offer proposals the grammar accepts");
+    assert_eq!(speculated, plain);
+    let text = frontend(&manifest()).tokenizer.decode(&plain, true).expect("decodes");
+    let v: serde_json::Value = serde_json::from_str(text.trim()).expect("grammar output is JSON");
+    assert_eq!(v.as_array().map(Vec::len), Some(12), "{text}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grammar_masks_hold_and_a_dropped_stream_cancels() {
     let engine = sim_engine();
