@@ -553,7 +553,9 @@ class PagedLlama:
         before = (k[None, :] >= 1) & (k[None, :] <= j[:, None]) & used[:, None]  # [P, W]
         ids = tok.long().view(b, w)[req]  # [P, W]: the tokens of the lane's request
         lane_hist.index_put_((lane[:, None].expand(p, w), ids), before.to(lane_hist.dtype), accumulate=True)
-        s = {key: v[key][req] for key in ("temperature", "top_k", "top_p", "min_p")}
+        # Each lane samples with its request's values; lane j's counter is j past lane 0's.
+        names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty")
+        s = {key: v[key][req] for key in (*names, "frequency_penalty", "rng_seed", "rng_counter")}
         y, allowed = sample(
             self.logits(h),
             lane_hist,
@@ -561,11 +563,11 @@ class PagedLlama:
             s["top_k"],
             s["top_p"],
             s["min_p"],
-            v["repetition_penalty"][req],
-            v["presence_penalty"][req],
-            v["frequency_penalty"][req],
-            v["rng_seed"][req],
-            v["rng_counter"][req] + j,
+            s["repetition_penalty"],
+            s["presence_penalty"],
+            s["frequency_penalty"],
+            s["rng_seed"],
+            s["rng_counter"] + j,
             v.get("grammar_mask"),
         )
         eos = torch.zeros_like(allowed)

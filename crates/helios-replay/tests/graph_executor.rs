@@ -449,8 +449,10 @@ mod stamps {
         view.read::<i32>(&arena[b.offset as usize..b.end() as usize]).unwrap()
     }
 
-    #[test]
-    fn maintenance_packs_the_checkpoint_stamp_and_the_device_checks_it() {
+    /// A stamped core behind an executor whose records land a step late, live row 1 filled
+    /// to 5 tokens and snapshotted (consumed 5, `EPOCH`): (its directory, manifest, snapshot
+    /// row, executor).
+    fn snapshotted() -> (tempfile::TempDir, Manifest, u32, GraphExecutor<Emulator>) {
         let dir = tempfile::tempdir().unwrap();
         let core = device_fixture(dir.path(), &FixtureSpec::stamped());
         let m = core.manifest().clone();
@@ -458,11 +460,16 @@ mod stamps {
         let mut emulator = Emulator::new(&core);
         emulator.deferred = true;
         let mut executor = GraphExecutor::new(&m, emulator).unwrap();
-
         let mut ops = fill_row_1();
         ops.push(snapshot(5, EPOCH, snap));
         executor.submit(&step(1, ops), &StepInputs::default()).unwrap();
         assert_eq!(executor.synchronize().unwrap().len(), 1);
+        (dir, m, snap, executor)
+    }
+
+    #[test]
+    fn maintenance_packs_the_checkpoint_stamp_and_the_device_checks_it() {
+        let (_dir, m, snap, mut executor) = snapshotted();
         let arena = executor.backend().arena.clone();
         assert_eq!(staged(&m, &arena, MaintenanceOp::Snapshot, ValueKind::ExpectedConsumed), vec![5]);
         assert_eq!(
@@ -489,17 +496,7 @@ mod stamps {
 
     #[test]
     fn a_rejected_checkpoint_is_a_typed_error_and_writes_nothing() {
-        let dir = tempfile::tempdir().unwrap();
-        let core = device_fixture(dir.path(), &FixtureSpec::stamped());
-        let m = core.manifest().clone();
-        let snap = m.cache_scheme.snapshot_row(m.capacities.request_slots, 0);
-        let mut emulator = Emulator::new(&core);
-        emulator.deferred = true;
-        let mut executor = GraphExecutor::new(&m, emulator).unwrap();
-        let mut ops = fill_row_1();
-        ops.push(snapshot(5, EPOCH, snap));
-        executor.submit(&step(1, ops), &StepInputs::default()).unwrap();
-        executor.synchronize().unwrap();
+        let (_dir, m, snap, mut executor) = snapshotted();
 
         // A snapshot one token off: the step is submitted, and fails when its records land.
         executor.submit(&step(2, vec![snapshot(6, EPOCH, snap + 1)]), &StepInputs::default()).unwrap();

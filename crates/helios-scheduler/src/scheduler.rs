@@ -359,6 +359,14 @@ impl Speculation {
     }
 }
 
+/// The prefix of `available` a request proposes: as deep as its depth controller goes, never
+/// past an EOS token (an accepted EOS would be consumed, which ordinary decoding never does).
+fn within_depth(r: &Request, spec: &Speculation, available: &[u32]) -> Vec<u32> {
+    let proposals = &available[..spec.depth.depth(available.len())];
+    let end = proposals.iter().position(|t| r.spec.eos_tokens.contains(t)).unwrap_or(proposals.len());
+    proposals[..end].to_vec()
+}
+
 /// A round's cost at depths `0..=max_depth` before anything was measured.
 fn assumed_verify_cost(max_depth: u32) -> Vec<f64> {
     (0..=max_depth).map(|d| 1.0 + VERIFY_ROW_COST * f64::from(d)).collect()
@@ -1152,11 +1160,7 @@ impl Scheduler {
     pub fn proposal_candidates(&self, id: RequestId) -> Vec<u32> {
         let Some(r) = self.requests.get(&id) else { return Vec::new() };
         let Some(spec) = r.speculation.as_ref() else { return Vec::new() };
-        let available = spec.proposer.propose(self.speculation_depth() as usize);
-        let depth = spec.depth.depth(available.len());
-        let proposals = &available[..depth];
-        let end = proposals.iter().position(|t| r.spec.eos_tokens.contains(t)).unwrap_or(proposals.len());
-        proposals[..end].to_vec()
+        within_depth(r, spec, spec.proposer.propose(self.speculation_depth() as usize))
     }
 
     /// The proposals a request under a grammar verifies next: a prefix of its
@@ -1189,10 +1193,7 @@ impl Scheduler {
         } else {
             spec.proposer.propose(cap as usize)
         };
-        let depth = spec.depth.depth(available.len());
-        let proposals = &available[..depth];
-        let end = proposals.iter().position(|t| r.spec.eos_tokens.contains(t)).unwrap_or(proposals.len());
-        proposals[..end].to_vec()
+        within_depth(r, spec, available)
     }
 
     /// FIFO admission; a request that does not fit waits without blocking later ones.
