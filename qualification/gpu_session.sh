@@ -24,6 +24,7 @@
 #   q35-all      (carry .dev/b1 .dev/b2) after q35-prepare: serving + agent bench, floor, bitwise, lifecycle, breakdown
 #   smol-spec    (carry .dev/b2)         issue 21: SmolLM2 with speculative programs; copy/decode bench with and without
 #   spec-diag                            issue 21: speculative lanes against decode, tiny model, every variant (~3 min)
+#   q35-spec                             issue 21: the Qwen3.5 core with speculative programs (state columns), checks (bg)
 #   q35-bw       (carry .dev/b2)         the Qwen3.5 core with gemv decode projections and the chunked GDN prefill (bg)
 #   r1b-measure-only                     as smol-measure for the 1B core (no Transformers run)
 #   r1b-serve, r1b-native                r1b-measure-only in two calls (serving; Rust bitwise + lifecycle +
@@ -268,6 +269,12 @@ for d in (4, 0):
         for x in r['workloads']:
             print(f'depth {d} {x[\"name\"]}: {x[\"stream_tokens_per_sec\"]:.0f} tok/s per stream, {x[\"output_tokens\"]} tokens')
 " ;;
+  q35-spec)  # issue 21 (bg): the Qwen3.5 core with speculative programs (GDN state columns, W = 5 rows per slot) and
+             # every check; report.speculative says whether speculative generation equals decoding on the device
+    [ -f /tmp/q35/config.json ] || python3 -m ignition random-checkpoint --config qualification/configs/qwen3_5_0p8b_random.json \
+      --out /tmp/q35 --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
+    SPECULATIVE_DEPTH=4 DECODE_PROJECTIONS=${DECODE_PROJECTIONS:-gemv} prepare /tmp/q35 /tmp/q35spec qwen3_5-0.8b-random 560 spec
+    python3 -c "import json; r = json.load(open('$OUT/prepare_report_spec.json')); print(json.dumps(r.get('speculative'))[:1500])" ;;
   spec-diag)  # issue 21: speculative lanes against decode on a tiny model (kernels, compile, gemv, precision casts)
     timeout 500 python3 qualification/speculative_diag.py > "$OUT/speculative_diag.jsonl" 2> "$OUT/speculative_diag.log"
     echo "speculative_diag rc=$?"; cut -c1-400 "$OUT/speculative_diag.jsonl" ;;

@@ -48,8 +48,8 @@ def check(runner: GraphRunner, prompt_len: int = 300, steps: int = 8, seed: int 
     need = -(-(prompt_len + steps) // geo.page_tokens)
     pool = rng.sample(range(geo.max_kv_pages), 2 * need)
     pages, other_pages = pool[:need], pool[need:]
-    a, b = 1, 2
-    snap = geo.request_slots + 1
+    a, b = geo.live_row(0), geo.live_row(1)
+    snap = geo.snapshot_row(0)
     largest = runner.prefill[-1].token_capacity
 
     _prefill(runner, a, pages, ids[:prompt_len], largest)

@@ -7,7 +7,10 @@ snapshot rows), per GDN layer:
   activation dtype (the inputs are projections, so storing them loses nothing), oldest first;
 - the recurrent matrix S: [Hv, Dk, Dv] in float32.
 A step reads the state of the rows it is given and writes the state at the consumed length back
-to the same rows; a lane with a negative row (padding) reads the null row and writes nothing.
+to the same rows; a lane with a negative row (padding) reads the null row and writes nothing. A
+speculative program's lanes (groups of W consecutive tokens of one request) run the decode
+update lane after lane, lane j's state going to column row + j; `commit_columns` then installs
+the accepted column in the live row.
 
 This module holds the torch reference of each operation (the arithmetic contract, checked
 against Transformers' `qwen3_5` functions on identical operands) and launches the Triton
@@ -113,6 +116,38 @@ def conv_step(
     return y
 
 
+def conv_verify(
+    x: torch.Tensor, hist: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, lanes: int, block: int = 128
+) -> torch.Tensor:
+    """A speculative program: x [N, C], lanes in groups of `lanes` consecutive tokens of one
+    request; rows [N] int32, each lane's request's live row (negative: an unused or padding lane,
+    writes nothing). Lane j continues from the history lane j - 1 left (lane 0: the live row's)
+    and leaves its own in column row + j. Returns y [N, C]."""
+    n, c = x.shape
+    k = weight.shape[1]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return y
+    grid = (-(-n // lanes), -(-c // block))
+    _kernels().conv_verify_kernel[grid](
+        x,
+        hist,
+        rows,
+        weight,
+        y,
+        n,
+        c,
+        x.stride(0),
+        y.stride(0),
+        hist.stride(0),
+        hist.stride(1),
+        K=k,
+        BLOCK=block,
+        LANES=lanes,
+    )
+    return y
+
+
 def conv_prefill(
     x: torch.Tensor,
     hist: torch.Tensor,
@@ -156,6 +191,52 @@ def delta_rule_step(
         return o
     _launch_delta_rule((b, hv, -(-dv // block_v)), state, rows, None, q, k, v, g, beta, o, block_v)
     return o
+
+
+def delta_rule_verify(
+    state: torch.Tensor,
+    rows: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    lanes: int,
+    block_v: int = 32,
+) -> torch.Tensor:
+    """A speculative program: N lanes in groups of `lanes` consecutive tokens of one request
+    (rows [N]: each lane's request's live row, negative for unused and padding lanes). Each group
+    runs from its live row's state, one decode update per lane, the state after lane j stored in
+    column row + j (column 0 the live row). Returns o [N, Hv, Dv]."""
+    n = q.shape[0]
+    hv, dv = v.shape[1], v.shape[2]
+    o = torch.empty(n, hv, dv, dtype=v.dtype, device=v.device)
+    if n == 0:
+        return o
+    grid = (-(-n // lanes), hv, -(-dv // block_v))
+    _launch_delta_rule(grid, state, rows, None, q, k, v, g, beta, o, block_v, lanes)
+    return o
+
+
+def commit_columns(
+    rows: torch.Tensor, live: torch.Tensor, accepted: torch.Tensor, nbytes: int, x: torch.Tensor, block: int = 4096
+) -> torch.Tensor:
+    """After a speculative program: for each request with a live row (live [B] int32, negative:
+    none) and accepted [B] int32 > 0, bytes [0, nbytes) of column live + accepted (the state
+    after its last consumed lane) into the live row. Returns a copy of x [B, N], the value the
+    step goes on with."""
+    b = live.shape[0]
+    out = torch.empty_like(x)
+    if b == 0:
+        return out
+    if nbytes % 4 or rows.shape[1] % 4:
+        raise ValueError("gdn: the committed span and the rows must be whole 32-bit words")
+    words = rows.view(torch.int32)
+    grid = (b, max(1, -(-(nbytes // 4) // block)))
+    _kernels().commit_columns_kernel[grid](
+        words, live, accepted, x, out, x.shape[1], nbytes // 4, words.stride(0), BLOCK=block
+    )
+    return out
 
 
 def delta_rule_prefill(
@@ -241,6 +322,7 @@ def _launch_delta_rule(
     beta: torch.Tensor,
     o: torch.Tensor,
     block_v: int,
+    lanes: int = 0,
 ) -> None:
     if g.stride() != beta.stride():
         raise ValueError("gdn: g and beta must share a layout")
@@ -258,6 +340,7 @@ def _launch_delta_rule(
         **_dims(q, v, block_v),
         PREFILL=length is not None,
         LENGTH=length,
+        LANES=lanes,
     )
 
 
@@ -322,12 +405,13 @@ def gdn_ops() -> tuple[CustomOpDef, CustomOpDef, CustomOpDef]:
         length: torch.Tensor | None,
         offset: int,
         kernel: int,
+        lanes: int = 1,
     ) -> torch.Tensor:
         c = x.shape[1]
         hist = _region(rows, offset, c * (kernel - 1) * x.element_size(), x.dtype, (c, kernel - 1))
         _int32(live, length)
         if length is None:
-            return conv_step(x, hist, live, weight)
+            return conv_step(x, hist, live, weight) if lanes == 1 else conv_verify(x, hist, live, weight, lanes)
         return conv_prefill(x, hist, live, length, weight)
 
     @conv.register_fake
@@ -339,6 +423,7 @@ def gdn_ops() -> tuple[CustomOpDef, CustomOpDef, CustomOpDef]:
         length: torch.Tensor | None,
         offset: int,
         kernel: int,
+        lanes: int = 1,
     ) -> torch.Tensor:
         return torch.empty_like(x)
 
@@ -353,12 +438,15 @@ def gdn_ops() -> tuple[CustomOpDef, CustomOpDef, CustomOpDef]:
         live: torch.Tensor,
         length: torch.Tensor | None,
         offset: int,
+        lanes: int = 1,
     ) -> torch.Tensor:
         hv, dk, dv = v.shape[1], q.shape[2], v.shape[2]
         state = _region(rows, offset, hv * dk * dv * 4, torch.float32, (hv, dk, dv))
         _int32(live, length)
         if g.dtype != torch.float32 or beta.dtype != torch.float32 or not (g.is_contiguous() and beta.is_contiguous()):
             raise ValueError("gdn_delta: g and beta must be contiguous float32 (cast them in the graph)")
+        if length is None and lanes > 1:
+            return delta_rule_verify(state, live, q, k, v, g, beta, lanes)
         if length is None:
             return delta_rule_step(state, live, q, k, v, g, beta)
         if PREFILL_CHUNK is not None:
@@ -376,6 +464,7 @@ def gdn_ops() -> tuple[CustomOpDef, CustomOpDef, CustomOpDef]:
         live: torch.Tensor,
         length: torch.Tensor | None,
         offset: int,
+        lanes: int = 1,
     ) -> torch.Tensor:
         return torch.empty(q.shape[0], v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
 
@@ -396,3 +485,27 @@ def gdn_ops() -> tuple[CustomOpDef, CustomOpDef, CustomOpDef]:
         return torch.empty_like(h)
 
     return conv, delta, store
+
+
+@functools.cache
+def commit_op() -> CustomOpDef:
+    """`flare::commit_columns`: after a speculative program, each request's accepted column
+    (the state after its last consumed lane) becomes its live row's state: bytes [0, nbytes) of
+    row live + accepted copied into row live (`commit_columns`). Writes `rows` undeclared, as
+    the `gdn_ops` do and for their reasons: it runs after every GDN op of the step (its
+    `accepted` input comes from the sampled lanes) and returns `x` copied, which the step goes
+    on with."""
+    from torch.library import custom_op
+
+    @custom_op("flare::commit_columns", mutates_args=())
+    def commit(
+        x: torch.Tensor, rows: torch.Tensor, live: torch.Tensor, accepted: torch.Tensor, nbytes: int
+    ) -> torch.Tensor:
+        _int32(live, accepted)
+        return commit_columns(rows, live, accepted, nbytes, x.contiguous())
+
+    @commit.register_fake
+    def _(x: torch.Tensor, rows: torch.Tensor, live: torch.Tensor, accepted: torch.Tensor, nbytes: int) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    return commit

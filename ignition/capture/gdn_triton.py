@@ -42,6 +42,61 @@ def conv_step_kernel(X, HIST, ROWS, W, Y, C, sx, sy, sh_r, sh_c, K: tl.constexpr
 
 
 @triton.jit
+def conv_verify_kernel(
+    X, HIST, ROWS, W, Y, N, C, sx, sy, sh_r, sh_c, K: tl.constexpr, BLOCK: tl.constexpr, LANES: tl.constexpr
+):
+    """Program (request, channel block) of a speculative program: the request's LANES
+    consecutive tokens (lanes request*LANES + j, N lanes in all) in order, each exactly the
+    decode step's convolution (`conv_step_kernel`'s arithmetic) over the history the lane before
+    it left: lane 0 reads the live row's, lane j > 0 column row + j - 1's; lane j's history goes
+    to column row + j (column 0 is the live row itself). Lanes with a negative row write nothing
+    (used lanes are a prefix) and read the null row."""
+    req = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cm = c < C
+    for j in tl.static_range(LANES):
+        lane = req * LANES + j
+        row = tl.load(ROWS + lane, mask=lane < N, other=-1)
+        live = row >= 0
+        dst = tl.where(live, row + j, 0)
+        src = dst if j == 0 else tl.where(live, row + j - 1, 0)  # j is static: resolved at compile time
+        lm = cm & (c * 0 + lane < N)
+        x = tl.load(X + lane * sx + c, mask=lm, other=0.0)
+        acc = x.to(tl.float32) * tl.load(W + c * K + (K - 1), mask=cm, other=0.0).to(tl.float32)
+        for i in tl.static_range(K - 1):
+            hv = tl.load(HIST + src * sh_r + c * sh_c + i, mask=cm, other=0.0)
+            acc += hv.to(tl.float32) * tl.load(W + c * K + i, mask=cm, other=0.0).to(tl.float32)
+        tl.store(Y + lane * sy + c, _silu_rounded(acc, x.dtype), mask=lm)
+        wm = lm & (c * 0 + row >= 0)
+        for i in tl.static_range(K - 2):  # ascending: with src == dst, entry i+1 is read first
+            nxt = tl.load(HIST + src * sh_r + c * sh_c + i + 1, mask=cm, other=0.0)
+            tl.store(HIST + dst * sh_r + c * sh_c + i, nxt, mask=wm)
+        tl.store(HIST + dst * sh_r + c * sh_c + K - 2, x, mask=wm)
+        tl.debug_barrier()  # the next lane reads the column just written
+
+
+@triton.jit
+def commit_columns_kernel(ROWS, LIVE, ACCEPTED, X, OUT, NX, NBYTES, sr, BLOCK: tl.constexpr):
+    """Program (request, block): bytes [0, NBYTES) of column LIVE + ACCEPTED copied into the live
+    row LIVE (requests with a negative live row or nothing past lane 0 copy nothing); the first
+    program of each request also copies its X [NX] vector into OUT, the value the step goes on with."""
+    req = tl.program_id(0)
+    blk = tl.program_id(1)
+    i = blk * BLOCK + tl.arange(0, BLOCK)
+    row = tl.load(LIVE + req)
+    acc = tl.load(ACCEPTED + req)
+    copy = (row >= 0) & (acc > 0)
+    r = tl.where(row >= 0, row, 0)
+    m = (i < NBYTES) & (i * 0 + copy.to(tl.int32) > 0)
+    v = tl.load(ROWS + (r + acc) * sr + i, mask=m, other=0)
+    tl.store(ROWS + r * sr + i, v, mask=m)
+    for b in range(0, NX, BLOCK):
+        xi = b + tl.arange(0, BLOCK)
+        xm = (xi < NX) & (xi * 0 + blk == 0)
+        tl.store(OUT + req * NX + xi, tl.load(X + req * NX + xi, mask=xm, other=0.0), mask=xm)
+
+
+@triton.jit
 def conv_prefill_kernel(
     X, HIST, ROW, LENGTH, W, Y, T, C, sx, sy, sh_r, sh_c, K: tl.constexpr, BLOCK: tl.constexpr, TB: tl.constexpr
 ):
@@ -111,10 +166,15 @@ def delta_rule_kernel(
     BV: tl.constexpr,
     PREFILL: tl.constexpr,
     LENGTH=None,
+    LANES: tl.constexpr = 0,
 ):
     """Program (lane, value head, value block). Decode: lane = token, one update. Prefill: one
     request, the first LENGTH of T tokens in order (the rest output zeros and leave the state
-    alone). The state block [DK, BV] stays in registers; it is written back for live rows only."""
+    alone). Verify (LANES > 0): program 0 is a request, its LANES consecutive tokens in order from
+    its live row's state (its first lane's row), the state after lane j written to column row + j
+    while lane j is live (used lanes are a prefix). The state block [DK, BV] stays in registers;
+    it is written back for live rows only. Every mode runs the same update per token, so a
+    verified lane's output and column are bitwise what a decode step computes."""
     lane = tl.program_id(0)
     h = tl.program_id(1)
     dv = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -125,6 +185,10 @@ def delta_rule_kernel(
         row = tl.load(ROWS)
         n = tl.load(LENGTH)
         t0 = 0
+    elif LANES > 0:
+        t0 = lane * LANES
+        row = tl.load(ROWS + t0, mask=t0 < T, other=-1)
+        n = tl.minimum(T - t0, LANES)
     else:
         row = tl.load(ROWS + lane)
         n = 1
@@ -146,10 +210,15 @@ def delta_rule_kernel(
         s = s + k[:, None] * ((v - mem) * b)[None, :]
         o = tl.sum(s * q[:, None], 0)
         tl.store(OUT + t * so_t + h * so_h + dv, o.to(OUT.dtype.element_ty), mask=vm)
+        if LANES > 0:  # the column of lane i, while the lane is live
+            lane_row = tl.load(ROWS + t)
+            cp = STATE + (r + i) * ss_r + h * ss_h + dk[:, None] * ss_k + dv[None, :]
+            tl.store(cp, s, mask=vm[None, :] & (dk[:, None] * 0 + lane_row >= 0) & (dk[:, None] * 0 + row >= 0))
     if PREFILL:
         for t in range(n, T):
             tl.store(OUT + t * so_t + h * so_h + dv, tl.zeros([BV], dtype=OUT.dtype.element_ty), mask=vm)
-    tl.store(sp, s, mask=vm[None, :] & (dk[:, None] * 0 + row >= 0))
+    if LANES == 0:
+        tl.store(sp, s, mask=vm[None, :] & (dk[:, None] * 0 + row >= 0))
 
 
 @triton.jit

@@ -11,6 +11,11 @@ Invariants (beside those of `ignition.capture.paged`):
   chunk's padding never enters them); a lane with a negative live row writes no row;
 - initialize zeroes a row (every region), restore and snapshot copy whole rows, so a restored
   request continues from exactly the state its checkpoint saved;
+- with speculative programs each slot owns W rows (the cache scheme's verification width, the
+  widest program's lanes): lane j of a round leaves the GDN state after it in column row + j
+  (column 0 is the live row), each lane's update the decode step's, and the round then copies
+  its last consumed lane's column into the live row (`flare::commit_columns`). Columns are
+  scratch: no other program reads them, and snapshot and restore see the live row only;
 - KV pages hold only the attention layers (`kv_layers`), indexed by attention ordinal.
 
 Arithmetic follows Transformers' `qwen3_5` (zero-centred RMSNorm `x * rsqrt(.) * (1 + w)` in
@@ -165,6 +170,7 @@ class PagedQwen35(PagedLlama):
         super().__init__(geo, weights, inv_freq, 1.0, attention_kernel=attention, gemv=gemv)
         # Created before tracing (Dynamo does not trace their creation).
         self.gdn = gdn.gdn_ops() if kernels else None
+        self.commit = gdn.commit_op() if kernels else None
         # Row regions by name (offset, byte_size): the views below and the ops' offsets.
         self.regions = {str(r["name"]): r for r in geo.row_regions()}
 
@@ -250,6 +256,21 @@ class PagedQwen35(PagedLlama):
         )
         return out
 
+    def _commit_columns(
+        self, rows: torch.Tensor, live: torch.Tensor, accepted: torch.Tensor, x: torch.Tensor
+    ) -> torch.Tensor:
+        """Each live request's GDN state (every region before the hidden vector) from the column
+        of its last consumed lane into its live row; returns x (through the op on the device,
+        which orders the copy before the step goes on)."""
+        span = self.hidden_offset()
+        if self.commit is not None:
+            out: torch.Tensor = self.commit(x, rows, live.int(), accepted.int(), span)
+            return out
+        for r, a in zip(live.tolist(), accepted.tolist(), strict=True):
+            if r >= 0 and a > 0:
+                rows[r, :span] = rows[r + a, :span]
+        return x
+
     def cache_scheme(self) -> dict[str, Any]:
         scheme = super().cache_scheme()
         scheme["continuation_row_bytes"] = self.geo.row_bytes
@@ -269,9 +290,12 @@ class PagedQwen35(PagedLlama):
         live: torch.Tensor | None = None,
         rows: torch.Tensor | None = None,
         length: torch.Tensor | None = None,
+        lanes: int = 1,
     ) -> torch.Tensor:
         """As `PagedLlama.hidden`; `live` and `rows` are required (the GDN state), and `length`
-        marks a prefill chunk (one request: `live` is [1])."""
+        marks a prefill chunk (one request: `live` is [1]). `lanes` > 1: a speculative program's
+        lanes, groups of `lanes` consecutive tokens of one request (`live`: the request's live
+        row on each used lane), each lane's GDN state left in its column (row + lane index)."""
         if live is None or rows is None:
             raise ValueError("the hybrid forward needs the live rows and the continuation rows")
         g, w = self.geo, self.w
@@ -304,7 +328,7 @@ class PagedQwen35(PagedLlama):
                 o = o * torch.sigmoid(gate)
                 x = proj(o, w[p + "o_proj"], self._bias(p + "o_proj_bias"), residual=x, few_rows=few_rows)
             else:
-                x = self._gdn(i, h, live, rows, length, residual=x, few_rows=few_rows)
+                x = self._gdn(i, h, live, rows, length, residual=x, few_rows=few_rows, lanes=lanes)
             hm = zc_rms(x, w[p + "post_attention_norm"], g.eps)
             gu = proj(hm, w[p + "gate_up"], few_rows=few_rows)
             # SiLU(gate) · up in the projection's prologue: [gate | up] halves, as packed.
@@ -320,10 +344,13 @@ class PagedQwen35(PagedLlama):
         length: torch.Tensor | None,
         residual: torch.Tensor,
         few_rows: bool = False,
+        lanes: int = 1,
     ) -> torch.Tensor:
         """One GDN layer's token mixing over the rows' state, added to `residual` (eager
         reference: per lane / per request loops; the graphs run `ignition.capture.gdn`'s
-        kernels)."""
+        kernels). Decode and speculative lanes run the same per-token update: lane j of a
+        group continues from the state lane j - 1 left (lane 0: the live row's) and leaves its
+        own in column row + j, so with `lanes` 1 (decode) each lane updates its live row."""
         g, w = self.geo, self.w
         p = f"layers.{layer}."
         n = h.shape[0]
@@ -346,24 +373,25 @@ class PagedQwen35(PagedLlama):
             conv_op, delta_op, _ = self.gdn
             lv = live.int()
             ln = None if length is None else length.int()
-            y = conv_op(mixed, conv_w, rows, lv, ln, self.regions[f"layer{layer}.conv"]["offset"], g.conv_kernel)
+            conv_at = self.regions[f"layer{layer}.conv"]["offset"]
+            y = conv_op(mixed, conv_w, rows, lv, ln, conv_at, g.conv_kernel, lanes)
             q, k, v = split(y)
             recurrent = self.regions[f"layer{layer}.recurrent"]["offset"]
-            core = delta_op(q, k, v, decay.contiguous(), beta.float().contiguous(), rows, lv, ln, recurrent)
-        elif length is None:  # decode: one token per lane, each on its own row
+            core = delta_op(q, k, v, decay.contiguous(), beta.float().contiguous(), rows, lv, ln, recurrent, lanes)
+        elif length is None:  # decode (one token per lane on its own row) or speculative lanes
             hist, state = self.conv_rows(rows, layer), self.recurrent_rows(rows, layer)
             outs = []
             for lane in range(n):
-                r = int(live[lane])
-                src = max(r, 0)
+                r, j = int(live[lane]), lane % lanes
+                src = r + j - 1 if r >= 0 and j > 0 else max(r, 0)
                 y, new_hist = gdn.conv_reference(mixed[lane : lane + 1], hist[src], conv_w)
                 q, k, v = split(y)
                 o, new_state = gdn.delta_rule_reference(
                     state[src], q, k, v, decay[lane : lane + 1], beta[lane : lane + 1]
                 )
                 if r >= 0:
-                    hist[r] = new_hist
-                    state[r] = new_state
+                    hist[r + j] = new_hist
+                    state[r + j] = new_state
                 outs.append(o)
             core = torch.cat(outs)
         else:  # prefill: one request, the first `length` tokens real

@@ -54,7 +54,7 @@ def teacher_forced(
 
     for g in runner.prefill:
         pages = fresh_pages()
-        row = 1 + rng.randrange(geo.request_slots)
+        row = geo.live_row(rng.randrange(geo.request_slots))
         runner.maintenance("initialize", row)
         hs = []
         at = 0
@@ -68,7 +68,7 @@ def teacher_forced(
     for g in runner.decode:
         b = g.request_count
         rows, starts = [], []
-        lives = rng.sample(range(1, geo.request_slots + 1), b)
+        lives = [geo.live_row(s) for s in rng.sample(range(geo.request_slots), b)]
         # Disjoint shuffled pages per row: rows of one batch never share a page.
         pool = rng.sample(range(geo.max_kv_pages), pages_needed * b)
         for i, live in enumerate(lives):

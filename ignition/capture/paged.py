@@ -5,8 +5,10 @@ The arithmetic follows Transformers' LlamaForCausalLM / Qwen3ForCausalLM (bf16 R
 before the weight, rotate-half RoPE from the checkpoint's rope parameters, GQA, SiLU MLP), so
 teacher-forced logits can be compared with the canonical forward.
 
-State and its invariants (row indices follow the cache scheme: row 0 is the null row, live rows
-1..=request_slots, snapshot rows after them):
+State and its invariants (row indices follow the cache scheme: row 0 is the null row; request slot
+s owns the W = `verification_width` rows 1 + s*W .. 1 + (s+1)*W, its live row the first of them
+and the others the speculative columns of a recipe with recurrent state; snapshot rows after
+every slot's rows; W is 1 unless a recipe keeps columns):
 - `kv` holds `max_kv_pages` pages plus one trash page at the end. Writes of padded rows
   (negative slot) go to the trash page, so they never race a real write.
 - `rows[r]` is the final (normed) hidden vector of the last token consumed by row r: what resume
@@ -16,13 +18,14 @@ State and its invariants (row indices follow the cache scheme: row 0 is the null
   every step that consumes into it, its epoch by initialize (0) and restore; a snapshot row's
   stamp is its checkpoint's. Snapshot and restore check the source's stamp against the
   expected (consumed, epoch) before writing anything, and report the outcome in a record.
-- `hist[r]` counts live row r's prompt (added once at admission by admit_histogram, after
+- `hist[e]` (entry e = s + 1 of slot s; entry 0 the null row's, read by padding) counts the
+  live row's prompt (added once at admission by admit_histogram, after
   initialize or restore cleared the row) and every token sampled since (request state, outside
   every checkpoint). Penalties read it.
-- `pending[r]` is the token live row r sampled last (request state, outside every checkpoint;
-  entry 0, the null row's, is never written). Every sampling step stores its sampled tokens
-  there; a decode lane whose packed token id is negative consumes its row's entry instead
-  (device-fed generation). Padded lanes read entry 0.
+- `pending[e]` (entries as `hist`) is the token the slot's live row sampled last (request
+  state, outside every checkpoint; entry 0, the null row's, is never written). Every sampling
+  step stores its sampled tokens there; a decode lane whose packed token id is negative
+  consumes its row's entry instead (device-fed generation). Padded lanes read entry 0.
 - A row that does not sample (padding, a prefill chunk short of the prompt end, an exhausted
   grammar) changes no histogram and no pending token, and writes a record without the sampled flag.
 """
@@ -81,6 +84,9 @@ class Geometry:
     request_slots: int = 8
     snapshot_rows: int = 64
     max_kv_pages: int = 512
+    # Rows each request slot owns (the cache scheme's verification width): 1, or one column per
+    # lane of the widest speculative program for a recipe whose state needs columns.
+    verification_width: int = 1
 
     @property
     def pages_per_request(self) -> int:
@@ -88,7 +94,32 @@ class Geometry:
 
     @property
     def total_rows(self) -> int:
-        return 1 + self.request_slots + self.snapshot_rows
+        return self.first_snapshot_row + self.snapshot_rows
+
+    @property
+    def first_snapshot_row(self) -> int:
+        return 1 + self.request_slots * self.verification_width
+
+    def live_row(self, slot: int) -> int:
+        """The live row of request slot `slot` (0-based): the first of its W rows."""
+        return 1 + slot * self.verification_width
+
+    def live_rows(self) -> list[int]:
+        return [self.live_row(s) for s in range(self.request_slots)]
+
+    def snapshot_row(self, index: int) -> int:
+        return self.first_snapshot_row + index
+
+    def is_live_row(self, r: torch.Tensor) -> torch.Tensor:
+        """Whether each row index is a slot's live row (not a column, snapshot or null row)."""
+        return (r >= 1) & (r < self.first_snapshot_row) & ((r - 1) % self.verification_width == 0)
+
+    def is_snapshot_row(self, r: torch.Tensor) -> torch.Tensor:
+        return (r >= self.first_snapshot_row) & (r < self.total_rows)
+
+    def slot_entry(self, r: torch.Tensor) -> torch.Tensor:
+        """The histogram and pending-token entry of each live row (slot + 1); 0 for any other."""
+        return torch.where(self.is_live_row(r), torch.div(r - 1, self.verification_width, rounding_mode="floor") + 1, 0)
 
     @property
     def region_bytes(self) -> int:
@@ -269,13 +300,14 @@ class PagedLlama:
         live: torch.Tensor | None = None,
         rows: torch.Tensor | None = None,
         length: torch.Tensor | None = None,
+        lanes: int = 1,
     ) -> torch.Tensor:
         """tok/pos [N]; slots [N] int64 KV slot (negative: no write); page_table [R, P] int32;
         req [N] page-table row of each token. `few_rows`: a decode step (projections as GEMVs
         when the core has them). Recipes with state in the continuation rows also get `rows`,
         `live` (decode: each lane's live row; prefill: [1], the request's) with -1 for padding,
-        and for prefill `length` [1], the real tokens of the chunk; this forward keeps no such
-        state."""
+        and for prefill `length` [1], the real tokens of the chunk, and for a speculative program
+        `lanes` (its lanes per request); this forward keeps no such state."""
         g, w, proj = self.geo, self.w, self.proj
         n = tok.shape[0]
         x, cos, sin, page, off = self._embed(tok, pos, slots)
@@ -331,8 +363,8 @@ class PagedLlama:
         """h [B, H]; slots [B] live rows (negative: padding); wants [B] bool (the row samples)."""
         g = self.geo
         b = h.shape[0]
-        live = (slots >= 0) & (slots <= g.request_slots)
-        hrow = torch.where(live, slots, 0).long()
+        live = (slots == 0) | g.is_live_row(slots)
+        hrow = g.slot_entry(slots).long()
         tok, allowed = sample(
             self.logits(h),
             hist[hrow],
@@ -423,7 +455,7 @@ class PagedLlama:
                 {"name": "stamp", "kind": "position_metadata", "offset": self.stamp_offset(), "byte_size": STAMP_BYTES},
             ],
             "live_rows_per_slot": 1,
-            "verification_width": 1,
+            "verification_width": g.verification_width,
             "padding_slot": -1,
         }
 
@@ -449,6 +481,15 @@ class PagedLlama:
         span[idx] = torch.where(live[:, None], new, span[0].expand_as(new))
         return h
 
+    def _commit_columns(
+        self, rows: torch.Tensor, live: torch.Tensor, accepted: torch.Tensor, x: torch.Tensor
+    ) -> torch.Tensor:
+        """After a speculative program: a recipe whose state keeps a column per lane makes each
+        live request's accepted column its live state (live [B] rows, negative: none; accepted
+        [B] its last consumed lane) and returns x for the step to go on with. This forward keeps
+        no columns."""
+        return x
+
     # -- step programs -----------------------------------------------------------------------
     def decode(
         self,
@@ -471,7 +512,7 @@ class PagedLlama:
         valid = (slots >= 0) & (slot >= 0)
         slot = torch.where(valid, slot, -1)
         # A negative packed id: the lane consumes its row's pending token (padding reads entry 0).
-        prow = torch.where((slots >= 0) & (slots <= g.request_slots), slots, 0)
+        prow = g.slot_entry(slots)
         tok = torch.where(v["token_ids"] < 0, pending[prow], v["token_ids"])
         m = b if self.gemv else max(b, MIN_GEMM_ROWS)
         live = torch.where(valid, slots, -1)
@@ -511,7 +552,9 @@ class PagedLlama:
         grammar); the request emits those samples and the one after them, its row keeps the last
         accepted lane's hidden vector, its pending token and histogram advance over what it
         emitted. Rejected lanes wrote KV past the accepted length: garbage the scheduler
-        overwrites before anything reads it. Returns the lanes' hidden vectors [P, H]."""
+        overwrites before anything reads it. A recipe with recurrent state leaves each lane's in
+        its request's column row + j and installs the last consumed lane's in the live row
+        (`_commit_columns`). Returns the lanes' hidden vectors [P, H]."""
         g = self.geo
         slots = v["request_slots"].long()
         b = slots.shape[0]
@@ -521,8 +564,8 @@ class PagedLlama:
         lane = torch.arange(p, device=dev)
         req, j = lane // w, lane % w
         q = v["query_lengths"].long()
-        live_req = (slots >= 1) & (slots <= g.request_slots) & (q > 0)
-        prow = torch.where(live_req, slots, 0)  # [B]: padding reads and writes the null entry
+        live_req = g.is_live_row(slots) & (q > 0)
+        prow = torch.where(live_req, g.slot_entry(slots), 0)  # [B]: padding reads and writes the null entry
         used = (j < q[req]) & live_req[req]
         pos = v["positions"].long()
         table = v["page_table"]
@@ -532,7 +575,7 @@ class PagedLlama:
         packed = v["token_ids"]
         tok = torch.where((packed < 0) & (j == 0), pending[prow][req], packed)
         tok = torch.where(used, tok, 0).to(packed.dtype)  # unused lanes: an inert in-vocabulary id
-        live = torch.where(used, prow[req], -1)
+        live = torch.where(used, slots[req], -1)  # each lane's request's live row
         m = p if self.gemv else max(p, MIN_GEMM_ROWS)
         if m > p:  # inert rows past the lanes: no KV write, an all -1 page-table row, position 0
             h = self.hidden(
@@ -544,9 +587,10 @@ class PagedLlama:
                 kv,
                 live=F.pad(live, (0, m - p), value=-1),
                 rows=rows,
+                lanes=w,
             )[:p]
         else:
-            h = self.hidden(tok, v["positions"], slot, table, req, kv, few_rows=True, live=live, rows=rows)
+            h = self.hidden(tok, v["positions"], slot, table, req, kv, few_rows=True, live=live, rows=rows, lanes=w)
         # Each lane's histogram: the row's, plus the proposals of the lanes before it (1..j).
         lane_hist = hist[prow][req]
         k = torch.arange(w, device=dev)
@@ -584,7 +628,12 @@ class PagedLlama:
         emitted = (k[None, :] <= accepted[:, None]) & sampled[:, None]  # [B, W]
         # The row keeps the last consumed lane's hidden vector (padding writes the null row back).
         start = pos.view(b, w)[:, 0]
-        self._store_rows(rows, torch.where(live_req, slots, -1), h[fin], start + 1 + accepted)
+        live_rows = torch.where(live_req, slots, -1)
+        h_fin = self._commit_columns(rows, live_rows, accepted, h[fin])
+        stored = self._store_rows(rows, live_rows, h_fin, start + 1 + accepted)
+        # The output goes through the stores: a recipe storing through ops (undeclared writes)
+        # keeps them in the graph only while something consumes what they return.
+        h = h.index_put((fin,), stored)
         flags = (
             sampled.int() * FLAG_SAMPLED
             + (sampled & eos[fin]).int() * FLAG_EOS
@@ -660,7 +709,7 @@ class PagedLlama:
         """Clears a live row (its stamp becomes (0, 0)) and its histogram."""
         dst = v["destination_rows"].long().clamp(0, rows.shape[0] - 1)
         rows[dst] = torch.zeros_like(rows[dst])
-        hd = torch.where(dst <= self.geo.request_slots, dst, 0)
+        hd = self.geo.slot_entry(dst)
         hist[hd] = torch.zeros_like(hist[hd])
         self._maintenance_record(records, dst, torch.zeros_like(dst, dtype=torch.bool), self.stamps(rows)[dst])
         return rows[dst]
@@ -677,7 +726,7 @@ class PagedLlama:
         """A snapshot row into a live row, stamp included, and the live row's histogram cleared;
         nothing written unless the snapshot's stamp is the expected (consumed, epoch)."""
         dst, ok = self._checked_copy(v, rows, records, restore=True)
-        hd = torch.where(dst <= self.geo.request_slots, dst, 0)
+        hd = self.geo.slot_entry(dst)
         hist[hd] = torch.where(ok[:, None], torch.zeros_like(hist[hd]), hist[hd])
         return rows[dst]
 
@@ -707,21 +756,15 @@ class PagedLlama:
         src_in, dst_in = v["source_rows"].long(), v["destination_rows"].long()
         src, dst = src_in.clamp(0, n - 1), dst_in.clamp(0, n - 1)
 
-        def live(r: torch.Tensor) -> torch.Tensor:
-            return (r >= 1) & (r <= g.request_slots)
-
-        def snap(r: torch.Tensor) -> torch.Tensor:
-            return (r > g.request_slots) & (r < n)
-
         expected = v["expected_consumed"].long()
         epoch = v["checkpoint_epoch"].long() if "checkpoint_epoch" in v else torch.zeros_like(expected)
         found = self.stamps(rows)[src]
         match = found[:, 0].long() == expected
         if restore:
-            direction = snap(src_in) & live(dst_in)
+            direction = g.is_snapshot_row(src_in) & g.is_live_row(dst_in)
             match = match & (found[:, 1].long() == epoch)
         else:
-            direction = live(src_in) & snap(dst_in)
+            direction = g.is_live_row(src_in) & g.is_snapshot_row(dst_in)
         ok = direction & ((expected < 0) | match)
         bits = self.row_bits(rows)
         new = bits[src].clone()
@@ -758,8 +801,9 @@ class PagedLlama:
         g = self.geo
         row = v["request_slots"].long()[:1]
         ids = v["token_ids"].long()
-        live = (row >= 1) & (row <= g.request_slots)
+        live = g.is_live_row(row)
         ok = (ids >= 0) & (ids < g.vocab) & live
-        target = torch.where(ok, row.expand_as(ids), 0)
+        entry = g.slot_entry(row)
+        target = torch.where(ok, entry.expand_as(ids), 0)
         hist.index_put_((target, ids.clamp(0, g.vocab - 1)), ok.int(), accumulate=True)
-        return hist[torch.where(live, row, 0)]
+        return hist[entry]

@@ -302,7 +302,7 @@ class Program:
             x["token_ids"][0] = -1  # device-fed: lane 0 consumes its row's pending token
             ends = [5, g.page_tokens + 6, 2 * g.page_tokens - 1, g.context_limit - 1]
             x["positions"].copy_(torch.tensor([ends[i % 4] for i in range(b)]).int())
-            x["request_slots"].copy_(torch.arange(1, b + 1).int())
+            x["request_slots"].copy_(torch.tensor([g.live_row(i % g.request_slots) for i in range(b)]).int())
             if b > 1:
                 x["request_slots"][-1] = -1  # a padded lane, device-fed: it reads entry 0
                 x["token_ids"][-1] = -1
@@ -319,7 +319,7 @@ class Program:
             start = torch.tensor([ends[i % 4] for i in range(b)]).int()
             x["positions"].copy_((start[:, None] + torch.arange(w)[None, :]).int().view(-1))
             x["query_lengths"].copy_(torch.tensor(used).int())
-            x["request_slots"].copy_(torch.arange(1, b + 1).int())
+            x["request_slots"].copy_(torch.tensor([g.live_row(i % g.request_slots) for i in range(b)]).int())
             if b > 1:
                 x["request_slots"][-1] = -1  # a padded request
                 x["query_lengths"][-1] = 0
@@ -335,21 +335,23 @@ class Program:
             slot = slot + pos % g.page_tokens
             slot[real:] = -1
             x["slot_mapping"].copy_(slot)
-            x["request_slots"].fill_(2)
+            x["request_slots"].fill_(g.live_row(1 % g.request_slots))
             x["query_lengths"].fill_(real)
         elif spec.kind == "resume_sampling":
-            x["request_slots"].fill_(3)
-            x["state_row_indices"].fill_(g.request_slots + 2)
+            x["request_slots"].fill_(g.live_row(2 % g.request_slots))
+            x["state_row_indices"].fill_(g.snapshot_row(1 % max(1, g.snapshot_rows)))
             x["context_lengths"].fill_(77)
         elif spec.maintenance_op == "admit_histogram":
             t = spec.token_capacity
-            x["request_slots"].fill_(2)
+            x["request_slots"].fill_(g.live_row(1 % g.request_slots))
             x["token_ids"].copy_(torch.randint(0, g.vocab, (t,), generator=gen).int())
             x["token_ids"][t // 2 :] = -1  # a partial chunk
         else:
-            x["destination_rows"].fill_(2 if spec.maintenance_op != "snapshot" else g.request_slots + 3)
+            live = g.live_row(1 % g.request_slots)
+            snap = g.snapshot_row(2 % max(1, g.snapshot_rows))
+            x["destination_rows"].fill_(live if spec.maintenance_op != "snapshot" else snap)
             if "source_rows" in x:
-                src = g.request_slots + 1 if spec.maintenance_op == "restore" else 2
+                src = g.snapshot_row(0) if spec.maintenance_op == "restore" else live
                 x["source_rows"].fill_(src)
                 # Restore checked and accepted (the source's own stamp); snapshot checked and
                 # rejected (one token off): both outcomes replay in the checks.

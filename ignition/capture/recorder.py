@@ -438,7 +438,11 @@ class Recorder:
                     },
                     "event_count": 0,
                     "completion_token_capacity": g.completion_tokens,
-                    "continuation_rows_per_request": 1,
+                    # A speculative program of a recipe with state columns writes one row per
+                    # lane (the geometry's verification width covers the widest program).
+                    "continuation_rows_per_request": (
+                        min(self.program.geo.verification_width, g.proposal_depth + 1) if g.kind == "speculative" else 1
+                    ),
                     "nodes": rec_nodes,
                     "edges": edges,
                     "bindings": bindings,

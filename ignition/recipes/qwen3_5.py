@@ -246,10 +246,12 @@ class Qwen35Recipe:
         from ignition.capture.program import ProgramPlan, capacity_fields
 
         rows = min(capacities.snapshot_rows, SNAPSHOT_ROWS_PER_SLOT * capacities.request_slots)
-        # No speculative programs yet: verifying W positions needs a recurrent state column per
-        # position (the accepted one becoming the live state), which this forward does not keep.
-        caps = replace(capacities, snapshot_rows=rows, speculative=[])
-        geo = HybridGeometry.from_qwen35(config, eos, **capacity_fields(caps))
+        caps = replace(capacities, snapshot_rows=rows)
+        # Speculative programs verify W lanes per request; each lane's GDN state goes to its own
+        # column (row), the accepted one then installed in the live row, so every slot owns
+        # one row per lane of the widest program (the cache scheme's verification width).
+        width = max((d + 1 for _, d in caps.speculative), default=1)
+        geo = HybridGeometry.from_qwen35(config, eos, **capacity_fields(caps), verification_width=width)
         largest = max(caps.decode_buckets)
         return ProgramPlan(geo, caps, functools.partial(build_model, config, geo, largest))
 

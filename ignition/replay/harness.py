@@ -112,6 +112,12 @@ class CoreReplay:
         return list(range(first, first + n))
 
     # -- the Stepper protocol (ignition.core.stepping) ---------------------------------------
+    def live_row(self, slot: int) -> int:
+        """Request slot `slot`'s live row: slots own live rows x verification width rows each (a
+        width of 0, in cores before ABI 2, reads as 1)."""
+        scheme = self.core.m.cache_scheme
+        return 1 + slot * max(1, int(scheme.live_rows_per_slot)) * max(1, int(scheme.verification_width))
+
     def initialize(self, live_row: int) -> None:
         self.maintenance("initialize", live_row)
 
@@ -155,8 +161,9 @@ class CoreReplay:
         for j in range(rows):
             prompt = [(7 + 13 * j + 5 * i) % 1000 + 10 for i in range(prompt_len)]
             pages = self.pages_for(j, prompt_len + tokens + 1)
-            first = admit(self, j + 1, pages, prompt, 99 + j, Sampling())
-            reqs.append((j + 1, pages, [first]))
+            row = self.live_row(j)
+            first = admit(self, row, pages, prompt, 99 + j, Sampling())
+            reqs.append((row, pages, [first]))
         step_us = []
         for _ in range(tokens):
             batch = [Row(r, p, prompt_len + len(t) - 1, [t[-1]], (99 + r, len(t))) for r, p, t in reqs]
@@ -270,7 +277,7 @@ def run(
             again = []
             for i, p in reversed(list(enumerate(json.loads(prompts.read_text())))):
                 eos = tuple(p["eos"]) if "eos" in p else None
-                row = slots - i % slots
+                row = replay.live_row(slots - 1 - i % slots)
                 toks = replay.generate(
                     p["prompt_ids"], p["seed"], _params(p.get("params", {})), p["max_tokens"], eos=eos, live_row=row
                 )

@@ -78,9 +78,12 @@ def test_delta_rule_matches_transformers_recurrent_and_chunked() -> None:
 def test_gdn_kernels_match_the_references_under_the_interpreter() -> None:
     """Convolution and delta rule kernels, decode and prefill (scan and chunked): outputs, states
     at the consumed length, padding lanes that write nothing, split scan prefill bitwise equal to
-    whole, split chunked prefill within float32 rounding of whole."""
+    whole, split chunked prefill within float32 rounding of whole; speculative lanes (convolution
+    and delta rule) bitwise the decode kernels' steps, each lane's state in its column, and the
+    commit copying exactly the accepted column into the live row."""
     report = _interpreted("gdn_interpreted.py", 300)
     assert report["exact_state_and_padding"] and report["split_bitwise"], report
+    assert report["verify_lanes_bitwise_decode"] and report["commit_exact"], report
     assert report["max_abs_err"] < 1e-5 and report["state_max_abs_err"] < 1e-5, report
     assert report["chunked_max_abs_err"] < 1e-5 and report["chunked_split_vs_whole_max_abs_err"] < 1e-5, report
 

@@ -58,7 +58,10 @@ def _checkpoint(tmp: Path, seed: int = 0) -> transformers.PreTrainedModel:
 
 
 def _program(
-    tmp: Path, buckets: tuple[int, ...] = (1, 4), chunks: tuple[int, ...] = (128,)
+    tmp: Path,
+    buckets: tuple[int, ...] = (1, 4),
+    chunks: tuple[int, ...] = (128,),
+    speculative: tuple[tuple[int, int], ...] = (),
 ) -> tuple[PagedQwen35, Program]:
     import torch
 
@@ -73,7 +76,7 @@ def _program(
     for name, tb in stream_execution_layout(plan_weight_mapping(config, ckpt.tensors, ckpt.files), ckpt):
         dt = {"BF16": torch.bfloat16, "F32": torch.float32}[tb.dtype.name]
         weights[name] = torch.frombuffer(bytearray(tb.data), dtype=dt).view(tb.shape).to(torch.bfloat16)
-    caps = Capacities(list(buckets), list(chunks), 256, 4, 4, 24)
+    caps = Capacities(list(buckets), list(chunks), 256, 4, 4, 24, list(speculative))
     prog: Program = RECIPE.plan_program(config, (2,), caps).build(weights, torch.device("cpu"), None)
     assert isinstance(prog.model, PagedQwen35)
     return prog.model, prog
@@ -183,13 +186,18 @@ def test_prepare_exactness_check_on_eager_steps(tmp_path: Path) -> None:
 def test_compiled_graph_path_matches_the_reference_under_the_interpreter() -> None:
     """Decode and prefill compiled (fullgraph) with the GDN and row-store ops, against the
     eager reference: hidden vectors, every row region and the KV pages, padded lanes included;
-    with the scan and with the chunked GDN prefill."""
+    with the scan and with the chunked GDN prefill. A compiled speculative round (GDN columns,
+    the commit op) leaves the live row and KV bitwise as compiled decode steps do."""
     from tests.ignition.test_paged_cpu import _interpreted
 
-    report = _interpreted("hybrid_compiled.py", 900)
+    report = _interpreted("hybrid_compiled.py", 1200)
     for r in (report, report["chunked"]):  # the GDN prefill as a scan, and chunked
         assert r["unnamed_rows_untouched"], report
         assert max(r["hidden_rel_l2_max"], r["rows_rel_l2_max"], r["kv_rel_l2"]) < 0.02, report
+    spec = report["speculative"]
+    assert spec["record"] == spec["expected_record"] and spec["differing_regions"] == [], spec
+    assert spec["live_row_bitwise"] and spec["lanes_bitwise"] and spec["kv_bitwise"], spec
+    assert spec["other_rows_untouched"], spec
 
 
 def test_every_graph_runs_on_its_replay_check_inputs(tmp_path: Path) -> None:
@@ -257,3 +265,79 @@ def test_decode_projections_are_the_tuned_problems(tmp_path: Path) -> None:
     for shape, key, few in calls:
         assert few, (shape, key)
         assert (shape, key) in tuned, (shape, key, sorted(tuned))
+
+
+def test_speculative_generation_equals_ordinary_generation(tmp_path: Path) -> None:
+    """The hybrid's speculative programs (eager): each slot owns one row per lane (W = 4), and
+    generation through them equals ordinary generation whether the proposals are right, one in
+    three wrong, empty or garbage, host-fed or device-fed, on any slot."""
+    require_torch()
+    from ignition.capture.runner import GraphRunner, Sampling
+    from ignition.core.stepping import replaying
+
+    _checkpoint(tmp_path)
+    _, prog = _program(tmp_path, speculative=((1, 3), (4, 3)))
+    geo = prog.geo
+    assert geo.verification_width == 4 and geo.live_rows() == [1, 5, 9, 13] and geo.first_snapshot_row == 17
+    assert prog.model.cache_scheme()["verification_width"] == 4
+    for spec in prog.graphs:
+        spec.graph = _EagerGraph(prog, spec)
+    runner = GraphRunner(prog)
+    prompt = list(range(3, 90))
+    params = Sampling(temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.3, presence_penalty=0.4)
+    for p in (params, Sampling(top_k=1)):
+        want = runner.generate(prompt, 21, p, 14, live_row=geo.live_row(1))
+        assert len(want) == 14, want
+        got, steps = runner.generate_speculative(prompt, 21, p, 14, replaying(want), live_row=geo.live_row(2))
+        assert got == want and steps == 4, (got, steps)  # 13 decoded tokens, 4 per round
+        got, steps = runner.generate_speculative(
+            prompt, 21, p, 14, replaying(want, 3, 300), live_row=geo.live_row(3), device_fed=True
+        )
+        assert got == want and 4 < steps < 13, steps
+        assert runner.generate_speculative(prompt, 21, p, 14, lambda out: [])[0] == want
+        assert runner.generate_speculative(prompt, 21, p, 14, lambda out: [7, 7, 7])[0] == want
+
+
+def test_a_round_leaves_the_state_two_decode_steps_leave(tmp_path: Path) -> None:
+    """Two proposals, the first right and the second wrong: the round consumes two tokens, and
+    the live row (every GDN layer's convolution history and recurrent matrix, the hidden vector,
+    the stamp) is bitwise what two decode steps leave; the KV of the consumed positions too. Only
+    the slot's own columns hold anything else; every other row is untouched."""
+    require_torch()
+    import torch
+
+    from ignition.capture.paged import HEADER_WORDS
+    from ignition.capture.runner import GraphRunner, Row, Sampling
+
+    _checkpoint(tmp_path)
+    _, prog = _program(tmp_path, speculative=((1, 3), (4, 3)))
+    for spec in prog.graphs:
+        spec.graph = _EagerGraph(prog, spec)
+    runner = GraphRunner(prog)
+    geo, params = prog.geo, Sampling(top_k=1)
+    live = geo.live_row(1)
+    pages, ids = [3, 8], list(range(5, 80))
+    runner.initialize(live)
+    _, rec = runner.replay(runner.by_name["prefill_t128"], [Row(live, pages, 0, ids, (9, 0), params)])
+    first = rec[0][HEADER_WORDS]
+    rows0, kv0 = prog.rows.clone(), prog.kv_all.clone()
+    out, start = [first], len(ids)
+    for n in range(2):
+        row = Row(live, pages, start + n, [out[-1]], (9, 1 + n), params)
+        _, rec = runner.replay(runner.by_name["decode_b1"], [row])
+        out.append(rec[0][HEADER_WORDS])
+    after_rows, after_kv = prog.rows.clone(), prog.kv_all.clone()
+    prog.rows.copy_(rows0)
+    prog.kv_all.copy_(kv0)
+    wrong = (out[2] + 1) % geo.vocab
+    row = Row(live, pages, start, [first, out[1], wrong], (9, 1), params)
+    _, rec = runner.replay(runner.by_name["verify_b1_d3"], [row])
+    assert rec[0][3:5] == [2, start + 2] and rec[0][HEADER_WORDS : HEADER_WORDS + 2] == out[1:3], rec[0]
+    assert torch.equal(prog.rows[live], after_rows[live])
+    columns = list(range(live + 1, live + geo.verification_width))
+    others = [r for r in range(prog.rows.shape[0]) if r != live and r not in columns]
+    assert torch.equal(prog.rows[others], rows0[others])
+    pt = geo.page_tokens
+    for pos in range(start, start + 2):
+        page, off = pages[pos // pt], pos % pt
+        assert torch.equal(prog.kv_all[page, :, :, off], after_kv[page, :, :, off]), pos

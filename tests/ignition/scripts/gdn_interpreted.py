@@ -147,10 +147,59 @@ for lo, hi in ((0, 23), (23, 40)):
     )
 chunked_split_err = max(err(whole, split), err(o_w, torch.cat(parts)))
 
+# -- speculative lanes: 3 per request; slot rows 1-3 and 4-6 (columns), row 7 a snapshot ------------
+# Request 0 uses all 3 lanes, request 1 two (lane 5 unused), lane 6 a partial padding group. Each
+# lane must be bitwise the decode kernel's step from the column before it, into its own column.
+W = 3
+lane_rows = torch.tensor([1, 1, 1, 4, 4, -1, -1], dtype=torch.int32)
+hist = torch.randn(8, C, K - 1, generator=gen)
+before = hist.clone()
+x = torch.randn(7, C, generator=gen)
+y = gdn.conv_verify(x, hist, lane_rows, w, W, block=16)
+emul = before.clone()
+verify_bitwise = True
+for lane, row in enumerate(lane_rows.tolist()):
+    if row < 0:
+        continue
+    j = lane % W
+    if j:
+        emul[row + j] = emul[row + j - 1]
+    y_dec = gdn.conv_step(x[lane : lane + 1], emul, torch.tensor([row + j], dtype=torch.int32), w, block=16)
+    verify_bitwise &= torch.equal(y[lane : lane + 1], y_dec)
+verify_bitwise &= torch.equal(hist, emul)  # columns as decoding left them; rows 0, 6, 7 untouched
+state = torch.randn(8, hv, dk, dv, generator=gen) * 0.1
+before = state.clone()
+q, k, v, g, beta = operands(7)
+o = gdn.delta_rule_verify(state, lane_rows, q, k, v, g, beta, W, block_v=16)
+emul = before.clone()
+for lane, row in enumerate(lane_rows.tolist()):
+    if row < 0:
+        continue
+    j = lane % W
+    if j:
+        emul[row + j] = emul[row + j - 1]
+    sl = slice(lane, lane + 1)
+    o_dec = gdn.delta_rule_step(
+        emul, torch.tensor([row + j], dtype=torch.int32), q[sl], k[sl], v[sl], g[sl], beta[sl], block_v=16
+    )
+    verify_bitwise &= torch.equal(o[sl], o_dec)
+verify_bitwise &= torch.equal(state, emul)
+# Commit: request 0 accepted lane 2 (column 3), request 1 lane 0 (nothing to copy), a padded one.
+raw = torch.randint(0, 256, (8, 64), generator=gen, dtype=torch.uint8)
+before = raw.clone()
+xs = torch.randn(3, 5, generator=gen)
+live, accepted = torch.tensor([1, 4, -1], dtype=torch.int32), torch.tensor([2, 0, 1], dtype=torch.int32)
+out = gdn.commit_columns(raw, live, accepted, 48, xs, block=16)
+want = before.clone()
+want[1, :48] = before[3, :48]
+commit_exact = torch.equal(raw, want) and torch.equal(out, xs)
+
 report = {"max_abs_err": worst, "state_max_abs_err": state_err, "exact_state_and_padding": exact}
+report["verify_lanes_bitwise_decode"] = bool(verify_bitwise)
+report["commit_exact"] = bool(commit_exact)
 report["split_bitwise"] = split_bitwise
 report["chunked_max_abs_err"] = chunked_err
 report["chunked_split_vs_whole_max_abs_err"] = chunked_split_err
 print(json.dumps(report))
-ok = worst < 1e-5 and state_err < 1e-5 and exact and split_bitwise
+ok = worst < 1e-5 and state_err < 1e-5 and exact and split_bitwise and verify_bitwise and commit_exact
 sys.exit(0 if ok and chunked_err < 1e-5 and chunked_split_err < 1e-5 else 1)

@@ -110,10 +110,66 @@ def ok(r: dict[str, Any]) -> bool:
     return bool(worst < 0.02 and r["unnamed_rows_untouched"])
 
 
+def speculative() -> dict[str, Any]:
+    """Compiled speculative program against compiled decode steps, both with the GDN kernels:
+    slots own W = 4 rows; a round whose second proposal is wrong consumes two tokens and leaves
+    the live row (every region, stamp included) and the consumed positions' KV bitwise as two
+    decode steps leave them, its lanes' hidden vectors those of the decode steps; rows outside
+    the slot's columns untouched."""
+    from ignition.capture.paged import HEADER_WORDS
+    from ignition.capture.runner import Sampling
+
+    plan = RECIPE.plan_program(config, (2,), Capacities([1, 4], [64], 256, 4, 4, 24, [(1, 3)]))
+    prog = plan.build(weights, torch.device("cpu"), PrepareOptions(attention_kernel=True))
+    prog.model = PagedQwen35(prog.model.geo, weights, prog.model.inv_freq, kernels=True, attention_kernel=False)
+    geo, greedy = prog.geo, Sampling(top_k=1)
+    live = geo.live_row(1)
+    compiled.clear()
+
+    def run(name: str, row: Row) -> tuple[torch.Tensor, list[int]]:
+        h = step(prog, name, [row], True)
+        spec = next(g for g in prog.graphs if g.name == name)
+        assert spec.records is not None
+        return h, spec.records[0].tolist()
+
+    _, rec = run("prefill_t64", Row(live, pages, 0, ids[:60], (9, 0), greedy))
+    state = [t.clone() for t in (prog.rows, prog.kv_all, prog.hist, prog.pending)]
+    out, hs = [rec[HEADER_WORDS]], []
+    for n in range(2):
+        h, rec = run("decode_b1", Row(live, pages, 60 + n, [out[-1]], (9, 1 + n), greedy))
+        out.append(rec[HEADER_WORDS])
+        hs.append(h[:1])
+    after_rows, after_kv = prog.rows.clone(), prog.kv_all.clone()
+    for t, saved in zip((prog.rows, prog.kv_all, prog.hist, prog.pending), state, strict=True):
+        t.copy_(saved)
+    wrong = (out[2] + 1) % geo.vocab
+    h, rec = run("verify_b1_d3", Row(live, pages, 60, [out[0], out[1], wrong], (9, 1), greedy))
+    columns = set(range(live, live + geo.verification_width))
+    others = [r for r in range(prog.rows.shape[0]) if r not in columns]
+    kv_equal = all(
+        torch.equal(prog.kv_all[pages[p // 64], :, :, p % 64], after_kv[pages[p // 64], :, :, p % 64]) for p in (60, 61)
+    )
+    diff = (prog.rows[live] != after_rows[live]).nonzero().flatten().tolist()
+    regions = {str(r["name"]) for r in geo.row_regions() for i in diff if 0 <= i - r["offset"] < r["byte_size"]}
+    return {
+        "differing_regions": sorted(regions),
+        "record": rec[3:5] + rec[HEADER_WORDS : HEADER_WORDS + 2],
+        "expected_record": [2, 62, *out[1:3]],
+        "live_row_bitwise": bool(torch.equal(prog.rows[live], after_rows[live])),
+        "lanes_bitwise": bool(torch.equal(h[:2], torch.cat(hs))),
+        "kv_bitwise": kv_equal,
+        "other_rows_untouched": bool(torch.equal(prog.rows[others], state[0][others])),
+    }
+
+
 report = compare(ref, ker)
+report["speculative"] = speculative()
 # The same with the chunked GDN prefill (`--gdn-prefill chunked`, chunks of 16 here).
 gdn.PREFILL_CHUNK = 16
 report["chunked"] = compare(*fresh())
 gdn.PREFILL_CHUNK = None
 print(json.dumps(report))
-sys.exit(0 if ok(report) and ok(report["chunked"]) else 1)
+spec_ok = report["speculative"]["record"] == report["speculative"]["expected_record"] and all(
+    v for k, v in report["speculative"].items() if k not in ("record", "expected_record", "differing_regions")
+)
+sys.exit(0 if ok(report) and ok(report["chunked"]) and spec_ok else 1)
