@@ -406,7 +406,9 @@ def _speculative_check(runner: Any, gens: list[dict[str, Any]]) -> dict[str, Any
 def _lanes_against_decode(runner: Any, gen: dict[str, Any]) -> dict[str, Any]:
     """From one state, two decode steps of a generation's next tokens, then one speculative
     round consuming the same two tokens: each lane's hidden vector against the decode step's at
-    that position (bitwise, and the largest difference), and the tokens each sampled."""
+    that position (bitwise, and the largest difference), the tokens each sampled, and whether
+    the live row (a hybrid's recurrent state committed from its column included) is bitwise
+    what the decode steps left."""
     import torch
 
     from ignition.capture.runner import Row, Sampling
@@ -425,6 +427,7 @@ def _lanes_against_decode(runner: Any, gen: dict[str, Any]) -> dict[str, Any]:
         g = runner.decode_graph(1)
         h, rec = runner.replay(g, [Row(1, pages, start + i, [toks[i]], (seed, 1 + i), s)])
         decoded.append((h[0].float(), rec[0][runner.header_words]))
+    row_after = p.rows[1].clone()
     for t, v in zip(state, saved, strict=True):
         t.copy_(v)
     g = runner.verify_graph([Row(1, pages, start, [toks[0], toks[1]], (seed, 1), s)])
@@ -434,7 +437,8 @@ def _lanes_against_decode(runner: Any, gen: dict[str, Any]) -> dict[str, Any]:
         hv = h[i].float()
         lanes.append({"bitwise": bool(torch.equal(hv, hd)), "max_abs_diff": float((hv - hd).abs().max())})
         lanes[-1]["decode_token"] = td
-    return {"graph": g.name, "lanes": lanes, "record": rec[0][: runner.header_words + 2]}
+    live_row = bool(torch.equal(p.rows[1], row_after))
+    return {"graph": g.name, "lanes": lanes, "record": rec[0][: runner.header_words + 2], "live_row_bitwise": live_row}
 
 
 def _torch_dtype(name: str) -> Any:

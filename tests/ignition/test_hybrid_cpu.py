@@ -208,7 +208,8 @@ def test_every_graph_runs_on_its_replay_check_inputs(tmp_path: Path) -> None:
     import torch
 
     _checkpoint(tmp_path)
-    model, prog = _program(tmp_path)
+    model, prog = _program(tmp_path, speculative=((1, 3), (4, 3)))
+    assert {g.name for g in prog.graphs} >= {"verify_b1_d3", "verify_b4_d3"}
     for i, spec in enumerate(prog.graphs):
         prog.set_inputs(spec, i)
         out = prog.call(spec, prog.method(spec))
@@ -270,10 +271,12 @@ def test_decode_projections_are_the_tuned_problems(tmp_path: Path) -> None:
 def test_speculative_generation_equals_ordinary_generation(tmp_path: Path) -> None:
     """The hybrid's speculative programs (eager): each slot owns one row per lane (W = 4), and
     generation through them equals ordinary generation whether the proposals are right, one in
-    three wrong, empty or garbage, host-fed or device-fed, on any slot."""
+    three wrong, empty or garbage, host-fed or device-fed, on any slot; prepare's speculative
+    check passes (lanes and the committed live row bitwise the decode steps')."""
     require_torch()
     from ignition.capture.runner import GraphRunner, Sampling
     from ignition.core.stepping import replaying
+    from ignition.prepare import _speculative_check
 
     _checkpoint(tmp_path)
     _, prog = _program(tmp_path, speculative=((1, 3), (4, 3)))
@@ -296,6 +299,12 @@ def test_speculative_generation_equals_ordinary_generation(tmp_path: Path) -> No
         assert got == want and 4 < steps < 13, steps
         assert runner.generate_speculative(prompt, 21, p, 14, lambda out: [])[0] == want
         assert runner.generate_speculative(prompt, 21, p, 14, lambda out: [7, 7, 7])[0] == want
+    gens = [{"prompt_ids": prompt, "seed": 5, "params": vars(params), "max_tokens": 9}]
+    gens[0]["tokens"] = runner.generate(prompt, 5, params, 9)
+    report = _speculative_check(runner, gens)
+    assert report["identical"] == "1/1" and report["depth"] == 3, report
+    lanes = report["lanes_against_decode"]
+    assert all(lane["bitwise"] for lane in lanes["lanes"]) and lanes["live_row_bitwise"], report
 
 
 def test_a_round_leaves_the_state_two_decode_steps_leave(tmp_path: Path) -> None:

@@ -210,4 +210,5 @@ def test_the_replay_check_inputs_and_the_prepare_check_run_the_programs(tmp_path
     report = _speculative_check(runner, gens)
     assert report["identical"] == "1/1" and report["depth"] == 3, report
     assert all(lane["bitwise"] for lane in report["lanes_against_decode"]["lanes"]), report
+    assert report["lanes_against_decode"]["live_row_bitwise"], report
     assert report["decode_rounds"]["right"] < report["decode_rounds"]["one_in_three_wrong"] <= 8, report
