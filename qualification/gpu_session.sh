@@ -23,7 +23,8 @@
 #   q35-prepare                          the seeded random Qwen3.5 (0.8B text geometry): random-checkpoint, prepare
 #   q35-all      (carry .dev/b1 .dev/b2) after q35-prepare: serving + agent bench, floor, bitwise, lifecycle, breakdown
 #   smol-spec    (carry .dev/b2)         issue 21: SmolLM2 with speculative programs; copy/decode bench with and without
-#   spec-diag                            issue 21: speculative lanes against decode, tiny model, every variant (~3 min)
+#   spec-diag                            issue 21: speculative lanes against decode, tiny model, every variant (~3 min;
+#                                        CASES=hybrid: the tiny Qwen3.5 compiled with the kernels instead)
 #   q35-spec                             issue 21: the Qwen3.5 core with speculative programs (state columns), checks (bg)
 #   q35-bw       (carry .dev/b2)         the Qwen3.5 core with gemv decode projections and the chunked GDN prefill (bg)
 #   r1b-measure-only                     as smol-measure for the 1B core (no Transformers run)
@@ -276,7 +277,8 @@ for d in (4, 0):
     SPECULATIVE_DEPTH=4 DECODE_PROJECTIONS=${DECODE_PROJECTIONS:-gemv} prepare /tmp/q35 /tmp/q35spec qwen3_5-0.8b-random 560 spec
     python3 -c "import json; r = json.load(open('$OUT/prepare_report_spec.json')); print(json.dumps(r.get('speculative'))[:1500])" ;;
   spec-diag)  # issue 21: speculative lanes against decode on a tiny model (kernels, compile, gemv, precision casts)
-    timeout 500 python3 qualification/speculative_diag.py > "$OUT/speculative_diag.jsonl" 2> "$OUT/speculative_diag.log"
+    timeout 540 python3 qualification/speculative_diag.py --cases "${CASES:-llama}" > "$OUT/speculative_diag.jsonl" \
+      2> "$OUT/speculative_diag.log"
     echo "speculative_diag rc=$?"; cut -c1-400 "$OUT/speculative_diag.jsonl" ;;
   r1b-measure-only)
     measure /tmp/r1b /tmp/r1bcore ;;

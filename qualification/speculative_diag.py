@@ -1,11 +1,12 @@
 """Diagnosis of the speculative programs on the GPU (issue 21): on a tiny seeded random Llama,
 generation through `PagedLlama.verify` against ordinary decoding, eager and compiled, with the
 attention kernels and the gather reference, GEMM templates and `flare::gemv`, with and without
-Inductor's emulated precision casts. Prints one JSON line per case: whether the tokens are
+Inductor's emulated precision casts; then the tiny hybrid (GDN state columns, the commit op),
+compiled with the kernels, with GEMM templates and `flare::gemv`. Prints one JSON line per case: whether the tokens are
 identical, the rounds taken with right proposals, and each lane's hidden vector against the
 decode step's (`ignition.prepare._lanes_against_decode`).
 
-    python3 qualification/speculative_diag.py [--device cpu]
+    python3 qualification/speculative_diag.py [--device cpu] [--cases all|llama|hybrid]
 
 2026-12-05: prepare's check on SmolLM2 found speculative generation equal to decoding in 1 of 4
 prompts on the H200 while every CPU run agrees; these cases tell the kernels, the compiler's
@@ -58,6 +59,7 @@ class _Replay:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--cases", choices=("all", "llama", "hybrid"), default="all")
     args = ap.parse_args()
     import torch
     import torch._inductor.config as icfg
@@ -66,9 +68,6 @@ def main() -> None:
     from ignition.capture.paged import Geometry, PagedLlama, rope_parameters
     from ignition.capture.program import Program, catalog
     from ignition.capture.recorder import configure_inductor
-    from ignition.capture.runner import GraphRunner, Sampling
-    from ignition.core.stepping import replaying
-    from ignition.prepare import _lanes_against_decode
     from ignition.recipes.llama import Checkpoint, LlamaFamilyConfig, plan_weight_mapping, stream_execution_layout
 
     dev = args.device
@@ -97,32 +96,70 @@ def main() -> None:
     ]
     if gpu:
         cases.append((True, True, False, True))
-    for kernel, compiled, emulate, gemv in cases:
+    for kernel, compiled, emulate, gemv in cases if args.cases != "hybrid" else []:
         icfg.emulate_precision_casts = emulate
         torch._dynamo.reset()
         model = PagedLlama(geo, weights, inv, scaling, attention_kernel=kernel, gemv=gemv)
         prog = Program(model, catalog(geo, [1, 2], [128], [(1, 7), (2, 7)]))
 
-        for spec in prog.graphs:
-            fn = prog.method(spec)
-            spec.graph = _Replay(prog, spec, torch.compile(fn, fullgraph=True, dynamic=False) if compiled else fn)
-        runner = GraphRunner(prog)
-        prompt = list(range(3, 120))
         res: dict[str, Any] = {"kernel": kernel, "compiled": compiled, "emulate_precision_casts": emulate, "gemv": gemv}
-        t0 = time.time()
-        want: list[int] = []
-        for name, params in (
-            ("sampled", Sampling(temperature=0.7, top_k=40, top_p=0.9)),
-            ("greedy", Sampling(top_k=1)),
-        ):
-            want = runner.generate(prompt, 21, params, 40)
-            got, steps = runner.generate_speculative(prompt, 21, params, 40, replaying(want))
-            first = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
-            res[name] = {"identical": got == want, "rounds": steps, "first_difference": first}
-        gen = {"prompt_ids": prompt, "tokens": want, "seed": 21, "params": vars(Sampling(top_k=1))}
-        res["lanes"] = _lanes_against_decode(runner, gen)
-        res["s"] = round(time.time() - t0, 1)
-        print(json.dumps(res), flush=True)
+        _case(prog, compiled, res)
+    icfg.emulate_precision_casts = False
+    if args.cases == "llama":
+        return
+    # The hybrid (tiny Qwen3.5): GDN state columns and the commit op, compiled, with the kernels.
+    from ignition.capture.hybrid import PagedQwen35
+    from ignition.prepare import Capacities, PrepareOptions
+    from ignition.recipes.qwen3_5 import RECIPE, Qwen35Config
+    from ignition.recipes.qwen3_5 import plan_weight_mapping as q35_mapping
+    from tests.ignition.test_hybrid_cpu import CFG as Q35_CFG
+    from tests.ignition.test_hybrid_cpu import _checkpoint as q35_checkpoint
+
+    q35_dir = tmp / "q35"
+    q35_checkpoint(q35_dir)
+    q35_config = Qwen35Config.from_dict(dict(Q35_CFG))
+    q35_ckpt = Checkpoint.open(q35_dir)
+    q35_weights = {}
+    for name, tb in stream_execution_layout(q35_mapping(q35_config, q35_ckpt.tensors, q35_ckpt.files), q35_ckpt):
+        q35_weights[name] = torch.frombuffer(bytearray(tb.data), dtype=torch.bfloat16).view(tb.shape).to(dev)
+    for gemv in (False, True) if gpu else (False,):
+        torch._dynamo.reset()
+        caps = Capacities([1, 2], [128], 512, 4, 4, 24, [(1, 3), (2, 3)])
+        options = PrepareOptions(attention_kernel=gpu, decode_projections="gemv" if gemv else "gemm")
+        prog = RECIPE.plan_program(q35_config, (2,), caps).build(q35_weights, torch.device(dev), options)
+        assert isinstance(prog.model, PagedQwen35)
+        # On CPU the reference GDN loops over lanes in Python: eager only.
+        _case(prog, gpu, {"hybrid": True, "kernel": gpu, "compiled": gpu, "gemv": gemv})
+
+
+def _case(prog: Program, compiled: bool, res: dict[str, Any]) -> None:
+    """Generation through the speculative programs against decoding (sampled and greedy, every
+    proposal right) and one round's lanes and live row against two decode steps; prints `res`."""
+    import torch
+
+    from ignition.capture.runner import GraphRunner, Sampling
+    from ignition.core.stepping import replaying
+    from ignition.prepare import _lanes_against_decode
+
+    for spec in prog.graphs:
+        fn = prog.method(spec)
+        spec.graph = _Replay(prog, spec, torch.compile(fn, fullgraph=True, dynamic=False) if compiled else fn)
+    runner = GraphRunner(prog)
+    prompt = list(range(3, 120))
+    t0 = time.time()
+    want: list[int] = []
+    for name, params in (
+        ("sampled", Sampling(temperature=0.7, top_k=40, top_p=0.9)),
+        ("greedy", Sampling(top_k=1)),
+    ):
+        want = runner.generate(prompt, 21, params, 40)
+        got, steps = runner.generate_speculative(prompt, 21, params, 40, replaying(want))
+        first = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+        res[name] = {"identical": got == want, "rounds": steps, "first_difference": first}
+    gen = {"prompt_ids": prompt, "tokens": want, "seed": 21, "params": vars(Sampling(top_k=1))}
+    res["lanes"] = _lanes_against_decode(runner, gen)
+    res["s"] = round(time.time() - t0, 1)
+    print(json.dumps(res), flush=True)
 
 
 if __name__ == "__main__":
