@@ -25,7 +25,7 @@ def conv_step_kernel(X, HIST, ROWS, W, Y, C, sx, sy, sh_r, sh_c, K: tl.constexpr
     lane = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cm = c < C
-    row = tl.load(ROWS + lane)
+    row = tl.load(ROWS + lane).to(tl.int64)  # int64 offsets: rows of tens of MB, hundreds of them
     live = row >= 0
     r = tl.where(live, row, 0)
     x = tl.load(X + lane * sx + c, mask=cm, other=0.0)
@@ -56,7 +56,7 @@ def conv_verify_kernel(
     cm = c < C
     for j in tl.static_range(LANES):
         lane = req * LANES + j
-        row = tl.load(ROWS + lane, mask=lane < N, other=-1)
+        row = tl.load(ROWS + lane, mask=lane < N, other=-1).to(tl.int64)
         live = row >= 0
         dst = tl.where(live, row + j, 0)
         src = dst if j == 0 else tl.where(live, row + j - 1, 0)  # j is static: resolved at compile time
@@ -83,8 +83,8 @@ def commit_columns_kernel(ROWS, LIVE, ACCEPTED, X, OUT, NX, NBYTES, sr, BLOCK: t
     req = tl.program_id(0)
     blk = tl.program_id(1)
     i = blk * BLOCK + tl.arange(0, BLOCK)
-    row = tl.load(LIVE + req)
-    acc = tl.load(ACCEPTED + req)
+    row = tl.load(LIVE + req).to(tl.int64)
+    acc = tl.load(ACCEPTED + req).to(tl.int64)
     copy = (row >= 0) & (acc > 0)
     r = tl.where(row >= 0, row, 0)
     m = (i < NBYTES) & (i * 0 + copy.to(tl.int32) > 0)
@@ -108,7 +108,7 @@ def conv_prefill_kernel(
     t = tl.program_id(1) * TB + tl.arange(0, TB)
     cm = c < C
     m = (t < T)[:, None] & cm[None, :]
-    row = tl.load(ROW)
+    row = tl.load(ROW).to(tl.int64)
     n = tl.load(LENGTH)
     live = row >= 0
     r = tl.where(live, row, 0)
@@ -182,15 +182,15 @@ def delta_rule_kernel(
     dk = tl.arange(0, DK)
     kh = h // (HV // HK)
     if PREFILL:
-        row = tl.load(ROWS)
+        row = tl.load(ROWS).to(tl.int64)
         n = tl.load(LENGTH)
         t0 = 0
     elif LANES > 0:
         t0 = lane * LANES
-        row = tl.load(ROWS + t0, mask=t0 < T, other=-1)
+        row = tl.load(ROWS + t0, mask=t0 < T, other=-1).to(tl.int64)
         n = tl.minimum(T - t0, LANES)
     else:
-        row = tl.load(ROWS + lane)
+        row = tl.load(ROWS + lane).to(tl.int64)
         n = 1
         t0 = lane
     live = row >= 0
@@ -264,7 +264,7 @@ def delta_rule_chunked_kernel(
     vm = dv < DV
     dk = tl.arange(0, DK)
     kh = h // (HV // HK)
-    row = tl.load(ROW)
+    row = tl.load(ROW).to(tl.int64)
     n = tl.load(LENGTH)
     r = tl.where(row >= 0, row, 0)
     sp = STATE + r * ss_r + h * ss_h + dk[:, None] * ss_k + dv[None, :]
@@ -322,7 +322,7 @@ def store_row_kernel(H, ROWS, LIVE, OUT, STAMPS, CONSUMED, N, sh, sr, ss, BLOCK:
     lane = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
-    row = tl.load(LIVE + lane)
+    row = tl.load(LIVE + lane).to(tl.int64)
     x = tl.load(H + lane * sh + i, mask=m, other=0.0)
     tl.store(OUT + lane * sh + i, x, mask=m)
     tl.store(ROWS + tl.where(row >= 0, row, 0) * sr + i, x, mask=m & (i * 0 + row >= 0))
