@@ -25,6 +25,7 @@
 #   smol-spec    (carry .dev/b2)         issue 21: SmolLM2 with speculative programs; copy/decode bench with and without
 #   spec-diag                            issue 21: speculative lanes against decode, tiny model, every variant (~3 min;
 #                                        CASES=hybrid: the tiny Qwen3.5 compiled with the kernels instead)
+#   pdl-probe                            issue 19: gemv chains as one graph, plain and with programmatic dependent launch
 #   q35-spec                             issue 21: the Qwen3.5 core with speculative programs (state columns), checks (bg)
 #   q35-bw       (carry .dev/b2)         the Qwen3.5 core with gemv decode projections and the chunked GDN prefill (bg)
 #   r1b-measure-only                     as smol-measure for the 1B core (no Transformers run)
@@ -276,6 +277,13 @@ for d in (4, 0):
       --out /tmp/q35 --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
     SPECULATIVE_DEPTH=4 DECODE_PROJECTIONS=${DECODE_PROJECTIONS:-gemv} prepare /tmp/q35 /tmp/q35spec qwen3_5-0.8b-random 560 spec
     python3 -c "import json; r = json.load(open('$OUT/prepare_report_spec.json')); print(json.dumps(r.get('speculative'))[:1500])" ;;
+  pdl-probe)  # issue 19 item 3: the decode projections' chain (every layer, flare::gemv) as one graph, plain and with
+              # programmatic dependent launch; SmolLM2 and the ~1B geometries (random weights, ~2 min)
+    for c in smollm2_135m_random llama_1b_random; do
+      timeout 280 python3 qualification/pdl_probe.py qualification/configs/$c.json "$OUT/pdl_probe_$c.json" \
+        > "$OUT/pdl_probe_$c.log" 2>&1
+      echo "pdl_probe $c rc=$?"; tail -3 "$OUT/pdl_probe_$c.log"
+    done ;;
   spec-diag)  # issue 21: speculative lanes against decode on a tiny model (kernels, compile, gemv, precision casts)
     timeout 540 python3 qualification/speculative_diag.py --cases "${CASES:-llama}" > "$OUT/speculative_diag.jsonl" \
       2> "$OUT/speculative_diag.log"

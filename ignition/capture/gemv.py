@@ -160,8 +160,11 @@ def launch(
     glu: bool = False,
     config: GemvConfig | None = None,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """Runs the kernel (what `flare::gemv` calls); `config` overrides the tuned one."""
+    """Runs the kernel (what `flare::gemv` calls); `config` overrides the tuned one. `pdl`:
+    launched as a programmatic dependent launch (Hopper; `qualification/pdl_probe.py` measures
+    it; no core carries it: the exporter does not record programmatic graph edges)."""
     m = x.shape[0]
     n, k = weight.shape
     if x.dim() != 2 or x.shape[1] != (2 * k if glu else k):
@@ -201,6 +204,8 @@ def launch(
         "RESIDUAL": residual is not None,
         "num_warps": cfg.num_warps,
     }
+    if pdl:
+        flags.update(PDL=True, launch_pdl=True)
     if cfg.dot:
         _dot_kernel()[(-(-n // cfg.block_n), -(-m // DOT_ROWS))](*args, BLOCK_M=DOT_ROWS, **flags)
     else:

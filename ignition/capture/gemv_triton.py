@@ -9,6 +9,7 @@ functions a kernel calls through the module's globals, and CPU runs never need T
 # the pointer and scalar parameters stay unannotated: the one exemption from typing.
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -117,11 +118,15 @@ def flare_gemv(
     BIAS: tl.constexpr,
     RESIDUAL: tl.constexpr,
     WIDE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (n, g): weight rows [n*BLOCK_N, +BLOCK_N) against activation rows
     [g*ROWS, +ROWS). Each row has its own accumulator and its own copy of the per-row code
     (rows past M recompute the last row and store nothing), so a row's arithmetic is the
-    same whatever ROWS is."""
+    same whatever ROWS is. PDL (launched as a programmatic dependent): wait for the previous
+    kernel before reading anything it wrote, let the next one launch once the loads are done."""
+    if PDL:
+        gdc_wait()
     pid_n = tl.program_id(0)
     m0 = tl.program_id(1) * ROWS
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -184,6 +189,8 @@ def flare_gemv(
             a6 = _accumulate(a6, w, X, NW, r6, ks, kmask, stride_x, K, s6, NORM, GLU, WIDE)
         if ROWS > 7:
             a7 = _accumulate(a7, w, X, NW, r7, ks, kmask, stride_x, K, s7, NORM, GLU, WIDE)
+    if PDL:
+        gdc_launch_dependents()
     _store(Y, R, B, a0, r0, m0 + 0, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
     if ROWS > 1:
         _store(Y, R, B, a1, r1, m0 + 1, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
@@ -224,11 +231,15 @@ def flare_gemv_dot(
     GLU: tl.constexpr,
     BIAS: tl.constexpr,
     RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """The tensor-core variant: program (n, g) multiplies activation rows [g*BLOCK_M, +BLOCK_M)
     (rows past M are zeros) by weight rows [n*BLOCK_N, +BLOCK_N) with `tl.dot`. A row's result
     does not depend on the other rows' values (an MMA reduces each output element on its own)
-    and every bucket launches the same BLOCK_M, so buckets agree bitwise here too."""
+    and every bucket launches the same BLOCK_M, so buckets agree bitwise here too. PDL: as
+    `flare_gemv`."""
+    if PDL:
+        gdc_wait()
     pid_n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
@@ -260,6 +271,8 @@ def flare_gemv_dot(
                 h = nw[None, :] * (h.to(tl.float32) * rstd[:, None]).to(h.dtype)
         w = tl.load(W + wrow[:, None] * stride_w + ks[None, :], mask=(ks < K)[None, :], other=0.0)
         acc = tl.dot(h.to(w.dtype), tl.trans(w), acc)
+    if PDL:
+        gdc_launch_dependents()
     y = acc
     if BIAS:
         y += tl.load(B + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]

@@ -1,0 +1,114 @@
+"""GPU machine, issue 19 item 3: does programmatic dependent launch (PDL) measurably help the
+decode graphs? Before any ABI or Helios work, this measures it where it can matter most: a
+decode step's chain of `flare::gemv` projections, every layer of a model's geometry (random
+bf16 weights), captured as one CUDA graph twice, the kernels launched plainly and as
+programmatic dependents (`launch_pdl`: each waits for its predecessor before reading what it
+wrote, and lets its successor launch once its loads are done).
+
+Per layer: qkv (RMSNorm folded in), o_proj over the query part (residual), gate_up (RMSNorm),
+down (SiLU-gate, residual): four kernels, no attention. Reports per row count the graph's replay
+time with and without PDL, per kernel, against the HBM bound of the weights it streams, and
+whether the outputs are bitwise equal (a missing wait would show as a difference).
+
+    python3 qualification/pdl_probe.py CONFIG.json OUT.json [--rows 1,4] [--reps 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ignition.capture.gemv import launch, tune
+from qualification.gemv_check import problems
+
+
+def chain(cfg: dict[str, Any], probs: dict[str, Any], x: torch.Tensor, pdl: bool) -> torch.Tensor:
+    """One decode step's projections through every layer (no attention): the activations after
+    the last layer."""
+    heads = cfg["num_attention_heads"]
+    d = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    eps = float(cfg.get("rms_norm_eps", 1e-6))
+    for i in range(cfg["num_hidden_layers"]):
+        qkv = launch(x, probs["qkv"].weights[i], norm=probs["qkv"].norms[i], eps=eps, pdl=pdl)
+        x = launch(qkv[:, : heads * d], probs["o_proj"].weights[i], residual=x, pdl=pdl)
+        gu = launch(x, probs["gate_up"].weights[i], norm=probs["gate_up"].norms[i], eps=eps, pdl=pdl)
+        x = launch(gu, probs["down"].weights[i], residual=x, glu=True, pdl=pdl)
+    return x
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+    """Median of `reps` replays, each timed alone with events."""
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(float(start.elapsed_time(end)))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("config", type=Path)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--rows", default="1,4")
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--hbm-gbps", type=float, default=4800.0)
+    args = ap.parse_args()
+    cfg = json.loads(args.config.read_text())
+    rows = [int(r) for r in args.rows.split(",")]
+    layers = cfg["num_hidden_layers"]
+    probs = {p.name: p for p in problems(cfg, layers) if p.name != "lm_head"}
+    tuned = tune(list(probs.values()), rows)
+    weight_bytes = sum(w.numel() * w.element_size() for p in probs.values() for w in p.weights)
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "config": str(args.config),
+        "kernels_per_step": 4 * layers,
+        "weight_bytes": weight_bytes,
+        "hbm_bound_us": round(weight_bytes / (args.hbm_gbps * 1e3), 1),
+        "tiles": {name: t["config"] for name, t in tuned.items()},
+        "rows": {},
+    }
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for m in rows:
+        x0 = torch.randn(m, cfg["hidden_size"], generator=gen, device="cuda").bfloat16()
+        entry: dict[str, Any] = {}
+        outs = {}
+        for pdl in (False, True):
+            x = x0.clone()
+            for _ in range(2):  # compile and warm outside the capture
+                chain(cfg, probs, x, pdl)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = chain(cfg, probs, x, pdl)
+            graph.replay()
+            torch.cuda.synchronize()
+            outs[pdl] = out.clone()
+            ms = replay_ms(graph, args.reps)
+            key = "pdl" if pdl else "plain"
+            entry[key] = {
+                "graph_us": round(ms * 1e3, 1),
+                "us_per_kernel": round(ms * 1e3 / (4 * layers), 2),
+                "fraction_of_hbm_bound": round(report["hbm_bound_us"] / (ms * 1e3), 3),
+            }
+        entry["pdl_over_plain"] = round(entry["pdl"]["graph_us"] / entry["plain"]["graph_us"], 3)
+        entry["outputs_bitwise_equal"] = bool(torch.equal(outs[False], outs[True]))
+        report["rows"][str(m)] = entry
+        print(m, json.dumps(entry), flush=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    return 0 if all(e["outputs_bitwise_equal"] for e in report["rows"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
