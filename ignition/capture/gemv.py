@@ -160,11 +160,12 @@ def launch(
     glu: bool = False,
     config: GemvConfig | None = None,
     out: torch.Tensor | None = None,
-    pdl: bool = False,
+    pdl: int = 0,
 ) -> torch.Tensor:
-    """Runs the kernel (what `flare::gemv` calls); `config` overrides the tuned one. `pdl`:
-    launched as a programmatic dependent launch (Hopper; `qualification/pdl_probe.py` measures
-    it; no core carries it: the exporter does not record programmatic graph edges)."""
+    """Runs the kernel (what `flare::gemv` calls); `config` overrides the tuned one. `pdl` > 0:
+    launched as a programmatic dependent (Hopper), 2 with the first weight tile loaded before
+    the wait (`flare_gemv`'s PDL modes; `qualification/pdl_probe.py` measures them; no core
+    carries them: the exporter does not record programmatic graph edges)."""
     m = x.shape[0]
     n, k = weight.shape
     if x.dim() != 2 or x.shape[1] != (2 * k if glu else k):
@@ -205,7 +206,7 @@ def launch(
         "num_warps": cfg.num_warps,
     }
     if pdl:
-        flags.update(PDL=True, launch_pdl=True)
+        flags.update(PDL=pdl, launch_pdl=True)
     if cfg.dot:
         _dot_kernel()[(-(-n // cfg.block_n), -(-m // DOT_ROWS))](*args, BLOCK_M=DOT_ROWS, **flags)
     else:

@@ -129,20 +129,27 @@ def flare_gemv(
     BIAS: tl.constexpr,
     RESIDUAL: tl.constexpr,
     WIDE: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """Program (n, g): weight rows [n*BLOCK_N, +BLOCK_N) against activation rows
     [g*ROWS, +ROWS). Each row has its own accumulator and its own copy of the per-row code
     (rows past M recompute the last row and store nothing), so a row's arithmetic is the
-    same whatever ROWS is. PDL (launched as a programmatic dependent): wait for the previous
-    kernel before reading anything it wrote, let the next one launch once the loads are done."""
-    if PDL:
-        gdc_wait()
+    same whatever ROWS is. PDL (launched as a programmatic dependent): 1 waits for the previous
+    kernel before anything else, 2 first loads its first weight tile (weights are nobody's
+    output) and then waits; both let the next kernel launch once their loads are done. The
+    arithmetic is the same in every mode (the first tile accumulated first either way)."""
     pid_n = tl.program_id(0)
     m0 = tl.program_id(1) * ROWS
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = cols < N
     wrow = tl.minimum(cols, N - 1)  # out-of-range weight rows read row N-1, never stored
+    k_first = 0
+    if PDL == 2:
+        ks0 = tl.arange(0, BLOCK_K)
+        w0 = tl.load(W + wrow[:, None] * stride_w + ks0[None, :], mask=(ks0 < K)[None, :], other=0.0).to(tl.float32)
+        k_first = BLOCK_K
+    if PDL > 0:
+        gdc_wait()
     r0 = tl.minimum(m0 + 0, M - 1)
     r1 = tl.minimum(m0 + 1, M - 1)
     r2 = tl.minimum(m0 + 2, M - 1)
@@ -181,7 +188,25 @@ def flare_gemv(
     a5 = _zeros(BLOCK_N, BLOCK_K, WIDE)
     a6 = _zeros(BLOCK_N, BLOCK_K, WIDE)
     a7 = _zeros(BLOCK_N, BLOCK_K, WIDE)
-    for k0 in range(0, K, BLOCK_K):
+    if PDL == 2:  # the prefetched tile: the loop's first step, in the same order
+        ks = tl.arange(0, BLOCK_K)
+        kmask = ks < K
+        a0 = _accumulate(a0, w0, X, NW, r0, ks, kmask, stride_x, K, s0, NORM, GLU, WIDE)
+        if ROWS > 1:
+            a1 = _accumulate(a1, w0, X, NW, r1, ks, kmask, stride_x, K, s1, NORM, GLU, WIDE)
+        if ROWS > 2:
+            a2 = _accumulate(a2, w0, X, NW, r2, ks, kmask, stride_x, K, s2, NORM, GLU, WIDE)
+        if ROWS > 3:
+            a3 = _accumulate(a3, w0, X, NW, r3, ks, kmask, stride_x, K, s3, NORM, GLU, WIDE)
+        if ROWS > 4:
+            a4 = _accumulate(a4, w0, X, NW, r4, ks, kmask, stride_x, K, s4, NORM, GLU, WIDE)
+        if ROWS > 5:
+            a5 = _accumulate(a5, w0, X, NW, r5, ks, kmask, stride_x, K, s5, NORM, GLU, WIDE)
+        if ROWS > 6:
+            a6 = _accumulate(a6, w0, X, NW, r6, ks, kmask, stride_x, K, s6, NORM, GLU, WIDE)
+        if ROWS > 7:
+            a7 = _accumulate(a7, w0, X, NW, r7, ks, kmask, stride_x, K, s7, NORM, GLU, WIDE)
+    for k0 in range(k_first, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < K
         w = tl.load(W + wrow[:, None] * stride_w + ks[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
@@ -200,7 +225,7 @@ def flare_gemv(
             a6 = _accumulate(a6, w, X, NW, r6, ks, kmask, stride_x, K, s6, NORM, GLU, WIDE)
         if ROWS > 7:
             a7 = _accumulate(a7, w, X, NW, r7, ks, kmask, stride_x, K, s7, NORM, GLU, WIDE)
-    if PDL:
+    if PDL > 0:
         gdc_launch_dependents()
     _store(Y, R, B, a0, r0, m0 + 0, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
     if ROWS > 1:
@@ -242,14 +267,15 @@ def flare_gemv_dot(
     GLU: tl.constexpr,
     BIAS: tl.constexpr,
     RESIDUAL: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """The tensor-core variant: program (n, g) multiplies activation rows [g*BLOCK_M, +BLOCK_M)
     (rows past M are zeros) by weight rows [n*BLOCK_N, +BLOCK_N) with `tl.dot`. A row's result
     does not depend on the other rows' values (an MMA reduces each output element on its own)
-    and every bucket launches the same BLOCK_M, so buckets agree bitwise here too. PDL: as
-    `flare_gemv`."""
-    if PDL:
+    and every bucket launches the same BLOCK_M, so buckets agree bitwise here too. PDL > 0:
+    waits for the previous kernel first (no prefetch here) and lets the next launch after the
+    loop."""
+    if PDL > 0:
         gdc_wait()
     pid_n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -282,7 +308,7 @@ def flare_gemv_dot(
                 h = nw[None, :] * (h.to(tl.float32) * rstd[:, None]).to(h.dtype)
         w = tl.load(W + wrow[:, None] * stride_w + ks[None, :], mask=(ks < K)[None, :], other=0.0)
         acc = tl.dot(h.to(w.dtype), tl.trans(w), acc)
-    if PDL:
+    if PDL > 0:
         gdc_launch_dependents()
     y = acc
     if BIAS:
