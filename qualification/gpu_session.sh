@@ -284,7 +284,12 @@ for d in (4, 0):
         > "$OUT/pdl_probe_$c.log" 2>&1
       echo "pdl_probe $c rc=$?"; tail -3 "$OUT/pdl_probe_$c.log"
     done ;;
-  spec-diag)  # issue 21: speculative lanes against decode on a tiny model (kernels, compile, gemv, precision casts)
+  spec-diag)  # issue 21: speculative lanes against decode on a tiny model (kernels, compile, gemv, precision casts);
+              # CASES=hybrid: first the GDN lane kernels at the 0.8B geometry and far row offsets (gdn_verify_check.py)
+    if [ "${CASES:-llama}" = hybrid ]; then
+      timeout 120 python3 qualification/gdn_verify_check.py > "$OUT/gdn_verify_check.json" 2> "$OUT/gdn_verify_check.log"
+      echo "gdn_verify_check rc=$?"; cat "$OUT/gdn_verify_check.json"
+    fi
     timeout 540 python3 qualification/speculative_diag.py --cases "${CASES:-llama}" > "$OUT/speculative_diag.jsonl" \
       2> "$OUT/speculative_diag.log"
     echo "speculative_diag rc=$?"; cut -c1-400 "$OUT/speculative_diag.jsonl" ;;

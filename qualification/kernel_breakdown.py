@@ -117,13 +117,14 @@ def setup(rep: CoreReplay, g: GraphInfo) -> list[Row]:
         for j in range(g.request_count):
             prompt = [(7 + 13 * j + 5 * i) % 1000 + 10 for i in range(32)]
             pages = rep.pages_for(j, 300)
-            first = admit(rep, j + 1, pages, prompt, 5 + j, Sampling())
-            rows.append(Row(j + 1, pages, 32, [first], (5 + j, 1)))
+            live = rep.live_row(j)  # slots own verification-width rows: live rows are apart
+            first = admit(rep, live, pages, prompt, 5 + j, Sampling())
+            rows.append(Row(live, pages, 32, [first], (5 + j, 1)))
         return rows
     cap = g.token_capacity
     pages = rep.pages_for(0, cap)
-    rep.initialize(1)
-    return [Row(1, pages, 0, [(11 + 3 * k) % 1000 + 10 for k in range(cap)], (5, 0))]
+    rep.initialize(rep.live_row(0))
+    return [Row(rep.live_row(0), pages, 0, [(11 + 3 * k) % 1000 + 10 for k in range(cap)], (5, 0))]
 
 
 def graph_time_us(dev: DeviceCore, g: GraphInfo, reps: int) -> float:

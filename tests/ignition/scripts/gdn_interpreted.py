@@ -184,14 +184,15 @@ for lane, row in enumerate(lane_rows.tolist()):
     )
     verify_bitwise &= torch.equal(o[sl], o_dec)
 verify_bitwise &= torch.equal(state, emul)
-# Commit: request 0 accepted lane 2 (column 3), request 1 lane 0 (nothing to copy), a padded one.
-raw = torch.randint(0, 256, (8, 64), generator=gen, dtype=torch.uint8)
+# Commit: request 0 accepted its last lane (column 3), request 1 lane 0 (nothing to copy), a padded
+# one; 200 bytes in blocks of 16 words (four blocks, the last partial), a 40-wide carried vector.
+raw = torch.randint(0, 256, (8, 256), generator=gen, dtype=torch.uint8)
 before = raw.clone()
-xs = torch.randn(3, 5, generator=gen)
-live, accepted = torch.tensor([1, 4, -1], dtype=torch.int32), torch.tensor([2, 0, 1], dtype=torch.int32)
-out = gdn.commit_columns(raw, live, accepted, 48, xs, block=16)
+xs = torch.randn(3, 40, generator=gen)
+live, accepted = torch.tensor([1, 4, -1], dtype=torch.int32), torch.tensor([W - 1, 0, 1], dtype=torch.int32)
+out = gdn.commit_columns(raw, live, accepted, 200, xs, block=16)
 want = before.clone()
-want[1, :48] = before[3, :48]
+want[1, :200] = before[3, :200]
 commit_exact = torch.equal(raw, want) and torch.equal(out, xs)
 
 report = {"max_abs_err": worst, "state_max_abs_err": state_err, "exact_state_and_padding": exact}

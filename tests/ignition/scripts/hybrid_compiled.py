@@ -111,52 +111,69 @@ def ok(r: dict[str, Any]) -> bool:
 
 
 def speculative() -> dict[str, Any]:
-    """Compiled speculative program against compiled decode steps, both with the GDN kernels:
-    slots own W = 4 rows; a round whose second proposal is wrong consumes two tokens and leaves
-    the live row (every region, stamp included) and the consumed positions' KV bitwise as two
-    decode steps leave them, its lanes' hidden vectors those of the decode steps; rows outside
-    the slot's columns untouched."""
+    """A compiled two-request speculative program against compiled decode steps, all with the GDN
+    kernels; slots own W = 4 rows. Request A's second proposal is wrong (the round consumes two
+    tokens, the column of lane 1 committed), request B's first is (one token, nothing to commit);
+    both live rows (every region, stamp included), the consumed positions' KV and the lanes'
+    hidden vectors are bitwise what decode steps leave; rows outside both slots untouched."""
     from ignition.capture.paged import HEADER_WORDS
     from ignition.capture.runner import Sampling
 
-    plan = RECIPE.plan_program(config, (2,), Capacities([1, 4], [64], 256, 4, 4, 24, [(1, 3)]))
+    plan = RECIPE.plan_program(config, (2,), Capacities([1, 4], [64], 256, 4, 4, 24, [(2, 3)]))
     prog = plan.build(weights, torch.device("cpu"), PrepareOptions(attention_kernel=True))
     prog.model = PagedQwen35(prog.model.geo, weights, prog.model.inv_freq, kernels=True, attention_kernel=False)
     geo, greedy = prog.geo, Sampling(top_k=1)
-    live = geo.live_row(1)
+    a, b = geo.live_row(1), geo.live_row(2)
+    pages_b, start_a, start_b = [9, 11], 60, 40
     compiled.clear()
 
-    def run(name: str, row: Row) -> tuple[torch.Tensor, list[int]]:
-        h = step(prog, name, [row], True)
+    def run(name: str, rows: list[Row]) -> tuple[torch.Tensor, list[list[int]]]:
+        h = step(prog, name, rows, True)
         spec = next(g for g in prog.graphs if g.name == name)
         assert spec.records is not None
-        return h, spec.records[0].tolist()
+        return h, spec.records.tolist()
 
-    _, rec = run("prefill_t64", Row(live, pages, 0, ids[:60], (9, 0), greedy))
+    _, rec = run("prefill_t64", [Row(a, pages, 0, ids[:start_a], (9, 0), greedy)])
+    out_a = [rec[0][HEADER_WORDS]]
+    _, rec = run("prefill_t64", [Row(b, pages_b, 0, ids[20 : 20 + start_b], (10, 0), greedy)])
+    out_b = [rec[0][HEADER_WORDS]]
     state = [t.clone() for t in (prog.rows, prog.kv_all, prog.hist, prog.pending)]
-    out, hs = [rec[HEADER_WORDS]], []
+    hs = []
     for n in range(2):
-        h, rec = run("decode_b1", Row(live, pages, 60 + n, [out[-1]], (9, 1 + n), greedy))
-        out.append(rec[HEADER_WORDS])
+        h, rec = run("decode_b1", [Row(a, pages, start_a + n, [out_a[-1]], (9, 1 + n), greedy)])
+        out_a.append(rec[0][HEADER_WORDS])
         hs.append(h[:1])
+    h, rec = run("decode_b1", [Row(b, pages_b, start_b, [out_b[-1]], (10, 1), greedy)])
+    out_b.append(rec[0][HEADER_WORDS])
+    hs.append(h[:1])
     after_rows, after_kv = prog.rows.clone(), prog.kv_all.clone()
     for t, saved in zip((prog.rows, prog.kv_all, prog.hist, prog.pending), state, strict=True):
         t.copy_(saved)
-    wrong = (out[2] + 1) % geo.vocab
-    h, rec = run("verify_b1_d3", Row(live, pages, 60, [out[0], out[1], wrong], (9, 1), greedy))
-    columns = set(range(live, live + geo.verification_width))
-    others = [r for r in range(prog.rows.shape[0]) if r not in columns]
+    rows = [
+        Row(a, pages, start_a, [out_a[0], out_a[1], (out_a[2] + 1) % geo.vocab], (9, 1), greedy),
+        Row(b, pages_b, start_b, [out_b[0], (out_b[1] + 1) % geo.vocab], (10, 1), greedy),
+    ]
+    h, rec = run("verify_b2_d3", rows)
+    w = geo.verification_width
+    slots = set(range(a, a + w)) | set(range(b, b + w))
+    others = [r for r in range(prog.rows.shape[0]) if r not in slots]
+    consumed = [(pages, p) for p in (start_a, start_a + 1)] + [(pages_b, start_b)]
     kv_equal = all(
-        torch.equal(prog.kv_all[pages[p // 64], :, :, p % 64], after_kv[pages[p // 64], :, :, p % 64]) for p in (60, 61)
+        torch.equal(prog.kv_all[pp[p // 64], :, :, p % 64], after_kv[pp[p // 64], :, :, p % 64]) for pp, p in consumed
     )
-    diff = (prog.rows[live] != after_rows[live]).nonzero().flatten().tolist()
-    regions = {str(r["name"]) for r in geo.row_regions() for i in diff if 0 <= i - r["offset"] < r["byte_size"]}
+    differing = set()
+    for live in (a, b):
+        diff = (prog.rows[live] != after_rows[live]).nonzero().flatten().tolist()
+        differing |= {str(r["name"]) for r in geo.row_regions() for i in diff if 0 <= i - r["offset"] < r["byte_size"]}
     return {
-        "differing_regions": sorted(regions),
-        "record": rec[3:5] + rec[HEADER_WORDS : HEADER_WORDS + 2],
-        "expected_record": [2, 62, *out[1:3]],
-        "live_row_bitwise": bool(torch.equal(prog.rows[live], after_rows[live])),
-        "lanes_bitwise": bool(torch.equal(h[:2], torch.cat(hs))),
+        "differing_regions": sorted(differing),
+        "record": [
+            rec[0][3:5] + rec[0][HEADER_WORDS : HEADER_WORDS + 2],
+            rec[1][3:5] + rec[1][HEADER_WORDS : HEADER_WORDS + 1],
+        ],
+        "expected_record": [[2, start_a + 2, *out_a[1:3]], [1, start_b + 1, out_b[1]]],
+        "live_rows_bitwise": bool(torch.equal(prog.rows[[a, b]], after_rows[[a, b]])),
+        "lanes_bitwise": bool(torch.equal(torch.cat([h[:2], h[w : w + 1]]), torch.cat(hs))),
         "kv_bitwise": kv_equal,
         "other_rows_untouched": bool(torch.equal(prog.rows[others], state[0][others])),
     }
