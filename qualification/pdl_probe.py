@@ -26,8 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gemv_check import problems  # a sibling: the script directory is on the path
+
 from ignition.capture.gemv import launch, tune
-from qualification.gemv_check import problems
 
 
 def chain(cfg: dict[str, Any], probs: dict[str, Any], x: torch.Tensor, pdl: int) -> torch.Tensor:
