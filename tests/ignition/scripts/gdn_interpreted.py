@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -152,36 +153,36 @@ chunked_split_err = max(err(whole, split), err(o_w, torch.cat(parts)))
 # lane must be bitwise the decode kernel's step from the column before it, into its own column.
 W = 3
 lane_rows = torch.tensor([1, 1, 1, 4, 4, -1, -1], dtype=torch.int32)
+
+
+def decoded_columns(emul: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
+    """Each used lane (as a slice) with its column row, after the column before it was copied
+    into that column in `emul`: the state a decode step there starts from."""
+    for lane, row in enumerate(lane_rows.tolist()):
+        if row < 0:
+            continue
+        j = lane % W
+        if j:
+            emul[row + j] = emul[row + j - 1]
+        yield slice(lane, lane + 1), torch.tensor([row + j], dtype=torch.int32)
+
+
 hist = torch.randn(8, C, K - 1, generator=gen)
 before = hist.clone()
 x = torch.randn(7, C, generator=gen)
 y = gdn.conv_verify(x, hist, lane_rows, w, W, block=16)
 emul = before.clone()
 verify_bitwise = True
-for lane, row in enumerate(lane_rows.tolist()):
-    if row < 0:
-        continue
-    j = lane % W
-    if j:
-        emul[row + j] = emul[row + j - 1]
-    y_dec = gdn.conv_step(x[lane : lane + 1], emul, torch.tensor([row + j], dtype=torch.int32), w, block=16)
-    verify_bitwise &= torch.equal(y[lane : lane + 1], y_dec)
+for sl, column in decoded_columns(emul):
+    verify_bitwise &= torch.equal(y[sl], gdn.conv_step(x[sl], emul, column, w, block=16))
 verify_bitwise &= torch.equal(hist, emul)  # columns as decoding left them; rows 0, 6, 7 untouched
 state = torch.randn(8, hv, dk, dv, generator=gen) * 0.1
 before = state.clone()
 q, k, v, g, beta = operands(7)
 o = gdn.delta_rule_verify(state, lane_rows, q, k, v, g, beta, W, block_v=16)
 emul = before.clone()
-for lane, row in enumerate(lane_rows.tolist()):
-    if row < 0:
-        continue
-    j = lane % W
-    if j:
-        emul[row + j] = emul[row + j - 1]
-    sl = slice(lane, lane + 1)
-    o_dec = gdn.delta_rule_step(
-        emul, torch.tensor([row + j], dtype=torch.int32), q[sl], k[sl], v[sl], g[sl], beta[sl], block_v=16
-    )
+for sl, column in decoded_columns(emul):
+    o_dec = gdn.delta_rule_step(emul, column, q[sl], k[sl], v[sl], g[sl], beta[sl], block_v=16)
     verify_bitwise &= torch.equal(o[sl], o_dec)
 verify_bitwise &= torch.equal(state, emul)
 # Commit: request 0 accepted its last lane (column 3), request 1 lane 0 (nothing to copy), a padded
