@@ -1296,7 +1296,9 @@ impl Scheduler {
                 self.prefix.touch(id_hit, fence);
                 ops.push(StepOp::Restore { snapshot_row, live_row, tail, consumed, epoch });
             }
-            None => ops.push(StepOp::Initialize { live_row, rows: self.scheme.rows_per_slot() }),
+            // The verification columns after the live rows are written by every speculative
+            // round before it reads them: only the live rows start from the null row.
+            None => ops.push(StepOp::Initialize { live_row, rows: self.scheme.live_rows_per_slot }),
         }
         while page_table.len() < total {
             match self.pages.allocate() {

@@ -689,20 +689,26 @@ impl<E: Executor> ModelLoop<E> {
                     write_failures: disk.write_failures,
                 });
             }
-            let s = self.scheduler.stats();
-            let m = &self.metrics;
-            for (counter, v) in [
-                (&m.decode_rows, s.decode_rows),
-                (&m.speculative_rounds, s.verify_steps),
-                (&m.proposed_tokens, s.proposed_tokens),
-                (&m.accepted_tokens, s.accepted_tokens),
-            ] {
-                counter.store(v, Ordering::Relaxed);
-            }
+            self.publish_step_counters();
             for d in self.scheduler.take_disk_fetches() {
                 self.metrics.disk_fetch.observe(d.as_secs_f64());
             }
             self.occupancy_at = now;
+        }
+    }
+
+    /// The scheduler's decode and speculation counters into the metrics: with the occupancy,
+    /// and when a request ends, before its end reaches the client (so its rounds are counted).
+    fn publish_step_counters(&self) {
+        let s = self.scheduler.stats();
+        let m = &self.metrics;
+        for (counter, v) in [
+            (&m.decode_rows, s.decode_rows),
+            (&m.speculative_rounds, s.verify_steps),
+            (&m.proposed_tokens, s.proposed_tokens),
+            (&m.accepted_tokens, s.accepted_tokens),
+        ] {
+            counter.store(v, Ordering::Relaxed);
         }
     }
 
@@ -1088,6 +1094,7 @@ impl<E: Executor> ModelLoop<E> {
             }
         }
         self.metrics.preemptions.fetch_add(u64::from(f.preemptions), Ordering::Relaxed);
+        self.publish_step_counters();
         if let Some(e) = a.failure {
             self.metrics.failed.fetch_add(1, Ordering::Relaxed);
             a.cell.finish(Err(e));
