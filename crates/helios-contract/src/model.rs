@@ -532,9 +532,9 @@ pub struct CacheScheme {
     pub null_row: u32,
     /// >= 1.
     pub live_rows_per_slot: u32,
-    /// >= 1. Rows per live row: the live row, then its verification columns (scratch a
-    /// speculative round writes, lane `j` into column `j`, before anything reads them; never
-    /// snapshotted, restored or initialized).
+    /// Rows per live row (at least 1): the live row, then its verification columns, scratch
+    /// that a speculative round writes (lane `j` into column `j`) before anything reads them;
+    /// never snapshotted, restored or initialized.
     pub verification_width: u32,
     /// Negative slot-mapping value that suppresses KV writes for padded rows.
     pub padding_slot: i64,
