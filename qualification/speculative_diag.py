@@ -1,10 +1,11 @@
 """Diagnosis of the speculative programs on the GPU (issue 21): on a tiny seeded random Llama,
 generation through `PagedLlama.verify` against ordinary decoding, eager and compiled, with the
 attention kernels and the gather reference, GEMM templates and `flare::gemv`, with and without
-Inductor's emulated precision casts; then the tiny hybrid (GDN state columns, the commit op),
-compiled with the kernels, with GEMM templates and `flare::gemv`. Prints one JSON line per case: whether the tokens are
-identical, the rounds taken with right proposals, and each lane's hidden vector against the
-decode step's (`ignition.prepare._lanes_against_decode`).
+Inductor's emulated precision casts and its split reductions; then the tiny hybrid (GDN state
+columns, the commit op), compiled with the kernels, with GEMM templates and `flare::gemv`.
+Prints one JSON line per case: whether the tokens are identical, the rounds taken with right
+proposals, and each lane's hidden vector (and the live row) against the decode step's
+(`ignition.prepare._lanes_against_decode`).
 
     python3 qualification/speculative_diag.py [--device cpu] [--cases all|llama|hybrid]
 
@@ -87,24 +88,30 @@ def main() -> None:
     if dev != "cpu":  # Triton GEMM templates, as prepare compiles them (none on CPU)
         configure_inductor()
     gpu = dev != "cpu"
-    # (attention kernels, compiled, emulated precision casts, flare::gemv)
+    # (attention kernels, compiled, emulated precision casts, flare::gemv, Inductor's split
+    # reductions: a reduction split over programs for few rows sums in another order than the
+    # same reduction over more rows, so a verify lane's sampler could differ from decode's)
     cases = [
-        (gpu, False, False, False),
-        (gpu, True, False, False),
-        (gpu, True, True, False),
-        (False, True, False, False),
+        (gpu, False, False, False, True),
+        (gpu, True, False, False, True),
+        (gpu, True, True, False, True),
+        (gpu, True, False, False, False),
+        (False, True, False, False, True),
     ]
     if gpu:
-        cases.append((True, True, False, True))
-    for kernel, compiled, emulate, gemv in cases if args.cases != "hybrid" else []:
+        cases.append((True, True, False, True, True))
+    for kernel, compiled, emulate, gemv, split in cases if args.cases != "hybrid" else []:
         icfg.emulate_precision_casts = emulate
+        icfg.split_reductions = split
         torch._dynamo.reset()
         model = PagedLlama(geo, weights, inv, scaling, attention_kernel=kernel, gemv=gemv)
         prog = Program(model, catalog(geo, [1, 2], [128], [(1, 7), (2, 7)]))
 
         res: dict[str, Any] = {"kernel": kernel, "compiled": compiled, "emulate_precision_casts": emulate, "gemv": gemv}
+        res["split_reductions"] = split
         _case(prog, compiled, res)
     icfg.emulate_precision_casts = False
+    icfg.split_reductions = True
     if args.cases == "llama":
         return
     # The hybrid (tiny Qwen3.5): GDN state columns and the commit op, compiled, with the kernels.
