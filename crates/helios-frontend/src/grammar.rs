@@ -511,13 +511,8 @@ mod tests {
     fn lookahead_keeps_the_accepted_prefix_and_its_masks() {
         let e = env();
         let schema = json!({"type":"object","properties":{"n":{"type":"integer"}},"required":["n"],"additionalProperties":false});
-        let proto = OutputProtocol {
-            reasoning: ReasoningParser::None,
-            tools: ToolParser::None,
-            calls: Calls::None,
-            starts_in_reasoning: false,
-        };
-        let mut m = e.matcher(&AnswerFormat::JsonSchema(schema), &proto).expect("compiles");
+        let format = AnswerFormat::JsonSchema(schema);
+        let mut m = e.matcher(&format, &plain()).expect("compiles");
         let ids = e.tokenizer.encode("{\"n\": 42}", false).expect("encodes").ids;
         let bad = e.tokenizer.encode("{\"m\": 1}", false).expect("encodes").ids;
         let mask = m.compute_mask().expect("mask");
@@ -525,7 +520,7 @@ mod tests {
         assert_eq!(kept, ids, "a valid continuation is kept whole");
         assert_eq!(masks.len(), ids.len());
         // Each mask is what the matcher computes after the tokens before it.
-        let mut probe = e.matcher(&AnswerFormat::JsonSchema(json!({"type":"object","properties":{"n":{"type":"integer"}},"required":["n"],"additionalProperties":false})), &proto).expect("compiles");
+        let mut probe = e.matcher(&format, &plain()).expect("compiles");
         for (id, after) in ids.iter().zip(&masks) {
             probe.consume_token(*id).expect("accepted");
             assert_eq!(probe.compute_mask().expect("mask").words(), after.words());

@@ -970,9 +970,9 @@ impl<E: Executor> ModelLoop<E> {
         let landed = !outcomes.is_empty();
         for o in outcomes {
             match o {
-                GrammarOutcome::Ready(id, ready) => match self.active.get_mut(&id) {
+                GrammarOutcome::Ready(id, mut ready) => match self.active.get_mut(&id) {
                     Some(a) => {
-                        self.scheduler.set_checked_proposals(id, ready.proposals.clone());
+                        self.scheduler.set_checked_proposals(id, std::mem::take(&mut ready.proposals));
                         a.grammar = Some(ready);
                         self.scheduler.resume(id);
                     }

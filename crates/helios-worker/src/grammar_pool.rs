@@ -26,7 +26,8 @@ pub(crate) struct ReadyGrammar {
     pub(crate) matcher: Box<GrammarMatcher>,
     pub(crate) mask: Arc<[u32]>,
     /// Copy proposals the grammar accepts from here, each with the mask after it (what a verify
-    /// round's lanes sample under); empty without speculation.
+    /// round's lanes sample under); empty without speculation. The proposals move to the
+    /// scheduler when the grammar comes back; the masks stay for packing the round.
     pub(crate) proposals: Vec<u32>,
     pub(crate) proposal_masks: Vec<Arc<[u32]>>,
 }
