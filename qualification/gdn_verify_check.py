@@ -75,8 +75,8 @@ def run(total_rows: int, row_bytes: int, offset: int) -> Result:
     lanes = torch.tensor([r + offset if r >= 0 else -1 for r in LANE_ROWS], dtype=torch.int32, device="cuda")
     hist, state = views(rows)
     expected = rows.clone()
-    y = gdn.conv_verify(x, hist, lanes, weight, W)
-    o = gdn.delta_rule_verify(state, lanes, q, k, v, g, beta, W)
+    y = gdn.conv_step(x, hist, lanes, weight, lanes=W)
+    o = gdn.delta_rule_step(state, lanes, q, k, v, g, beta, lanes=W)
     torch.cuda.synchronize()
     exp_hist, exp_state = views(expected)
     bitwise = True

@@ -100,50 +100,22 @@ def _kernels() -> Any:
 
 
 def conv_step(
-    x: torch.Tensor, hist: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, block: int = 128
+    x: torch.Tensor, hist: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, block: int = 128, lanes: int = 1
 ) -> torch.Tensor:
-    """Decode: x [B, C] (one input per lane); hist [R, C, K-1] a view of the rows' histories;
-    rows [B] int32 (negative: padding, reads row 0, writes nothing). Updates the live lanes'
-    histories in place; returns y [B, C]."""
-    b, c = x.shape
-    k = weight.shape[1]
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if b == 0:
-        return y
-    _kernels().conv_step_kernel[(b, -(-c // block))](
-        x, hist, rows, weight, y, c, x.stride(0), y.stride(0), hist.stride(0), hist.stride(1), K=k, BLOCK=block
-    )
-    return y
-
-
-def conv_verify(
-    x: torch.Tensor, hist: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, lanes: int, block: int = 128
-) -> torch.Tensor:
-    """A speculative program: x [N, C], lanes in groups of `lanes` consecutive tokens of one
-    request; rows [N] int32, each lane's request's live row (negative: an unused or padding lane,
-    writes nothing). Lane j continues from the history lane j - 1 left (lane 0: the live row's)
-    and leaves its own in column row + j. Returns y [N, C]."""
+    """Decode (`lanes` 1): x [N, C] one input per lane; hist [R, C, K-1] a view of the rows'
+    histories; rows [N] int32 (negative: padding, reads row 0, writes nothing); each live lane's
+    history updated in place. A speculative program (`lanes` > 1): lanes in groups of `lanes`
+    consecutive tokens of one request, rows the request's live row on each used lane; lane j
+    continues from the history lane j - 1 left (lane 0: the live row's) and leaves its own in
+    column row + j. Returns y [N, C]."""
     n, c = x.shape
     k = weight.shape[1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if n == 0:
         return y
-    grid = (-(-n // lanes), -(-c // block))
-    _kernels().conv_verify_kernel[grid](
-        x,
-        hist,
-        rows,
-        weight,
-        y,
-        n,
-        c,
-        x.stride(0),
-        y.stride(0),
-        hist.stride(0),
-        hist.stride(1),
-        K=k,
-        BLOCK=block,
-        LANES=lanes,
+    strides = (x.stride(0), y.stride(0), hist.stride(0), hist.stride(1))
+    _kernels().conv_step_kernel[(-(-n // lanes), -(-c // block))](
+        x, hist, rows, weight, y, n, c, *strides, K=k, BLOCK=block, LANES=lanes
     )
     return y
 
@@ -180,34 +152,14 @@ def delta_rule_step(
     g: torch.Tensor,
     beta: torch.Tensor,
     block_v: int = 32,
+    lanes: int = 1,
 ) -> torch.Tensor:
-    """Decode: one token per lane. state [R, Hv, Dk, Dv] float32 view of the rows; rows [B];
-    q, k [B, Hk, Dk] and v [B, Hv, Dv] (strided views allowed, unit last stride); g, beta [B, Hv]
-    float32. Updates live lanes' states in place; returns o [B, Hv, Dv]."""
-    b = q.shape[0]
-    hv, dv = v.shape[1], v.shape[2]
-    o = torch.empty(b, hv, dv, dtype=v.dtype, device=v.device)
-    if b == 0:
-        return o
-    _launch_delta_rule((b, hv, -(-dv // block_v)), state, rows, None, q, k, v, g, beta, o, block_v)
-    return o
-
-
-def delta_rule_verify(
-    state: torch.Tensor,
-    rows: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    lanes: int,
-    block_v: int = 32,
-) -> torch.Tensor:
-    """A speculative program: N lanes in groups of `lanes` consecutive tokens of one request
-    (rows [N]: each lane's request's live row, negative for unused and padding lanes). Each group
-    runs from its live row's state, one decode update per lane, the state after lane j stored in
-    column row + j (column 0 the live row). Returns o [N, Hv, Dv]."""
+    """Decode (`lanes` 1): one token per lane. state [R, Hv, Dk, Dv] float32 view of the rows;
+    rows [N]; q, k [N, Hk, Dk] and v [N, Hv, Dv] (strided views allowed, unit last stride);
+    g, beta [N, Hv] float32; each live lane's state updated in place. A speculative program
+    (`lanes` > 1): groups of `lanes` consecutive tokens of one request (rows: its live row on
+    each used lane) run from the live row's state, one decode update per lane, the state after
+    lane j stored in column row + j (column 0 the live row). Returns o [N, Hv, Dv]."""
     n = q.shape[0]
     hv, dv = v.shape[1], v.shape[2]
     o = torch.empty(n, hv, dv, dtype=v.dtype, device=v.device)
@@ -322,7 +274,7 @@ def _launch_delta_rule(
     beta: torch.Tensor,
     o: torch.Tensor,
     block_v: int,
-    lanes: int = 0,
+    lanes: int = 1,
 ) -> None:
     if g.stride() != beta.stride():
         raise ValueError("gdn: g and beta must share a layout")
@@ -411,7 +363,7 @@ def gdn_ops() -> tuple[CustomOpDef, CustomOpDef, CustomOpDef]:
         hist = _region(rows, offset, c * (kernel - 1) * x.element_size(), x.dtype, (c, kernel - 1))
         _int32(live, length)
         if length is None:
-            return conv_step(x, hist, live, weight) if lanes == 1 else conv_verify(x, hist, live, weight, lanes)
+            return conv_step(x, hist, live, weight, lanes=lanes)
         return conv_prefill(x, hist, live, length, weight)
 
     @conv.register_fake
@@ -445,10 +397,8 @@ def gdn_ops() -> tuple[CustomOpDef, CustomOpDef, CustomOpDef]:
         _int32(live, length)
         if g.dtype != torch.float32 or beta.dtype != torch.float32 or not (g.is_contiguous() and beta.is_contiguous()):
             raise ValueError("gdn_delta: g and beta must be contiguous float32 (cast them in the graph)")
-        if length is None and lanes > 1:
-            return delta_rule_verify(state, live, q, k, v, g, beta, lanes)
         if length is None:
-            return delta_rule_step(state, live, q, k, v, g, beta)
+            return delta_rule_step(state, live, q, k, v, g, beta, lanes=lanes)
         if PREFILL_CHUNK is not None:
             return delta_rule_prefill_chunked(state, live, length, q, k, v, g, beta, chunk=PREFILL_CHUNK)
         return delta_rule_prefill(state, live, length, q, k, v, g, beta)

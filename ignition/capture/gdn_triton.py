@@ -19,48 +19,27 @@ def _silu_rounded(acc, dtype):
 
 
 @triton.jit
-def conv_step_kernel(X, HIST, ROWS, W, Y, C, sx, sy, sh_r, sh_c, K: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (lane, channel block): one decode token's depthwise convolution over the row's
-    K-1 stored inputs and the new one; the history shifts by one (live lanes only)."""
-    lane = tl.program_id(0)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    cm = c < C
-    row = tl.load(ROWS + lane).to(tl.int64)  # int64 offsets: rows of tens of MB, hundreds of them
-    live = row >= 0
-    r = tl.where(live, row, 0)
-    x = tl.load(X + lane * sx + c, mask=cm, other=0.0)
-    acc = x.to(tl.float32) * tl.load(W + c * K + (K - 1), mask=cm, other=0.0).to(tl.float32)
-    for j in tl.static_range(K - 1):
-        h = tl.load(HIST + r * sh_r + c * sh_c + j, mask=cm, other=0.0)
-        acc += h.to(tl.float32) * tl.load(W + c * K + j, mask=cm, other=0.0).to(tl.float32)
-    tl.store(Y + lane * sy + c, _silu_rounded(acc, x.dtype), mask=cm)
-    wm = cm & (c * 0 + row >= 0)  # a full-shape mask (the interpreter rejects scalar masks)
-    for j in tl.static_range(K - 2):  # ascending: index j+1 is read before it is overwritten
-        nxt = tl.load(HIST + r * sh_r + c * sh_c + j + 1, mask=cm, other=0.0)
-        tl.store(HIST + r * sh_r + c * sh_c + j, nxt, mask=wm)
-    tl.store(HIST + r * sh_r + c * sh_c + K - 2, x, mask=wm)
-
-
-@triton.jit
-def conv_verify_kernel(
+def conv_step_kernel(
     X, HIST, ROWS, W, Y, N, C, sx, sy, sh_r, sh_c, K: tl.constexpr, BLOCK: tl.constexpr, LANES: tl.constexpr
 ):
-    """Program (request, channel block) of a speculative program: the request's LANES
-    consecutive tokens (lanes request*LANES + j, N lanes in all) in order, each exactly the
-    decode step's convolution (`conv_step_kernel`'s arithmetic) over the history the lane before
-    it left: lane 0 reads the live row's, lane j > 0 column row + j - 1's; lane j's history goes
-    to column row + j (column 0 is the live row itself). Lanes with a negative row write nothing
-    (used lanes are a prefix) and read the null row."""
-    req = tl.program_id(0)
+    """Program (group, channel block): the group's LANES consecutive tokens (lanes
+    group*LANES + j, N lanes in all) in order, each one decode-step convolution over the K-1
+    stored inputs and the new one, the history shifting by one. Decode: LANES 1, a lane per
+    row. A speculative program: a group is one request; lane 0 reads its live row's history,
+    lane j > 0 the history lane j - 1 left in column row + j - 1, and lane j's goes to column
+    row + j (column 0 is the live row itself). Lanes with a negative row read the null row and
+    write nothing (a request's used lanes are a prefix)."""
+    group = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cm = c < C
     for j in tl.static_range(LANES):
-        lane = req * LANES + j
+        lane = group * LANES + j
+        # int64 offsets: rows of tens of MB, hundreds of them
         row = tl.load(ROWS + lane, mask=lane < N, other=-1).to(tl.int64)
         live = row >= 0
         dst = tl.where(live, row + j, 0)
         src = dst if j == 0 else tl.where(live, row + j - 1, 0)  # j is static: resolved at compile time
-        lm = cm & (c * 0 + lane < N)
+        lm = cm & (c * 0 + lane < N)  # full-shape masks (the interpreter rejects scalar masks)
         x = tl.load(X + lane * sx + c, mask=lm, other=0.0)
         acc = x.to(tl.float32) * tl.load(W + c * K + (K - 1), mask=cm, other=0.0).to(tl.float32)
         for i in tl.static_range(K - 1):
@@ -72,7 +51,8 @@ def conv_verify_kernel(
             nxt = tl.load(HIST + src * sh_r + c * sh_c + i + 1, mask=cm, other=0.0)
             tl.store(HIST + dst * sh_r + c * sh_c + i, nxt, mask=wm)
         tl.store(HIST + dst * sh_r + c * sh_c + K - 2, x, mask=wm)
-        tl.debug_barrier()  # the next lane reads the column just written
+        if LANES > 1:
+            tl.debug_barrier()  # the next lane reads the column just written
 
 
 @triton.jit
@@ -166,16 +146,17 @@ def delta_rule_kernel(
     BV: tl.constexpr,
     PREFILL: tl.constexpr,
     LENGTH=None,
-    LANES: tl.constexpr = 0,
+    LANES: tl.constexpr = 1,
 ):
-    """Program (lane, value head, value block). Decode: lane = token, one update. Prefill: one
-    request, the first LENGTH of T tokens in order (the rest output zeros and leave the state
-    alone). Verify (LANES > 0): program 0 is a request, its LANES consecutive tokens in order from
-    its live row's state (its first lane's row), the state after lane j written to column row + j
-    while lane j is live (used lanes are a prefix). The state block [DK, BV] stays in registers;
-    it is written back for live rows only. Every mode runs the same update per token, so a
-    verified lane's output and column are bitwise what a decode step computes."""
-    lane = tl.program_id(0)
+    """Program (group, value head, value block). Decode and speculative programs: a group is
+    LANES consecutive tokens of one request (decode: LANES 1, a lane per row), run in order from
+    its live row's state (its first lane's row), the state after lane j written to column
+    row + j while lane j is live (a request's used lanes are a prefix; column 0 is the live row).
+    Prefill: one request, the first LENGTH of T tokens in order (the rest output zeros and leave
+    the state alone), the state at LENGTH written back. The state block [DK, BV] stays in
+    registers and is written for live rows only; every mode runs the same update per token, so
+    a speculative lane's output and column are bitwise what a decode step computes."""
+    group = tl.program_id(0)
     h = tl.program_id(1)
     dv = tl.program_id(2) * BV + tl.arange(0, BV)
     vm = dv < DV
@@ -185,14 +166,10 @@ def delta_rule_kernel(
         row = tl.load(ROWS).to(tl.int64)
         n = tl.load(LENGTH)
         t0 = 0
-    elif LANES > 0:
-        t0 = lane * LANES
+    else:
+        t0 = group * LANES
         row = tl.load(ROWS + t0, mask=t0 < T, other=-1).to(tl.int64)
         n = tl.minimum(T - t0, LANES)
-    else:
-        row = tl.load(ROWS + lane).to(tl.int64)
-        n = 1
-        t0 = lane
     live = row >= 0
     r = tl.where(live, row, 0)
     sp = STATE + r * ss_r + h * ss_h + dk[:, None] * ss_k + dv[None, :]
@@ -210,14 +187,13 @@ def delta_rule_kernel(
         s = s + k[:, None] * ((v - mem) * b)[None, :]
         o = tl.sum(s * q[:, None], 0)
         tl.store(OUT + t * so_t + h * so_h + dv, o.to(OUT.dtype.element_ty), mask=vm)
-        if LANES > 0:  # the column of lane i, while the lane is live
+        if not PREFILL:  # the column of lane i, while the lane is live
             lane_row = tl.load(ROWS + t)
             cp = STATE + (r + i) * ss_r + h * ss_h + dk[:, None] * ss_k + dv[None, :]
             tl.store(cp, s, mask=vm[None, :] & (dk[:, None] * 0 + lane_row >= 0) & (dk[:, None] * 0 + row >= 0))
     if PREFILL:
         for t in range(n, T):
             tl.store(OUT + t * so_t + h * so_h + dv, tl.zeros([BV], dtype=OUT.dtype.element_ty), mask=vm)
-    if LANES == 0:
         tl.store(sp, s, mask=vm[None, :] & (dk[:, None] * 0 + row >= 0))
 
 

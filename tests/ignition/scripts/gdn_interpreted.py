@@ -170,7 +170,7 @@ def decoded_columns(emul: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
 hist = torch.randn(8, C, K - 1, generator=gen)
 before = hist.clone()
 x = torch.randn(7, C, generator=gen)
-y = gdn.conv_verify(x, hist, lane_rows, w, W, block=16)
+y = gdn.conv_step(x, hist, lane_rows, w, block=16, lanes=W)
 emul = before.clone()
 verify_bitwise = True
 for sl, column in decoded_columns(emul):
@@ -179,7 +179,7 @@ verify_bitwise &= torch.equal(hist, emul)  # columns as decoding left them; rows
 state = torch.randn(8, hv, dk, dv, generator=gen) * 0.1
 before = state.clone()
 q, k, v, g, beta = operands(7)
-o = gdn.delta_rule_verify(state, lane_rows, q, k, v, g, beta, W, block_v=16)
+o = gdn.delta_rule_step(state, lane_rows, q, k, v, g, beta, block_v=16, lanes=W)
 emul = before.clone()
 for sl, column in decoded_columns(emul):
     o_dec = gdn.delta_rule_step(emul, column, q[sl], k[sl], v[sl], g[sl], beta[sl], block_v=16)
