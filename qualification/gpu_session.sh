@@ -23,8 +23,8 @@
 #   q35-prepare                          the seeded random Qwen3.5 (0.8B text geometry): random-checkpoint, prepare
 #   q35-all      (carry .dev/b1 .dev/b2) after q35-prepare: serving + agent bench, floor, bitwise, lifecycle, breakdown
 #   smol-spec    (carry .dev/b2)         issue 21: SmolLM2 with speculative programs; copy/decode bench with and without
-#   spec-diag                            issue 21: speculative lanes against decode, tiny model, every variant (~3 min;
-#                                        CASES=hybrid: the tiny Qwen3.5 compiled with the kernels instead)
+#   spec-diag                            issue 21: speculative lanes against decode, tiny model, every variant (~3 min)
+#   spec-diag-hybrid                     the same for the tiny Qwen3.5 (GDN lanes, state columns), after the GDN lane check
 #   pdl-probe                            issue 19: gemv chains as one graph, plain and with programmatic dependent launch
 #   q35-spec                             issue 21: the Qwen3.5 core with speculative programs (state columns), checks (bg)
 #   q35-bw       (carry .dev/b2)         the Qwen3.5 core with gemv decode projections and the chunked GDN prefill (bg)
@@ -284,8 +284,10 @@ for d in (4, 0):
         > "$OUT/pdl_probe_$c.log" 2>&1
       echo "pdl_probe $c rc=$?"; tail -3 "$OUT/pdl_probe_$c.log"
     done ;;
-  spec-diag)  # issue 21: speculative lanes against decode on a tiny model (kernels, compile, gemv, precision casts);
-              # CASES=hybrid: first the GDN lane kernels at the 0.8B geometry and far row offsets (gdn_verify_check.py)
+  spec-diag|spec-diag-hybrid)  # issue 21: speculative lanes against decode on a tiny model (kernels, compile, gemv,
+              # precision casts); spec-diag-hybrid (CASES=hybrid): first the GDN lane kernels at the 0.8B geometry and
+              # far row offsets (gdn_verify_check.py), then the tiny Qwen3.5 cases
+    [ "$STAGE" = spec-diag-hybrid ] && CASES=hybrid
     if [ "${CASES:-llama}" = hybrid ]; then
       timeout 120 python3 qualification/gdn_verify_check.py > "$OUT/gdn_verify_check.json" 2> "$OUT/gdn_verify_check.log"
       echo "gdn_verify_check rc=$?"; cat "$OUT/gdn_verify_check.json"
