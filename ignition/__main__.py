@@ -69,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
         help="decode projections as Inductor GEMM templates or as the tuned few-row kernel (flare::gemv)",
     )
     prepare.add_argument(
+        "--sampler",
+        choices=["kernel", "torch"],
+        default="torch",
+        help="the sampling step as one fused Triton kernel (flare::sample) or as torch ops Inductor compiles",
+    )
+    prepare.add_argument(
         "--gdn-prefill",
         choices=["scan", "chunked"],
         default="scan",
@@ -162,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 card=args.card,
                 attention_kernel=not args.gather_attention,
                 decode_projections=args.decode_projections,
+                sampler=args.sampler,
                 gdn_prefill=args.gdn_prefill,
                 speculative_depth=args.speculative_depth,
                 served_name=args.served_name,

@@ -202,6 +202,10 @@ class PrepareOptions:
     # Hybrid recipes' Gated DeltaNet prefill: "scan" (token by token) or "chunked" (matrix
     # products per chunk). The scan stays the default until chunked is qualified on the device.
     gdn_prefill: str = "scan"
+    # Sampling: "kernel" (`flare::sample`, one fused kernel per sampling step) or "torch" (the
+    # definition in `ignition.capture.sampling`, ~19 Inductor kernels). Torch stays the default
+    # until a core with the kernel has been qualified on the device.
+    sampler: str = "torch"
     served_name: str | None = None
     reference_prompts: Path | None = None
     dump_io: bool = False
@@ -218,6 +222,8 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
     served_name, reference_prompts, dump_io = o.served_name, o.reference_prompts, o.dump_io
     if o.decode_projections not in ("gemv", "gemm"):
         raise CapacityError("--decode-projections", f"{o.decode_projections!r} is neither gemv nor gemm")
+    if o.sampler not in ("kernel", "torch"):
+        raise CapacityError("--sampler", f"{o.sampler!r} is neither kernel nor torch")
     if o.gdn_prefill not in ("scan", "chunked"):
         raise CapacityError("--gdn-prefill", f"{o.gdn_prefill!r} is neither scan nor chunked")
     if not compile_graphs:
@@ -308,6 +314,9 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
         gemv = bool(rec.program.model.gemv)
         report["decode_projections"] = "gemv" if gemv else "gemm"
         report["gdn_prefill"] = o.gdn_prefill
+        report["sampler"] = "kernel" if rec.program.model.sampler.op is not None else "torch"
+        if o.sampler == "kernel" and rec.program.model.sampler.op is None:
+            note("sampling as torch ops: the fused sampler needs the kernels' device")
         if o.decode_projections == "gemv" and not gemv:
             note("decode projections as GEMM templates: a bucket exceeds the few-row kernel or attention is gathered")
         if gemv:

@@ -25,6 +25,7 @@
 #   smol-spec    (carry .dev/b2)         issue 21: SmolLM2 with speculative programs; copy/decode bench with and without
 #   spec-diag                            issue 21: speculative lanes against decode, tiny model, every variant (~3 min)
 #   spec-diag-hybrid                     the same for the tiny Qwen3.5 (GDN lanes, state columns), after the GDN lane check
+#   sampler-check                        issue 19: flare::sample against the torch sampler, tokens and graph time (no core)
 #   pdl-probe                            issue 19: gemv chains as one graph, plain and with programmatic dependent launch
 #   q35-spec                             issue 21: the Qwen3.5 core with speculative programs (state columns), checks (bg)
 #   q35-bw       (carry .dev/b2)         the Qwen3.5 core with gemv decode projections and the chunked GDN prefill (bg)
@@ -61,13 +62,14 @@ trap 'tar czf "$DEST/$STAGE.tgz" -C "$OUT" . 2>/dev/null; touch "$DEST/$STAGE.do
 export PYTHONUNBUFFERED=1 PATH=$PATH:/usr/local/cuda/bin IGNITION_CACHE=/tmp/igncache PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 unxz_to() { python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "$1" "$2" && chmod +x "$2"; }
 
-prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|gemv, GDN_PREFILL=scan|chunked, NO_CHECK=1 skips the checks
+prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|gemv, GDN_PREFILL=scan|chunked,
+           # SAMPLER=torch (default)|kernel, NO_CHECK=1 skips the checks
   local tag=${5:+_$5}
   python3 qualification/make_reference_prompts.py "$1" "$1.prompts.json"
   timeout "$4" python3 -m ignition prepare --model "$1" --out "$2" --decode-buckets 1,2,4 \
     --prefill-chunk-size 256 --context-limit "${CONTEXT_LIMIT:-4608}" --served-name "$3" ${CORE_REPLAY:+--core-replay /tmp/core_replay} ${DUMP_IO:+--dump-io} \
     --decode-projections "${DECODE_PROJECTIONS:-gemm}" ${NO_CHECK:+--no-check} ${GDN_PREFILL:+--gdn-prefill $GDN_PREFILL} \
-    ${SPECULATIVE_DEPTH:+--speculative-depth $SPECULATIVE_DEPTH} \
+    ${SPECULATIVE_DEPTH:+--speculative-depth $SPECULATIVE_DEPTH} ${SAMPLER:+--sampler $SAMPLER} \
     --reference-prompts "$1.prompts.json" > "$OUT/prepare$tag.log" 2>&1
   echo "prepare$tag rc=$?"
   cp "$2.work/report.json" "$OUT/prepare_report$tag.json" 2>/dev/null || cp "$2.report.json" "$OUT/prepare_report$tag.json"
@@ -175,11 +177,11 @@ case "$STAGE" in
     timeout 300 python3 qualification/gemv_check.py qualification/configs/llama_1b_random.json "$OUT/gemv_check.json" \
       > "$OUT/gemv_check.log" 2>&1
     rc=$?; echo "gemv_check rc=$rc"; cat "$OUT/gemv_check.log" | tail -12; exit $rc ;;
-  r1b-bw)  # issue 19 (bg, carry .dev/b2): the ~1B with flare::gemv decode projections (every check) and with GEMM
+  r1b-bw)  # issue 19 (bg, carry .dev/b2): the ~1B with flare::gemv decode projections and flare::sample (every check) and with GEMM
            # templates (today's graphs, no checks); each core: kernel breakdown, Python floor, flare run bench
     [ -f /tmp/r1b/config.json ] || python3 -m ignition random-checkpoint --config qualification/configs/llama_1b_random.json \
       --out /tmp/r1b --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
-    DECODE_PROJECTIONS=gemv prepare /tmp/r1b /tmp/r1bcore llama-1b-random 540 gemv
+    DECODE_PROJECTIONS=gemv SAMPLER=${SAMPLER:-kernel} prepare /tmp/r1b /tmp/r1bcore llama-1b-random 540 gemv
     bw_measure /tmp/r1b /tmp/r1bcore gemv
     DECODE_PROJECTIONS=gemm NO_CHECK=1 prepare /tmp/r1b /tmp/r1bcore_gemm llama-1b-random 540 gemm
     bw_measure /tmp/r1b /tmp/r1bcore_gemm gemm ;;
@@ -284,6 +286,9 @@ for d in (4, 0):
         > "$OUT/pdl_probe_$c.log" 2>&1
       echo "pdl_probe $c rc=$?"; tail -3 "$OUT/pdl_probe_$c.log"
     done ;;
+  sampler-check)  # issue 19: flare::sample against the torch sampler (tokens, CUDA-graph time), both vocabularies (~3 min)
+    timeout 500 python3 qualification/sampler_check.py "$OUT/sampler_check.json" > "$OUT/sampler_check.log" 2>&1
+    echo "sampler_check rc=$?"; tail -30 "$OUT/sampler_check.log" | cut -c1-300 ;;
   spec-diag|spec-diag-hybrid)  # issue 21: speculative lanes against decode on a tiny model (kernels, compile, gemv,
               # precision casts); spec-diag-hybrid (CASES=hybrid): first the GDN lane kernels at the 0.8B geometry and
               # far row offsets (gdn_verify_check.py), then the tiny Qwen3.5 cases

@@ -161,13 +161,22 @@ class PagedQwen35(PagedLlama):
         kernels: bool = False,
         attention_kernel: bool | None = None,
         gemv: bool = False,
+        sampler_kernel: bool = False,
     ) -> None:
         """`kernels`: the Triton ops (`flare::gdn_conv`, `flare::gdn_delta`, `flare::store_row`,
         and `flare::write_attend` unless `attention_kernel` says otherwise) that the graphs run;
         otherwise the eager reference (CPU). `gemv`: decode projections through `flare::gemv`, as
-        for the dense recipe (the caller checks the buckets fit)."""
+        for the dense recipe (the caller checks the buckets fit); `sampler_kernel`: `flare::sample`."""
         attention = kernels if attention_kernel is None else attention_kernel
-        super().__init__(geo, weights, inv_freq, 1.0, attention_kernel=attention, gemv=gemv)
+        super().__init__(
+            geo,
+            weights,
+            inv_freq,
+            1.0,
+            attention_kernel=attention,
+            gemv=gemv,
+            sampler_kernel=sampler_kernel and kernels,
+        )
         # Created before tracing (Dynamo does not trace their creation).
         self.gdn = gdn.gdn_ops() if kernels else None
         self.commit = gdn.commit_op() if kernels else None
@@ -419,8 +428,11 @@ def build_model(
 ) -> PagedQwen35:
     """The hybrid forward over the streamed weights; the Triton ops when preparing for the
     device (`options.attention_kernel`), the eager reference otherwise (or without options);
-    decode projections through `flare::gemv` when asked and every bucket fits it."""
+    decode projections through `flare::gemv` when asked and every bucket fits it; sampling
+    through `flare::sample` when asked."""
     kernels = bool(options is not None and options.attention_kernel)
     gemv = kernels and options.decode_projections == "gemv" and largest_bucket <= GEMV_MAX_ROWS
+    sampler = kernels and options.sampler == "kernel"
     gdn.PREFILL_CHUNK = GDN_PREFILL_CHUNK if kernels and options.gdn_prefill == "chunked" else None
-    return PagedQwen35(geo, weights, rope_inv_freq(config, geo.rotary_dim).to(device), kernels, gemv=gemv)
+    inv = rope_inv_freq(config, geo.rotary_dim).to(device)
+    return PagedQwen35(geo, weights, inv, kernels, gemv=gemv, sampler_kernel=sampler)

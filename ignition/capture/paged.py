@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from ignition.capture.attention import attend_gather, rotate, write_attend_op
 from ignition.capture.gemv import Problem, Projections, Variant, rms
-from ignition.capture.sampling import M32, sample
+from ignition.capture.sampling import M32, Sampler
 from ignition.core.stepping import FLAG_EOS, FLAG_GRAMMAR_EXHAUSTED, FLAG_SAMPLED
 
 if TYPE_CHECKING:
@@ -217,10 +217,11 @@ class PagedLlama:
         rope_scaling: float,
         attention_kernel: bool,
         gemv: bool = False,
+        sampler_kernel: bool = False,
     ) -> None:
         """`gemv`: decode projections and the sampled rows' vocabulary projection through
         `flare::gemv` (needs the attention kernels' device; the caller checks the buckets fit
-        `GEMV_MAX_ROWS`)."""
+        `GEMV_MAX_ROWS`). `sampler_kernel`: sampling through `flare::sample` (same device)."""
         self.geo = geo
         self.w = weights
         self.inv_freq = inv_freq
@@ -231,6 +232,7 @@ class PagedLlama:
         self.trash_page = geo.max_kv_pages
         self.gemv = gemv and attention_kernel
         self.proj = Projections(self.gemv)
+        self.sampler = Sampler(sampler_kernel and attention_kernel)
 
     def projection_problems(self) -> list[Problem]:
         """Each projection role with its per-layer weights, for `gemv.tune` (before capture)."""
@@ -365,20 +367,7 @@ class PagedLlama:
         b = h.shape[0]
         live = (slots == 0) | g.is_live_row(slots)
         hrow = g.slot_entry(slots).long()
-        tok, allowed = sample(
-            self.logits(h),
-            hist[hrow],
-            s["temperature"],
-            s["top_k"],
-            s["top_p"],
-            s["min_p"],
-            s["repetition_penalty"],
-            s["presence_penalty"],
-            s["frequency_penalty"],
-            s["rng_seed"],
-            s["rng_counter"],
-            s.get("grammar_mask"),
-        )
+        tok, allowed = self.sampler(self.logits(h), hist, hrow, s, s["rng_counter"], s.get("grammar_mask"))
         sampled = wants & live & allowed
         eos = torch.zeros_like(sampled)
         for e in g.eos_token_ids:
@@ -600,20 +589,7 @@ class PagedLlama:
         # Each lane samples with its request's values; lane j's counter is j past lane 0's.
         names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty")
         s = {key: v[key][req] for key in (*names, "frequency_penalty", "rng_seed", "rng_counter")}
-        y, allowed = sample(
-            self.logits(h),
-            lane_hist,
-            s["temperature"],
-            s["top_k"],
-            s["top_p"],
-            s["min_p"],
-            s["repetition_penalty"],
-            s["presence_penalty"],
-            s["frequency_penalty"],
-            s["rng_seed"],
-            s["rng_counter"] + j,
-            v.get("grammar_mask"),
-        )
+        y, allowed = self.sampler(self.logits(h), lane_hist, lane, s, s["rng_counter"] + j, v.get("grammar_mask"))
         eos = torch.zeros_like(allowed)
         for e in g.eos_token_ids:
             eos = eos | (y == e)

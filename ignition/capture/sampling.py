@@ -14,7 +14,13 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
+from typing import TYPE_CHECKING, Any
+
 import torch
+
+if TYPE_CHECKING:
+    from torch._library.custom_ops import CustomOpDef
 
 M32 = 0xFFFF_FFFF
 # Bits the threshold search settles per pass: 8 gives 4 passes of 255 candidates per filter. The
@@ -115,3 +121,172 @@ def sample(
     e = -torch.log(uniform(seed, counter, v))
     score = torch.where(keep, p / e, -1.0)
     return score.argmax(-1), allowed
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused sampler (`flare::sample`, `sampling_triton.flare_sample`)
+
+# Entries per step of the kernel's passes, and its warps: one program per row reads the row a
+# block at a time (a 2,048-entry block of float32 is 8 KiB in flight per pass).
+KERNEL_BLOCK = 2048
+KERNEL_WARPS = 8
+# Top-p misses the kernel climbs past before it bisects for the nucleus threshold.
+CLIMBS = 3
+
+
+@functools.cache
+def _kernel() -> Any:  # a triton.JITFunction (Triton ships no type information)
+    from ignition.capture.sampling_triton import flare_sample
+
+    return flare_sample
+
+
+def launch(
+    logits: torch.Tensor,
+    histogram: torch.Tensor,
+    hist_rows: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    seed: torch.Tensor,
+    counter: torch.Tensor,
+    grammar: torch.Tensor | None,
+    block: int = KERNEL_BLOCK,
+    climbs: int = CLIMBS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `flare::sample` runs: `sample` over `histogram[hist_rows]` without gathering it.
+    One program per row; a row's scratch (`[B, V]` float32) holds its unnormalized weights.
+    `block` and `climbs` change the passes, never the token (the tests vary them)."""
+    b, v = logits.shape
+    if histogram.dim() != 2 or histogram.shape[1] != v or histogram.stride(1) != 1:
+        raise ValueError(f"sample: histogram {tuple(histogram.shape)} does not match logits {tuple(logits.shape)}")
+    if grammar is not None and (grammar.shape[0] != b or grammar.shape[1] * 32 < v):
+        raise ValueError(f"sample: grammar mask {tuple(grammar.shape)} does not cover {b} rows of {v}")
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    tok = torch.empty(b, dtype=torch.int64, device=logits.device)
+    allowed = torch.empty(b, dtype=torch.bool, device=logits.device)
+    if b == 0:
+        return tok, allowed
+    scratch = torch.empty(b, v, dtype=torch.float32, device=logits.device)
+    words = grammar.contiguous() if grammar is not None else scratch
+
+    def f32(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.float32).contiguous()
+
+    _kernel()[(b,)](
+        logits,
+        histogram,
+        hist_rows.to(torch.int64).contiguous(),
+        words,
+        f32(temperature),
+        top_k.to(torch.int32).contiguous(),
+        f32(top_p),
+        f32(min_p),
+        f32(repetition),
+        f32(presence),
+        f32(frequency),
+        seed.to(torch.int64).contiguous(),
+        counter.to(torch.int64).contiguous(),
+        scratch,
+        tok,
+        allowed,
+        v,
+        logits.stride(0),
+        histogram.stride(0),
+        words.stride(0),
+        scratch.stride(0),
+        HAS_GRAMMAR=grammar is not None,
+        BLOCK=block,
+        CLIMBS=climbs,
+        num_warps=KERNEL_WARPS,
+    )
+    return tok, allowed
+
+
+@functools.cache
+def sample_op() -> CustomOpDef:
+    """`flare::sample`: the sampler as one opaque op (one kernel instead of ~19)."""
+    from torch.library import custom_op
+
+    @custom_op("flare::sample", mutates_args=())
+    def sample_kernel(
+        logits: torch.Tensor,
+        histogram: torch.Tensor,
+        hist_rows: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        min_p: torch.Tensor,
+        repetition: torch.Tensor,
+        presence: torch.Tensor,
+        frequency: torch.Tensor,
+        seed: torch.Tensor,
+        counter: torch.Tensor,
+        grammar: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return launch(
+            logits,
+            histogram,
+            hist_rows,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            repetition,
+            presence,
+            frequency,
+            seed,
+            counter,
+            grammar,
+        )
+
+    @sample_kernel.register_fake
+    def _(logits: torch.Tensor, *_: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        b = logits.shape[0]
+        return (
+            torch.empty(b, dtype=torch.int64, device=logits.device),
+            torch.empty(b, dtype=torch.bool, device=logits.device),
+        )
+
+    return sample_kernel
+
+
+class Sampler:
+    """The sampling step of a prepared forward: `flare::sample` when the kernel is on, else the
+    torch definition (`sample`; every CPU run, and cores prepared with `--sampler torch`)."""
+
+    def __init__(self, kernel: bool) -> None:
+        # Created before tracing (Dynamo does not trace its creation).
+        self.op = sample_op() if kernel else None
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        histogram: torch.Tensor,
+        hist_rows: torch.Tensor,
+        s: dict[str, torch.Tensor],
+        counter: torch.Tensor,
+        grammar: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples row i of `logits` with the penalty histogram `histogram[hist_rows[i]]` and the
+        values `s[name][i]` (the step's sampling inputs), drawing with `counter`."""
+        args = (
+            s["temperature"],
+            s["top_k"],
+            s["top_p"],
+            s["min_p"],
+            s["repetition_penalty"],
+            s["presence_penalty"],
+            s["frequency_penalty"],
+            s["rng_seed"],
+            counter,
+            grammar,
+        )
+        if self.op is not None:
+            out: tuple[torch.Tensor, torch.Tensor] = self.op(logits, histogram, hist_rows, *args)
+            return out
+        return sample(logits, histogram[hist_rows], *args)

@@ -218,12 +218,14 @@ def _paged_llama(
     config: LlamaFamilyConfig, geo: Any, largest_bucket: int, weights: dict[str, Any], device: Any, options: Any
 ) -> Any:
     """The paged Llama forward (`ignition.capture.paged.PagedLlama`) over the streamed weights;
-    decode projections through `flare::gemv` when asked and every bucket fits it."""
+    decode projections through `flare::gemv` when asked and every bucket fits it; sampling through
+    `flare::sample` when asked."""
     from ignition.capture.paged import GEMV_MAX_ROWS, PagedLlama, rope_parameters
 
     gemv = options.decode_projections == "gemv" and options.attention_kernel and largest_bucket <= GEMV_MAX_ROWS
+    sampler = options.sampler == "kernel"
     inv, scaling = rope_parameters(config.raw, device)
-    return PagedLlama(geo, weights, inv.to(device), scaling, options.attention_kernel, gemv)
+    return PagedLlama(geo, weights, inv.to(device), scaling, options.attention_kernel, gemv, sampler)
 
 
 class LlamaRecipe:

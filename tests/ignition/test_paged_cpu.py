@@ -743,6 +743,16 @@ def test_gemv_compiles_as_an_opaque_op() -> None:
     assert report["gemv_calls_in_compiled_code"] >= 8 and report["max_abs_err"] < 1e-4, report
 
 
+def test_fused_sampler_matches_the_torch_sampler_under_the_interpreter() -> None:
+    """`flare::sample`'s kernel against the torch definition it replaces: every filter, penalty
+    and grammar mix, ties at thresholds, fully masked rows, the top-p climb and bisection; a
+    row's token independent of its batch, the block size and the climb limit; and the op called
+    from compiled code."""
+    report = _interpreted("sampler_interpreted.py", 600)
+    assert report["mismatches"] == [] and report["cases"] >= 100, report
+    assert report["rows_outside_the_first_draw"] > 0 and report["op_calls"] >= 1, report
+
+
 def test_snapshot_and_restore_check_the_stamp_before_writing(tmp_path: Path) -> None:
     """A maintenance op writes nothing unless the source's stamp is what the executor expects
     (snapshot: the consumed count; restore: consumed count and epoch) and the rows go the right
