@@ -91,27 +91,36 @@ def main() -> None:
     # (attention kernels, compiled, emulated precision casts, flare::gemv, Inductor's split
     # reductions: a reduction split over programs for few rows sums in another order than the
     # same reduction over more rows, so a verify lane's sampler could differ from decode's;
-    # flare::sample: one program per row, so a lane samples as a decode row by construction)
+    # flare::sample: one program per row, so a lane samples as a decode row by construction;
+    # flare::rms_norm with gemv (off: the norms as Inductor reductions, whose blocks follow the
+    # row count)
     cases = [
-        (gpu, False, False, False, True, False),
-        (gpu, True, False, False, True, False),
-        (gpu, True, True, False, True, False),
-        (gpu, True, False, False, False, False),
-        (False, True, False, False, True, False),
+        (gpu, False, False, False, True, False, False),
+        (gpu, True, False, False, True, False, False),
+        (gpu, True, True, False, True, False, False),
+        (gpu, True, False, False, False, False, False),
+        (False, True, False, False, True, False, False),
     ]
     if gpu:
-        cases += [(True, True, False, True, True, False), (True, True, False, False, True, True)]
-        cases.append((True, True, False, True, True, True))
-    for kernel, compiled, emulate, gemv, split, sampler in cases if args.cases != "hybrid" else []:
+        cases += [
+            (True, True, False, True, True, False, False),
+            (True, True, False, True, True, False, True),
+            (True, True, False, False, True, True, False),
+            (True, True, False, True, True, True, True),
+        ]
+    for kernel, compiled, emulate, gemv, split, sampler, norms in cases if args.cases != "hybrid" else []:
         icfg.emulate_precision_casts = emulate
         icfg.split_reductions = split
         torch._dynamo.reset()
         model = PagedLlama(geo, weights, inv, scaling, attention_kernel=kernel, gemv=gemv, sampler_kernel=sampler)
+        if not norms:
+            model.proj.norm_op = None
         prog = Program(model, catalog(geo, [1, 2], [128], [(1, 7), (2, 7)]))
 
         res: dict[str, Any] = {"kernel": kernel, "compiled": compiled, "emulate_precision_casts": emulate, "gemv": gemv}
         res["split_reductions"] = split
         res["sampler_kernel"] = sampler
+        res["norm_kernel"] = norms and gemv
         _case(prog, compiled, res)
     icfg.emulate_precision_casts = False
     icfg.split_reductions = True
@@ -132,7 +141,9 @@ def main() -> None:
     q35_weights = {}
     for name, tb in stream_execution_layout(q35_mapping(q35_config, q35_ckpt.tensors, q35_ckpt.files), q35_ckpt):
         q35_weights[name] = torch.frombuffer(bytearray(tb.data), dtype=torch.bfloat16).view(tb.shape).to(dev)
-    for gemv, sampler in ((False, False), (True, False), (True, True)) if gpu else ((False, False),):
+    for gemv, sampler, norms in (
+        ((False, False, False), (True, False, False), (True, True, True)) if gpu else ((False, False, False),)
+    ):
         torch._dynamo.reset()
         caps = Capacities([1, 2], [128], 512, 4, 4, 24, [(1, 3), (2, 3)])
         options = PrepareOptions(
@@ -142,8 +153,11 @@ def main() -> None:
         )
         prog = RECIPE.plan_program(q35_config, (2,), caps).build(q35_weights, torch.device(dev), options)
         assert isinstance(prog.model, PagedQwen35)
+        if not norms:
+            prog.model.proj.norm_op = None
         # On CPU the reference GDN loops over lanes in Python: eager only.
-        _case(prog, gpu, {"hybrid": True, "kernel": gpu, "compiled": gpu, "gemv": gemv, "sampler_kernel": sampler})
+        res = {"hybrid": True, "kernel": gpu, "compiled": gpu, "gemv": gemv, "sampler_kernel": sampler}
+        _case(prog, gpu, {**res, "norm_kernel": norms})
 
 
 def _case(prog: Program, compiled: bool, res: dict[str, Any]) -> None:

@@ -40,6 +40,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from ignition.capture import rownorm
+from ignition.capture.rownorm import rms
+
 if TYPE_CHECKING:
     from torch._library.custom_ops import CustomOpDef
 
@@ -107,11 +110,6 @@ def set_config(n: int, k: int, variant: Variant, config: GemvConfig) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # The reference: eager torch, the arithmetic the kernel reproduces (and what CPU runs use).
-
-
-def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def reference(
@@ -249,14 +247,32 @@ def gemv_op() -> CustomOpDef:
 
 
 class Projections:
-    """The linear layers of a prepared forward. `few_rows` calls (decode buckets, sampled rows)
-    go through `flare::gemv` when kernels are on; everything else, and every CPU run, is the
-    eager reference (Inductor compiles it into GEMM templates with fused neighbours)."""
+    """The linear layers and row norms of a prepared forward. `few_rows` calls (decode buckets,
+    speculative lanes, sampled rows) go through `flare::gemv` and `flare::rms_norm` when kernels
+    are on, so a row's result does not depend on the rows beside it; everything else, and every
+    CPU run, is the eager reference (Inductor compiles it, fused with its neighbours)."""
 
     def __init__(self, kernel: bool) -> None:
         self.kernel = kernel
-        # Created before tracing (Dynamo does not trace its creation).
+        # Created before tracing (Dynamo does not trace their creation).
         self.op = gemv_op() if kernel else None
+        self.norm_op = rownorm.rms_norm_op() if kernel else None
+
+    def norm(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        eps: float,
+        mode: str = "rms",
+        gate: torch.Tensor | None = None,
+        *,
+        few_rows: bool = False,
+    ) -> torch.Tensor:
+        """RMSNorm of x over its last dimension (`rownorm` names the modes)."""
+        if few_rows and self.norm_op is not None:
+            y: torch.Tensor = self.norm_op(x, w, gate, eps, mode)
+            return y
+        return rownorm.reference(x, w, eps, mode, gate)
 
     def __call__(
         self,

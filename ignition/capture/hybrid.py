@@ -125,19 +125,6 @@ class HybridGeometry(Geometry):
         )
 
 
-def zc_rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3.5's zero-centred RMSNorm: float32 statistics, scaled by (1 + w), cast back."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w.float())).to(x.dtype)
-
-
-def gated_rms(x: torch.Tensor, w: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
-    """The GDN output norm: RMSNorm with weight w, then times SiLU(gate), in Transformers' order."""
-    xf = x.float()
-    h = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return (h * F.silu(gate.float())).to(x.dtype)
-
-
 def rope_inv_freq(config: Qwen35Config, rotary_dim: int) -> torch.Tensor:
     params = config.text.get("rope_parameters") or {}
     base = float(params.get("rope_theta", config.text.get("rope_theta", 10000.0)))
@@ -316,14 +303,15 @@ class PagedQwen35(PagedLlama):
         proj = self.proj
         for i, kind in enumerate(g.layer_kinds):
             p = f"layers.{i}."
-            h = zc_rms(x, w[p + "input_norm"], g.eps)
+            h = proj.norm(x, w[p + "input_norm"], g.eps, "zero_centred", few_rows=few_rows)
             if kind == "full_attention":
                 qkv = proj(h, w[p + "qkv"], self._bias(p + "qkv_bias"), few_rows=few_rows)
                 qg = qkv[:, : 2 * g.heads * hd].reshape(n, g.heads, 2 * hd)
                 q, gate = qg[..., :hd], qg[..., hd:].reshape(n, g.heads * hd)
                 k = qkv[:, 2 * g.heads * hd : (2 * g.heads + g.kv_heads) * hd].reshape(n, g.kv_heads, hd)
                 v = qkv[:, (2 * g.heads + g.kv_heads) * hd :].reshape(n, g.kv_heads, hd)
-                q, k = zc_rms(q, w[p + "q_norm"], g.eps), zc_rms(k, w[p + "k_norm"], g.eps)
+                q = proj.norm(q, w[p + "q_norm"], g.eps, "zero_centred", few_rows=few_rows)
+                k = proj.norm(k, w[p + "k_norm"], g.eps, "zero_centred", few_rows=few_rows)
                 q = torch.cat([rotate(q[..., :rd], cos, sin), q[..., rd:]], -1)
                 k = torch.cat([rotate(k[..., :rd], cos, sin), k[..., rd:]], -1)
                 j = attention[i]
@@ -338,11 +326,11 @@ class PagedQwen35(PagedLlama):
                 x = proj(o, w[p + "o_proj"], self._bias(p + "o_proj_bias"), residual=x, few_rows=few_rows)
             else:
                 x = self._gdn(i, h, live, rows, length, residual=x, few_rows=few_rows, lanes=lanes)
-            hm = zc_rms(x, w[p + "post_attention_norm"], g.eps)
+            hm = proj.norm(x, w[p + "post_attention_norm"], g.eps, "zero_centred", few_rows=few_rows)
             gu = proj(hm, w[p + "gate_up"], few_rows=few_rows)
             # SiLU(gate) · up in the projection's prologue: [gate | up] halves, as packed.
             x = proj(gu, w[p + "down"], glu=True, residual=x, few_rows=few_rows)
-        return zc_rms(x, w["final_norm"], g.eps)
+        return proj.norm(x, w["final_norm"], g.eps, "zero_centred", few_rows=few_rows)
 
     def _gdn(
         self,
@@ -414,7 +402,14 @@ class PagedQwen35(PagedLlama):
             if r >= 0:
                 hist[r] = new_hist
                 state[r] = new_state
-        o = gated_rms(core.reshape(n * hv, g.gdn_value_dim), w[p + "gdn_norm"], z.reshape(n * hv, -1), g.eps)
+        o = self.proj.norm(
+            core.reshape(n * hv, g.gdn_value_dim),
+            w[p + "gdn_norm"],
+            g.eps,
+            "gated",
+            z.reshape(n * hv, -1),
+            few_rows=few_rows,
+        )
         return self.proj(o.reshape(n, vd), w[p + "out_proj"], residual=residual, few_rows=few_rows)
 
 

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from ignition.capture.attention import attend_gather, rotate, write_attend_op
-from ignition.capture.gemv import Problem, Projections, Variant, rms
+from ignition.capture.gemv import Problem, Projections, Variant
 from ignition.capture.sampling import M32, Sampler
 from ignition.core.stepping import FLAG_EOS, FLAG_GRAMMAR_EXHAUSTED, FLAG_SAMPLED
 
@@ -325,8 +325,8 @@ class PagedLlama:
             k = qkv[:, hq : hq + hk].reshape(n, g.kv_heads, g.head_dim)
             v = qkv[:, hq + hk :].reshape(n, g.kv_heads, g.head_dim)
             if g.qk_norm:
-                q = rms(q, w[p + "q_norm"], g.eps)
-                k = rms(k, w[p + "k_norm"], g.eps)
+                q = proj.norm(q, w[p + "q_norm"], g.eps, few_rows=few_rows)
+                k = proj.norm(k, w[p + "k_norm"], g.eps, few_rows=few_rows)
             if self.write_attend is not None:
                 # RoPE happens inside the op, on the projection's views.
                 o = self.write_attend(q, k, v, cos, sin, kv, slots, tables, req, pos, i, scale).reshape(n, hq)
@@ -339,7 +339,7 @@ class PagedLlama:
             post = w[p + "post_attention_norm"]
             gu = proj(x, w[p + "gate_up"], self._bias(p + "gate_up_bias"), norm=post, eps=g.eps, few_rows=few_rows)
             x = proj(gu, w[p + "down"], self._bias(p + "down_bias"), glu=True, residual=x, few_rows=few_rows)
-        return rms(x, w["final_norm"], g.eps)
+        return proj.norm(x, w["final_norm"], g.eps, few_rows=few_rows)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The vocabulary projection of the rows that sample (at most a decode bucket's)."""

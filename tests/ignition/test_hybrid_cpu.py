@@ -224,7 +224,8 @@ def test_every_graph_runs_on_its_replay_check_inputs(tmp_path: Path) -> None:
 def test_decode_projections_are_the_tuned_problems(tmp_path: Path) -> None:
     """Every projection a decode step makes is a few-row call (`flare::gemv` when kernels are on)
     of a shape and variant `projection_problems` lists, so preparation tunes each one; prefill
-    makes none but the sampled row's vocabulary projection."""
+    makes none but the sampled row's vocabulary projection. Every norm of a decode step is a
+    few-row call too (`flare::rms_norm`: a row's norm independent of the rows beside it)."""
     require_torch()
     import torch
 
@@ -234,24 +235,39 @@ def test_decode_projections_are_the_tuned_problems(tmp_path: Path) -> None:
     _checkpoint(tmp_path)
     model, prog = _program(tmp_path)
     calls: list[tuple[tuple[int, ...], str, bool]] = []
-    real = Projections(kernel=False)
+    norms: list[tuple[str, bool]] = []
 
-    def recording(
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        *,
-        norm: torch.Tensor | None = None,
-        eps: float = 0.0,
-        glu: bool = False,
-        residual: torch.Tensor | None = None,
-        few_rows: bool = False,
-    ) -> torch.Tensor:
-        v = Variant(norm=norm is not None, glu=glu, bias=bias is not None, residual=residual is not None)
-        calls.append((tuple(weight.shape), v.key(), few_rows))
-        return real(x, weight, bias, norm=norm, eps=eps, glu=glu, residual=residual, few_rows=few_rows)
+    class Recording(Projections):
+        def __call__(
+            self,
+            x: torch.Tensor,
+            weight: torch.Tensor,
+            bias: torch.Tensor | None = None,
+            *,
+            norm: torch.Tensor | None = None,
+            eps: float = 0.0,
+            glu: bool = False,
+            residual: torch.Tensor | None = None,
+            few_rows: bool = False,
+        ) -> torch.Tensor:
+            v = Variant(norm=norm is not None, glu=glu, bias=bias is not None, residual=residual is not None)
+            calls.append((tuple(weight.shape), v.key(), few_rows))
+            return super().__call__(x, weight, bias, norm=norm, eps=eps, glu=glu, residual=residual, few_rows=few_rows)
 
-    model.proj = recording  # type: ignore[assignment]
+        def norm(
+            self,
+            x: torch.Tensor,
+            w: torch.Tensor,
+            eps: float,
+            mode: str = "rms",
+            gate: torch.Tensor | None = None,
+            *,
+            few_rows: bool = False,
+        ) -> torch.Tensor:
+            norms.append((mode, few_rows))
+            return super().norm(x, w, eps, mode, gate, few_rows=few_rows)
+
+    model.proj = Recording(kernel=False)
     model.gemv = True  # as on the device: decode rows unpadded, projections few-row (references here)
     ids = list(range(3, 40))
     pages = [0, 1]
@@ -260,6 +276,7 @@ def test_decode_projections_are_the_tuned_problems(tmp_path: Path) -> None:
     head = tuple(model.head().shape)
     assert calls and all(shape == head for shape, _, few in calls if few), "prefill projects as GEMMs but the sample"
     calls.clear()
+    norms.clear()
     _run(prog, "decode_b4", [Row(2, pages, len(ids), [7])])
     tuned = {(tuple(w.shape), p.variant.key()) for p in model.projection_problems() for w in p.weights}
     layers = len(model.geo.layer_kinds)
@@ -267,6 +284,9 @@ def test_decode_projections_are_the_tuned_problems(tmp_path: Path) -> None:
     for shape, key, few in calls:
         assert few, (shape, key)
         assert (shape, key) in tuned, (shape, key, sorted(tuned))
+    # Input and post-attention norms per layer, the final norm, q/k norms and the GDN output norms.
+    assert len(norms) >= 2 * layers + 1 and all(few for _, few in norms), norms
+    assert {mode for mode, _ in norms} == {"zero_centred", "gated"}, norms
 
 
 def test_speculative_generation_equals_ordinary_generation(tmp_path: Path) -> None:

@@ -743,6 +743,15 @@ def test_gemv_compiles_as_an_opaque_op() -> None:
     assert report["gemv_calls_in_compiled_code"] >= 8 and report["max_abs_err"] < 1e-4, report
 
 
+def test_row_norm_kernel_is_row_invariant_under_the_interpreter() -> None:
+    """`flare::rms_norm` (every few-row norm when kernels are on) against the eager reference in
+    each mode, a row's result bitwise independent of the rows launched with it, strided rows,
+    and the op called from compiled code."""
+    report = _interpreted("rownorm_interpreted.py", 300)
+    assert report["row_invariant"] and report["op_calls_in_compiled_code"] >= 2, report
+    assert report["worst_ulps"]["float32"] < 8 and report["worst_ulps"]["float16"] <= 1, report
+
+
 def test_fused_sampler_matches_the_torch_sampler_under_the_interpreter() -> None:
     """`flare::sample`'s kernel against the torch definition it replaces: every filter, penalty
     and grammar mix, ties at thresholds, fully masked rows, the top-p climb and bisection; a
