@@ -31,12 +31,15 @@ def _row_input(X, NW, row, ks, kmask, stride_x, K, rstd, NORM: tl.constexpr, GLU
         u = tl.load(X + row * stride_x + K + ks, mask=kmask, other=0.0)
         gf = g.to(tl.float32)
         s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-        h = s * u
+        # Products in float32, rounded once: what a bf16 multiply computes (the exact product of
+        # two bf16 values fits a float32), spelled out so Triton's interpreter computes it too.
+        h = (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
     else:
         h = tl.load(X + row * stride_x + ks, mask=kmask, other=0.0)
         if NORM:
             nw = tl.load(NW + ks, mask=kmask, other=0.0)
-            h = nw * (h.to(tl.float32) * rstd).to(h.dtype)
+            n = (h.to(tl.float32) * rstd).to(h.dtype)
+            h = (nw.to(tl.float32) * n.to(tl.float32)).to(h.dtype)
     return h
 
 

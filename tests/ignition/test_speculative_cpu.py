@@ -212,3 +212,14 @@ def test_the_replay_check_inputs_and_the_prepare_check_run_the_programs(tmp_path
     assert all(lane["bitwise"] for lane in report["lanes_against_decode"]["lanes"]), report
     assert report["lanes_against_decode"]["live_row_bitwise"], report
     assert report["decode_rounds"]["right"] < report["decode_rounds"]["one_in_three_wrong"] <= 8, report
+
+
+def test_speculative_lanes_with_the_device_kernels_equal_decoding() -> None:
+    """With the few-row kernels a core runs (`flare::gemv`, `flare::rms_norm`, `flare::sample`
+    under Triton's interpreter), speculative generation still equals ordinary generation, and
+    both equal generation through the torch sampler and norms."""
+    from tests.ignition.test_paged_cpu import _interpreted
+
+    report = _interpreted("speculative_kernels_interpreted.py", 600)
+    for case in ("sampled", "greedy"):
+        assert report[case] == {"speculative_equal": True, "rounds": 2, "torch_equal": True}, report
