@@ -188,17 +188,18 @@ def test_compiled_graph_path_matches_the_reference_under_the_interpreter() -> No
     eager reference: hidden vectors, every row region and the KV pages, padded lanes included;
     with the scan and with the chunked GDN prefill. A compiled speculative round (GDN columns,
     the commit op; two requests, one committing a column and one nothing) leaves both live rows
-    and the KV bitwise as compiled decode steps do."""
+    and the KV bitwise as compiled decode steps do, also with every few-row kernel (`flare::gemv`,
+    `flare::rms_norm`, `flare::sample`)."""
     from tests.ignition.test_paged_cpu import _interpreted
 
     report = _interpreted("hybrid_compiled.py", 1200)
     for r in (report, report["chunked"]):  # the GDN prefill as a scan, and chunked
         assert r["unnamed_rows_untouched"], report
         assert max(r["hidden_rel_l2_max"], r["rows_rel_l2_max"], r["kv_rel_l2"]) < 0.02, report
-    spec = report["speculative"]
-    assert spec["record"] == spec["expected_record"] and spec["differing_regions"] == [], spec
-    assert spec["live_rows_bitwise"] and spec["lanes_bitwise"] and spec["kv_bitwise"], spec
-    assert spec["other_rows_untouched"], spec
+    for spec in (report["speculative"], report["speculative_kernels"]):
+        assert spec["record"] == spec["expected_record"] and spec["differing_regions"] == [], spec
+        assert spec["live_rows_bitwise"] and spec["lanes_bitwise"] and spec["kv_bitwise"], spec
+        assert spec["other_rows_untouched"], spec
 
 
 def test_every_graph_runs_on_its_replay_check_inputs(tmp_path: Path) -> None:

@@ -18,9 +18,11 @@ from typing import Any
 import torch
 
 from ignition.capture import gdn
+from ignition.capture.gemv import Projections
 from ignition.capture.hybrid import PagedQwen35
 from ignition.capture.program import GraphSpec, Program
 from ignition.capture.runner import Row, fill, pack_rows
+from ignition.capture.sampling import Sampler
 from ignition.prepare import Capacities, PrepareOptions
 from ignition.recipes.mapping import Checkpoint, stream_execution_layout
 from ignition.recipes.qwen3_5 import RECIPE, Qwen35Config, plan_weight_mapping
@@ -110,9 +112,10 @@ def ok(r: dict[str, Any]) -> bool:
     return bool(worst < 0.02 and r["unnamed_rows_untouched"])
 
 
-def speculative() -> dict[str, Any]:
+def speculative(few_row_kernels: bool = False) -> dict[str, Any]:
     """A compiled two-request speculative program against compiled decode steps, all with the GDN
-    kernels; slots own W = 4 rows. Request A's second proposal is wrong (the round consumes two
+    kernels (`few_row_kernels`: and `flare::gemv`, `flare::rms_norm`, `flare::sample`, as the
+    device runs them); slots own W = 4 rows. Request A's second proposal is wrong (the round consumes two
     tokens, the column of lane 1 committed), request B's first is (one token, nothing to commit);
     both live rows (every region, stamp included), the consumed positions' KV and the lanes'
     hidden vectors are bitwise what decode steps leave; rows outside both slots untouched."""
@@ -122,6 +125,10 @@ def speculative() -> dict[str, Any]:
     plan = RECIPE.plan_program(config, (2,), Capacities([1, 4], [64], 256, 4, 4, 24, [(2, 3)]))
     prog = plan.build(weights, torch.device("cpu"), PrepareOptions(attention_kernel=True))
     prog.model = PagedQwen35(prog.model.geo, weights, prog.model.inv_freq, kernels=True, attention_kernel=False)
+    if few_row_kernels:
+        prog.model.proj = Projections(kernel=True)
+        prog.model.gemv = True  # as on the device: decode rows unpadded
+        prog.model.sampler = Sampler(kernel=True)
     geo, greedy = prog.geo, Sampling(top_k=1)
     a, b = geo.live_row(1), geo.live_row(2)
     pages_b, start_a, start_b = [9, 11], 60, 40
@@ -181,12 +188,15 @@ def speculative() -> dict[str, Any]:
 
 report = compare(ref, ker)
 report["speculative"] = speculative()
+report["speculative_kernels"] = speculative(few_row_kernels=True)
 # The same with the chunked GDN prefill (`--gdn-prefill chunked`, chunks of 16 here).
 gdn.PREFILL_CHUNK = 16
 report["chunked"] = compare(*fresh())
 gdn.PREFILL_CHUNK = None
 print(json.dumps(report))
-spec_ok = report["speculative"]["record"] == report["speculative"]["expected_record"] and all(
-    v for k, v in report["speculative"].items() if k not in ("record", "expected_record", "differing_regions")
+spec_ok = all(
+    r["record"] == r["expected_record"]
+    and all(v for k, v in r.items() if k not in ("record", "expected_record", "differing_regions"))
+    for r in (report["speculative"], report["speculative_kernels"])
 )
 sys.exit(0 if ok(report) and ok(report["chunked"]) and spec_ok else 1)
