@@ -59,6 +59,10 @@ PAGES_PER_SPLIT = 4
 # Measured on the H200 with splits for prefill too: a 256-token chunk took 2.82 ms instead of
 # 1.86 ms (SmolLM2), cold TTFT at 4,096 tokens 69 ms instead of 59 ms.
 SPLIT_MAX_TOKENS = 64
+# Query rows (tokens x the heads of one KV head) per program of the prefill kernel: a page read
+# serves this many rows; 64 rows keep about one program per SM for a 256-token chunk of a model
+# with 8 KV heads and 4 heads each.
+PREFILL_BLOCK_ROWS = 64
 
 
 def pages_per_split(tokens: int, pages: int) -> int:
@@ -157,6 +161,92 @@ def _kernel() -> Any:  # a triton.JITFunction (Triton ships no type information)
             tl.store(PACC + at[:, None] * D + di[None, :], acc, mask=qmask[:, None])
 
     return paged_attention_kernel
+
+
+@functools.cache
+def _prefill_kernel() -> Any:  # a triton.JITFunction (Triton ships no type information)
+    import triton
+    import triton.language as tl
+
+    @triton.jit  # parameters unannotated: see paged_attention_kernel
+    def paged_prefill_attention_kernel(  # type: ignore[no-untyped-def]
+        Q,
+        COS,
+        SIN,
+        KV,
+        PT,
+        REQ,
+        POS,
+        OUT,
+        layer,
+        N,
+        q_row,
+        q_head,
+        s_page,
+        s_layer,
+        s_sel,
+        s_tok,
+        s_head,
+        pt_stride,
+        pt_cols,
+        SCALE: tl.constexpr,
+        H: tl.constexpr,
+        G: tl.constexpr,
+        GP: tl.constexpr,
+        D: tl.constexpr,
+        T: tl.constexpr,
+        BT: tl.constexpr,
+        ROPE: tl.constexpr,
+    ):
+        """One (block of BT consecutive tokens of one request, KV head): the block's query rows
+        (token-major, the G heads of the KV head each) against each page up to the block's last
+        position, so a page is read once per block instead of once per token. Per row it is
+        `paged_attention_kernel`'s single-group arithmetic: pages past a row's position are fully
+        masked, and a fully masked page leaves the row's state exactly as it was."""
+        b = tl.program_id(0)
+        kh = tl.program_id(1)
+        i = tl.arange(0, BT * GP)
+        n = b * BT + i // GP
+        g = i % GP
+        di = tl.arange(0, D)
+        ti = tl.arange(0, T)
+        valid = (n < N) & (g < G)
+        head = kh * G + g
+        qp = Q + n.to(tl.int64)[:, None] * q_row + head[:, None] * q_head
+        q = tl.load(qp + di[None, :], mask=valid[:, None], other=0.0)
+        if ROPE:
+            rot = (di + D // 2) % D
+            sign = tl.where(di < D // 2, -1.0, 1.0)
+            qr = tl.load(qp + rot[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+            c = tl.load(COS + n[:, None] * D + di[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+            s_ = tl.load(SIN + n[:, None] * D + di[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+            q = (q.to(tl.float32) * c + sign[None, :] * qr * s_).to(KV.dtype.element_ty)
+        pos = tl.load(POS + n, mask=valid, other=0).to(tl.int64)
+        r = tl.load(REQ + b * BT).to(tl.int64)
+        m = tl.full([BT * GP], float("-inf"), tl.float32)
+        lsum = tl.zeros([BT * GP], tl.float32)
+        acc = tl.zeros([BT * GP, D], tl.float32)
+        base = KV + layer * s_layer + kh * s_head
+        last = tl.minimum(tl.max(pos, 0) // T + 1, pt_cols)
+        for j in range(0, last):
+            page = tl.maximum(tl.load(PT + r * pt_stride + j).to(tl.int64), 0)
+            kp = base + page * s_page + ti[:, None] * s_tok + di[None, :]
+            k = tl.load(kp)
+            v = tl.load(kp + s_sel)
+            s = tl.dot(q, tl.trans(k)) * SCALE
+            s = tl.where((j * T + ti)[None, :] <= pos[:, None], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            lsum = lsum * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        # Page 0 is always walked, so lsum > 0 on every valid row.
+        out = acc / lsum[:, None]
+        dst = OUT + (n.to(tl.int64)[:, None] * H + head[:, None]) * D + di[None, :]
+        tl.store(dst, out.to(OUT.dtype.element_ty), mask=valid[:, None])
+
+    return paged_prefill_attention_kernel
 
 
 @functools.cache
@@ -297,15 +387,20 @@ def _launch_attention(
     pps: int | None = None,
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
+    single_request: bool = False,
 ) -> torch.Tensor:
     """Paged attention of q [N, H, D] (rotated first when cos/sin [N, D] are given) over `pages`
     [R, P]: page groups of `pps` pages (default `pages_per_split`) in parallel, then combined;
-    one group stores its output directly."""
+    one group stores its output directly. `single_request` (a prefill chunk: every token of one
+    request, at increasing positions): past `SPLIT_MAX_TOKENS` tokens, blocks of tokens share
+    each page read (`paged_prefill_attention_kernel`)."""
     q = _rows(q)
     c, s, rope = _rope_inputs(cos, sin, q)
     n, h, d = q.shape
     kvh, t = kv.shape[4], kv.shape[3]
     g = h // kvh
+    if single_request and n > SPLIT_MAX_TOKENS and pps is None:
+        return _launch_prefill_attention(q, c, s, rope, kv, pages, req, pos, layer, scale)
     pps = pps or pages_per_split(n, pages.shape[1])
     splits = -(-pages.shape[1] // pps)
     out = torch.empty((n, h, d), dtype=q.dtype, device=q.device)
@@ -354,6 +449,63 @@ def _launch_attention(
     return out
 
 
+def _launch_prefill_attention(
+    q: torch.Tensor,
+    c: torch.Tensor,
+    s: torch.Tensor,
+    rope: bool,
+    kv: torch.Tensor,
+    pages: torch.Tensor,
+    req: torch.Tensor,
+    pos: torch.Tensor,
+    layer: int,
+    scale: float,
+) -> torch.Tensor:
+    """`_launch_attention` for one request's chunk: blocks of `BT` tokens with their G query
+    heads each, about `PREFILL_BLOCK_ROWS` query rows per program."""
+    n, h, d = q.shape
+    kvh, t = kv.shape[4], kv.shape[3]
+    g = h // kvh
+    gp = 1 << (g - 1).bit_length()
+    bt = max(1, PREFILL_BLOCK_ROWS // gp)
+    if bt * gp < 16:  # tl.dot's smallest row tile
+        bt = 16 // gp
+    out = torch.empty((n, h, d), dtype=q.dtype, device=q.device)
+    st = kv.stride()
+    _prefill_kernel()[(-(-n // bt), kvh)](
+        q,
+        c,
+        s,
+        kv,
+        pages,
+        req,
+        pos,
+        out,
+        layer,
+        n,
+        q.stride(0),
+        q.stride(1),
+        st[0],
+        st[1],
+        st[2],
+        st[3],
+        st[4],
+        pages.stride(0),
+        pages.shape[1],
+        SCALE=scale,
+        H=h,
+        G=g,
+        GP=gp,
+        D=d,
+        T=t,
+        BT=bt,
+        ROPE=rope,
+        # The accumulator holds rows x D floats: 32 per thread at 4 warps up to 64 x 64.
+        num_warps=4 if bt * gp * d <= 4096 else 8,
+    )
+    return out
+
+
 @functools.cache
 def write_attend_op() -> CustomOpDef:
     """`flare::write_attend`: one layer's RoPE, slot-mapping K/V write (a negative slot writes
@@ -395,11 +547,13 @@ def write_attend_op() -> CustomOpDef:
         pos: torch.Tensor,
         layer: int,
         scale: float,
+        single_request: bool = False,
     ) -> torch.Tensor:
-        """cos/sin None: q and k arrive rotated (partial rotary recipes rotate them before)."""
+        """cos/sin None: q and k arrive rotated (partial rotary recipes rotate them before).
+        `single_request`: a prefill chunk (one request's tokens at increasing positions)."""
         slots, pages, req, pos = (t.contiguous() for t in (slots, pages, req, pos))
         _launch_write(k, v, kv, slots, layer, cos, sin)
-        return _launch_attention(q, kv, pages, req, pos, layer, scale, cos=cos, sin=sin)
+        return _launch_attention(q, kv, pages, req, pos, layer, scale, cos=cos, sin=sin, single_request=single_request)
 
     @write_attend.register_fake
     def _(
@@ -415,6 +569,7 @@ def write_attend_op() -> CustomOpDef:
         pos: torch.Tensor,
         layer: int,
         scale: float,
+        single_request: bool = False,
     ) -> torch.Tensor:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 

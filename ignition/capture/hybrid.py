@@ -316,7 +316,8 @@ class PagedQwen35(PagedLlama):
                 k = torch.cat([rotate(k[..., :rd], cos, sin), k[..., rd:]], -1)
                 j = attention[i]
                 if self.write_attend is not None:  # q and k arrive rotated: no rope in the op
-                    o = self.write_attend(q, k, v, None, None, kv, slots, page_table, req, pos, j, hd**-0.5)
+                    prefill = length is not None
+                    o = self.write_attend(q, k, v, None, None, kv, slots, page_table, req, pos, j, hd**-0.5, prefill)
                     o = o.reshape(n, g.heads * hd)
                 else:
                     kv[page, j, 0, off] = k

@@ -329,7 +329,8 @@ class PagedLlama:
                 k = proj.norm(k, w[p + "k_norm"], g.eps, few_rows=few_rows)
             if self.write_attend is not None:
                 # RoPE happens inside the op, on the projection's views.
-                o = self.write_attend(q, k, v, cos, sin, kv, slots, tables, req, pos, i, scale).reshape(n, hq)
+                o = self.write_attend(q, k, v, cos, sin, kv, slots, tables, req, pos, i, scale, length is not None)
+                o = o.reshape(n, hq)
             else:
                 q, k = rotate(q, cos, sin), rotate(k, cos, sin)
                 kv[page, i, 0, off] = k

@@ -715,9 +715,11 @@ def _interpreted(script: str, timeout: int) -> dict[str, Any]:
 
 def test_triton_kernels_match_the_reference_under_the_interpreter() -> None:
     """The paged-attention and KV-write kernels (what the GPU graphs run) against the gather
-    reference, on CPU through Triton's interpreter."""
+    reference, on CPU through Triton's interpreter; the prefill block kernel also against the
+    per-token kernel, a row's result independent of the block that holds it."""
     report = _interpreted("triton_kernels_interpreted.py", 300)
     assert report["kv_write_exact"] and report["attention_max_abs_err"] < 1e-5, report
+    assert report["prefill_block_max_abs_err"] < 1e-5 and report["prefill_block_invariant"], report
 
 
 def test_write_attend_compiles_without_copying_the_cache() -> None:

@@ -70,7 +70,29 @@ rope_attn_err = max(
     (_launch_attention(rq, kv, tables, req, pos, 1, scale, pps, cos=cos, sin=sin) - rref).abs().max().item()
     for pps in (1, 4)
 )
+# A prefill chunk (one request, increasing positions, padding past the real tokens at position
+# 0): the block kernel against the gather reference and the per-token kernel; a row's result is
+# the same whichever block holds it (the chunk shifted by one token: every block changes).
+n3 = SPLIT_MAX_TOKENS + 23
+q3 = torch.randn(n3 + 1, h, d, generator=g)
+req3 = torch.ones(n3 + 1, dtype=torch.int32)
+pos3 = torch.arange(n3 + 1, dtype=torch.int32) + 150
+pos3[-5:] = 0
+ang3 = pos3.float()[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))[None, :]
+cos3, sin3 = torch.cat([ang3, ang3], -1).cos(), torch.cat([ang3, ang3], -1).sin()
+ref3 = attend_gather(rotate(q3, cos3, sin3), kv, 2, tables.long().clamp(min=0), req3, pos3, scale).view(n3 + 1, h, d)
+block = _launch_attention(q3, kv, tables, req3, pos3, 2, scale, cos=cos3, sin=sin3, single_request=True)
+per_token = _launch_attention(q3, kv, tables, req3, pos3, 2, scale, cos=cos3, sin=sin3)
+shifted = _launch_attention(
+    q3[1:], kv, tables, req3[1:], pos3[1:], 2, scale, cos=cos3[1:], sin=sin3[1:], single_request=True
+)
+prefill_err = (block - ref3).abs().max().item()
+prefill_vs_per_token = (block - per_token).abs().max().item()
+prefill_block_invariant = torch.equal(shifted, block[1:])
 report = {
+    "prefill_block_max_abs_err": prefill_err,
+    "prefill_block_vs_per_token": prefill_vs_per_token,
+    "prefill_block_invariant": prefill_block_invariant,
     "attention_max_abs_err": attn_err,
     "kv_write_exact": kv_write_exact,
     "rope_write_max_abs_err": rope_write_err,
@@ -78,4 +100,5 @@ report = {
 }
 print(json.dumps(report))
 ok = attn_err < 1e-5 and kv_write_exact and rope_write_err < 1e-5 and rope_attn_err < 1e-5
+ok = ok and prefill_err < 1e-5 and prefill_vs_per_token < 1e-5 and prefill_block_invariant
 sys.exit(0 if ok else 1)
