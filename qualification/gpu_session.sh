@@ -26,6 +26,7 @@
 #   spec-diag                            issue 21: speculative lanes against decode, tiny model, every variant (~3 min)
 #   spec-diag-hybrid                     the same for the tiny Qwen3.5 (GDN lanes, state columns), after the GDN lane check
 #   sampler-check                        issue 19: flare::sample against the torch sampler, tokens and graph time (no core)
+#   attention-check                      issue 19: prefill attention, block kernel against per-token, three geometries
 #   pdl-probe                            issue 19: gemv chains as one graph, plain and with programmatic dependent launch
 #   q35-spec                             issue 21: the Qwen3.5 core with speculative programs (state columns), checks (bg)
 #   q35-bw       (carry .dev/b2)         the Qwen3.5 core with gemv decode projections and the chunked GDN prefill (bg)
@@ -291,6 +292,9 @@ for d in (4, 0):
   sampler-check)  # issue 19: flare::sample against the torch sampler (tokens, CUDA-graph time), both vocabularies (~3 min)
     timeout 500 python3 qualification/sampler_check.py "$OUT/sampler_check.json" > "$OUT/sampler_check.log" 2>&1
     echo "sampler_check rc=$?"; tail -30 "$OUT/sampler_check.log" | cut -c1-300 ;;
+  attention-check)  # issue 19 item 4: the prefill block attention kernel against the per-token one (~1 min)
+    timeout 300 python3 qualification/attention_check.py "$OUT/attention_check.json" > "$OUT/attention_check.log" 2>&1
+    echo "attention_check rc=$?"; tail -8 "$OUT/attention_check.log" | cut -c1-300 ;;
   spec-diag|spec-diag-hybrid)  # issue 21: speculative lanes against decode on a tiny model (kernels, compile, gemv,
               # precision casts); spec-diag-hybrid (CASES=hybrid): first the GDN lane kernels at the 0.8B geometry and
               # far row offsets (gdn_verify_check.py), then the tiny Qwen3.5 cases

@@ -1,0 +1,76 @@
+"""Prefill attention on the device (issue 19 item 4): the block kernel (`single_request`: each page
+read once per ~64 query rows) against the per-token kernel it replaces for prefill chunks, at the
+~1B Llama's, SmolLM2's and Qwen3.5-0.8B's attention geometries, for a 256-token chunk at the end of
+4,096- and 1,024-token contexts; each as a CUDA-graph replay of all layers (the chunk's attention
+over every layer, as a prefill graph runs it), with the relative error against each other.
+
+    python3 qualification/attention_check.py OUT.json
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ignition.capture.attention import _launch_attention
+from ignition.capture.gemv import _time_ms
+
+# (name, layers with attention, heads, KV heads, head dim, RoPE in the kernel)
+GEOMETRIES = (("llama_1b", 16, 32, 8, 64, True), ("smollm2", 30, 9, 3, 64, True), ("qwen3_5_0p8b", 6, 8, 2, 256, False))
+
+
+def run(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, req: torch.Tensor, pos: torch.Tensor,
+        cos: torch.Tensor | None, sin: torch.Tensor | None, layers: int, block: bool) -> torch.Tensor:  # fmt: skip
+    out = q
+    for layer in range(layers):
+        out = _launch_attention(
+            q, kv, table, req, pos, layer, q.shape[-1] ** -0.5, cos=cos, sin=sin, single_request=block
+        )
+    return out
+
+
+def main() -> int:
+    dev = torch.device("cuda")
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "cases": []}
+    worst = 0.0
+    for name, layers, h, kvh, d, rope in GEOMETRIES:
+        for context in (1024, 4096):
+            chunk = 256
+            pages = context // 64
+            kv = torch.randn(pages + 1, layers, 2, 64, kvh, d, device=dev, dtype=torch.bfloat16)
+            table = torch.randperm(pages + 1, device=dev)[:pages].int().view(1, pages)
+            q = torch.randn(chunk, h, d, device=dev, dtype=torch.bfloat16)
+            req = torch.zeros(chunk, dtype=torch.int32, device=dev)
+            pos = torch.arange(context - chunk, context, dtype=torch.int32, device=dev)
+            cos = sin = None
+            if rope:
+                ang = pos.float()[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2, device=dev).float() / d))[None, :]
+                cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+            args = (q, kv, table, req, pos, cos, sin, layers)
+            a = run(*args, block=True).float()
+            b = run(*args, block=False).float()
+            err = float((a - b).norm() / b.norm())
+            worst = max(worst, err)
+            block_ms = _time_ms(functools.partial(run, *args, block=True), 20)
+            token_ms = _time_ms(functools.partial(run, *args, block=False), 20)
+            case = {
+                "geometry": name, "layers": layers, "context": context, "chunk": chunk,
+                "block_ms": round(block_ms, 4), "per_token_ms": round(token_ms, 4),
+                "speedup": round(token_ms / block_ms, 2), "rel_l2_block_vs_per_token": err,
+            }  # fmt: skip
+            report["cases"].append(case)
+            print(json.dumps(case), flush=True)
+    report["worst_rel_l2"] = worst
+    Path(sys.argv[1]).write_text(json.dumps(report, indent=1))
+    return 0 if worst < 1e-2 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
