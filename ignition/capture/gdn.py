@@ -226,15 +226,22 @@ def delta_rule_prefill_chunked(
 ) -> torch.Tensor:
     """`delta_rule_prefill` in chunks of `chunk` tokens (matrix products within a chunk, the
     state carried between chunks): same operands, outputs and state, different float32
-    rounding. One program per value head and value block."""
+    rounding. First every chunk's triangular inverse at once (one program per value head and
+    chunk), then the recurrence over chunks (one program per value head and value block)."""
     t = q.shape[0]
     hv, dv = v.shape[1], v.shape[2]
     o = torch.empty(t, hv, dv, dtype=v.dtype, device=v.device)
     if g.stride() != beta.stride():
         raise ValueError("gdn: g and beta must share a layout")
-    _kernels().delta_rule_chunked_kernel[(hv, -(-dv // block_v))](
-        state, row, length, q, k, v, g, beta, o, t, *_strides(state, q, k, v, g, o), **_dims(q, v, block_v), C=chunk
+    nc = -(-t // chunk)
+    tm = torch.empty(hv, nc, chunk, chunk, dtype=torch.float32, device=v.device)
+    _kernels().delta_rule_chunk_inverse_kernel[(hv, nc)](
+        length, k, g, beta, tm, nc, k.stride(0), k.stride(1), g.stride(0), HK=q.shape[1], HV=hv, DK=q.shape[2], C=chunk
     )
+    _kernels().delta_rule_chunked_kernel[(hv, -(-dv // block_v))](
+        state, row, length, q, k, v, g, beta, o, tm, nc, t, *_strides(state, q, k, v, g, o), **_dims(q, v, block_v),
+        C=chunk,
+    )  # fmt: skip
     return o
 
 

@@ -198,6 +198,55 @@ def delta_rule_kernel(
 
 
 @triton.jit
+def delta_rule_chunk_inverse_kernel(
+    LENGTH,
+    K,
+    G,
+    BETA,
+    TM,
+    NC,
+    sk_t,
+    sk_h,
+    sg_t,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    DK: tl.constexpr,
+    C: tl.constexpr,
+):
+    """One (value head, chunk) of the chunked prefill: (I + A)^-1 for the chunk's strictly lower
+    A = beta_i exp(G_i - G_j) k_i.k_j, by forward substitution, into TM[head, chunk]. Chunks
+    are independent here, so this serial part runs for every chunk at once and leaves the
+    chunk-to-chunk recurrence (`delta_rule_chunked_kernel`) only matrix products."""
+    h = tl.program_id(0)
+    c0 = tl.program_id(1) * C
+    n = tl.load(LENGTH)
+    if c0 < n:
+        kh = h // (HV // HK)
+        ci = tl.arange(0, C)
+        dk = tl.arange(0, DK)
+        t = c0 + ci
+        real = t < n
+        lower = ci[:, None] > ci[None, :]
+        causal = ci[:, None] >= ci[None, :]
+        eye = tl.where(ci[:, None] == ci[None, :], 1.0, 0.0)
+        k = tl.load(K + t[:, None] * sk_t + kh * sk_h + dk[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+        k = k / tl.sqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+        g = tl.load(G + t * sg_t + h, mask=real, other=0.0).to(tl.float32)
+        b = tl.load(BETA + t * sg_t + h, mask=real, other=0.0).to(tl.float32)
+        gc = tl.cumsum(g, 0)
+        decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0))
+        kk = tl.dot(k, tl.trans(k), input_precision="ieee")
+        a = tl.where(lower, b[:, None] * decay * kk, 0.0)
+        tm = eye
+        for i in range(1, C):
+            ai = tl.sum(tl.where(ci[:, None] == i, a, 0.0), 0)
+            ri = -tl.sum(ai[:, None] * tm, 0)
+            tm = tl.where(ci[:, None] == i, eye + ri[None, :], tm)
+        at = (h.to(tl.int64) * NC + tl.program_id(1)) * C * C
+        tl.store(TM + at + ci[:, None] * C + ci[None, :], tm)
+
+
+@triton.jit
 def delta_rule_chunked_kernel(
     STATE,
     ROW,
@@ -208,6 +257,8 @@ def delta_rule_chunked_kernel(
     G,
     BETA,
     OUT,
+    TM,
+    NC,
     T,
     sq_t,
     sq_h,
@@ -231,8 +282,9 @@ def delta_rule_chunked_kernel(
     """Prefill of one request in chunks of C tokens (the delta_rule_kernel's arithmetic, chunked):
     program (value head, value block). Within a chunk, with G the cumulative log decay and A the
     strictly lower [C, C] matrix beta_i exp(G_i - G_j) k_i.k_j, the chunk's corrections are
-    W = (I + A)^-1 (beta V - diag(beta exp G) K S) (the inverse by forward substitution), its
-    outputs exp(G) Q S + (causal Q K^T exp(G_i - G_j)) W and the state after it
+    W = (I + A)^-1 (beta V - diag(beta exp G) K S) (the inverse from TM, which
+    `delta_rule_chunk_inverse_kernel` wrote for every chunk), its outputs
+    exp(G) Q S + (causal Q K^T exp(G_i - G_j)) W and the state after it
     exp(G_last) S + (K exp(G_last - G))^T W: matrix products instead of a scan over tokens.
     Tokens past LENGTH enter as beta = g = 0 (no effect on the state) and output zeros."""
     h = tl.program_id(0)
@@ -247,9 +299,7 @@ def delta_rule_chunked_kernel(
     s = tl.load(sp, mask=vm[None, :], other=0.0)
     scale = 1.0 / tl.sqrt(DK * 1.0)
     ci = tl.arange(0, C)
-    lower = ci[:, None] > ci[None, :]
     causal = ci[:, None] >= ci[None, :]
-    eye = tl.where(ci[:, None] == ci[None, :], 1.0, 0.0)
     for c0 in range(0, n, C):
         t = c0 + ci
         real = t < n
@@ -264,13 +314,8 @@ def delta_rule_chunked_kernel(
         gc = tl.cumsum(g, 0)
         # exp(G_i - G_j) where i >= j (at most 1); elsewhere unused, kept finite.
         decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0))
-        kk = tl.dot(k, tl.trans(k), input_precision="ieee")
-        a = tl.where(lower, b[:, None] * decay * kk, 0.0)
-        tm = eye
-        for i in range(1, C):
-            ai = tl.sum(tl.where(ci[:, None] == i, a, 0.0), 0)
-            ri = -tl.sum(ai[:, None] * tm, 0)
-            tm = tl.where(ci[:, None] == i, eye + ri[None, :], tm)
+        at = (h.to(tl.int64) * NC + c0 // C) * C * C
+        tm = tl.load(TM + at + ci[:, None] * C + ci[None, :])
         gamma = tl.exp(gc)
         u = tl.dot(tm, b[:, None] * v, input_precision="ieee")
         wk = tl.dot(tm, (b * gamma)[:, None] * k, input_precision="ieee")
