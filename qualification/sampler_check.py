@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ignition.capture.gemv import _time_ms
-from ignition.capture.sampling import launch, sample
+from ignition.capture.sampling import launch, parameters, sample
 
 MIXES: dict[str, dict[str, float]] = {
     "plain": {"temperature": 0.8},
@@ -85,18 +85,7 @@ def main() -> int:
                     for draw in range(32):
                         x = logits_for(b, v, shape, draw, dev)
                         a = inputs(b, v, mix, draw, dev)
-                        args = (
-                            a["temperature"],
-                            a["top_k"],
-                            a["top_p"],
-                            a["min_p"],
-                            a["repetition"],
-                            a["presence"],
-                            a["frequency"],
-                            a["seed"],
-                            a["counter"],
-                            a["grammar"],
-                        )
+                        args = (*parameters(a), a["grammar"])
                         got, _ = launch(x, hist, rows, *args)
                         want, _ = sample(x, hist[rows], *args)
                         same += int((got == want).sum())
@@ -105,18 +94,7 @@ def main() -> int:
                     worst_agreement = min(worst_agreement, agreement)
                     x = logits_for(b, v, shape, 0, dev)
                     a = inputs(b, v, mix, 0, dev)
-                    args = (
-                        a["temperature"],
-                        a["top_k"],
-                        a["top_p"],
-                        a["min_p"],
-                        a["repetition"],
-                        a["presence"],
-                        a["frequency"],
-                        a["seed"],
-                        a["counter"],
-                        a["grammar"],
-                    )
+                    args = (*parameters(a), a["grammar"])
                     kernel_us = 1000 * _time_ms(functools.partial(launch, x, hist, rows, *args), 50)
                     gathered = hist[rows]
                     # One compile per shape: the grammar mix (another graph) is timed by the kernel only.

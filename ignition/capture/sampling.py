@@ -80,6 +80,19 @@ def expand_mask(words: torch.Tensor, vocab: int) -> torch.Tensor:
     return ((w >> (idx & 31).to(w.dtype)[None, :]) & 1) != 0
 
 
+Row = torch.Tensor
+RowParameters = tuple[Row, Row, Row, Row, Row, Row, Row, Row, Row]
+
+
+def parameters(p: dict[str, torch.Tensor]) -> RowParameters:
+    """`sample`'s per-row parameters after the logits and the histogram, in order (the grammar
+    mask follows them), from a mapping that names them as `sample` does."""
+    return (
+        p["temperature"], p["top_k"], p["top_p"], p["min_p"], p["repetition"], p["presence"], p["frequency"],
+        p["seed"], p["counter"],
+    )  # fmt: skip
+
+
 def sample(
     logits: torch.Tensor,
     histogram: torch.Tensor,

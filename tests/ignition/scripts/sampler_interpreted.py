@@ -13,7 +13,7 @@ import sys
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from ignition.capture.sampling import Sampler, launch, sample
+from ignition.capture.sampling import CLIMBS, KERNEL_BLOCK, Sampler, launch, parameters, sample
 
 gen = torch.Generator().manual_seed(0)
 mismatches: list[str] = []
@@ -44,24 +44,10 @@ def run(
     rows: torch.Tensor,
     p: dict[str, torch.Tensor],
     grammar: torch.Tensor | None,
-    **kw: int,
+    block: int = KERNEL_BLOCK,
+    climbs: int = CLIMBS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return launch(
-        logits,
-        hist,
-        rows,
-        p["temperature"],
-        p["top_k"],
-        p["top_p"],
-        p["min_p"],
-        p["repetition"],
-        p["presence"],
-        p["frequency"],
-        p["seed"],
-        p["counter"],
-        grammar,
-        **kw,
-    )
+    return launch(logits, hist, rows, *parameters(p), grammar, block=block, climbs=climbs)
 
 
 def check(name: str, logits: torch.Tensor, p: dict[str, torch.Tensor], grammar: torch.Tensor | None) -> None:
@@ -71,30 +57,17 @@ def check(name: str, logits: torch.Tensor, p: dict[str, torch.Tensor], grammar: 
         torch.rand(b + 2, v, generator=gen) < 0.05
     )
     rows = torch.randperm(b + 2, generator=gen)[:b]
-    want, want_ok = sample(
-        logits,
-        hist[rows],
-        p["temperature"],
-        p["top_k"],
-        p["top_p"],
-        p["min_p"],
-        p["repetition"],
-        p["presence"],
-        p["frequency"],
-        p["seed"],
-        p["counter"],
-        grammar,
-    )
+    want, want_ok = sample(logits, hist[rows], *parameters(p), grammar)
     got, ok = run(logits, hist, rows, p, grammar)
     cases += b
     if not (torch.equal(got, want) and torch.equal(ok, want_ok)):
         bad = (got != want).nonzero().flatten().tolist()
         mismatches.append(f"{name}: rows {bad} got {got[bad].tolist()} want {want[bad].tolist()}")
     # The same rows alone, reversed, with another block size and climb limit: the same tokens.
-    for kw in ({"block": 512}, {"climbs": 0}, {"climbs": 1}, {"block": 1024, "climbs": 64}):
-        alt, _ = run(logits, hist, rows, p, grammar, **kw)
+    for block, climbs in ((512, CLIMBS), (KERNEL_BLOCK, 0), (KERNEL_BLOCK, 1), (1024, 64)):
+        alt, _ = run(logits, hist, rows, p, grammar, block, climbs)
         if not torch.equal(alt, got):
-            mismatches.append(f"{name}: {kw} changed the tokens")
+            mismatches.append(f"{name}: block {block}, climbs {climbs} changed the tokens")
     flip = torch.arange(b - 1, -1, -1)
     sub = {key: t[flip] for key, t in p.items()}
     alone, _ = run(logits[flip], hist, rows[flip], sub, grammar[flip] if grammar is not None else None)
