@@ -1,4 +1,4 @@
-"""Prefill attention on the device (issue 19 item 4): the block kernel (`single_request`: each page
+"""Prefill attention on the device (issue 19 item 4): the block kernel (`tokens="prefill"`: each page
 read once per ~64 query rows) against the per-token kernel it replaces for prefill chunks, at the
 ~1B Llama's, SmolLM2's and Qwen3.5-0.8B's attention geometries, for a 256-token chunk at the end of
 4,096- and 1,024-token contexts; each as a CUDA-graph replay of all layers (the chunk's attention
@@ -31,7 +31,7 @@ def run(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, req: torch.Tenso
     out = q
     for layer in range(layers):
         out = _launch_attention(
-            q, kv, table, req, pos, layer, q.shape[-1] ** -0.5, cos=cos, sin=sin, single_request=block
+            q, kv, table, req, pos, layer, q.shape[-1] ** -0.5, cos=cos, sin=sin, tokens="prefill" if block else "lanes"
         )
     return out
 

@@ -63,6 +63,13 @@ SPLIT_MAX_TOKENS = 64
 # serves this many rows; 64 rows keep about one program per SM for a 256-token chunk of a model
 # with 8 KV heads and 4 heads each.
 PREFILL_BLOCK_ROWS = 64
+# How the tokens of one attention call relate, which decides what may share work:
+# - "decode": each token is its own request's only token (so no token reads another's K/V, and
+#   the attention programs write the tokens' K/V themselves);
+# - "prefill": one request's chunk at increasing positions (blocks of tokens share page reads);
+# - "lanes": anything else (speculative lanes read the K/V other lanes write in the same call,
+#   so the write is a kernel of its own, finished before any attention program starts).
+TOKENS = ("decode", "prefill", "lanes")
 
 
 def pages_per_split(tokens: int, pages: int) -> int:
@@ -160,20 +167,25 @@ def _launch_attention(
     pps: int | None = None,
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
-    single_request: bool = False,
+    tokens: str = "lanes",
+    write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Paged attention of q [N, H, D] (rotated first when cos/sin [N, D] are given) over `pages`
     [R, P]: page groups of `pps` pages (default `pages_per_split`) in parallel, then combined;
-    one group stores its output directly. `single_request` (a prefill chunk: every token of one
-    request, at increasing positions): past `SPLIT_MAX_TOKENS` tokens, blocks of tokens share
-    each page read (`paged_prefill_attention_kernel`)."""
+    one group stores its output directly. `tokens` says how the tokens relate (`TOKENS`): a
+    `prefill` chunk past `SPLIT_MAX_TOKENS` tokens goes in blocks of tokens sharing each page
+    read (`paged_prefill_attention_kernel`); `write` = (k, v, slots), only for `decode`: the
+    tokens' K/V written by the attention programs themselves (no separate write kernel)."""
+    if tokens not in TOKENS or (write is not None and tokens != "decode"):
+        raise ValueError(f"attention: tokens {tokens!r} (write given: {write is not None})")
     q = _rows(q)
     c, s, rope = _rope_inputs(cos, sin, q)
     n, h, d = q.shape
     kvh, t = kv.shape[4], kv.shape[3]
     g = h // kvh
-    if single_request and n > SPLIT_MAX_TOKENS and pps is None:
+    if tokens == "prefill" and n > SPLIT_MAX_TOKENS and pps is None:
         return _launch_prefill_attention(q, c, s, rope, kv, pages, req, pos, layer, scale)
+    k, v, slots = (_rows(write[0]), _rows(write[1]), write[2]) if write is not None else (q, q, pos)
     pps = pps or pages_per_split(n, pages.shape[1])
     splits = -(-pages.shape[1] // pps)
     out = torch.empty((n, h, d), dtype=q.dtype, device=q.device)
@@ -196,9 +208,16 @@ def _launch_attention(
         part_m,
         part_l,
         out,
+        k,
+        v,
+        slots,
         layer,
         q.stride(0),
         q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
         st[0],
         st[1],
         st[2],
@@ -214,6 +233,7 @@ def _launch_attention(
         SPLITS=splits,
         PPS=pps,
         ROPE=rope,
+        WRITE=write is not None,
     )
     if splits > 1:
         _combine_kernel()[(n, h)](
@@ -320,13 +340,17 @@ def write_attend_op() -> CustomOpDef:
         pos: torch.Tensor,
         layer: int,
         scale: float,
-        single_request: bool = False,
+        tokens: str = "lanes",
     ) -> torch.Tensor:
         """cos/sin None: q and k arrive rotated (partial rotary recipes rotate them before).
-        `single_request`: a prefill chunk (one request's tokens at increasing positions)."""
+        `tokens`: how the tokens relate (`TOKENS`); decode writes K/V inside the attention."""
         slots, pages, req, pos = (t.contiguous() for t in (slots, pages, req, pos))
+        if tokens == "decode":
+            return _launch_attention(
+                q, kv, pages, req, pos, layer, scale, cos=cos, sin=sin, tokens=tokens, write=(k, v, slots)
+            )
         _launch_write(k, v, kv, slots, layer, cos, sin)
-        return _launch_attention(q, kv, pages, req, pos, layer, scale, cos=cos, sin=sin, single_request=single_request)
+        return _launch_attention(q, kv, pages, req, pos, layer, scale, cos=cos, sin=sin, tokens=tokens)
 
     @write_attend.register_fake
     def _(
@@ -342,7 +366,7 @@ def write_attend_op() -> CustomOpDef:
         pos: torch.Tensor,
         layer: int,
         scale: float,
-        single_request: bool = False,
+        tokens: str = "lanes",
     ) -> torch.Tensor:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 

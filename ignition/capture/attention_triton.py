@@ -46,6 +46,24 @@ def _page_step(q, kp, s_sel, first, ti, pos, m, lsum, acc, SCALE: tl.constexpr):
 
 
 @triton.jit
+def _write_token(K, V, COS, SIN, KV, slot, n, h, layer, k_row, k_head, v_row, v_head, s_page, s_layer, s_sel, s_tok,
+                 s_head, D: tl.constexpr, T: tl.constexpr, ROPE: tl.constexpr):  # fmt: skip
+    """Token n's K (rotated when `ROPE`) and V of KV head h into its slot (the slot is >= 0)."""
+    di = tl.arange(0, D)
+    kp = K + n * k_row + h * k_head
+    k = tl.load(kp + di)
+    if ROPE:
+        rot = (di + D // 2) % D
+        sign = tl.where(di < D // 2, -1.0, 1.0)
+        c = tl.load(COS + n * D + di).to(tl.float32)
+        s_ = tl.load(SIN + n * D + di).to(tl.float32)
+        k = k.to(tl.float32) * c + sign * tl.load(kp + rot).to(tl.float32) * s_
+    dst = KV + (slot // T) * s_page + layer * s_layer + (slot % T) * s_tok + h * s_head + di
+    tl.store(dst, k.to(KV.dtype.element_ty))
+    tl.store(dst + s_sel, tl.load(V + n * v_row + h * v_head + di))
+
+
+@triton.jit
 def paged_attention_kernel(
     Q,
     COS,
@@ -58,9 +76,16 @@ def paged_attention_kernel(
     PM,
     PL,
     OUT,
+    K,
+    V,
+    SLOT,
     layer,
     q_row,
     q_head,
+    k_row,
+    k_head,
+    v_row,
+    v_head,
     s_page,
     s_layer,
     s_sel,
@@ -76,15 +101,26 @@ def paged_attention_kernel(
     SPLITS: tl.constexpr,
     PPS: tl.constexpr,
     ROPE: tl.constexpr,
+    WRITE: tl.constexpr,
 ):
     """One (token, KV head, page group): the group's unnormalized softmax state (m, l, acc);
     with a single group, the normalized output itself (into OUT). `ROPE`: q is rotated here
-    (rotate-half with the token's cos/sin), so no kernel materializes it first."""
+    (rotate-half with the token's cos/sin), so no kernel materializes it first.
+    `WRITE` (decode: every token of its own request): the group holding the token's position
+    first writes the token's K/V into its slot, then reads the page after a barrier; no other
+    program reads that position, so the separate write kernel is not needed."""
     n = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
     pos = tl.load(POS + n).to(tl.int64)
     r = tl.load(REQ + n).to(tl.int64)
+    if WRITE:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if sp == (pos // T) // PPS:
+            slot = tl.load(SLOT + n).to(tl.int64)
+            if slot >= 0:
+                _write_token(K, V, COS, SIN, KV, slot, n, kh, layer, k_row, k_head, v_row, v_head, s_page, s_layer,
+                             s_sel, s_tok, s_head, D, T, ROPE)  # fmt: skip
+            tl.debug_barrier()
     gi = tl.arange(0, GP)
     di = tl.arange(0, D)
     ti = tl.arange(0, T)
@@ -224,15 +260,5 @@ def kv_write_kernel(
     h = tl.program_id(1)
     slot = tl.load(SLOT + n).to(tl.int64)
     if slot >= 0:
-        di = tl.arange(0, D)
-        kp = K + n * k_row + h * k_head
-        k = tl.load(kp + di)
-        if ROPE:
-            rot = (di + D // 2) % D
-            sign = tl.where(di < D // 2, -1.0, 1.0)
-            c = tl.load(COS + n * D + di).to(tl.float32)
-            s_ = tl.load(SIN + n * D + di).to(tl.float32)
-            k = k.to(tl.float32) * c + sign * tl.load(kp + rot).to(tl.float32) * s_
-        dst = KV + (slot // T) * s_page + layer * s_layer + (slot % T) * s_tok + h * s_head + di
-        tl.store(dst, k.to(KV.dtype.element_ty))
-        tl.store(dst + s_sel, tl.load(V + n * v_row + h * v_head + di))
+        _write_token(K, V, COS, SIN, KV, slot, n, h, layer, k_row, k_head, v_row, v_head, s_page, s_layer, s_sel,
+                     s_tok, s_head, D, T, ROPE)  # fmt: skip

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from ignition.capture import gdn
 from ignition.capture.attention import attend_gather, rotate
 from ignition.capture.gemv import Problem, Variant
-from ignition.capture.paged import GEMV_MAX_ROWS, STAMP_BYTES, Geometry, PagedLlama
+from ignition.capture.paged import GEMV_MAX_ROWS, STAMP_BYTES, Geometry, PagedLlama, attention_tokens
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -300,6 +300,7 @@ class PagedQwen35(PagedLlama):
         tables = page_table.long().clamp(min=0)
         hd, rd = g.head_dim, g.rotary_dim
         attention = {layer: j for j, layer in enumerate(g.attention_layers)}
+        tokens = attention_tokens(length, lanes, few_rows)
         proj = self.proj
         for i, kind in enumerate(g.layer_kinds):
             p = f"layers.{i}."
@@ -316,8 +317,7 @@ class PagedQwen35(PagedLlama):
                 k = torch.cat([rotate(k[..., :rd], cos, sin), k[..., rd:]], -1)
                 j = attention[i]
                 if self.write_attend is not None:  # q and k arrive rotated: no rope in the op
-                    prefill = length is not None
-                    o = self.write_attend(q, k, v, None, None, kv, slots, page_table, req, pos, j, hd**-0.5, prefill)
+                    o = self.write_attend(q, k, v, None, None, kv, slots, page_table, req, pos, j, hd**-0.5, tokens)
                     o = o.reshape(n, g.heads * hd)
                 else:
                     kv[page, j, 0, off] = k

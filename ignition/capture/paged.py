@@ -181,6 +181,15 @@ class Geometry:
         )
 
 
+def attention_tokens(length: torch.Tensor | None, lanes: int, few_rows: bool) -> str:
+    """How a step's tokens relate, for `flare::write_attend` (`attention.TOKENS`): a prefill
+    chunk has a `length`; a decode step (few rows, one lane per request) has one token per
+    request; anything else (speculative lanes) is "lanes"."""
+    if length is not None:
+        return "prefill"
+    return "decode" if lanes == 1 and few_rows else "lanes"
+
+
 def rope_parameters(raw_config: dict[str, Any], device: torch.device | str = "cpu") -> tuple[torch.Tensor, float]:
     """(inv_freq [D/2] float32, attention scaling) exactly as Transformers computes them."""
     import transformers
@@ -316,6 +325,7 @@ class PagedLlama:
         tables = page_table if self.kernel else page_table.long().clamp(min=0)
         hq, hk = g.heads * g.head_dim, g.kv_heads * g.head_dim
         scale = g.head_dim**-0.5
+        tokens = attention_tokens(length, lanes, few_rows)
         for i in range(g.layers):
             p = f"layers.{i}."
             qkv = proj(
@@ -329,8 +339,7 @@ class PagedLlama:
                 k = proj.norm(k, w[p + "k_norm"], g.eps, few_rows=few_rows)
             if self.write_attend is not None:
                 # RoPE happens inside the op, on the projection's views.
-                o = self.write_attend(q, k, v, cos, sin, kv, slots, tables, req, pos, i, scale, length is not None)
-                o = o.reshape(n, hq)
+                o = self.write_attend(q, k, v, cos, sin, kv, slots, tables, req, pos, i, scale, tokens).reshape(n, hq)
             else:
                 q, k = rotate(q, cos, sin), rotate(k, cos, sin)
                 kv[page, i, 0, off] = k

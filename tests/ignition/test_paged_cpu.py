@@ -720,6 +720,7 @@ def test_triton_kernels_match_the_reference_under_the_interpreter() -> None:
     report = _interpreted("triton_kernels_interpreted.py", 300)
     assert report["kv_write_exact"] and report["attention_max_abs_err"] < 1e-5, report
     assert report["prefill_block_max_abs_err"] < 1e-5 and report["prefill_block_invariant"], report
+    assert report["decode_fused_write_bitwise"], report
 
 
 def test_write_attend_compiles_without_copying_the_cache() -> None:

@@ -81,15 +81,35 @@ pos3[-5:] = 0
 ang3 = pos3.float()[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))[None, :]
 cos3, sin3 = torch.cat([ang3, ang3], -1).cos(), torch.cat([ang3, ang3], -1).sin()
 ref3 = attend_gather(rotate(q3, cos3, sin3), kv, 2, tables.long().clamp(min=0), req3, pos3, scale).view(n3 + 1, h, d)
-block = _launch_attention(q3, kv, tables, req3, pos3, 2, scale, cos=cos3, sin=sin3, single_request=True)
+block = _launch_attention(q3, kv, tables, req3, pos3, 2, scale, cos=cos3, sin=sin3, tokens="prefill")
 per_token = _launch_attention(q3, kv, tables, req3, pos3, 2, scale, cos=cos3, sin=sin3)
 shifted = _launch_attention(
-    q3[1:], kv, tables, req3[1:], pos3[1:], 2, scale, cos=cos3[1:], sin=sin3[1:], single_request=True
+    q3[1:], kv, tables, req3[1:], pos3[1:], 2, scale, cos=cos3[1:], sin=sin3[1:], tokens="prefill"
 )
 prefill_err = (block - ref3).abs().max().item()
 prefill_vs_per_token = (block - per_token).abs().max().item()
 prefill_block_invariant = torch.equal(shifted, block[1:])
+# Decode with the write inside the attention programs (each token its request's only one): the
+# same output and cache, bitwise, as the write kernel followed by the attention, whether the
+# token's page group is the first, the last or alone, with RoPE and without; a padding token
+# (slot -1) writes nothing.
+kv4 = torch.randn(26, layers, 2, t, kvh, d, generator=g)
+tables4 = torch.randperm(26, generator=g)[:24].view(6, 4).int()
+req4 = torch.arange(6).int()
+pos4 = torch.tensor([0, 70, 5, 130, 255, 64]).int()
+slots4 = torch.tensor([int(tables4[r, int(p_) // t]) * t + int(p_) % t for r, p_ in enumerate(pos4.tolist())]).long()
+slots4[2] = -1
+fused_bitwise = True
+for pps, rope in ((1, True), (2, False), (4, True)):
+    c4, s4 = (cos, sin) if rope else (None, None)
+    a_kv, b_kv = kv4.clone(), kv4.clone()
+    _launch_write(rk, rv, a_kv, slots4, 1, c4, s4)
+    want4 = _launch_attention(rq, a_kv, tables4, req4, pos4, 1, scale, pps, cos=c4, sin=s4)
+    got4 = _launch_attention(rq, b_kv, tables4, req4, pos4, 1, scale, pps, cos=c4, sin=s4, tokens="decode",
+                             write=(rk, rv, slots4))  # fmt: skip
+    fused_bitwise &= torch.equal(got4, want4) and torch.equal(a_kv, b_kv)
 report = {
+    "decode_fused_write_bitwise": fused_bitwise,
     "prefill_block_max_abs_err": prefill_err,
     "prefill_block_vs_per_token": prefill_vs_per_token,
     "prefill_block_invariant": prefill_block_invariant,
@@ -100,5 +120,5 @@ report = {
 }
 print(json.dumps(report))
 ok = attn_err < 1e-5 and kv_write_exact and rope_write_err < 1e-5 and rope_attn_err < 1e-5
-ok = ok and prefill_err < 1e-5 and prefill_vs_per_token < 1e-5 and prefill_block_invariant
+ok = ok and prefill_err < 1e-5 and prefill_vs_per_token < 1e-5 and prefill_block_invariant and fused_bitwise
 sys.exit(0 if ok else 1)
