@@ -70,6 +70,11 @@ PREFILL_BLOCK_ROWS = 64
 # - "lanes": anything else (speculative lanes read the K/V other lanes write in the same call,
 #   so the write is a kernel of its own, finished before any attention program starts).
 TOKENS = ("decode", "prefill", "lanes")
+# The two uses of `TOKENS`, each checked bitwise (decode) or per row (prefill) under Triton's
+# interpreter but not yet qualified on the device (session 12 had none); False restores the
+# separate write kernel / the per-token prefill kernel for every core prepared afterwards.
+FUSED_DECODE_WRITE = True
+PREFILL_BLOCKS = True
 
 
 def pages_per_split(tokens: int, pages: int) -> int:
@@ -183,7 +188,7 @@ def _launch_attention(
     n, h, d = q.shape
     kvh, t = kv.shape[4], kv.shape[3]
     g = h // kvh
-    if tokens == "prefill" and n > SPLIT_MAX_TOKENS and pps is None:
+    if PREFILL_BLOCKS and tokens == "prefill" and n > SPLIT_MAX_TOKENS and pps is None:
         return _launch_prefill_attention(q, c, s, rope, kv, pages, req, pos, layer, scale)
     k, v, slots = (_rows(write[0]), _rows(write[1]), write[2]) if write is not None else (q, q, pos)
     pps = pps or pages_per_split(n, pages.shape[1])
@@ -345,7 +350,7 @@ def write_attend_op() -> CustomOpDef:
         """cos/sin None: q and k arrive rotated (partial rotary recipes rotate them before).
         `tokens`: how the tokens relate (`TOKENS`); decode writes K/V inside the attention."""
         slots, pages, req, pos = (t.contiguous() for t in (slots, pages, req, pos))
-        if tokens == "decode":
+        if FUSED_DECODE_WRITE and tokens == "decode":
             return _launch_attention(
                 q, kv, pages, req, pos, layer, scale, cos=cos, sin=sin, tokens=tokens, write=(k, v, slots)
             )
