@@ -1,5 +1,7 @@
 """The sampling step inside every sampling graph: penalties, grammar mask, temperature, top-k,
-top-p, min-p, and a counter-based draw. Plain torch ops, so Inductor emits Triton kernels.
+top-p, min-p, and a counter-based draw. `sample` is the definition, in plain torch ops (Inductor
+compiles it; CPU runs use it); `flare::sample` (`Sampler` with the kernel on, `--sampler kernel`)
+makes the same decisions in one Triton kernel per row (`sampling_triton`).
 
 Invariants:
 - No sort and no generator: top-k and top-p thresholds are found by an exact search over the bit
