@@ -162,7 +162,7 @@ class PagedQwen35(PagedLlama):
             1.0,
             attention_kernel=attention,
             gemv=gemv,
-            sampler_kernel=sampler_kernel and kernels,
+            sampler_kernel=sampler_kernel,
         )
         # Created before tracing (Dynamo does not trace their creation).
         self.gdn = gdn.gdn_ops() if kernels else None

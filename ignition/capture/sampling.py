@@ -82,8 +82,8 @@ def expand_mask(words: torch.Tensor, vocab: int) -> torch.Tensor:
     return ((w >> (idx & 31).to(w.dtype)[None, :]) & 1) != 0
 
 
-Row = torch.Tensor
-RowParameters = tuple[Row, Row, Row, Row, Row, Row, Row, Row, Row]
+_T = torch.Tensor
+RowParameters = tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T]
 
 
 def parameters(p: dict[str, torch.Tensor]) -> RowParameters:
