@@ -29,6 +29,8 @@
 #   attention-check                      issue 19: prefill attention, block kernel against per-token, three geometries
 #   pdl-probe                            issue 19: gemv chains as one graph, plain and with programmatic dependent launch
 #   r1b-spec     (carry .dev/b2)         issue 21: the ~1B with speculative programs, checks, copy/decode benches (bg)
+#   r1b-spec-bw  (carry .dev/b2)         issues 19 + 21: one ~1B prepare (gemv, fused sampler, speculative programs): the
+#                                        breakdown, floor and bench at depth 0, then the copy/decode benches (bg)
 #   q35-spec                             issue 21: the Qwen3.5 core with speculative programs (state columns), checks (bg)
 #   q35-bw       (carry .dev/b2)         the Qwen3.5 core with gemv decode projections and the chunked GDN prefill (bg)
 #   r1b-measure-only                     as smol-measure for the 1B core (no Transformers run)
@@ -39,7 +41,8 @@
 #   fixture      (carry .dev/b1)         cuda_replay_check: fixture graphs bitwise, relocated, lifecycle vs emulation
 #   smol-reprepare                       prepare again (warm Inductor cache) without the Rust check
 #   hf-baselines                         Transformers generate, eager and compiled, both shapes
-#   bg STAGE...                          start the STAGEs, in order, detached (setsid, survives the call while the machine
+#   bg STAGE...                          (several bg chains may run at once: timed sections hold /tmp/gpu_timing.lock)
+#                                        start the STAGEs, in order, detached (setsid, survives the call while the machine
 #                                        stays warm), its files go to /tmp/bg/STAGE.tgz; for stages over 600 s
 #   wait STAGE                           wait up to ~580 s for a bg STAGE, then copy its STAGE.tgz to DEST
 #                                        (exit 5 while it still runs: call wait again at once)
@@ -62,6 +65,10 @@ rm -rf "$OUT"
 mkdir -p "$OUT" "$DEST" /tmp/keep /tmp/igncache
 trap 'tar czf "$DEST/$STAGE.tgz" -C "$OUT" . 2>/dev/null; touch "$DEST/$STAGE.done"' EXIT
 export PYTHONUNBUFFERED=1 PATH=$PATH:/usr/local/cuda/bin IGNITION_CACHE=/tmp/igncache PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# Stages run side by side (bg, several chains) so that one prepare's compile overlaps another's
+# measurements; every timed section holds this lock so that no two timings share the GPU.
+timing_lock() { exec 9> /tmp/gpu_timing.lock; flock 9; echo "timing lock held at $(date +%T)"; }
+timing_unlock() { flock -u 9; }
 unxz_to() { python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "$1" "$2" && chmod +x "$2"; }
 
 prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|gemv, GDN_PREFILL=scan|chunked,
@@ -81,6 +88,7 @@ prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|
 }
 
 spec_bench() {  # CORE: `flare bench` copy and decode workloads at c=1,4 served with --speculative-depth 4 and 0
+  timing_lock
   for _ in $(seq 60); do [ -f .dev/b2/flare.xz ] && break; sleep 5; done
   [ -x /tmp/flare ] || unxz_to .dev/b2/flare.xz /tmp/flare
   for depth in 4 0; do
@@ -103,6 +111,7 @@ for d in (4, 0):
         for x in r['workloads']:
             print(f'depth {d} {x[\"name\"]}: {x[\"stream_tokens_per_sec\"]:.0f} tok/s per stream, {x[\"output_tokens\"]} tokens')
 "
+  timing_unlock
 }
 
 measure() {  # MODEL CORE
@@ -130,6 +139,7 @@ measure() {  # MODEL CORE
 
 bw_measure() {  # MODEL CORE TAG: kernel breakdown, Python floor, flare run + bench (issue 19)
   [ -f "$2/manifest.pb" ] || { echo "no core at $2"; return; }
+  timing_lock
   for _ in $(seq 60); do [ -f .dev/b2/flare.xz ] && break; sleep 5; done
   [ -x /tmp/flare ] || unxz_to .dev/b2/flare.xz /tmp/flare
   timeout 240 python3 qualification/kernel_breakdown.py "$2" "$OUT/kernel_breakdown_$3.json" > "$OUT/kernel_breakdown_$3.log" 2>&1
@@ -139,8 +149,9 @@ bw_measure() {  # MODEL CORE TAG: kernel breakdown, Python floor, flare run + be
   local ref=$2.work/reference_generations.json
   timeout 240 python3 qualification/flare_vs_torch_replay.py --flare /tmp/flare --core "$2" --tokenizer "$1/tokenizer.json" \
     $([ -f "$ref" ] && echo --reference "$ref") --out "$OUT/flare_vs_torch_$3.json" --bench --bench-timeout 150 \
-    --log "$OUT/flare_run_$3.log"
+    --log "$OUT/flare_run_$3.log" ${RUN_ARG:+--run-arg=$RUN_ARG}
   echo "flare_vs_torch $3 rc=$?"
+  timing_unlock
 }
 
 native() {  # CORE: the fresh-process bitwise check and the lifecycle scenarios on the device
@@ -287,6 +298,14 @@ case "$STAGE" in
     SPECULATIVE_DEPTH=7 DECODE_PROJECTIONS=${DECODE_PROJECTIONS:-gemv} SAMPLER=${SAMPLER:-kernel} \
       prepare /tmp/r1b /tmp/r1bspec llama-1b-random 560 spec
     spec_bench /tmp/r1bspec ;;
+  r1b-spec-bw)  # issues 19 + 21 (bg; carry .dev/b2): r1b-spec and r1b-bw's gemv half from one prepare: the ~1B with gemv,
+                # the fused sampler and speculative programs (every check); breakdown, floor and bench at depth 0, then
+                # the copy/decode benches at depth 4 and 0
+    [ -f /tmp/r1b/config.json ] || python3 -m ignition random-checkpoint --config qualification/configs/llama_1b_random.json \
+      --out /tmp/r1b --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
+    SPECULATIVE_DEPTH=7 DECODE_PROJECTIONS=gemv SAMPLER=${SAMPLER:-kernel} prepare /tmp/r1b /tmp/r1bspec llama-1b-random 560 spec
+    RUN_ARG=--speculative-depth=0 bw_measure /tmp/r1b /tmp/r1bspec gemv
+    spec_bench /tmp/r1bspec ;;
   q35-spec)  # issue 21 (bg): the Qwen3.5 core with speculative programs (GDN state columns, W = 5 rows per slot) and
              # every check; report.speculative says whether speculative generation equals decoding on the device
     [ -f /tmp/q35/config.json ] || python3 -m ignition random-checkpoint --config qualification/configs/qwen3_5_0p8b_random.json \
@@ -302,9 +321,11 @@ case "$STAGE" in
       echo "pdl_probe $c rc=$?"; tail -3 "$OUT/pdl_probe_$c.log"
     done ;;
   sampler-check)  # issue 19: flare::sample against the torch sampler (tokens, CUDA-graph time), both vocabularies (~3 min)
+    timing_lock
     timeout 500 python3 qualification/sampler_check.py "$OUT/sampler_check.json" > "$OUT/sampler_check.log" 2>&1
     echo "sampler_check rc=$?"; tail -30 "$OUT/sampler_check.log" | cut -c1-300 ;;
   attention-check)  # issue 19 item 4: the prefill block attention kernel against the per-token one (~1 min)
+    timing_lock
     timeout 300 python3 qualification/attention_check.py "$OUT/attention_check.json" > "$OUT/attention_check.log" 2>&1
     echo "attention_check rc=$?"; tail -8 "$OUT/attention_check.log" | cut -c1-300 ;;
   spec-diag|spec-diag-hybrid)  # issue 21: speculative lanes against decode on a tiny model (kernels, compile, gemv,
