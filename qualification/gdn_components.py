@@ -10,6 +10,7 @@ and relative errors, and each kernel's time beside the Transformers function it 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -139,6 +140,14 @@ def main() -> None:
         ),
         "delta_step_triton": timed(lambda: gdn.delta_rule_step(scratch, row, q1, k1, v1, g1, beta1)),
     }
+    # The chunked prefill's value and key blocks (none spills registers when compiled for sm_90).
+    for bv in (16, 32):
+        for bk in (16, 32):
+            report["ms"][f"delta_prefill_chunked_bv{bv}_bk{bk}"] = timed(
+                functools.partial(
+                    gdn.delta_rule_prefill_chunked, scratch, row, length, q, k, v, g, beta, block_v=bv, block_k=bk
+                )
+            )
     text = json.dumps(report, indent=1)
     print(text)
     args.out.write_text(text + "\n")

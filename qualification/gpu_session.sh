@@ -26,6 +26,7 @@
 #   spec-diag                            issue 21: speculative lanes against decode, tiny model, every variant (~3 min)
 #   spec-diag-hybrid                     the same for the tiny Qwen3.5 (GDN lanes, state columns), after the GDN lane check
 #   sampler-check                        issue 19: flare::sample against the torch sampler, tokens and graph time (no core)
+#   gdn-check                            issue 18: GDN components vs Transformers' torch functions, times (chunked prefill)
 #   attention-check                      issue 19: prefill attention, block kernel against per-token, three geometries
 #   pdl-probe                            issue 19: gemv chains as one graph, plain and with programmatic dependent launch
 #   r1b-spec     (carry .dev/b2)         issue 21: the ~1B with speculative programs, checks, copy/decode benches (bg)
@@ -324,6 +325,10 @@ case "$STAGE" in
     timing_lock
     timeout 500 python3 qualification/sampler_check.py "$OUT/sampler_check.json" > "$OUT/sampler_check.log" 2>&1
     echo "sampler_check rc=$?"; tail -30 "$OUT/sampler_check.log" | cut -c1-300 ;;
+  gdn-check)  # issue 18: the GDN kernels against Transformers' torch functions and their times, chunked prefill included (~1 min)
+    timing_lock
+    timeout 200 python3 qualification/gdn_components.py "$OUT/gdn_components.json" > "$OUT/gdn_components.log" 2>&1
+    echo "gdn_components rc=$?"; tail -12 "$OUT/gdn_components.log" | cut -c1-300 ;;
   attention-check)  # issue 19 item 4: the prefill block attention kernel against the per-token one (~1 min)
     timing_lock
     timeout 300 python3 qualification/attention_check.py "$OUT/attention_check.json" > "$OUT/attention_check.log" 2>&1

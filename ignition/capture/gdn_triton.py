@@ -198,68 +198,32 @@ def delta_rule_kernel(
 
 
 @triton.jit
-def delta_rule_chunk_inverse_kernel(
-    LENGTH,
-    K,
-    G,
-    BETA,
-    TM,
-    NC,
-    sk_t,
-    sk_h,
-    sg_t,
-    HK: tl.constexpr,
-    HV: tl.constexpr,
-    DK: tl.constexpr,
-    C: tl.constexpr,
-):
-    """One (value head, chunk) of the chunked prefill: (I + A)^-1 for the chunk's strictly lower
-    A = beta_i exp(G_i - G_j) k_i.k_j, by forward substitution, into TM[head, chunk]. Chunks
-    are independent here, so this serial part runs for every chunk at once and leaves the
-    chunk-to-chunk recurrence (`delta_rule_chunked_kernel`) only matrix products."""
-    h = tl.program_id(0)
-    c0 = tl.program_id(1) * C
-    n = tl.load(LENGTH)
-    if c0 < n:
-        kh = h // (HV // HK)
-        ci = tl.arange(0, C)
-        dk = tl.arange(0, DK)
-        t = c0 + ci
-        real = t < n
-        lower = ci[:, None] > ci[None, :]
-        causal = ci[:, None] >= ci[None, :]
-        eye = tl.where(ci[:, None] == ci[None, :], 1.0, 0.0)
-        k = tl.load(K + t[:, None] * sk_t + kh * sk_h + dk[None, :], mask=real[:, None], other=0.0).to(tl.float32)
-        k = k / tl.sqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-        g = tl.load(G + t * sg_t + h, mask=real, other=0.0).to(tl.float32)
-        b = tl.load(BETA + t * sg_t + h, mask=real, other=0.0).to(tl.float32)
-        gc = tl.cumsum(g, 0)
-        decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0))
-        kk = tl.dot(k, tl.trans(k), input_precision="ieee")
-        a = tl.where(lower, b[:, None] * decay * kk, 0.0)
-        tm = eye
-        for i in range(1, C):
-            ai = tl.sum(tl.where(ci[:, None] == i, a, 0.0), 0)
-            ri = -tl.sum(ai[:, None] * tm, 0)
-            tm = tl.where(ci[:, None] == i, eye + ri[None, :], tm)
-        at = (h.to(tl.int64) * NC + tl.program_id(1)) * C * C
-        tl.store(TM + at + ci[:, None] * C + ci[None, :], tm)
+def _inverse_norms(X, t, real, sx_t, head_offset, DK: tl.constexpr, KB: tl.constexpr):
+    """1 / |x| (Transformers' l2norm, eps 1e-6) of rows t of a [T, heads, DK] operand, over DK in
+    blocks of KB (a whole row in registers would spill: see `delta_rule_chunk_prep_kernel`)."""
+    acc = tl.zeros([t.shape[0]], dtype=tl.float32)
+    for k0 in range(0, DK, KB):
+        dk = k0 + tl.arange(0, KB)
+        x = tl.load(X + t[:, None] * sx_t + head_offset + dk[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+        acc += tl.sum(x * x, 1)
+    return 1.0 / tl.sqrt(acc + 1e-6)
 
 
 @triton.jit
-def delta_rule_chunked_kernel(
-    STATE,
-    ROW,
+def delta_rule_chunk_prep_kernel(
     LENGTH,
     Q,
     K,
     V,
     G,
     BETA,
-    OUT,
-    TM,
+    U,
+    WK,
+    KD,
+    QK,
+    GAMMA,
+    DECAY,
     NC,
-    T,
     sq_t,
     sq_h,
     sk_t,
@@ -267,9 +231,153 @@ def delta_rule_chunked_kernel(
     sv_t,
     sv_h,
     sg_t,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    C: tl.constexpr,
+    KB: tl.constexpr,
+):
+    """Chunked prefill, phase 1, program (value head, chunk): everything of a chunk that does not
+    depend on the state entering it, for every chunk at once. With G the running log decay and A
+    the strictly lower beta_i exp(G_i - G_j) k_i.k_j (unit keys), T = (I + A)^-1 by forward
+    substitution, then U = T (beta V), WK = T diag(beta exp G) K, KD = diag(exp(G_last - G)) K,
+    the causal QK = (Q K^T)_ij exp(G_i - G_j) (unit queries over sqrt(DK)), GAMMA = exp G and
+    DECAY = exp G_last. Scratch is laid out [head, chunk, ...].
+    Every product runs over blocks of KB: an FMA product holds its whole reduction axis per
+    thread, and over DK = 128 that spilled kilobytes of stack per thread on sm_90."""
+    h = tl.program_id(0)
+    c = tl.program_id(1)
+    c0 = c * C
+    n = tl.load(LENGTH)
+    if c0 < n:
+        ci = tl.arange(0, C)
+        t = c0 + ci
+        real = t < n
+        kh = h // (HV // HK)
+        kinv = _inverse_norms(K, t, real, sk_t, kh * sk_h, DK, KB)
+        qinv = _inverse_norms(Q, t, real, sq_t, kh * sq_h, DK, KB) * (1.0 / tl.sqrt(DK * 1.0))
+        kk = tl.zeros([C, C], dtype=tl.float32)
+        qk = tl.zeros([C, C], dtype=tl.float32)
+        for k0 in range(0, DK, KB):
+            dk = k0 + tl.arange(0, KB)
+            k = tl.load(K + t[:, None] * sk_t + kh * sk_h + dk[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+            q = tl.load(Q + t[:, None] * sq_t + kh * sq_h + dk[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+            k = k * kinv[:, None]
+            kk += tl.dot(k, tl.trans(k), input_precision="ieee")
+            qk += tl.dot(q * qinv[:, None], tl.trans(k), input_precision="ieee")
+        g = tl.load(G + t * sg_t + h, mask=real, other=0.0).to(tl.float32)
+        b = tl.load(BETA + t * sg_t + h, mask=real, other=0.0).to(tl.float32)
+        gc = tl.cumsum(g, 0)
+        lower = ci[:, None] > ci[None, :]
+        causal = ci[:, None] >= ci[None, :]
+        eye = tl.where(ci[:, None] == ci[None, :], 1.0, 0.0)
+        # exp(G_i - G_j) where i >= j (at most 1); elsewhere unused, kept finite.
+        decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0))
+        a = tl.where(lower, b[:, None] * decay * kk, 0.0)
+        tm = eye
+        for i in range(1, C):
+            ai = tl.sum(tl.where(ci[:, None] == i, a, 0.0), 0)
+            ri = -tl.sum(ai[:, None] * tm, 0)
+            tm = tl.where(ci[:, None] == i, eye + ri[None, :], tm)
+        gamma = tl.exp(gc)
+        glast = tl.sum(g, 0)
+        base = h.to(tl.int64) * NC + c
+        rows = (base * C + ci)[:, None]
+        tl.store(QK + rows * C + ci[None, :], tl.where(causal, qk * decay, 0.0))
+        tl.store(GAMMA + base * C + ci, gamma)
+        tl.store(DECAY + base, tl.exp(glast))
+        for v0 in range(0, DV, KB):
+            dv = v0 + tl.arange(0, KB)
+            vm = dv < DV
+            v = tl.load(V + t[:, None] * sv_t + h * sv_h + dv[None, :], mask=real[:, None] & vm[None, :], other=0.0)
+            u = tl.dot(tm, b[:, None] * v.to(tl.float32), input_precision="ieee")
+            tl.store(U + rows * DV + dv[None, :], u, mask=vm[None, :])
+        for k0 in range(0, DK, KB):
+            dk = k0 + tl.arange(0, KB)
+            k = tl.load(K + t[:, None] * sk_t + kh * sk_h + dk[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+            k = k * kinv[:, None]
+            tl.store(WK + rows * DK + dk[None, :], tl.dot(tm, (b * gamma)[:, None] * k, input_precision="ieee"))
+            tl.store(KD + rows * DK + dk[None, :], k * tl.exp(glast - gc)[:, None])
+
+
+@triton.jit
+def delta_rule_chunk_state_kernel(
+    STATE,
+    ROW,
+    LENGTH,
+    U,
+    WK,
+    KD,
+    DECAY,
+    W,
+    H,
+    NC,
     ss_r,
     ss_h,
     ss_k,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+    C: tl.constexpr,
+    KB: tl.constexpr,
+):
+    """Chunked prefill, phase 2, program (value head, value block): the only serial part, two
+    matrix products per chunk. H[c] holds the state entering chunk c (H has NC + 1 entries);
+    from it the corrections W = U - WK H[c], then H[c + 1] = exp(G_last) H[c] + KD^T W. The state
+    after the last real chunk goes back to the row (none for a negative row). The state stays in
+    H (L2-resident) rather than registers so that every product runs over blocks of KB."""
+    h = tl.program_id(0)
+    dv = tl.program_id(1) * BV + tl.arange(0, BV)
+    vm = dv < DV
+    ci = tl.arange(0, C)
+    row = tl.load(ROW).to(tl.int64)
+    n = tl.load(LENGTH)
+    r = tl.where(row >= 0, row, 0)
+    hb = h.to(tl.int64) * (NC + 1)
+    for k0 in range(0, DK, KB):
+        dk = k0 + tl.arange(0, KB)
+        s = tl.load(STATE + r * ss_r + h * ss_h + dk[:, None] * ss_k + dv[None, :], mask=vm[None, :], other=0.0)
+        tl.store(H + (hb * DK + dk[:, None]) * DV + dv[None, :], s, mask=vm[None, :])
+    chunks = tl.cdiv(n, C)
+    for c in range(0, chunks):
+        tl.debug_barrier()  # H[c] was written by other threads of this program
+        base = h.to(tl.int64) * NC + c
+        rows = (base * C + ci)[:, None]
+        w = tl.load(U + rows * DV + dv[None, :], mask=vm[None, :], other=0.0)
+        for k0 in range(0, DK, KB):
+            dk = k0 + tl.arange(0, KB)
+            s = tl.load(H + ((hb + c) * DK + dk[:, None]) * DV + dv[None, :], mask=vm[None, :], other=0.0)
+            w -= tl.dot(tl.load(WK + rows * DK + dk[None, :]), s, input_precision="ieee")
+        tl.store(W + rows * DV + dv[None, :], w, mask=vm[None, :])
+        decay = tl.load(DECAY + base)
+        for k0 in range(0, DK, KB):
+            dk = k0 + tl.arange(0, KB)
+            s = tl.load(H + ((hb + c) * DK + dk[:, None]) * DV + dv[None, :], mask=vm[None, :], other=0.0)
+            kd = tl.load(KD + rows * DK + dk[None, :])
+            s = decay * s + tl.dot(tl.trans(kd), w, input_precision="ieee")
+            tl.store(H + ((hb + c + 1) * DK + dk[:, None]) * DV + dv[None, :], s, mask=vm[None, :])
+    tl.debug_barrier()
+    for k0 in range(0, DK, KB):
+        dk = k0 + tl.arange(0, KB)
+        s = tl.load(H + ((hb + chunks) * DK + dk[:, None]) * DV + dv[None, :], mask=vm[None, :], other=0.0)
+        sp = STATE + r * ss_r + h * ss_h + dk[:, None] * ss_k + dv[None, :]
+        tl.store(sp, s, mask=vm[None, :] & (dk[:, None] * 0 + row >= 0))
+
+
+@triton.jit
+def delta_rule_chunk_output_kernel(
+    LENGTH,
+    Q,
+    QK,
+    GAMMA,
+    W,
+    H,
+    OUT,
+    NC,
+    T,
+    sq_t,
+    sq_h,
     so_t,
     so_h,
     HK: tl.constexpr,
@@ -278,61 +386,39 @@ def delta_rule_chunked_kernel(
     DV: tl.constexpr,
     BV: tl.constexpr,
     C: tl.constexpr,
+    KB: tl.constexpr,
 ):
-    """Prefill of one request in chunks of C tokens (the delta_rule_kernel's arithmetic, chunked):
-    program (value head, value block). Within a chunk, with G the cumulative log decay and A the
-    strictly lower [C, C] matrix beta_i exp(G_i - G_j) k_i.k_j, the chunk's corrections are
-    W = (I + A)^-1 (beta V - diag(beta exp G) K S) (the inverse from TM, which
-    `delta_rule_chunk_inverse_kernel` wrote for every chunk), its outputs
-    exp(G) Q S + (causal Q K^T exp(G_i - G_j)) W and the state after it
-    exp(G_last) S + (K exp(G_last - G))^T W: matrix products instead of a scan over tokens.
-    Tokens past LENGTH enter as beta = g = 0 (no effect on the state) and output zeros."""
+    """Chunked prefill, phase 3, program (value head, chunk, value block), every chunk at once:
+    outputs exp(G) Q H[c] + QK W from the state H[c] entering the chunk; zeros past LENGTH."""
     h = tl.program_id(0)
-    dv = tl.program_id(1) * BV + tl.arange(0, BV)
+    c = tl.program_id(1)
+    dv = tl.program_id(2) * BV + tl.arange(0, BV)
     vm = dv < DV
-    dk = tl.arange(0, DK)
-    kh = h // (HV // HK)
-    row = tl.load(ROW).to(tl.int64)
-    n = tl.load(LENGTH)
-    r = tl.where(row >= 0, row, 0)
-    sp = STATE + r * ss_r + h * ss_h + dk[:, None] * ss_k + dv[None, :]
-    s = tl.load(sp, mask=vm[None, :], other=0.0)
-    scale = 1.0 / tl.sqrt(DK * 1.0)
     ci = tl.arange(0, C)
-    causal = ci[:, None] >= ci[None, :]
-    for c0 in range(0, n, C):
-        t = c0 + ci
-        real = t < n
-        q = tl.load(Q + t[:, None] * sq_t + kh * sq_h + dk[None, :], mask=real[:, None], other=0.0).to(tl.float32)
-        k = tl.load(K + t[:, None] * sk_t + kh * sk_h + dk[None, :], mask=real[:, None], other=0.0).to(tl.float32)
-        q = q / tl.sqrt(tl.sum(q * q, 1) + 1e-6)[:, None] * scale
-        k = k / tl.sqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-        v = tl.load(V + t[:, None] * sv_t + h * sv_h + dv[None, :], mask=real[:, None] & vm[None, :], other=0.0)
-        v = v.to(tl.float32)
-        g = tl.load(G + t * sg_t + h, mask=real, other=0.0).to(tl.float32)
-        b = tl.load(BETA + t * sg_t + h, mask=real, other=0.0).to(tl.float32)
-        gc = tl.cumsum(g, 0)
-        # exp(G_i - G_j) where i >= j (at most 1); elsewhere unused, kept finite.
-        decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0))
-        at = (h.to(tl.int64) * NC + c0 // C) * C * C
-        tm = tl.load(TM + at + ci[:, None] * C + ci[None, :])
-        gamma = tl.exp(gc)
-        u = tl.dot(tm, b[:, None] * v, input_precision="ieee")
-        wk = tl.dot(tm, (b * gamma)[:, None] * k, input_precision="ieee")
-        w = u - tl.dot(wk, s, input_precision="ieee")
-        qk = tl.where(causal, tl.dot(q, tl.trans(k), input_precision="ieee") * decay, 0.0)
-        o = gamma[:, None] * tl.dot(q, s, input_precision="ieee") + tl.dot(qk, w, input_precision="ieee")
-        om = real[:, None] & vm[None, :]
+    n = tl.load(LENGTH)
+    t = c * C + ci
+    real = t < n
+    om = (t < T)[:, None] & vm[None, :]
+    if c * C < n:
+        kh = h // (HV // HK)
+        base = h.to(tl.int64) * NC + c
+        hc = h.to(tl.int64) * (NC + 1) + c
+        qinv = _inverse_norms(Q, t, real, sq_t, kh * sq_h, DK, KB) * (1.0 / tl.sqrt(DK * 1.0))
+        acc = tl.zeros([C, BV], dtype=tl.float32)
+        for k0 in range(0, DK, KB):
+            dk = k0 + tl.arange(0, KB)
+            q = tl.load(Q + t[:, None] * sq_t + kh * sq_h + dk[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+            s = tl.load(H + (hc * DK + dk[:, None]) * DV + dv[None, :], mask=vm[None, :], other=0.0)
+            acc += tl.dot(q * qinv[:, None], s, input_precision="ieee")
+        rows = (base * C + ci)[:, None]
+        qk = tl.load(QK + rows * C + ci[None, :])
+        w = tl.load(W + rows * DV + dv[None, :], mask=vm[None, :], other=0.0)
+        gamma = tl.load(GAMMA + base * C + ci)
+        o = tl.where(real[:, None], gamma[:, None] * acc + tl.dot(qk, w, input_precision="ieee"), 0.0)
         tl.store(OUT + t[:, None] * so_t + h * so_h + dv[None, :], o.to(OUT.dtype.element_ty), mask=om)
-        glast = tl.sum(g, 0)
-        kd = k * tl.exp(glast - gc)[:, None]
-        s = tl.exp(glast) * s + tl.dot(tl.trans(kd), w, input_precision="ieee")
-    for c0 in range(n - n % C, T, C):
-        t = c0 + ci
-        pad = (t >= n) & (t < T)
+    else:
         zeros = tl.zeros([C, BV], dtype=OUT.dtype.element_ty)
-        tl.store(OUT + t[:, None] * so_t + h * so_h + dv[None, :], zeros, mask=pad[:, None] & vm[None, :])
-    tl.store(sp, s, mask=vm[None, :] & (dk[:, None] * 0 + row >= 0))
+        tl.store(OUT + t[:, None] * so_t + h * so_h + dv[None, :], zeros, mask=om)
 
 
 @triton.jit

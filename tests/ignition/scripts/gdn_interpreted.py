@@ -116,14 +116,15 @@ o_a = gdn.delta_rule_prefill(split, one, six, q[:6], k[:6], v[:6], g[:6], beta[:
 o_b = gdn.delta_rule_prefill(split, one, four, q[6:], k[6:], v[6:], g[6:], beta[6:], block_v=16)
 split_bitwise = torch.equal(whole, split) and torch.equal(o_whole, torch.cat([o_a, o_b]))
 
-# -- delta rule, chunked prefill (chunks of 16): lengths across chunk boundaries, 0, padding -------
+# -- delta rule, chunked prefill (chunks of 16, products over key blocks of 16 or 8): lengths across
+#    chunk boundaries, 0, padding
 chunked_err = 0.0
-for t, n in ((40, 40), (40, 23), (40, 16), (40, 0), (9, 1)):
+for t, n, block_k in ((40, 40, 16), (40, 23, 8), (40, 16, 16), (40, 0, 8), (9, 1, 16)):
     state = torch.randn(R, hv, dk, dv, generator=gen) * 0.1
     before = state.clone()
     q, k, v, g, beta = operands(t)
     real = torch.tensor([n], dtype=torch.int32)
-    o = gdn.delta_rule_prefill_chunked(state, one, real, q, k, v, g, beta, chunk=16, block_v=16)
+    o = gdn.delta_rule_prefill_chunked(state, one, real, q, k, v, g, beta, chunk=16, block_v=16, block_k=block_k)
     want, new = gdn.delta_rule_reference(before[2], q, k, v, g, beta, n)
     chunked_err = max(chunked_err, err(o, want), err(state[2], new))
     exact &= torch.equal(state[[0, 1, 3]], before[[0, 1, 3]]) and bool((o[n:] == 0).all())
