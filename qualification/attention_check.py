@@ -19,21 +19,51 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ignition.capture import attention
 from ignition.capture.attention import _launch_attention
 from ignition.capture.gemv import _time_ms
+
+# The prefill kernel's (query rows per program, warps, stages) tried beside the rule's choice.
+CONFIGS = ((64, 8, 2), (64, 8, 1), (32, 8, 2), (32, 4, 2), (64, 4, 2), (32, 8, 1), (16, 8, 1), (16, 4, 1))
 
 # (name, layers with attention, heads, KV heads, head dim, RoPE in the kernel)
 GEOMETRIES = (("llama_1b", 16, 32, 8, 64, True), ("smollm2", 30, 9, 3, 64, True), ("qwen3_5_0p8b", 6, 8, 2, 256, False))
 
 
 def run(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, req: torch.Tensor, pos: torch.Tensor,
-        cos: torch.Tensor | None, sin: torch.Tensor | None, layers: int, block: bool) -> torch.Tensor:  # fmt: skip
+        cos: torch.Tensor | None, sin: torch.Tensor | None, layers: int, *, block: bool) -> torch.Tensor:  # fmt: skip
     out = q
     for layer in range(layers):
         out = _launch_attention(
             q, kv, table, req, pos, layer, q.shape[-1] ** -0.5, cos=cos, sin=sin, tokens="prefill" if block else "lanes"
         )
     return out
+
+
+def sweep(args: tuple[Any, ...], reference: torch.Tensor, g: int, d: int) -> list[dict[str, Any]]:
+    """Each of `CONFIGS` in place of `prefill_block_config`: time, error against the per-token
+    kernel, or the reason it did not launch (shared memory beyond a block's)."""
+    gp = 1 << (g - 1).bit_length()
+    rule = attention.PREFILL_BLOCK_CONFIG
+    results: list[dict[str, Any]] = [{"rule": list(rule(gp, d))}]
+    for rows, warps, stages in CONFIGS:
+        cfg = (max(1, rows // gp, 16 // gp), warps, stages)
+        entry: dict[str, Any] = {"tokens_per_block": cfg[0], "warps": warps, "stages": stages}
+
+        def fixed(_gp: int, _d: int, cfg: tuple[int, int, int] = cfg) -> tuple[int, int, int]:
+            return cfg
+
+        attention.PREFILL_BLOCK_CONFIG = fixed
+        try:
+            out = run(*args, block=True).float()
+            entry["rel_l2"] = float((out - reference).norm() / reference.norm())
+            entry["ms"] = round(_time_ms(functools.partial(run, *args, block=True), 20), 4)
+        except Exception as e:  # a configuration that cannot launch is a result
+            entry["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        finally:
+            attention.PREFILL_BLOCK_CONFIG = rule
+        results.append(entry)
+    return results
 
 
 def main() -> int:
@@ -65,6 +95,8 @@ def main() -> int:
                 "block_ms": round(block_ms, 4), "per_token_ms": round(token_ms, 4),
                 "speedup": round(token_ms / block_ms, 2), "rel_l2_block_vs_per_token": err,
             }  # fmt: skip
+            if context == 4096:  # the block kernel's configurations, same operands
+                case["configs"] = sweep(args, b, h // kvh, d)
             report["cases"].append(case)
             print(json.dumps(case), flush=True)
     report["worst_rel_l2"] = worst

@@ -11,6 +11,7 @@ never used.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -63,6 +64,22 @@ SPLIT_MAX_TOKENS = 64
 # serves this many rows; 64 rows keep about one program per SM for a 256-token chunk of a model
 # with 8 KV heads and 4 heads each.
 PREFILL_BLOCK_ROWS = 64
+
+
+def prefill_block_config(gp: int, d: int) -> tuple[int, int, int]:
+    """(tokens per block, warps, pipeline stages) of the prefill kernel for GP padded heads per KV
+    head and head dim d, from compiling it for sm_90 (Triton 3.9, `cuobjdump -res-usage`): 64
+    rows of d 64 at 8 warps and 2 stages use 254 registers and no stack; 64 rows of d 128 spill
+    and of d 256 need 320 KB of shared memory (a block may have 227 KB). So d > 64 takes 32 rows,
+    and d > 128 one stage (107 KB; a few hundred bytes of stack remain at every d-256 setting
+    tried)."""
+    rows = PREFILL_BLOCK_ROWS if d <= 64 else PREFILL_BLOCK_ROWS // 2
+    bt = max(1, rows // gp, 16 // gp)  # 16: tl.dot's smallest row tile
+    return bt, 4 if bt * gp * d <= 2048 else 8, 2 if d <= 128 else 1
+
+
+# The prefill kernel's configuration rule; `qualification/attention_check.py` swaps in others.
+PREFILL_BLOCK_CONFIG: Callable[[int, int], tuple[int, int, int]] = prefill_block_config
 # How the tokens of one attention call relate, which decides what may share work:
 # - "decode": each token is its own request's only token (so no token reads another's K/V, and
 #   the attention programs write the tokens' K/V themselves);
@@ -265,9 +282,7 @@ def _launch_prefill_attention(
     kvh, t = kv.shape[4], kv.shape[3]
     g = h // kvh
     gp = 1 << (g - 1).bit_length()
-    bt = max(1, PREFILL_BLOCK_ROWS // gp)
-    if bt * gp < 16:  # tl.dot's smallest row tile
-        bt = 16 // gp
+    bt, warps, stages = PREFILL_BLOCK_CONFIG(gp, d)
     out = torch.empty((n, h, d), dtype=q.dtype, device=q.device)
     st = kv.stride()
     _prefill_kernel()[(-(-n // bt), kvh)](
@@ -298,8 +313,8 @@ def _launch_prefill_attention(
         T=t,
         BT=bt,
         ROPE=rope,
-        # The accumulator holds rows x D floats: 32 per thread at 4 warps up to 64 x 64.
-        num_warps=4 if bt * gp * d <= 4096 else 8,
+        num_warps=warps,
+        num_stages=stages,
     )
     return out
 
