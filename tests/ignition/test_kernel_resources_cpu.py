@@ -1,0 +1,106 @@
+"""The kernels whose launch configuration depends on the model's geometry, compiled for sm_90 by
+this machine's Triton (no GPU needed: `triton.compile` with an explicit signature, then
+`cuobjdump -res-usage` on the cubin), at the recipes' real geometries: every one must fit a
+Hopper block's shared memory, and the GDN chunked prefill and the head-dim-64 attention must not
+spill registers. Both failures only show on a device otherwise: a launch error at preparation, or
+a kernel many times slower (the first chunked GDN kernel spilled 7 KB of stack per thread)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from typing import Any
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+# The most dynamic shared memory one block may use on sm_90 (227 KB).
+SM90_SHARED = 232448
+
+
+def compile_sm90(fn: Any, signature: dict[str, str], constants: dict[str, Any], **options: int) -> dict[str, int]:
+    """Registers, stack bytes per thread and shared bytes of `fn` compiled for sm_90."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {**signature, **dict.fromkeys(constants, "constexpr")}
+    kernel = triton.compile(ASTSource(fn, sig, constants), target=GPUTarget("cuda", 90, 32), options=options)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        pytest.skip("this Triton ships no cuobjdump")
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"flare_{fn.__name__}_{os.getpid()}.cubin")
+    with open(path, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(path)
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    assert m, out
+    return {"registers": int(m.group(1)), "stack": int(m.group(2)), "shared": int(kernel.metadata.shared)}
+
+
+def signature(pointers: dict[str, str], ints: list[str]) -> dict[str, str]:
+    return {**{k: "*" + v for k, v in pointers.items()}, **dict.fromkeys(ints, "i32")}
+
+
+# (name, heads, KV heads, head dim, RoPE in the kernel): the ~1B Llama, SmolLM2, Qwen3.5-0.8B.
+ATTENTION = (("llama_1b", 32, 8, 64, True), ("smollm2", 9, 3, 64, True), ("qwen3_5_0p8b", 8, 2, 256, False))
+
+
+@pytest.mark.parametrize(("name", "heads", "kv_heads", "d", "rope"), ATTENTION)
+def test_prefill_attention_fits_sm90(name: str, heads: int, kv_heads: int, d: int, rope: bool) -> None:
+    from ignition.capture import attention, attention_triton
+
+    g = heads // kv_heads
+    gp = 1 << (g - 1).bit_length()
+    bt, warps, stages = attention.prefill_block_config(gp, d)
+    sig = signature(
+        {
+            "Q": "bf16",
+            "COS": "fp32",
+            "SIN": "fp32",
+            "KV": "bf16",
+            "PT": "i32",
+            "REQ": "i32",
+            "POS": "i32",
+            "OUT": "bf16",
+        },
+        ["layer", "N", "q_row", "q_head", "s_page", "s_layer", "s_sel", "s_tok", "s_head", "pt_stride", "pt_cols"],
+    )
+    consts = {"SCALE": d**-0.5, "H": heads, "G": g, "GP": gp, "D": d, "T": 64, "BT": bt, "ROPE": rope}
+    res = compile_sm90(attention_triton.paged_prefill_attention_kernel, sig, consts, num_warps=warps, num_stages=stages)
+    assert res["shared"] <= SM90_SHARED, (name, res)
+    # Head dim 256 keeps a few hundred bytes of stack at every setting tried (see prefill_block_config).
+    assert res["stack"] <= (0 if d <= 64 else 512), (name, res)
+
+
+def test_chunked_gdn_prefill_does_not_spill() -> None:
+    """The three chunked-prefill kernels at Qwen3.5-0.8B's GDN geometry (16 heads of 128), with
+    the block sizes `delta_rule_prefill_chunked` launches them with."""
+    from ignition.capture import gdn_triton
+
+    dims = {"HK": 16, "HV": 16, "DK": 128, "DV": 128, "C": 32, "KB": 16}
+    scratch = dict.fromkeys(("U", "WK", "KD", "QK", "GAMMA", "DECAY"), "fp32")
+    prep = signature(
+        {"LENGTH": "i32", "Q": "bf16", "K": "bf16", "V": "bf16", "G": "fp32", "BETA": "fp32", **scratch},
+        ["NC", "sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h", "sg_t"],
+    )
+    state = signature(
+        {"STATE": "fp32", "ROW": "i32", "LENGTH": "i32", **dict.fromkeys(("U", "WK", "KD", "DECAY", "W", "H"), "fp32")},
+        ["NC", "ss_r", "ss_h", "ss_k"],
+    )
+    output = signature(
+        {"LENGTH": "i32", "Q": "bf16", **dict.fromkeys(("QK", "GAMMA", "W", "H"), "fp32"), "OUT": "bf16"},
+        ["NC", "T", "sq_t", "sq_h", "so_t", "so_h"],
+    )
+    state_dims = {k: dims[k] for k in ("DK", "DV", "C", "KB")}
+    results = {
+        "prep": compile_sm90(gdn_triton.delta_rule_chunk_prep_kernel, prep, dims, num_warps=8),
+        "state": compile_sm90(gdn_triton.delta_rule_chunk_state_kernel, state, {**state_dims, "BV": 16}, num_warps=8),
+        "output": compile_sm90(gdn_triton.delta_rule_chunk_output_kernel, output, {**dims, "BV": 16}),
+    }
+    for name, res in results.items():
+        assert res["stack"] == 0 and res["shared"] <= SM90_SHARED, (name, res)
