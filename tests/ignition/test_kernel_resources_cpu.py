@@ -25,11 +25,12 @@ def compile_sm90(fn: Any, signature: dict[str, str], constants: dict[str, Any], 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    tool = os.path.join(bin_dir, "cuobjdump")
+    if not (os.path.exists(tool) and os.path.exists(os.path.join(bin_dir, "ptxas"))):
+        pytest.skip("this Triton ships no ptxas or cuobjdump")
     sig = {**signature, **dict.fromkeys(constants, "constexpr")}
     kernel = triton.compile(ASTSource(fn, sig, constants), target=GPUTarget("cuda", 90, 32), options=options)
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
-        pytest.skip("this Triton ships no cuobjdump")
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"flare_{fn.__name__}_{os.getpid()}.cubin")
     with open(path, "wb") as f:
         f.write(kernel.asm["cubin"])
