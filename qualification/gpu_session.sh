@@ -74,12 +74,12 @@ timing_lock() { exec 9> /tmp/gpu_timing.lock; flock 9; echo "timing lock held at
 timing_unlock() { flock -u 9; }
 unxz_to() { python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "$1" "$2" && chmod +x "$2"; }
 
-prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|gemv, GDN_PREFILL=scan|chunked,
+prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|gemv, GDN_PREFILL=scan|chunked, PREFILL_CHUNK (256),
            # SAMPLER=torch (default)|kernel, NO_CHECK=1 skips the checks
   local tag=${5:+_$5}
   python3 qualification/make_reference_prompts.py "$1" "$1.prompts.json"
   timeout "$4" python3 -m ignition prepare --model "$1" --out "$2" --decode-buckets 1,2,4 \
-    --prefill-chunk-size 256 --context-limit "${CONTEXT_LIMIT:-4608}" --served-name "$3" ${CORE_REPLAY:+--core-replay /tmp/core_replay} ${DUMP_IO:+--dump-io} \
+    --prefill-chunk-size "${PREFILL_CHUNK:-256}" --context-limit "${CONTEXT_LIMIT:-4608}" --served-name "$3" ${CORE_REPLAY:+--core-replay /tmp/core_replay} ${DUMP_IO:+--dump-io} \
     --decode-projections "${DECODE_PROJECTIONS:-gemm}" ${NO_CHECK:+--no-check} ${GDN_PREFILL:+--gdn-prefill $GDN_PREFILL} \
     ${SPECULATIVE_DEPTH:+--speculative-depth $SPECULATIVE_DEPTH} ${SAMPLER:+--sampler $SAMPLER} \
     --reference-prompts "$1.prompts.json" > "$OUT/prepare$tag.log" 2>&1
