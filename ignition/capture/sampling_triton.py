@@ -20,7 +20,8 @@ How (per row, `BLOCK` entries at a time):
 2. logits -> e, stored in the row's scratch; its max; the top byte histogram of e's bit patterns
    (non-negative floats order like their bits). A row without filters draws here and stops.
 3. top-k: radix select over e's bits, one 256-bin histogram pass per further byte (k = 1 needs
-   none: the threshold is max e).
+   none: the threshold is max e). The first of these passes also lists the ids whose top byte is
+   at or above the first digit, a superset of the top k; every later pass reads only those.
 4. the draw among e >= L (L from top-k, min-p and e > 0), with the top-k mass for top-p.
 5. top-p: the drawn token is inside the nucleus exactly when the mass strictly above it is below
    the target; if it is not, no token at or below it is either, so L moves past it and step 4
@@ -73,33 +74,44 @@ def _logits_block(logits_ptr, hist_ptr, grammar_ptr, idx, valid, rep, pres, freq
 
 
 @triton.jit
-def _draw(e_ptr, V, lo, key, BLOCK: tl.constexpr):
-    """argmax of e / E over entries with bits(e) >= lo (first index on ties); -1 when none."""
+def _entries(cand_ptr, n, use_cand, start, offs):
+    """Entries start + offs of the row's list: token ids from the candidate list when `use_cand`
+    (n of them, in increasing id order), else the ids themselves (n = V)."""
+    j = start + offs
+    valid = j < n
+    idx = tl.where(use_cand, tl.load(cand_ptr + j, mask=valid & use_cand, other=0), j)
+    return idx, valid
+
+
+@triton.jit
+def _draw(e_ptr, cand_ptr, n, use_cand, lo, key, BLOCK: tl.constexpr):
+    """argmax of e / E over entries with bits(e) >= lo (first id on ties); -1 when none. The
+    entries are the candidates when `use_cand` (every entry with bits(e) >= lo must be one)."""
     offs = tl.arange(0, BLOCK)
     best = -1.0
     win = -1
-    for start in range(0, V, BLOCK):
-        idx = start + offs
-        valid = idx < V
+    for start in range(0, n, BLOCK):
+        idx, valid = _entries(cand_ptr, n, use_cand, start, offs)
         e = tl.load(e_ptr + idx, mask=valid, other=0.0)
         cand = valid & (e.to(tl.int32, bitcast=True) >= lo)
         score = tl.where(cand, e / _race_weight(key, idx), -1.0)
         m = tl.max(score, 0)
         i = tl.argmax(score, 0, tie_break_left=True)
         better = m > best
-        win = tl.where(better, start + i, win)
+        win = tl.where(better, tl.sum(tl.where(offs == i, idx, 0), 0), win)
         best = tl.where(better, m, best)
     return win
 
 
 @triton.jit
-def _mass_from(e_ptr, V, lo, BLOCK: tl.constexpr):
-    """Sum of e over entries with bits(e) >= lo, block by block in index order."""
+def _mass_from(e_ptr, cand_ptr, n, use_cand, lo, BLOCK: tl.constexpr):
+    """Sum of e over entries with bits(e) >= lo, block by block in id order (over the
+    candidates when `use_cand`, as `_draw`)."""
     offs = tl.arange(0, BLOCK)
     acc = 0.0
-    for start in range(0, V, BLOCK):
-        idx = start + offs
-        e = tl.load(e_ptr + idx, mask=idx < V, other=0.0)
+    for start in range(0, n, BLOCK):
+        idx, valid = _entries(cand_ptr, n, use_cand, start, offs)
+        e = tl.load(e_ptr + idx, mask=valid, other=0.0)
         acc += tl.sum(tl.where(e.to(tl.int32, bitcast=True) >= lo, e, 0.0), 0)
     return acc
 
@@ -120,6 +132,7 @@ def flare_sample(
     seed_ptr,
     counter_ptr,
     e_ptr,
+    cand_ptr,
     tok_ptr,
     allowed_ptr,
     V,
@@ -137,6 +150,7 @@ def flare_sample(
     hist_ptr += tl.load(hist_rows_ptr + r) * hist_stride
     grammar_ptr += r * grammar_stride
     e_ptr += r * e_stride
+    cand_ptr += r * e_stride  # [B, V] int32, laid out as the weights' scratch
     temp = tl.load(temp_ptr + r)
     rep = tl.load(rep_ptr + r)
     pres = tl.load(pres_ptr + r)
@@ -193,8 +207,12 @@ def flare_sample(
                 counts += tl.histogram(e.to(tl.int32, bitcast=True) >> 24, 256, mask=valid)
     if not plain:
         tl.debug_barrier()
-        # 3. Top-k threshold: the k-th largest bit pattern, one byte per pass.
+        # 3. Top-k threshold: the k-th largest bit pattern, one byte per pass. The second pass
+        # also lists the ids whose top byte is at or above the first digit (in id order): every
+        # entry at or above the threshold is among them, so the later passes read only those.
         tk = 0
+        n = V
+        use_cand = tl.full([], False, tl.int1)
         if top_k == 1:
             tk = e_max.to(tl.int32, bitcast=True)
         elif top_k > 1:
@@ -202,11 +220,25 @@ def flare_sample(
             need = top_k
             for level in tl.static_range(4):
                 shift = 24 - 8 * level
-                if level > 0:
+                if level == 1:
                     counts = tl.zeros((256,), tl.int32)
+                    listed = tl.zeros([], tl.int32)
                     for start in range(0, V, BLOCK):
                         idx = start + offs
                         valid = idx < V
+                        bits = tl.load(e_ptr + idx, mask=valid, other=0.0).to(tl.int32, bitcast=True)
+                        keep = valid & ((bits >> 24) >= (tk >> 24))
+                        at = listed + tl.cumsum(keep.to(tl.int32), 0) - 1
+                        tl.store(cand_ptr + at, idx, mask=keep)
+                        listed += tl.sum(keep.to(tl.int32), 0)
+                        counts += tl.histogram((bits >> shift) & 255, 256, mask=valid & ((bits >> 24) == (tk >> 24)))
+                    tl.debug_barrier()
+                    n = listed
+                    use_cand = tl.full([], True, tl.int1)
+                elif level > 1:
+                    counts = tl.zeros((256,), tl.int32)
+                    for start in range(0, n, BLOCK):
+                        idx, valid = _entries(cand_ptr, n, use_cand, start, offs)
                         bits = tl.load(e_ptr + idx, mask=valid, other=0.0).to(tl.int32, bitcast=True)
                         match = valid & ((bits >> (shift + 8)) == (tk >> (shift + 8)))
                         counts += tl.histogram((bits >> shift) & 255, 256, mask=match)
@@ -220,12 +252,12 @@ def flare_sample(
             lo = tl.maximum(lo, (min_p * e_max).to(tl.int32, bitcast=True))
         target = 0.0
         if top_p < 1.0:
-            target = top_p * _mass_from(e_ptr, V, tk, BLOCK)
-        win = _draw(e_ptr, V, lo, key, BLOCK)
+            target = top_p * _mass_from(e_ptr, cand_ptr, n, use_cand, tk, BLOCK)
+        win = _draw(e_ptr, cand_ptr, n, use_cand, lo, key, BLOCK)
         misses = 0
         go = (top_p < 1.0) & (win >= 0)
         while go:
-            above = _mass_from(e_ptr, V, tl.load(e_ptr + win).to(tl.int32, bitcast=True) + 1, BLOCK)
+            above = _mass_from(e_ptr, cand_ptr, n, use_cand, tl.load(e_ptr + win).to(tl.int32, bitcast=True) + 1, BLOCK)
             if above < target:
                 go = False
             else:
@@ -236,12 +268,12 @@ def flare_sample(
                     hi = e_max.to(tl.int32, bitcast=True) + 1
                     while hi - lo > 1:
                         mid = lo + (hi - lo) // 2
-                        if _mass_from(e_ptr, V, mid, BLOCK) >= target:
+                        if _mass_from(e_ptr, cand_ptr, n, use_cand, mid, BLOCK) >= target:
                             lo = mid
                         else:
                             hi = mid
                     go = False
-                win = _draw(e_ptr, V, lo, key, BLOCK)
+                win = _draw(e_ptr, cand_ptr, n, use_cand, lo, key, BLOCK)
                 go = go & (win >= 0)
         win = tl.maximum(win, 0)
     tl.store(tok_ptr + r, win.to(tl.int64))

