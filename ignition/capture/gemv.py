@@ -27,7 +27,9 @@ Invariants:
   buckets agree bitwise with each other (the lifecycle checks compare requests batched together
   with their solo runs). The configuration is chosen per weight shape, never per bucket, and the
   tuner keeps only tiles it has seen keep this property on the device.
-- Deterministic: no atomics, no split-K; every output element is reduced by one program.
+- Deterministic: no atomics. A split configuration (K in slices, for weights with few rows)
+  writes each slice's float32 sums, and one program per output element adds them in slice
+  order, so the first invariant holds for it too.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ class GemvConfig:
     wide: bool = False
     # The tensor-core variant (`flare_gemv_dot`): rows in groups of DOT_ROWS through `tl.dot`.
     dot: bool = False
+    # K in this many slices, each its own programs, their float32 sums added in slice order by
+    # `flare_gemv_reduce` (one more launch): for weights with few rows and long ones.
+    split: int = 1
 
 
 # Used until a shape is tuned (CPU interpreter runs, tests).
@@ -76,6 +81,9 @@ CANDIDATES: tuple[GemvConfig, ...] = tuple(
     for wide in (False, True)
     if 2 <= n * k // (32 * w) <= (16 if wide else 64)
 ) + tuple(GemvConfig(n, k, 4, dot=True) for n in (16, 32, 64) for k in (64, 128, 256))
+CANDIDATES += tuple(
+    GemvConfig(n, 256, 4, wide, split=s) for n, wide in ((4, True), (8, True), (16, False), (32, False)) for s in (2, 4)
+)
 # Activation rows per tensor-core group (the MMA's row tile; rows past M are zeros).
 DOT_ROWS = 16
 
@@ -142,6 +150,13 @@ def _kernel() -> Any:  # a triton.JITFunction (Triton ships no type information)
 
 
 @functools.cache
+def _reduce_kernel() -> Any:
+    from ignition.capture.gemv_triton import flare_gemv_reduce
+
+    return flare_gemv_reduce
+
+
+@functools.cache
 def _dot_kernel() -> Any:
     from ignition.capture.gemv_triton import flare_gemv_dot
 
@@ -178,6 +193,9 @@ def launch(
     if m == 0:
         return y
     r = residual.contiguous() if residual is not None else x
+    if cfg.split > 1 and (cfg.dot or pdl):
+        raise ValueError(f"gemv: a split configuration runs neither as a tensor-core nor as a PDL launch ({cfg})")
+    partial = torch.empty(cfg.split, m, n, dtype=torch.float32, device=x.device) if cfg.split > 1 else y
     args = (
         x,
         weight,
@@ -209,7 +227,14 @@ def launch(
         _dot_kernel()[(-(-n // cfg.block_n), -(-m // DOT_ROWS))](*args, BLOCK_M=DOT_ROWS, **flags)
     else:
         rows = min(m, MAX_GROUP_ROWS)
-        _kernel()[(-(-n // cfg.block_n), -(-m // rows))](*args, ROWS=rows, WIDE=cfg.wide, **flags)
+        grid = (-(-n // cfg.block_n), -(-m // rows), cfg.split)
+        _kernel()[grid](*args[:6], partial, *args[6:], ROWS=rows, WIDE=cfg.wide, SPLIT=cfg.split, **flags)
+    if cfg.split > 1:
+        block = min(1024, 1 << (n - 1).bit_length())
+        _reduce_kernel()[(m, -(-n // block))](
+            partial, args[2], r, y, m, n, r.stride(0), y.stride(0), SPLIT=cfg.split, BLOCK=block,
+            BIAS=bias is not None, RESIDUAL=residual is not None,
+        )  # fmt: skip
     return y
 
 
@@ -363,7 +388,7 @@ def tune(
         timings: list[tuple[float, GemvConfig]] = []
         skipped: list[str] = []
         for cfg in candidates:
-            if cfg.block_k > 2 * max(16, 1 << (k - 1).bit_length()):
+            if cfg.block_k > 2 * max(16, 1 << (k - 1).bit_length()) or cfg.split * cfg.block_k > k:
                 continue  # a tile wider than twice the row: as a narrower one, with more masking
             try:
                 total = sum(_time_ms(functools.partial(_run, p, xs[m], res[m], cfg), reps) for m in rows)

@@ -109,6 +109,48 @@ def _store(
 
 
 @triton.jit
+def _store_partial(P, acc, m, M, N, cols, nmask, WIDE: tl.constexpr):
+    if WIDE:  # noqa: SIM108 (a constexpr branch; Triton compiles statements, not every expression form)
+        y = tl.sum(acc, 1)
+    else:
+        y = acc
+    tl.store(P + m * N + cols, y, mask=nmask & (cols * 0 + m < M))
+
+
+@triton.jit
+def flare_gemv_reduce(
+    P,
+    B,
+    R,
+    Y,
+    M,
+    N,
+    stride_r,
+    stride_y,
+    SPLIT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BIAS: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+):
+    """Program (m, c): row m's columns [c*BLOCK, +BLOCK) of a split projection: the SPLIT partial
+    sums added in slice order (fixed: a row's result does not depend on the other rows), then
+    `_store`'s epilogue (bias in float32, one rounding, the residual added and rounded)."""
+    m = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    nmask = cols < N
+    y = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        y += tl.load(P + (s * M + m).to(tl.int64) * N + cols, mask=nmask, other=0.0)
+    if BIAS:
+        y += tl.load(B + cols, mask=nmask, other=0.0).to(tl.float32)
+    y = y.to(Y.dtype.element_ty)
+    if RESIDUAL:
+        r = tl.load(R + m * stride_r + cols, mask=nmask, other=0.0)
+        y = (r.to(tl.float32) + y.to(tl.float32)).to(Y.dtype.element_ty)
+    tl.store(Y + m * stride_y + cols, y, mask=nmask)
+
+
+@triton.jit
 def flare_gemv(
     X,
     W,
@@ -116,6 +158,7 @@ def flare_gemv(
     NW,
     R,
     Y,
+    P,
     M,
     N,
     K,
@@ -133,14 +176,18 @@ def flare_gemv(
     RESIDUAL: tl.constexpr,
     WIDE: tl.constexpr,
     PDL: tl.constexpr = 0,
+    SPLIT: tl.constexpr = 1,
 ):
-    """Program (n, g): weight rows [n*BLOCK_N, +BLOCK_N) against activation rows
-    [g*ROWS, +ROWS). Each row has its own accumulator and its own copy of the per-row code
-    (rows past M recompute the last row and store nothing), so a row's arithmetic is the
-    same whatever ROWS is. PDL (launched as a programmatic dependent): 1 waits for the previous
-    kernel before anything else, 2 first loads its first weight tile (weights are nobody's
-    output) and then waits; both let the next kernel launch once their loads are done. The
-    arithmetic is the same in every mode (the first tile accumulated first either way)."""
+    """Program (n, g, s): weight rows [n*BLOCK_N, +BLOCK_N) against activation rows
+    [g*ROWS, +ROWS), over K slice s of SPLIT (BLOCK_K-aligned). With SPLIT > 1 each slice's
+    float32 sums go to P [SPLIT, M, N] and `flare_gemv_reduce` finishes the rows (more programs
+    for a weight with few, long rows: N / BLOCK_N alone may not fill the GPU).
+    Each row has its own accumulator and its own copy of the per-row code (rows past M
+    recompute the last row and store nothing), so a row's arithmetic is the same whatever ROWS
+    is. PDL (launched as a programmatic dependent): 1 waits for the previous kernel before
+    anything else, 2 first loads its first weight tile (weights are nobody's output) and then
+    waits; both let the next kernel launch once their loads are done. The arithmetic is the
+    same in every mode (the first tile accumulated first either way)."""
     pid_n = tl.program_id(0)
     m0 = tl.program_id(1) * ROWS
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -209,7 +256,12 @@ def flare_gemv(
             a6 = _accumulate(a6, w0, X, NW, r6, ks, kmask, stride_x, K, s6, NORM, GLU, WIDE)
         if ROWS > 7:
             a7 = _accumulate(a7, w0, X, NW, r7, ks, kmask, stride_x, K, s7, NORM, GLU, WIDE)
-    for k0 in range(k_first, K, BLOCK_K):
+    k_end = K
+    if SPLIT > 1:  # PDL is 0 here (the launch refuses both): k_first is 0
+        span = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
+        k_first = tl.program_id(2) * span
+        k_end = tl.minimum(K, k_first + span)
+    for k0 in range(k_first, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < K
         w = tl.load(W + wrow[:, None] * stride_w + ks[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
@@ -230,21 +282,40 @@ def flare_gemv(
             a7 = _accumulate(a7, w, X, NW, r7, ks, kmask, stride_x, K, s7, NORM, GLU, WIDE)
     if PDL > 0:
         gdc_launch_dependents()
-    _store(Y, R, B, a0, r0, m0 + 0, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
-    if ROWS > 1:
-        _store(Y, R, B, a1, r1, m0 + 1, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
-    if ROWS > 2:
-        _store(Y, R, B, a2, r2, m0 + 2, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
-    if ROWS > 3:
-        _store(Y, R, B, a3, r3, m0 + 3, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
-    if ROWS > 4:
-        _store(Y, R, B, a4, r4, m0 + 4, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
-    if ROWS > 5:
-        _store(Y, R, B, a5, r5, m0 + 5, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
-    if ROWS > 6:
-        _store(Y, R, B, a6, r6, m0 + 6, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
-    if ROWS > 7:
-        _store(Y, R, B, a7, r7, m0 + 7, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
+    if SPLIT > 1:
+        # Partial sums of slice s: P[s, m, cols] (float32; rows past M store nothing).
+        P += tl.program_id(2).to(tl.int64) * M * N
+        _store_partial(P, a0, m0 + 0, M, N, cols, nmask, WIDE)
+        if ROWS > 1:
+            _store_partial(P, a1, m0 + 1, M, N, cols, nmask, WIDE)
+        if ROWS > 2:
+            _store_partial(P, a2, m0 + 2, M, N, cols, nmask, WIDE)
+        if ROWS > 3:
+            _store_partial(P, a3, m0 + 3, M, N, cols, nmask, WIDE)
+        if ROWS > 4:
+            _store_partial(P, a4, m0 + 4, M, N, cols, nmask, WIDE)
+        if ROWS > 5:
+            _store_partial(P, a5, m0 + 5, M, N, cols, nmask, WIDE)
+        if ROWS > 6:
+            _store_partial(P, a6, m0 + 6, M, N, cols, nmask, WIDE)
+        if ROWS > 7:
+            _store_partial(P, a7, m0 + 7, M, N, cols, nmask, WIDE)
+    else:
+        _store(Y, R, B, a0, r0, m0 + 0, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
+        if ROWS > 1:
+            _store(Y, R, B, a1, r1, m0 + 1, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
+        if ROWS > 2:
+            _store(Y, R, B, a2, r2, m0 + 2, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
+        if ROWS > 3:
+            _store(Y, R, B, a3, r3, m0 + 3, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
+        if ROWS > 4:
+            _store(Y, R, B, a4, r4, m0 + 4, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
+        if ROWS > 5:
+            _store(Y, R, B, a5, r5, m0 + 5, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
+        if ROWS > 6:
+            _store(Y, R, B, a6, r6, m0 + 6, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
+        if ROWS > 7:
+            _store(Y, R, B, a7, r7, m0 + 7, M, cols, nmask, stride_y, stride_r, BIAS, RESIDUAL, WIDE)
 
 
 @triton.jit

@@ -40,6 +40,9 @@ for cfg, variants, counts in (
     (GemvConfig(8, 128, 4), ("norm+bias+res", "glu+res"), (1, 3, MAX_GROUP_ROWS, MAX_GROUP_ROWS + 3)),
     (GemvConfig(16, 64, 2, wide=True), ("norm+bias+res", "glu+res"), (3, MAX_GROUP_ROWS + 3)),
     (GemvConfig(16, 64, 4, dot=True), ("norm+bias+res", "glu+res"), (1, DOT_ROWS + 2)),
+    # K = 300 in 3 slices of 128, 128 and 44 (the last partial); 2 slices, wide accumulators.
+    (GemvConfig(8, 64, 4, split=3), ("plain", "norm+bias+res", "glu+res"), (1, MAX_GROUP_ROWS + 3)),
+    (GemvConfig(16, 64, 2, wide=True, split=2), ("norm+bias+res",), (3,)),
 ):
     for variant in variants:
         w = torch.randn(n, k, generator=gen) * 0.05
@@ -59,7 +62,7 @@ for cfg, variants, counts in (
                 ]
             )
             invariant = invariant and torch.equal(alone, got)
-            for pdl in (1, 2):
+            for pdl in (1, 2) if cfg.split == 1 else ():
                 same = torch.equal(launch(x, w, bias, norm, r, 1e-6, glu, config=cfg, pdl=pdl), got)
                 pdl_bitwise = pdl_bitwise and same
             cases += 1
