@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gemv_check import problems  # a sibling: the script directory is on the path
 
-from ignition.capture.gemv import launch, tune
+from ignition.capture.gemv import CANDIDATES, launch, tune
 
 
 def chain(cfg: dict[str, Any], probs: dict[str, Any], x: torch.Tensor, pdl: int) -> torch.Tensor:
@@ -70,7 +70,8 @@ def main() -> int:
     rows = [int(r) for r in args.rows.split(",")]
     layers = cfg["num_hidden_layers"]
     probs = {p.name: p for p in problems(cfg, layers) if p.name != "lm_head"}
-    tuned = tune(list(probs.values()), rows)
+    # PDL launches are single-kernel: split configurations (a second, reducing launch) stay out.
+    tuned = tune(list(probs.values()), rows, [c for c in CANDIDATES if c.split == 1])
     weight_bytes = sum(w.numel() * w.element_size() for p in probs.values() for w in p.weights)
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),

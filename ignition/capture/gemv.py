@@ -86,6 +86,9 @@ CANDIDATES += tuple(
 )
 # Activation rows per tensor-core group (the MMA's row tile; rows past M are zeros).
 DOT_ROWS = 16
+# The norm prologues (`rownorm` defines them): Llama's RMSNorm, and Qwen3.5's zero-centred one
+# (x * rstd * (1 + w), float32, rounded once).
+NORM_MODES = {"rms": 1, "zero_centred": 2}
 
 
 @dataclass(frozen=True)
@@ -128,9 +131,10 @@ def reference(
     residual: torch.Tensor | None = None,
     eps: float = 0.0,
     glu: bool = False,
+    norm_mode: str = "rms",
 ) -> torch.Tensor:
     if norm is not None:
-        x = rms(x, norm, eps)
+        x = rms(x, norm, eps) if norm_mode == "rms" else rownorm.reference(x, norm, eps, norm_mode)
     if glu:
         half = x.shape[-1] // 2
         x = F.silu(x[:, :half]) * x[:, half:]
@@ -174,6 +178,7 @@ def launch(
     config: GemvConfig | None = None,
     out: torch.Tensor | None = None,
     pdl: int = 0,
+    norm_mode: str = "rms",
 ) -> torch.Tensor:
     """Runs the kernel (what `flare::gemv` calls); `config` overrides the tuned one. `pdl` > 0:
     launched as a programmatic dependent (Hopper), 2 with the first weight tile loaded before
@@ -185,6 +190,8 @@ def launch(
         raise ValueError(f"gemv: x {tuple(x.shape)} does not match weight {tuple(weight.shape)} (glu={glu})")
     if norm is not None and glu:
         raise ValueError("gemv: the norm and SiLU-gated prologues do not combine")
+    if norm_mode not in NORM_MODES:
+        raise ValueError(f"gemv: norm mode {norm_mode!r} is none of {sorted(NORM_MODES)}")
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight.contiguous()
     variant = Variant(norm is not None, glu, bias is not None, residual is not None)
@@ -215,7 +222,7 @@ def launch(
     flags = {
         "BLOCK_N": cfg.block_n,
         "BLOCK_K": cfg.block_k,
-        "NORM": norm is not None,
+        "NORM": NORM_MODES[norm_mode] if norm is not None else 0,
         "GLU": glu,
         "BIAS": bias is not None,
         "RESIDUAL": residual is not None,
@@ -253,8 +260,9 @@ def gemv_op() -> CustomOpDef:
         residual: torch.Tensor | None,
         eps: float,
         glu: bool,
+        zero_centred: bool,
     ) -> torch.Tensor:
-        return launch(x, weight, bias, norm, residual, eps, glu)
+        return launch(x, weight, bias, norm, residual, eps, glu, norm_mode="zero_centred" if zero_centred else "rms")
 
     @gemv.register_fake
     def _(
@@ -265,6 +273,7 @@ def gemv_op() -> CustomOpDef:
         residual: torch.Tensor | None,
         eps: float,
         glu: bool,
+        zero_centred: bool,
     ) -> torch.Tensor:
         return torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
 
@@ -310,11 +319,14 @@ class Projections:
         glu: bool = False,
         residual: torch.Tensor | None = None,
         few_rows: bool = False,
+        norm_mode: str = "rms",
     ) -> torch.Tensor:
+        """x @ weight.T (+ bias), after the norm prologue (`norm`: its weight, `norm_mode` one
+        of `NORM_MODES`) or SiLU(gate) * up (`glu`), plus `residual`."""
         if few_rows and self.op is not None:
-            y: torch.Tensor = self.op(x, weight, bias, norm, residual, eps, glu)
+            y: torch.Tensor = self.op(x, weight, bias, norm, residual, eps, glu, norm_mode == "zero_centred")
             return y
-        return reference(x, weight, bias, norm, residual, eps, glu)
+        return reference(x, weight, bias, norm, residual, eps, glu, norm_mode)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,6 +343,7 @@ class Problem:
     biases: Sequence[torch.Tensor] | None = None
     norms: Sequence[torch.Tensor] | None = None
     eps: float = 1e-6
+    norm_mode: str = "rms"
 
 
 def _time_ms(fn: Callable[[], object], reps: int) -> float:
@@ -358,7 +371,9 @@ def _run(p: Problem, x: torch.Tensor, r: torch.Tensor, cfg: GemvConfig, layers: 
     for i, w in enumerate(p.weights[:layers]):
         bias = None if p.biases is None else p.biases[i]
         norm = None if p.norms is None else p.norms[i]
-        y = launch(x, w, bias, norm, r if p.variant.residual else None, p.eps, p.variant.glu, cfg)
+        y = launch(
+            x, w, bias, norm, r if p.variant.residual else None, p.eps, p.variant.glu, cfg, norm_mode=p.norm_mode
+        )
     return y
 
 

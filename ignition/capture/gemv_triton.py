@@ -36,7 +36,10 @@ def _row_input(X, NW, row, ks, kmask, stride_x, K, rstd, NORM: tl.constexpr, GLU
         h = (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
     else:
         h = tl.load(X + row * stride_x + ks, mask=kmask, other=0.0)
-        if NORM:
+        if NORM == 2:  # zero-centred (Qwen3.5): (x * rstd * (1 + w)) in float32, rounded once
+            nw = tl.load(NW + ks, mask=kmask, other=0.0)
+            h = (h.to(tl.float32) * rstd * (1.0 + nw.to(tl.float32))).to(h.dtype)
+        elif NORM == 1:
             nw = tl.load(NW + ks, mask=kmask, other=0.0)
             n = (h.to(tl.float32) * rstd).to(h.dtype)
             h = (nw.to(tl.float32) * n.to(tl.float32)).to(h.dtype)
@@ -377,7 +380,10 @@ def flare_gemv_dot(
             h = (g / (1.0 + tl.exp(-g))).to(u.dtype) * u
         else:
             h = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=xm, other=0.0)
-            if NORM:
+            if NORM == 2:
+                nw = tl.load(NW + ks, mask=ks < K, other=0.0)
+                h = (h.to(tl.float32) * rstd[:, None] * (1.0 + nw.to(tl.float32))[None, :]).to(h.dtype)
+            elif NORM == 1:
                 nw = tl.load(NW + ks, mask=ks < K, other=0.0)
                 h = nw[None, :] * (h.to(tl.float32) * rstd[:, None]).to(h.dtype)
         w = tl.load(W + wrow[:, None] * stride_w + ks[None, :], mask=(ks < K)[None, :], other=0.0)

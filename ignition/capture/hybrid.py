@@ -183,10 +183,25 @@ class PagedQwen35(PagedLlama):
         every = range(len(g.layer_kinds))
         attn, gdn_layers = list(g.attention_layers), list(g.gdn_layers)
         bias = f"layers.{attn[0]}.qkv_bias" in w if attn else False
+        zc = "zero_centred"
         problems = [
-            Problem("in_proj", each("in_proj", gdn_layers), Variant()),
+            Problem(
+                "in_proj",
+                each("in_proj", gdn_layers),
+                Variant(norm=True),
+                norms=each("input_norm", gdn_layers),
+                eps=g.eps,
+                norm_mode=zc,
+            ),
             Problem("out_proj", each("out_proj", gdn_layers), Variant(residual=True)),
-            Problem("gate_up", each("gate_up", every), Variant()),
+            Problem(
+                "gate_up",
+                each("gate_up", every),
+                Variant(norm=True),
+                norms=each("post_attention_norm", every),
+                eps=g.eps,
+                norm_mode=zc,
+            ),
             Problem("down", each("down", every), Variant(glu=True, residual=True)),
             Problem("lm_head", [self.head()], Variant()),
         ]
@@ -194,7 +209,15 @@ class PagedQwen35(PagedLlama):
             qkv_bias = each("qkv_bias", attn) if bias else None
             o_bias = each("o_proj_bias", attn) if f"layers.{attn[0]}.o_proj_bias" in w else None
             problems += [
-                Problem("qkv", each("qkv", attn), Variant(bias=bias), qkv_bias),
+                Problem(
+                    "qkv",
+                    each("qkv", attn),
+                    Variant(norm=True, bias=bias),
+                    qkv_bias,
+                    each("input_norm", attn),
+                    g.eps,
+                    zc,
+                ),
                 Problem("o_proj", each("o_proj", attn), Variant(bias=o_bias is not None, residual=True), o_bias),
             ]
         return problems
@@ -304,9 +327,13 @@ class PagedQwen35(PagedLlama):
         proj = self.proj
         for i, kind in enumerate(g.layer_kinds):
             p = f"layers.{i}."
-            h = proj.norm(x, w[p + "input_norm"], g.eps, "zero_centred", few_rows=few_rows)
+            # The input and post-attention norms run as the next projection's prologue.
+            zc = "zero_centred"
             if kind == "full_attention":
-                qkv = proj(h, w[p + "qkv"], self._bias(p + "qkv_bias"), few_rows=few_rows)
+                qkv = proj(
+                    x, w[p + "qkv"], self._bias(p + "qkv_bias"), norm=w[p + "input_norm"], eps=g.eps, norm_mode=zc,
+                    few_rows=few_rows,
+                )  # fmt: skip
                 qg = qkv[:, : 2 * g.heads * hd].reshape(n, g.heads, 2 * hd)
                 q, gate = qg[..., :hd], qg[..., hd:].reshape(n, g.heads * hd)
                 k = qkv[:, 2 * g.heads * hd : (2 * g.heads + g.kv_heads) * hd].reshape(n, g.kv_heads, hd)
@@ -326,9 +353,10 @@ class PagedQwen35(PagedLlama):
                 o = o * torch.sigmoid(gate)
                 x = proj(o, w[p + "o_proj"], self._bias(p + "o_proj_bias"), residual=x, few_rows=few_rows)
             else:
-                x = self._gdn(i, h, live, rows, length, residual=x, few_rows=few_rows, lanes=lanes)
-            hm = proj.norm(x, w[p + "post_attention_norm"], g.eps, "zero_centred", few_rows=few_rows)
-            gu = proj(hm, w[p + "gate_up"], few_rows=few_rows)
+                x = self._gdn(i, x, live, rows, length, residual=x, few_rows=few_rows, lanes=lanes)
+            gu = proj(
+                x, w[p + "gate_up"], norm=w[p + "post_attention_norm"], eps=g.eps, norm_mode=zc, few_rows=few_rows
+            )
             # SiLU(gate) · up in the projection's prologue: [gate | up] halves, as packed.
             x = proj(gu, w[p + "down"], glu=True, residual=x, few_rows=few_rows)
         return proj.norm(x, w["final_norm"], g.eps, "zero_centred", few_rows=few_rows)
@@ -344,7 +372,8 @@ class PagedQwen35(PagedLlama):
         few_rows: bool = False,
         lanes: int = 1,
     ) -> torch.Tensor:
-        """One GDN layer's token mixing over the rows' state, added to `residual` (eager
+        """One GDN layer's token mixing over the rows' state (from the layer's input `h`, its
+        input norm the projection's prologue), added to `residual` (eager
         reference: per lane / per request loops; the graphs run `ignition.capture.gdn`'s
         kernels). Decode and speculative lanes run the same per-token update: lane j of a
         group continues from the state lane j - 1 left (lane 0: the live row's) and leaves its
@@ -354,7 +383,9 @@ class PagedQwen35(PagedLlama):
         n = h.shape[0]
         c, vd, hv = g.conv_channels, g.gdn_value_heads * g.gdn_value_dim, g.gdn_value_heads
         kd = g.gdn_key_heads * g.gdn_key_dim
-        projected = self.proj(h, w[p + "in_proj"], few_rows=few_rows)
+        projected = self.proj(
+            h, w[p + "in_proj"], norm=w[p + "input_norm"], eps=g.eps, norm_mode="zero_centred", few_rows=few_rows
+        )
         mixed, z = projected[:, :c], projected[:, c : c + vd]
         b, a = projected[:, c + vd : c + vd + hv], projected[:, c + vd + hv :]
         beta = torch.sigmoid(b)

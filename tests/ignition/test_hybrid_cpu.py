@@ -226,7 +226,8 @@ def test_decode_projections_are_the_tuned_problems(tmp_path: Path) -> None:
     """Every projection a decode step makes is a few-row call (`flare::gemv` when kernels are on)
     of a shape and variant `projection_problems` lists, so preparation tunes each one; prefill
     makes none but the sampled row's vocabulary projection. Every norm of a decode step is a
-    few-row call too (`flare::rms_norm`: a row's norm independent of the rows beside it)."""
+    few-row call too: a projection's prologue (input and post-attention norms) or
+    `flare::rms_norm` (a row's norm independent of the rows beside it)."""
     require_torch()
     import torch
 
@@ -271,8 +272,10 @@ def test_decode_projections_are_the_tuned_problems(tmp_path: Path) -> None:
     for shape, key, few in calls:
         assert few, (shape, key)
         assert (shape, key) in tuned, (shape, key, sorted(tuned))
-    # Input and post-attention norms per layer, the final norm, q/k norms and the GDN output norms.
-    assert len(norms) >= 2 * layers + 1 and all(few for _, few in norms), norms
+    # Input and post-attention norms: the next projection's prologue (in_proj or qkv, gate_up).
+    assert sum("norm" in key for _, key, _ in calls) == 2 * layers, calls
+    # The final norm, q/k norms and the GDN output norms: few-row norm calls.
+    assert len(norms) >= layers + 1 and all(few for _, few in norms), norms
     assert {mode for mode, _ in norms} == {"zero_centred", "gated"}, norms
 
 

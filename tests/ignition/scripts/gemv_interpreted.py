@@ -1,5 +1,5 @@
 """Runs `flare::gemv`'s kernel under Triton's CPU interpreter (float32: numpy has no bfloat16)
-against the eager reference, for every prologue/epilogue variant, row counts below, at and past
+against the eager reference, for every prologue/epilogue variant (both norm modes), row counts below, at and past
 one row group, and shapes that are not multiples of the tile. Also checks that a row's result is
 the same bitwise whatever rows share its launch, and in every PDL mode. Prints one JSON line; exit 1 on a mismatch.
 Needs TRITON_INTERPRET=1 in the environment before Triton is imported."""
@@ -37,33 +37,49 @@ cases = 0
 # one tensor-core group (DOT_ROWS + 2).
 for cfg, variants, counts in (
     (GemvConfig(8, 128, 4), ("plain", "norm", "glu", "bias", "res"), (1, 3)),
-    (GemvConfig(8, 128, 4), ("norm+bias+res", "glu+res"), (1, 3, MAX_GROUP_ROWS, MAX_GROUP_ROWS + 3)),
+    (GemvConfig(8, 128, 4), ("norm+bias+res", "glu+res", "zc", "zc+res"), (1, 3, MAX_GROUP_ROWS, MAX_GROUP_ROWS + 3)),
     (GemvConfig(16, 64, 2, wide=True), ("norm+bias+res", "glu+res"), (3, MAX_GROUP_ROWS + 3)),
-    (GemvConfig(16, 64, 4, dot=True), ("norm+bias+res", "glu+res"), (1, DOT_ROWS + 2)),
+    (GemvConfig(16, 64, 4, dot=True), ("norm+bias+res", "glu+res", "zc+res"), (1, DOT_ROWS + 2)),
     # K = 300 in 3 slices of 128, 128 and 44 (the last partial); 2 slices, wide accumulators.
-    (GemvConfig(8, 64, 4, split=3), ("plain", "norm+bias+res", "glu+res"), (1, MAX_GROUP_ROWS + 3)),
+    (GemvConfig(8, 64, 4, split=3), ("plain", "norm+bias+res", "glu+res", "zc+res"), (1, MAX_GROUP_ROWS + 3)),
     (GemvConfig(16, 64, 2, wide=True, split=2), ("norm+bias+res",), (3,)),
 ):
     for variant in variants:
         w = torch.randn(n, k, generator=gen) * 0.05
         bias = torch.randn(n, generator=gen) if "bias" in variant else None
-        norm = torch.rand(k, generator=gen) + 0.5 if "norm" in variant else None
+        # zc: Qwen3.5's zero-centred norm (weights near 0, applied as 1 + w)
+        mode = "zero_centred" if "zc" in variant else "rms"
+        norm = (
+            torch.rand(k, generator=gen) + (0.5 if mode == "rms" else -0.5)
+            if "norm" in variant or "zc" in variant
+            else None
+        )
         glu = "glu" in variant
         for m in counts:
             x = torch.randn(m, 2 * k if glu else k, generator=gen)
             r = torch.randn(m, n, generator=gen) if "res" in variant else None
-            want = reference(x, w, bias, norm, r, 1e-6, glu)
-            got = launch(x, w, bias, norm, r, 1e-6, glu, config=cfg)
+            want = reference(x, w, bias, norm, r, 1e-6, glu, mode)
+            got = launch(x, w, bias, norm, r, 1e-6, glu, config=cfg, norm_mode=mode)
             worst = max(worst, (got - want).abs().max().item() / max(1.0, want.abs().max().item()))
             alone = torch.cat(
                 [
-                    launch(x[i : i + 1], w, bias, norm, None if r is None else r[i : i + 1], 1e-6, glu, config=cfg)
+                    launch(
+                        x[i : i + 1],
+                        w,
+                        bias,
+                        norm,
+                        None if r is None else r[i : i + 1],
+                        1e-6,
+                        glu,
+                        config=cfg,
+                        norm_mode=mode,
+                    )
                     for i in range(m)
                 ]
             )
             invariant = invariant and torch.equal(alone, got)
             for pdl in (1, 2) if cfg.split == 1 else ():
-                same = torch.equal(launch(x, w, bias, norm, r, 1e-6, glu, config=cfg, pdl=pdl), got)
+                same = torch.equal(launch(x, w, bias, norm, r, 1e-6, glu, config=cfg, pdl=pdl, norm_mode=mode), got)
                 pdl_bitwise = pdl_bitwise and same
             cases += 1
 # A strided activation (a view of a wider buffer) and an empty batch.
