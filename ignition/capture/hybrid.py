@@ -173,51 +173,31 @@ class PagedQwen35(PagedLlama):
     def projection_problems(self) -> list[Problem]:
         """Each projection role of the hybrid with its per-layer weights, for `gemv.tune`: the
         attention layers' `qkv` and `o_proj`, the GDN layers' `in_proj` and `out_proj`, every
-        layer's MLP, and the vocabulary projection. Norms stay outside the projections (the
-        zero-centred RMSNorm scales by 1 + w, which the fused prologue does not)."""
+        layer's MLP, and the vocabulary projection. The input and post-attention norms are the
+        prologues of `in_proj`/`qkv` and `gate_up` (zero-centred: x * rstd * (1 + w))."""
         g, w = self.geo, self.w
 
         def each(name: str, layers: Sequence[int]) -> list[torch.Tensor]:
             return [w[f"layers.{i}.{name}"] for i in layers]
 
+        def normed(name: str, layers: Sequence[int], norm: str, biases: list[torch.Tensor] | None = None) -> Problem:
+            variant = Variant(norm=True, bias=biases is not None)
+            return Problem(name, each(name, layers), variant, biases, each(norm, layers), g.eps, "zero_centred")
+
         every = range(len(g.layer_kinds))
         attn, gdn_layers = list(g.attention_layers), list(g.gdn_layers)
-        bias = f"layers.{attn[0]}.qkv_bias" in w if attn else False
-        zc = "zero_centred"
         problems = [
-            Problem(
-                "in_proj",
-                each("in_proj", gdn_layers),
-                Variant(norm=True),
-                norms=each("input_norm", gdn_layers),
-                eps=g.eps,
-                norm_mode=zc,
-            ),
+            normed("in_proj", gdn_layers, "input_norm"),
             Problem("out_proj", each("out_proj", gdn_layers), Variant(residual=True)),
-            Problem(
-                "gate_up",
-                each("gate_up", every),
-                Variant(norm=True),
-                norms=each("post_attention_norm", every),
-                eps=g.eps,
-                norm_mode=zc,
-            ),
+            normed("gate_up", every, "post_attention_norm"),
             Problem("down", each("down", every), Variant(glu=True, residual=True)),
             Problem("lm_head", [self.head()], Variant()),
         ]
         if attn:
-            qkv_bias = each("qkv_bias", attn) if bias else None
+            qkv_bias = each("qkv_bias", attn) if f"layers.{attn[0]}.qkv_bias" in w else None
             o_bias = each("o_proj_bias", attn) if f"layers.{attn[0]}.o_proj_bias" in w else None
             problems += [
-                Problem(
-                    "qkv",
-                    each("qkv", attn),
-                    Variant(norm=True, bias=bias),
-                    qkv_bias,
-                    each("input_norm", attn),
-                    g.eps,
-                    zc,
-                ),
+                normed("qkv", attn, "input_norm", qkv_bias),
                 Problem("o_proj", each("o_proj", attn), Variant(bias=o_bias is not None, residual=True), o_bias),
             ]
         return problems
