@@ -316,20 +316,15 @@ case "$STAGE" in
     SPECULATIVE_DEPTH=7 DECODE_PROJECTIONS=${DECODE_PROJECTIONS:-gemv} SAMPLER=${SAMPLER:-kernel} \
       prepare /tmp/smol /tmp/smolspec smollm2-135m-instruct "${PREPARE_TIMEOUT:-900}" spec
     spec_bench /tmp/smolspec ;;
-  r1b-spec)  # issue 21 (bg; carry .dev/b2): the ~1B with speculative programs (gemv, the fused sampler) and every check,
-             # then the copy and decode benches at depth 4 and 0 as smol-spec
+  r1b-spec|r1b-spec-bw)  # issue 21 (bg; carry .dev/b2): the ~1B with speculative programs (gemv, the fused sampler) and
+                         # every check, then the copy and decode benches at depth 4 and 0 as smol-spec; r1b-spec-bw
+                         # (issues 19 + 21) first measures the same core as r1b-bw's gemv half (breakdown, floor, bench)
+                         # at depth 0, so one prepare serves both issues
     [ -f /tmp/r1b/config.json ] || python3 -m ignition random-checkpoint --config qualification/configs/llama_1b_random.json \
       --out /tmp/r1b --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
     SPECULATIVE_DEPTH=7 DECODE_PROJECTIONS=${DECODE_PROJECTIONS:-gemv} SAMPLER=${SAMPLER:-kernel} \
       prepare /tmp/r1b /tmp/r1bspec llama-1b-random "${PREPARE_TIMEOUT:-900}" spec
-    spec_bench /tmp/r1bspec ;;
-  r1b-spec-bw)  # issues 19 + 21 (bg; carry .dev/b2): r1b-spec and r1b-bw's gemv half from one prepare: the ~1B with gemv,
-                # the fused sampler and speculative programs (every check); breakdown, floor and bench at depth 0, then
-                # the copy/decode benches at depth 4 and 0
-    [ -f /tmp/r1b/config.json ] || python3 -m ignition random-checkpoint --config qualification/configs/llama_1b_random.json \
-      --out /tmp/r1b --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
-    SPECULATIVE_DEPTH=7 DECODE_PROJECTIONS=gemv SAMPLER=${SAMPLER:-kernel} prepare /tmp/r1b /tmp/r1bspec llama-1b-random "${PREPARE_TIMEOUT:-900}" spec
-    RUN_ARG=--speculative-depth=0 bw_measure /tmp/r1b /tmp/r1bspec gemv
+    [ "$STAGE" = r1b-spec-bw ] && RUN_ARG=--speculative-depth=0 bw_measure /tmp/r1b /tmp/r1bspec gemv
     spec_bench /tmp/r1bspec ;;
   q35-spec)  # issue 21 (bg): the Qwen3.5 core with speculative programs (GDN state columns, W = 5 rows per slot) and
              # every check; report.speculative says whether speculative generation equals decoding on the device

@@ -43,7 +43,6 @@ import torch
 import torch.nn.functional as F
 
 from ignition.capture import rownorm
-from ignition.capture.rownorm import rms
 
 if TYPE_CHECKING:
     from torch._library.custom_ops import CustomOpDef
@@ -134,7 +133,7 @@ def reference(
     norm_mode: str = "rms",
 ) -> torch.Tensor:
     if norm is not None:
-        x = rms(x, norm, eps) if norm_mode == "rms" else rownorm.reference(x, norm, eps, norm_mode)
+        x = rownorm.reference(x, norm, eps, norm_mode)
     if glu:
         half = x.shape[-1] // 2
         x = F.silu(x[:, :half]) * x[:, half:]
@@ -260,9 +259,9 @@ def gemv_op() -> CustomOpDef:
         residual: torch.Tensor | None,
         eps: float,
         glu: bool,
-        zero_centred: bool,
+        norm_mode: str,
     ) -> torch.Tensor:
-        return launch(x, weight, bias, norm, residual, eps, glu, norm_mode="zero_centred" if zero_centred else "rms")
+        return launch(x, weight, bias, norm, residual, eps, glu, norm_mode=norm_mode)
 
     @gemv.register_fake
     def _(
@@ -273,7 +272,7 @@ def gemv_op() -> CustomOpDef:
         residual: torch.Tensor | None,
         eps: float,
         glu: bool,
-        zero_centred: bool,
+        norm_mode: str,
     ) -> torch.Tensor:
         return torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
 
@@ -324,7 +323,7 @@ class Projections:
         """x @ weight.T (+ bias), after the norm prologue (`norm`: its weight, `norm_mode` one
         of `NORM_MODES`) or SiLU(gate) * up (`glu`), plus `residual`."""
         if few_rows and self.op is not None:
-            y: torch.Tensor = self.op(x, weight, bias, norm, residual, eps, glu, norm_mode == "zero_centred")
+            y: torch.Tensor = self.op(x, weight, bias, norm, residual, eps, glu, norm_mode)
             return y
         return reference(x, weight, bias, norm, residual, eps, glu, norm_mode)
 

@@ -305,10 +305,9 @@ class PagedQwen35(PagedLlama):
         attention = {layer: j for j, layer in enumerate(g.attention_layers)}
         tokens = attention_tokens(length, lanes, few_rows)
         proj = self.proj
+        zc = "zero_centred"  # the input and post-attention norms: the next projection's prologue
         for i, kind in enumerate(g.layer_kinds):
             p = f"layers.{i}."
-            # The input and post-attention norms run as the next projection's prologue.
-            zc = "zero_centred"
             if kind == "full_attention":
                 qkv = proj(
                     x, w[p + "qkv"], self._bias(p + "qkv_bias"), norm=w[p + "input_norm"], eps=g.eps, norm_mode=zc,

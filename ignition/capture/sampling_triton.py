@@ -219,7 +219,9 @@ def flare_sample(
             if top_k > 1:
                 counts += tl.histogram(e.to(tl.int32, bitcast=True) >> 24, 256, mask=valid)
     e_max = tl.max(e_max_v, 0)
-    _, win = _first_best(best_v, win_v, V)
+    win = tl.full([], 0, tl.int32)
+    if plain:  # only a plain row drew here
+        _, win = _first_best(best_v, win_v, V)
     if not plain:
         tl.debug_barrier()
         # 3. Top-k threshold: the k-th largest bit pattern, one byte per pass. The second pass
