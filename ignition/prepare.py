@@ -365,10 +365,19 @@ def _tune_projections(rec: Any, buckets: list[int]) -> dict[str, Any]:
     temporaries are freed before capture) and prints what each reaches."""
     import torch
 
-    from ignition.capture.gemv import tune
+    from ignition.capture.gemv import precompile, tune
 
+    problems = rec.program.model.projection_problems()
     t0 = time.time()
-    out = tune(rec.program.model.projection_problems(), buckets)
+    pre = precompile(problems, buckets)
+    rec.timings["gemv_precompile_s"] = round(time.time() - t0, 3)
+    error = f", {pre['pool_error']}" if "pool_error" in pre else ""
+    note(
+        f"{pre['tasks']} kernel specializations compiled in {rec.timings['gemv_precompile_s']} s "
+        f"by {pre['workers']} processes ({pre['failed']} failed{error})"
+    )
+    rec.report["gemv_precompile"] = pre
+    out = tune(problems, buckets)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     rec.timings["gemv_tune_s"] = round(time.time() - t0, 3)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from hbm import peak_gbps  # a sibling: the script directory is on the path
 
 from ignition.capture.gemv import Problem, Variant, _run, _time_ms, config_for, reference, tune
 
@@ -48,13 +49,21 @@ def main() -> int:
     ap.add_argument("config", type=Path)
     ap.add_argument("out", type=Path)
     ap.add_argument("--rows", default="1,2,4")
-    ap.add_argument("--hbm-gbps", type=float, default=4800.0)
+    ap.add_argument("--hbm-gbps", type=float, help="GB/s for the HBM bound (default: the device's datasheet figure)")
     args = ap.parse_args()
+    args.hbm_gbps, hbm_source = peak_gbps(args.hbm_gbps)
     cfg = json.loads(args.config.read_text())
     rows = [int(x) for x in args.rows.split(",")]
     probs = problems(cfg, cfg["num_hidden_layers"])
     tuned = tune(probs, rows)
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "rows": rows, "tuned": tuned, "projections": {}}
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "hbm_gbps": args.hbm_gbps,
+        "hbm_source": hbm_source,
+        "rows": rows,
+        "tuned": tuned,
+        "projections": {},
+    }
     gen = torch.Generator(device="cuda").manual_seed(1)
     for p in probs:
         n, k = p.weights[0].shape

@@ -44,7 +44,9 @@
 #   hf-baselines                         Transformers generate, eager and compiled, both shapes
 #   (detached prepares of the bw and spec stages allow PREPARE_TIMEOUT, 900 s: beside another chain's compile,
 #    SmolLM2's spec prepare outran 560 s on 2026-12-05)
-#   bg STAGE...                          (several bg chains may run at once: timed sections hold /tmp/gpu_timing.lock)
+#   bg STAGE...                          (several bg chains may run at once: timed sections hold /tmp/gpu_timing.lock,
+#                                        prepares /tmp/gpu_prepare.lock; a prepare's log shows every thread's stack
+#                                        once a minute while a phase runs, IGNITION_STACKS=1)
 #                                        start the STAGEs, in order, detached (setsid, survives the call while the machine
 #                                        stays warm), its files go to /tmp/bg/STAGE.tgz; for stages over 600 s
 #   collect STAGE...                     wait for several bg STAGEs, copying each one's tgz to DEST as it finishes
@@ -82,13 +84,17 @@ unxz_to() { python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(s
 prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|gemv, GDN_PREFILL=scan|chunked, PREFILL_CHUNK (256),
            # SAMPLER=torch (default)|kernel, NO_CHECK=1 skips the checks
   local tag=${5:+_$5}
+  # One prepare at a time: two side by side (2026-12-05, 16 cores) each ran 2.5x slower in tuning
+  # and neither finished its first graph's compile in 12 minutes. Measurements may overlap one.
+  exec 8> /tmp/gpu_prepare.lock; flock 8; echo "prepare lock held at $(date +%T)"
   python3 qualification/make_reference_prompts.py "$1" "$1.prompts.json"
-  timeout "$4" python3 -m ignition prepare --model "$1" --out "$2" --decode-buckets 1,2,4 \
+  IGNITION_STACKS=${IGNITION_STACKS:-1} timeout "$4" python3 -m ignition prepare --model "$1" --out "$2" --decode-buckets 1,2,4 \
     --prefill-chunk-size "${PREFILL_CHUNK:-256}" --context-limit "${CONTEXT_LIMIT:-4608}" --served-name "$3" ${CORE_REPLAY:+--core-replay /tmp/core_replay} ${DUMP_IO:+--dump-io} \
     --decode-projections "${DECODE_PROJECTIONS:-gemm}" ${NO_CHECK:+--no-check} ${GDN_PREFILL:+--gdn-prefill $GDN_PREFILL} \
     ${SPECULATIVE_DEPTH:+--speculative-depth $SPECULATIVE_DEPTH} ${SAMPLER:+--sampler $SAMPLER} \
     --reference-prompts "$1.prompts.json" > "$OUT/prepare$tag.log" 2>&1
   echo "prepare$tag rc=$?"
+  flock -u 8
   cp "$2.work/report.json" "$OUT/prepare_report$tag.json" 2>/dev/null || cp "$2.report.json" "$OUT/prepare_report$tag.json"
   cp "$2.work/reference_generations.json" "$OUT/reference_generations$tag.json" 2>/dev/null
   grep "\[ignition\]" "$OUT/prepare$tag.log" | tail -40

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import transformers
+from hbm import peak_gbps  # a sibling: the script directory is on the path
 
 
 def main() -> int:
@@ -26,7 +27,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--compile", action="store_true", help="torch.compile the static-cache forward")
-    ap.add_argument("--hbm-gbps", type=float, default=4800.0, help="device bandwidth for the bound (H200: 4.8 TB/s)")
+    ap.add_argument("--hbm-gbps", type=float, help="GB/s for the HBM bound (default: the device's datasheet figure)")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -64,7 +65,8 @@ def main() -> int:
     one = min(run(1) for _ in range(args.repeat))
     per_token = (full - one) / max(args.tokens - 1, 1)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    bound = weight_bytes / (args.hbm_gbps * 1e9)
+    gbps, hbm_source = peak_gbps(args.hbm_gbps) if dev == "cuda" else (float(args.hbm_gbps or 0.0), "cpu run")
+    bound = weight_bytes / (gbps * 1e9) if gbps > 0 else 0.0
     report = {
         "model": args.model,
         "device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu",
@@ -76,8 +78,10 @@ def main() -> int:
         "first_token_s": one,
         "decode_ms_per_token": per_token * 1e3,
         "weight_bytes": weight_bytes,
+        "hbm_gbps": gbps,
+        "hbm_source": hbm_source,
         "hbm_bound_ms_per_token": bound * 1e3,
-        "fraction_of_hbm_bound": bound / per_token if per_token > 0 else None,
+        "fraction_of_hbm_bound": bound / per_token if per_token > 0 and bound > 0 else None,
     }
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report))

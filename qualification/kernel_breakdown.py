@@ -14,7 +14,7 @@ For each graph (default: every decode bucket and the largest prefill capacity):
   before the first, "head" after the last layer's weights: final norm, vocabulary projection,
   sampler); achieved weight bytes/s for every kernel that reads weights.
 
-    python3 qualification/kernel_breakdown.py CORE OUT.json [--graphs decode_b1,prefill_t512] [--hbm-gbps 4800]
+    python3 qualification/kernel_breakdown.py CORE OUT.json [--graphs decode_b1,prefill_t512] [--hbm-gbps GBPS]
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from hbm import peak_gbps  # a sibling: the script directory is on the path
 
 from ignition.core.stepping import Row, Sampling, admit
 from ignition.replay.core import CoreFiles, GraphInfo, topological
@@ -284,8 +286,9 @@ def main() -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--graphs", help="comma-separated graph names (default: decode buckets + largest prefill)")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--hbm-gbps", type=float, default=4800.0, help="the device's HBM bandwidth (H200: 4.8 TB/s)")
+    ap.add_argument("--hbm-gbps", type=float, help="GB/s for the HBM bound (default: the device's datasheet figure)")
     args = ap.parse_args()
+    args.hbm_gbps, hbm_source = peak_gbps(args.hbm_gbps)
     core = CoreFiles(args.core)
     dev = DeviceCore(core)
     rep = CoreReplay(core, dev)
@@ -294,7 +297,7 @@ def main() -> int:
         if args.graphs
         else [g.name for g in core.by_kind("decode")] + [core.by_kind("prefill")[-1].name]
     )
-    report: dict[str, Any] = {"core": str(args.core), "hbm_gbps": args.hbm_gbps, "graphs": []}
+    report: dict[str, Any] = {"core": str(args.core), "hbm_gbps": args.hbm_gbps, "hbm_source": hbm_source, "graphs": []}
     for name in names:
         g = next(x for x in core.graphs if x.name == name)
         rows = setup(rep, g)

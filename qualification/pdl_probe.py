@@ -26,7 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gemv_check import problems  # a sibling: the script directory is on the path
+from gemv_check import problems  # siblings: the script directory is on the path
+from hbm import peak_gbps
 
 from ignition.capture.gemv import CANDIDATES, launch, tune
 
@@ -64,8 +65,9 @@ def main() -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--rows", default="1,4")
     ap.add_argument("--reps", type=int, default=200)
-    ap.add_argument("--hbm-gbps", type=float, default=4800.0)
+    ap.add_argument("--hbm-gbps", type=float, help="GB/s for the HBM bound (default: the device's datasheet figure)")
     args = ap.parse_args()
+    args.hbm_gbps, hbm_source = peak_gbps(args.hbm_gbps)
     cfg = json.loads(args.config.read_text())
     rows = [int(r) for r in args.rows.split(",")]
     layers = cfg["num_hidden_layers"]
@@ -78,6 +80,8 @@ def main() -> int:
         "config": str(args.config),
         "kernels_per_step": 4 * layers,
         "weight_bytes": weight_bytes,
+        "hbm_gbps": args.hbm_gbps,
+        "hbm_source": hbm_source,
         "hbm_bound_us": round(weight_bytes / (args.hbm_gbps * 1e3), 1),
         "tiles": {name: t["config"] for name, t in tuned.items()},
         "rows": {},

@@ -35,6 +35,7 @@ Invariants:
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -383,6 +384,112 @@ def _bucket_invariant(p: Problem, x: torch.Tensor, r: torch.Tensor, cfg: GemvCon
     return bool(torch.equal(grouped, alone))
 
 
+def _fits(cfg: GemvConfig, k: int) -> bool:
+    """Whether the tuner times `cfg` on a row of `k`: a tile wider than twice the row runs as a
+    narrower one with more masking, and a split needs a tile per slice."""
+    return cfg.block_k <= 2 * max(16, 1 << (k - 1).bit_length()) and cfg.split * cfg.block_k <= k
+
+
+@dataclass(frozen=True)
+class CompileTask:
+    """One kernel specialization the tuner launches: enough to launch it on scratch tensors of
+    the same shapes, dtypes and alignment, which compiles exactly what the tuner's launch loads."""
+
+    n: int
+    k: int
+    m: int
+    dtype: torch.dtype
+    variant: Variant
+    norm_mode: str
+    config: GemvConfig
+    device: str
+    # The norm weight's and bias's dtypes (a pointer's element type is part of the signature).
+    norm_dtype: torch.dtype | None = None
+    bias_dtype: torch.dtype | None = None
+
+
+def compile_tasks(
+    problems: Sequence[Problem], rows: Sequence[int], candidates: Sequence[GemvConfig]
+) -> list[CompileTask]:
+    """The specializations `tune` will compile, each once. Triton keys a compiled kernel on its
+    constexprs and on whether each integer argument is 1 or a multiple of 16, not on its value,
+    so problems alike in those share a task (a coarser grouping would only cost a compile later)."""
+    seen: set[tuple[Any, ...]] = set()
+    out: list[CompileTask] = []
+    for p in problems:
+        w = p.weights[0]
+        n, k = w.shape
+        for cfg in candidates:
+            if not _fits(cfg, k):
+                continue
+            for m in rows:
+                classes = tuple((v % 16 == 0, v == 1) for v in (n, k, 2 * k if p.variant.glu else k))
+                # A split's reduction kernel takes its block from N.
+                block = min(1024, 1 << (n - 1).bit_length()) if cfg.split > 1 else 0
+                nd = None if p.norms is None else p.norms[0].dtype
+                bd = None if p.biases is None else p.biases[0].dtype
+                # The per-row kernel's group size is a constexpr; the tensor-core one's is fixed.
+                rows_key = (m == 1, m % 16 == 0) if cfg.dot else (min(m, MAX_GROUP_ROWS), m == 1, m % 16 == 0)
+                key = (classes, block, rows_key, w.dtype, p.variant, p.norm_mode, cfg, nd, bd)
+                if key not in seen:
+                    seen.add(key)
+                    out.append(CompileTask(n, k, m, w.dtype, p.variant, p.norm_mode, cfg, str(w.device), nd, bd))
+    return out
+
+
+def _compile_one(t: CompileTask) -> bool:
+    """Launches `t` on scratch tensors (in a pool worker): Triton compiles it into its cache
+    directory, where the tuner's launch in the preparing process finds it. False if it failed
+    (a tile the compiler cannot fit; the tuner meets and skips it again)."""
+    dev = torch.device(t.device)
+    v = t.variant
+    x = torch.zeros(t.m, 2 * t.k if v.glu else t.k, dtype=t.dtype, device=dev)
+    w = torch.zeros(t.n, t.k, dtype=t.dtype, device=dev)
+    bias = torch.zeros(t.n, dtype=t.bias_dtype or t.dtype, device=dev) if v.bias else None
+    norm = torch.zeros(t.k, dtype=t.norm_dtype or t.dtype, device=dev) if v.norm else None
+    res = torch.zeros(t.m, t.n, dtype=t.dtype, device=dev) if v.residual else None
+    try:
+        launch(x, w, bias, norm, res, 1e-6, v.glu, t.config, norm_mode=t.norm_mode)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    except Exception:  # reported by the tuner, which meets the same failure
+        return False
+    return True
+
+
+def compile_workers() -> int:
+    """Processes that compile the tuner's candidates: `IGNITION_COMPILE_WORKERS`, else one per
+    core (0 or 1: compile in the preparing process, one kernel at a time)."""
+    env = os.environ.get("IGNITION_COMPILE_WORKERS")
+    return int(env) if env is not None else min(32, os.cpu_count() or 1)
+
+
+def precompile(
+    problems: Sequence[Problem],
+    rows: Sequence[int],
+    candidates: Sequence[GemvConfig] = CANDIDATES,
+    workers: int | None = None,
+) -> dict[str, Any]:
+    """Compiles every specialization `tune` will launch in a pool of processes (spawned: each
+    has its own CUDA context), so the tuner's launches load them from Triton's cache instead of
+    compiling one after another in this process (~600 compiles, ~190 s on an idle H100 host
+    for SmolLM2). Needs the cache directory (`TRITON_CACHE_DIR`) set before the pool starts."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    tasks = compile_tasks(problems, rows, candidates)
+    n = min(compile_workers() if workers is None else workers, len(tasks))
+    report: dict[str, Any] = {"tasks": len(tasks), "workers": n if n > 1 else 0, "failed": 0}
+    if n <= 1:
+        return report
+    try:
+        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
+            report["failed"] = sum(not ok for ok in pool.map(_compile_one, tasks, chunksize=4))
+    except Exception as e:  # the pool only saves time: the tuner compiles what it misses
+        report["pool_error"] = f"{type(e).__name__}: {e}"
+    return report
+
+
 def tune(
     problems: Sequence[Problem], rows: Sequence[int], candidates: Sequence[GemvConfig] = CANDIDATES, reps: int = 5
 ) -> dict[str, Any]:
@@ -402,8 +509,8 @@ def tune(
         timings: list[tuple[float, GemvConfig]] = []
         skipped: list[str] = []
         for cfg in candidates:
-            if cfg.block_k > 2 * max(16, 1 << (k - 1).bit_length()) or cfg.split * cfg.block_k > k:
-                continue  # a tile wider than twice the row: as a narrower one, with more masking
+            if not _fits(cfg, k):
+                continue
             try:
                 total = sum(_time_ms(functools.partial(_run, p, xs[m], res[m], cfg), reps) for m in rows)
             except Exception as e:  # a tile the compiler cannot fit (shared memory, registers)

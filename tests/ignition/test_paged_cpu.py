@@ -739,6 +739,15 @@ def test_gemv_kernel_matches_the_reference_under_the_interpreter() -> None:
     assert report["max_rel_err"] < 1e-5 and report["row_invariant"] and report["pdl_modes_bitwise"], report
 
 
+def test_gemv_precompile_groups_specializations_and_runs_them_in_a_pool() -> None:
+    """The tuner's candidates compiled ahead in spawned workers: one task per specialization as
+    Triton keys it (shapes alike in 16-divisibility share one; a split's reduction block, the
+    norm variant and an odd shape do not), every task launched without failure."""
+    report = _interpreted("gemv_precompile_interpreted.py", 120)
+    assert report["per_problem"] == {"a": 6, "b": 2, "c": 6, "d": 6}, report
+    assert report["precompile"] == {"tasks": 20, "workers": 2, "failed": 0}, report
+
+
 def test_gemv_compiles_as_an_opaque_op() -> None:
     """The projections inside a compiled decode-style loop call `flare::gemv` (no graph break,
     not traced through) and match the eager reference."""

@@ -11,7 +11,9 @@ from tests.ignition.conftest import REPO
 
 sys.path.insert(0, str(REPO / "qualification"))
 
-import summarize  # qualification/ is not a package: found through sys.path
+import hbm  # qualification/ is not a package: found through sys.path
+import pytest
+import summarize
 
 
 def test_summary_of_the_2026_12_04_session_matches_what_it_recorded() -> None:
@@ -54,3 +56,14 @@ def test_an_agent_turn_cached_short_of_the_previous_prompt_is_reported() -> None
         }
     }
     assert summarize.agent_section(fed)["cached_at_message_endpoints"] is False
+
+
+def test_the_hbm_bound_follows_the_device() -> None:
+    """The bound's bandwidth comes from the device's name, never an H200 figure for an H100; an
+    unknown device asks for the figure instead of guessing."""
+    assert hbm.peak_gbps(name="NVIDIA H100 80GB HBM3") == (3350.0, "datasheet for NVIDIA H100 80GB HBM3")
+    assert hbm.peak_gbps(name="NVIDIA H200")[0] == 4800.0
+    assert hbm.peak_gbps(name="NVIDIA H100 NVL")[0] == 3900.0
+    assert hbm.peak_gbps(1234.0, name="anything") == (1234.0, "--hbm-gbps")
+    with pytest.raises(hbm.UnknownDevice):
+        hbm.peak_gbps(name="NVIDIA A100-SXM4-80GB")
