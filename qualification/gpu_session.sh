@@ -34,6 +34,7 @@
 #                                        breakdown, floor and bench at depth 0, then the copy/decode benches (bg)
 #   q35-spec                             issue 21: the Qwen3.5 core with speculative programs (state columns), checks (bg)
 #   q35-bw       (carry .dev/b2)         the Qwen3.5 core with gemv decode projections and the chunked GDN prefill (bg)
+#   q35-spec-bw  (carry .dev/b2)         issues 18 + 19 + 21: q35-bw and q35-spec from one prepare (bg)
 #   r1b-measure-only                     as smol-measure for the 1B core (no Transformers run)
 #   r1b-serve, r1b-native                r1b-measure-only in two calls (serving; Rust bitwise + lifecycle +
 #                                        compiled Transformers generate); DUMP_IO=1 at r1b-prepare for the bitwise part
@@ -163,7 +164,7 @@ bw_measure() {  # MODEL CORE TAG: kernel breakdown, Python floor, flare run + be
   local ref=$2.work/reference_generations.json
   timeout 240 python3 qualification/flare_vs_torch_replay.py --flare /tmp/flare --core "$2" --tokenizer "$1/tokenizer.json" \
     $([ -f "$ref" ] && echo --reference "$ref") --out "$OUT/flare_vs_torch_$3.json" --bench --bench-timeout 150 \
-    --log "$OUT/flare_run_$3.log" ${RUN_ARG:+--run-arg=$RUN_ARG}
+    --log "$OUT/flare_run_$3.log" ${RUN_ARG:+--run-arg=$RUN_ARG} ${AGENT_TURNS:+--agent-turns $AGENT_TURNS}
   echo "flare_vs_torch $3 rc=$?"
   timing_unlock
 }
@@ -332,6 +333,18 @@ case "$STAGE" in
       prepare /tmp/r1b /tmp/r1bspec llama-1b-random "${PREPARE_TIMEOUT:-900}" spec
     [ "$STAGE" = r1b-spec-bw ] && RUN_ARG=--speculative-depth=0 bw_measure /tmp/r1b /tmp/r1bspec gemv
     spec_bench /tmp/r1bspec ;;
+  q35-spec-bw)  # issues 18 + 19 + 21 (bg; carry .dev/b2): one Qwen3.5 prepare with gemv, the chunked GDN prefill, the
+                # fused sampler and speculative programs (every check), the GDN components, the breakdown, floor and
+                # bench at depth 0 (8 agent turns), then the copy and decode benches at depth 4 and 0
+    [ -f /tmp/q35/config.json ] || python3 -m ignition random-checkpoint --config qualification/configs/qwen3_5_0p8b_random.json \
+      --out /tmp/q35 --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
+    SPECULATIVE_DEPTH=4 DECODE_PROJECTIONS=gemv GDN_PREFILL=chunked SAMPLER=${SAMPLER:-kernel} \
+      prepare /tmp/q35 /tmp/q35specbw qwen3_5-0.8b-random "${PREPARE_TIMEOUT:-900}" spec
+    python3 -c "import json; r = json.load(open('$OUT/prepare_report_spec.json')); print(json.dumps(r.get('speculative'))[:800])"
+    timeout 120 python3 qualification/gdn_components.py "$OUT/gdn_components.json" > "$OUT/gdn_components.log" 2>&1
+    echo "gdn_components rc=$?"
+    AGENT_TURNS=8 RUN_ARG=--speculative-depth=0 bw_measure /tmp/q35 /tmp/q35specbw bw
+    spec_bench /tmp/q35specbw ;;
   q35-spec)  # issue 21 (bg): the Qwen3.5 core with speculative programs (GDN state columns, W = 5 rows per slot) and
              # every check; report.speculative says whether speculative generation equals decoding on the device
     [ -f /tmp/q35/config.json ] || python3 -m ignition random-checkpoint --config qualification/configs/qwen3_5_0p8b_random.json \
