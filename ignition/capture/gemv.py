@@ -475,16 +475,19 @@ def precompile(
     compiling one after another in this process (~600 compiles, ~190 s on an idle H100 host
     for SmolLM2). Needs the cache directory (`TRITON_CACHE_DIR`) set before the pool starts."""
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
 
     tasks = compile_tasks(problems, rows, candidates)
     n = min(compile_workers() if workers is None else workers, len(tasks))
     report: dict[str, Any] = {"tasks": len(tasks), "workers": n if n > 1 else 0, "failed": 0}
     if n <= 1:
         return report
+    # A hung worker must not hang the preparation: past the deadline the pool is terminated
+    # (leaving the with-block does) and the tuner compiles what is missing itself.
+    deadline = 60.0 + 2.0 * len(tasks) / n
     try:
-        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
-            report["failed"] = sum(not ok for ok in pool.map(_compile_one, tasks, chunksize=4))
+        with multiprocessing.get_context("spawn").Pool(n) as pool:
+            done = pool.map_async(_compile_one, tasks, chunksize=4).get(timeout=deadline)
+            report["failed"] = sum(not ok for ok in done)
     except Exception as e:  # the pool only saves time: the tuner compiles what it misses
         report["pool_error"] = f"{type(e).__name__}: {e}"
     return report
