@@ -106,6 +106,35 @@ def _bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
 
+def _compile_metrics() -> dict[str, float]:
+    """Seconds torch's compile timers (`dynamo_timed`) have accumulated, per timer; empty where
+    this torch keeps them elsewhere (diagnostics only)."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:
+        return {}
+    return {str(k): float(sum(v)) for k, v in compilation_time_metrics.items()}
+
+
+# torch's timers nest; these name disjoint parts of one compile (autotuning: every timer whose
+# name says so).
+_BRIEF_TIMERS = {
+    "trace": "bytecode_tracing",
+    "lower": "GraphLowering.run",
+    "fuse": "Scheduler.__init__",
+    "codegen": "Scheduler.codegen",
+    "triton": "async_compile.wait",
+}
+
+
+def _compile_brief(spent: dict[str, float]) -> dict[str, float]:
+    out = {name: spent[key] for name, key in _BRIEF_TIMERS.items() if key in spent}
+    tuned = sum(v for k, v in spent.items() if "autotune" in k.lower() or "select_algorithm" in k)
+    if tuned:
+        out["autotune"] = round(tuned, 2)
+    return out
+
+
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bytes equal (NaN payloads included, which `torch.equal` on floats would not call equal)."""
     if a.shape != b.shape or a.dtype != b.dtype:
@@ -188,8 +217,10 @@ class Recorder:
     # -- compile and capture -------------------------------------------------------------
     def compile_and_capture(self, progress: Any = print) -> None:
         t0 = time.time()
+        self.report["compile_breakdown"] = {}
         for i, g in enumerate(self.graphs):
             t1 = time.time()
+            before = _compile_metrics()
             g.fn = torch.compile(self.program.method(g), fullgraph=True, dynamic=False)
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
@@ -199,7 +230,14 @@ class Recorder:
                     self._call(g, g.fn)
             torch.cuda.current_stream().wait_stream(s)
             torch.cuda.synchronize()
-            progress(f"compiled {g.name} ({i + 1}/{len(self.graphs)}) in {time.time() - t1:.1f} s")
+            wall = time.time() - t1
+            # Where this graph's compile went (torch's own timers; the rest of the wall time is
+            # the warm-up runs, Ignition's Triton kernels compiling on first launch included).
+            after = _compile_metrics()
+            spent = {k: round(v - before.get(k, 0.0), 2) for k, v in after.items() if v - before.get(k, 0.0) >= 0.1}
+            self.report["compile_breakdown"][g.name] = {"wall_s": round(wall, 2), "timers_s": spent}
+            brief = ", ".join(f"{name} {v:.1f}" for name, v in _compile_brief(spent).items())
+            progress(f"compiled {g.name} ({i + 1}/{len(self.graphs)}) in {wall:.1f} s ({brief})")
         self._t("compile_s", t0)
         t0 = time.time()
         for g in self.graphs:

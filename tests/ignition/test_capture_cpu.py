@@ -49,3 +49,21 @@ def test_modules_import_without_a_device() -> None:
         "ignition.prepare",
     ):
         importlib.import_module(m)
+
+
+def test_compile_breakdown_reads_torch_timers_and_names_disjoint_parts() -> None:
+    """The per-graph compile breakdown: torch's timers advance across a compile (this torch still
+    keeps them where the recorder reads them), and the brief names disjoint parts, autotuning
+    summed over every timer that says so."""
+    require_torch()
+    import torch
+
+    from ignition.capture.recorder import _compile_brief, _compile_metrics
+
+    before = _compile_metrics()
+    torch.compile(lambda x: (x * 2).sin().sum(), fullgraph=True)(torch.randn(8))
+    after = _compile_metrics()
+    assert after.get("_compile.compile_inner", 0.0) > before.get("_compile.compile_inner", 0.0)
+    spent = {"bytecode_tracing": 1.0, "GraphLowering.run": 2.0, "async_compile.wait": 3.0}
+    spent |= {"_compile.compile_inner": 9.0, "select_algorithm.autotune": 0.5, "AlgorithmSelectorCache.autotune": 0.25}
+    assert _compile_brief(spent) == {"trace": 1.0, "lower": 2.0, "triton": 3.0, "autotune": 0.75}
