@@ -322,7 +322,8 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
         if gemv:
             stage = "tune"
             with phase("tune the few-row projections"):
-                report["gemv"] = _tune_projections(rec, caps.decode_buckets)
+                lanes = max((b * (d + 1) for b, d in caps.speculative), default=0)
+                report["gemv"] = _tune_projections(rec, caps.decode_buckets, lanes)
         stage = "compile_and_capture"
         with phase(f"compile and capture {len(rec.graphs)} graphs"):
             rec.compile_and_capture(progress=note)
@@ -360,9 +361,11 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
     return report
 
 
-def _tune_projections(rec: Any, buckets: list[int]) -> dict[str, Any]:
+def _tune_projections(rec: Any, buckets: list[int], lanes: int) -> dict[str, Any]:
     """Picks each projection shape's `flare::gemv` tile on this device (outside the arena: the
-    temporaries are freed before capture) and prints what each reaches."""
+    temporaries are freed before capture) and prints what each reaches. Timed at the decode
+    buckets; the bucket invariance is checked up to `lanes` rows as well (a speculative
+    program's lanes must be bitwise what decode computes)."""
     import torch
 
     from ignition.capture.gemv import precompile, tune
@@ -377,7 +380,7 @@ def _tune_projections(rec: Any, buckets: list[int]) -> dict[str, Any]:
         f"by {pre['workers']} processes ({pre['failed']} failed{error})"
     )
     rec.report["gemv_precompile"] = pre
-    out = tune(problems, buckets)
+    out = tune(problems, buckets, invariant_rows=lanes)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     rec.timings["gemv_tune_s"] = round(time.time() - t0, 3)

@@ -494,12 +494,17 @@ def precompile(
 
 
 def tune(
-    problems: Sequence[Problem], rows: Sequence[int], candidates: Sequence[GemvConfig] = CANDIDATES, reps: int = 5
+    problems: Sequence[Problem],
+    rows: Sequence[int],
+    candidates: Sequence[GemvConfig] = CANDIDATES,
+    reps: int = 5,
+    invariant_rows: int = 0,
 ) -> dict[str, Any]:
     """Times every candidate on each problem's real weights (all layers in turn, so the stream
     does not sit in L2) for each row count in `rows`, keeps the fastest total, and registers it
     for the problem's shape. Before keeping a configuration it checks that the rows of the
-    largest group equal the same rows computed alone, bitwise (the bucket invariance above).
+    largest group (`rows`' largest, or `invariant_rows` if larger: a speculative program's
+    lanes) equal the same rows computed alone, bitwise (the bucket invariance above).
     Returns a report: per problem the chosen tile, its time per layer and achieved bytes/s."""
     report: dict[str, Any] = {}
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -507,8 +512,9 @@ def tune(
         w0 = p.weights[0]
         n, k = w0.shape
         kin = 2 * k if p.variant.glu else k
-        xs = {m: torch.randn(m, kin, generator=gen, device=w0.device).to(w0.dtype) for m in rows}
-        res = {m: torch.randn(m, n, generator=gen, device=w0.device).to(w0.dtype) for m in rows}
+        big = max(*rows, invariant_rows)
+        xs = {m: torch.randn(m, kin, generator=gen, device=w0.device).to(w0.dtype) for m in {*rows, big}}
+        res = {m: torch.randn(m, n, generator=gen, device=w0.device).to(w0.dtype) for m in {*rows, big}}
         timings: list[tuple[float, GemvConfig]] = []
         skipped: list[str] = []
         for cfg in candidates:
@@ -522,7 +528,6 @@ def tune(
             timings.append((total, cfg))
         if not timings:
             raise RuntimeError(f"gemv tuning: no candidate ran for {p.name} ({n}x{k}): {skipped}")
-        big = max(rows)
         # The fastest tile whose grouped rows equal the same rows alone (the bucket invariance);
         # a tile that breaks it is reported and passed over, never used.
         ranked = [cfg for _, cfg in sorted(timings, key=lambda t: t[0])]
@@ -548,6 +553,7 @@ def tune(
             "ms_per_layer": round(one, 5),
             "weight_gb_per_s": round(n * k * w0.element_size() / one / 1e6, 1),
             "bucket_invariant": True,
+            "invariance_checked_at_rows": big,
             "tiles_breaking_invariance": broken,
         }
     return report
