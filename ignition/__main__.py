@@ -87,6 +87,12 @@ def _parser() -> argparse.ArgumentParser:
         help="proposals per request the speculative programs verify at most (0, the default until they are "
         "qualified on the device: none); larger buckets verify fewer, within 16 lanes per program",
     )
+    prepare.add_argument(
+        "--compile-cache",
+        type=Path,
+        help="torch.compile's portable cache (its Mega-Cache) in one file: loaded before compiling when it "
+        "exists, written after capture; valid for the same torch, Triton and GPU (others recompile)",
+    )
     rnd = sub.add_parser("random-checkpoint", help="a seeded random-weight checkpoint of a config.json")
     rnd.add_argument("--config", required=True, type=Path)
     rnd.add_argument("--out", required=True, type=Path)
@@ -171,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                 sampler=args.sampler,
                 gdn_prefill=args.gdn_prefill,
                 speculative_depth=args.speculative_depth,
+                compile_cache=args.compile_cache,
                 served_name=args.served_name,
                 reference_prompts=args.reference_prompts,
                 dump_io=args.dump_io,

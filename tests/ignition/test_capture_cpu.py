@@ -7,6 +7,7 @@ machine: qualification/ignition_capture_replay.json.
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 from tests.ignition.conftest import require_torch
 
@@ -67,3 +68,23 @@ def test_compile_breakdown_reads_torch_timers_and_names_disjoint_parts() -> None
     spent = {"bytecode_tracing": 1.0, "GraphLowering.run": 2.0, "async_compile.wait": 3.0}
     spent |= {"_compile.compile_inner": 9.0, "select_algorithm.autotune": 0.5, "AlgorithmSelectorCache.autotune": 0.25}
     assert _compile_brief(spent) == {"trace": 1.0, "lower": 2.0, "triton": 3.0, "autotune": 0.75}
+
+
+def test_compile_cache_file_round_trips_and_tolerates_garbage(tmp_path: Path) -> None:
+    """`--compile-cache`: nothing to load the first time, the artifacts this process compiled are
+    written after, load back with their entry counts, and a corrupt file loads nothing instead
+    of failing the preparation."""
+    require_torch()
+    import torch
+
+    from ignition.prepare import _load_compile_cache, _save_compile_cache
+
+    path = tmp_path / "compile.cache"
+    assert _load_compile_cache(path) == {"loaded_bytes": 0}
+    torch.compile(lambda x: (x * 3).cos().sum(), fullgraph=True)(torch.randn(8))
+    saved = _save_compile_cache(path)
+    assert saved["saved_bytes"] == path.stat().st_size > 0 and saved["saved_entries"].get("inductor", 0) >= 1
+    loaded = _load_compile_cache(path)
+    assert loaded["loaded_bytes"] == saved["saved_bytes"] and loaded["loaded_entries"] == saved["saved_entries"]
+    path.write_bytes(b"not a cache")
+    assert _load_compile_cache(path).get("loaded_entries", {}) == {}
