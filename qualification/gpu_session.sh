@@ -34,7 +34,8 @@
 #                                        breakdown, floor and bench at depth 0, then the copy/decode benches (bg)
 #   q35-spec                             issue 21: the Qwen3.5 core with speculative programs (state columns), checks (bg)
 #   q35-bw       (carry .dev/b2)         the Qwen3.5 core with gemv decode projections and the chunked GDN prefill (bg)
-#   q35-spec-bw  (carry .dev/b2)         issues 18 + 19 + 21: q35-bw and q35-spec from one prepare (bg)
+#   q35-spec-bw  (carry .dev/b2 .dev/b3) issues 18 + 19 + 21: q35-bw and q35-spec from one prepare, lifecycle and
+#                                        preemption in a small pool (bg)
 #   r1b-measure-only                     as smol-measure for the 1B core (no Transformers run)
 #   r1b-serve, r1b-native                r1b-measure-only in two calls (serving; Rust bitwise + lifecycle +
 #                                        compiled Transformers generate); DUMP_IO=1 at r1b-prepare for the bitwise part
@@ -196,6 +197,7 @@ case "$STAGE" in
   bg)  # bg DEST STAGE...: the stages one after another
     mkdir -p /tmp/bg; for s in "${@:3}"; do rm -f "/tmp/bg/$s.done" "/tmp/bg/$s.collected"; done
     [ -f .dev/b2/flare.xz ] && unxz_to .dev/b2/flare.xz /tmp/flare  # while this call carries it
+    [ -f .dev/b3/core_workload.xz ] && unxz_to .dev/b3/core_workload.xz /tmp/core_workload
     for part in .dev/cc/*.bin.part00; do  # torch.compile caches of an earlier session (cc-out), split in parts
       [ -f "$part" ] && cat "${part%00}"* > "/tmp/cc/$(basename "${part%.part00}")" && echo "compile cache ${part%.part00}"
     done
@@ -354,7 +356,14 @@ case "$STAGE" in
     timeout 120 python3 qualification/gdn_components.py "$OUT/gdn_components.json" > "$OUT/gdn_components.log" 2>&1
     echo "gdn_components rc=$?"
     AGENT_TURNS=8 RUN_ARG=--speculative-depth=0 bw_measure /tmp/q35 /tmp/q35specbw bw
-    spec_bench /tmp/q35specbw ;;
+    spec_bench /tmp/q35specbw
+    if [ -x /tmp/core_workload ]; then  # (bg carried .dev/b3) lifecycle vs solo runs, then preemption in a small pool
+      timing_lock
+      timeout 120 /tmp/core_workload /tmp/q35specbw > "$OUT/core_workload.json"; echo "core_workload rc=$?"
+      timeout 120 /tmp/core_workload /tmp/q35specbw --pages 48 > "$OUT/core_workload_pressure.json"
+      echo "core_workload --pages 48 rc=$?"; head -c 600 "$OUT/core_workload_pressure.json"; echo
+      timing_unlock
+    fi ;;
   q35-spec)  # issue 21 (bg): the Qwen3.5 core with speculative programs (GDN state columns, W = 5 rows per slot) and
              # every check; report.speculative says whether speculative generation equals decoding on the device
     [ -f /tmp/q35/config.json ] || python3 -m ignition random-checkpoint --config qualification/configs/qwen3_5_0p8b_random.json \
