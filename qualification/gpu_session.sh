@@ -48,7 +48,8 @@
 #    SmolLM2's spec prepare outran 560 s on 2026-12-05)
 #   bg STAGE...                          (several bg chains may run at once: timed sections hold /tmp/gpu_timing.lock,
 #                                        prepares /tmp/gpu_prepare.lock; a prepare's log shows every thread's stack
-#                                        once a minute while a phase runs, IGNITION_STACKS=1)
+#                                        once a minute while a phase runs, IGNITION_STACKS=1; AFTER=STAGE makes this
+#                                        chain's prepares wait for STAGE's)
 #                                        start the STAGEs, in order, detached (setsid, survives the call while the machine
 #                                        stays warm), its files go to /tmp/bg/STAGE.tgz; for stages over 600 s
 #   collect STAGE...                     wait for several bg STAGEs, copying each one's tgz to DEST as it finishes
@@ -91,6 +92,8 @@ prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|
   local tag=${5:+_$5}
   # One prepare at a time: two side by side (2026-12-05, 16 cores) each ran 2.5x slower in tuning
   # and neither finished its first graph's compile in 12 minutes. Measurements may overlap one.
+  # AFTER=STAGE: let STAGE's prepare go first (the lock is not first come, first served).
+  for _ in $(seq 180); do [ -z "${AFTER:-}" ] || [ -f "/tmp/gpu_out/$AFTER/prepare.done" ] && break; sleep 5; done
   exec 8> /tmp/gpu_prepare.lock; flock 8; echo "prepare lock held at $(date +%T)"
   python3 qualification/make_reference_prompts.py "$1" "$1.prompts.json"
   IGNITION_STACKS=${IGNITION_STACKS:-1} timeout "$4" python3 -m ignition prepare --model "$1" --out "$2" --decode-buckets 1,2,4 \
@@ -100,6 +103,7 @@ prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|
     --compile-cache "/tmp/cc/$3$tag.bin" \
     --reference-prompts "$1.prompts.json" > "$OUT/prepare$tag.log" 2>&1
   echo "prepare$tag rc=$?"
+  touch "$OUT/prepare.done"
   flock -u 8
   cp "$2.work/report.json" "$OUT/prepare_report$tag.json" 2>/dev/null || cp "$2.report.json" "$OUT/prepare_report$tag.json"
   cp "$2.work/reference_generations.json" "$OUT/reference_generations$tag.json" 2>/dev/null
