@@ -27,7 +27,10 @@ def _heartbeat(name: str, start: float, done: threading.Event, every: float) -> 
     while not done.wait(every):
         print(f"[ignition] {name}: still running after {time.monotonic() - start:.0f} s", file=_stream, flush=True)
         if stacks:
-            faulthandler.dump_traceback(file=_stream, all_threads=True)
+            try:
+                faulthandler.dump_traceback(file=_stream, all_threads=True)
+            except (OSError, ValueError):  # a stream without a file descriptor (captured output)
+                stacks = False
 
 
 @contextmanager
