@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from hbm import peak_gbps  # a sibling: the script directory is on the path
 
-from ignition.capture.gemv import Problem, Variant, _run, _time_ms, config_for, reference, tune
+from ignition.capture.gemv import Problem, Variant, _run, _time_ms, config_for, precompile, reference, tune
 
 
 def problems(cfg: dict[str, Any], layers: int) -> list[Problem]:
@@ -55,6 +55,7 @@ def main() -> int:
     cfg = json.loads(args.config.read_text())
     rows = [int(x) for x in args.rows.split(",")]
     probs = problems(cfg, cfg["num_hidden_layers"])
+    precompile(probs, rows)  # the candidates compiled in a process pool first, as prepare does
     tuned = tune(probs, rows)
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
