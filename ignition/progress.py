@@ -34,15 +34,13 @@ def _heartbeat(name: str, start: float, done: threading.Event, every: float) -> 
 
 
 @contextmanager
-def phase(name: str, heartbeat_s: float | None = None) -> Iterator[None]:
-    """Prints the phase on entry, a line per `heartbeat_s` while it runs, and its duration on
+def phase(name: str) -> Iterator[None]:
+    """Prints the phase on entry, a line every `HEARTBEAT_S` while it runs, and its duration on
     exit (or that it failed)."""
     start = time.monotonic()
     print(f"[ignition] {name} ...", file=_stream, flush=True)
     done = threading.Event()
-    beat = threading.Thread(
-        target=_heartbeat, args=(name, start, done, heartbeat_s or HEARTBEAT_S), name="ignition-heartbeat", daemon=True
-    )
+    beat = threading.Thread(target=_heartbeat, args=(name, start, done, HEARTBEAT_S), daemon=True)
     beat.start()
     try:
         yield

@@ -419,15 +419,15 @@ def compile_tasks(
     for p in problems:
         w = p.weights[0]
         n, k = w.shape
+        classes = tuple((v % 16 == 0, v == 1) for v in (n, k, 2 * k if p.variant.glu else k))
+        nd = None if p.norms is None else p.norms[0].dtype
+        bd = None if p.biases is None else p.biases[0].dtype
         for cfg in candidates:
             if not _fits(cfg, k):
                 continue
+            # A split's reduction kernel takes its block from N.
+            block = min(1024, 1 << (n - 1).bit_length()) if cfg.split > 1 else 0
             for m in rows:
-                classes = tuple((v % 16 == 0, v == 1) for v in (n, k, 2 * k if p.variant.glu else k))
-                # A split's reduction kernel takes its block from N.
-                block = min(1024, 1 << (n - 1).bit_length()) if cfg.split > 1 else 0
-                nd = None if p.norms is None else p.norms[0].dtype
-                bd = None if p.biases is None else p.biases[0].dtype
                 # The per-row kernel's group size is a constexpr; the tensor-core one's is fixed.
                 rows_key = (m == 1, m % 16 == 0) if cfg.dot else (min(m, MAX_GROUP_ROWS), m == 1, m % 16 == 0)
                 key = (classes, block, rows_key, w.dtype, p.variant, p.norm_mode, cfg, nd, bd)

@@ -662,8 +662,8 @@ class Recorder:
                     (d / f"out.{name}.bin").write_bytes(_bytes(t))
                     if full_io_dir is not None:
                         (full_io_dir / g.name / f"out.{name}.bin").write_bytes(_bytes(t))
-            # Compared on the device: copying the KV pages to the host three times per graph took
-            # most of this phase's 62-142 s on the device (2026-12-05).
+            # Compared on the device: on the host, the KV pages would be copied three times per graph
+            # (this phase took 62-142 s on the device, 2026-12-05; the copies' share is unmeasured).
             first = {name: t.clone() for name, t in read.items()}
             prog.set_inputs(g, gi)
             g.graph.replay()
