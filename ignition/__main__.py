@@ -93,6 +93,13 @@ def _parser() -> argparse.ArgumentParser:
         help="torch.compile's portable cache (its Mega-Cache) in one file: loaded before compiling when it "
         "exists, written after capture; valid for the same torch, Triton and GPU (others recompile)",
     )
+    prepare.add_argument(
+        "--template-fusion",
+        choices=["benchmark", "heuristic"],
+        default="benchmark",
+        help="fuse GEMM templates with their epilogues after timing each candidate (Inductor's default) or "
+        "untimed, which compiles prefill graphs faster",
+    )
     rnd = sub.add_parser("random-checkpoint", help="a seeded random-weight checkpoint of a config.json")
     rnd.add_argument("--config", required=True, type=Path)
     rnd.add_argument("--out", required=True, type=Path)
@@ -178,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                 gdn_prefill=args.gdn_prefill,
                 speculative_depth=args.speculative_depth,
                 compile_cache=args.compile_cache,
+                template_fusion=args.template_fusion,
                 served_name=args.served_name,
                 reference_prompts=args.reference_prompts,
                 dump_io=args.dump_io,

@@ -218,6 +218,9 @@ class PrepareOptions:
     # exists, written after capture. Entries are keyed on the traced code, torch, Triton and
     # the GPU, so a stale or foreign file only costs the compile it cannot save.
     compile_cache: Path | None = None
+    # GEMM template epilogue fusion: "benchmark" (Inductor's default: each candidate compiled and
+    # timed) or "heuristic" (fused untimed; see `configure_inductor`).
+    template_fusion: str = "benchmark"
 
 
 def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> dict[str, Any]:
@@ -309,7 +312,7 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
         decode_buckets=caps.decode_buckets,
         prefill_chunks=caps.prefill_chunks,
     )
-    rec = Recorder(work, build, describe, arena_bytes)
+    rec = Recorder(work, build, describe, arena_bytes, template_fusion=o.template_fusion)
     stage = "prepare"
     try:
         with phase("stream weights onto the fixed-address arena"):
@@ -338,6 +341,9 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
         stage = "record"
         with phase("walk the graphs and record kernels, parameters and memory"):
             recording = rec.record()
+            unlisted = rec.report["memory_map"]["unlisted"]
+            if unlisted:
+                note(f"WARNING: {len(unlisted)} arena segments torch does not list, kept as scratch: {unlisted[:4]}")
         stage = "export"
         with phase(f"export the core to {out}"):
             if out.exists():

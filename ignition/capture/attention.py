@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ignition.capture.fallback import declare
+
 if TYPE_CHECKING:
     from torch._library.custom_ops import CustomOpDef
 
@@ -387,4 +389,4 @@ def write_attend_op() -> CustomOpDef:
     ) -> torch.Tensor:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
-    return write_attend
+    return declare(write_attend)

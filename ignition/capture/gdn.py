@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from ignition.capture.fallback import declare
+
 if TYPE_CHECKING:
     from torch._library.custom_ops import CustomOpDef
 
@@ -462,7 +464,7 @@ def gdn_ops() -> tuple[CustomOpDef, CustomOpDef, CustomOpDef]:
     ) -> torch.Tensor:
         return torch.empty_like(h)
 
-    return conv, delta, store
+    return declare(conv), declare(delta), declare(store)
 
 
 @functools.cache
@@ -486,4 +488,4 @@ def commit_op() -> CustomOpDef:
     def _(x: torch.Tensor, rows: torch.Tensor, live: torch.Tensor, accepted: torch.Tensor, nbytes: int) -> torch.Tensor:
         return torch.empty_like(x)
 
-    return commit
+    return declare(commit)

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ignition.capture import rownorm
+from ignition.capture.fallback import declare
 
 if TYPE_CHECKING:
     from torch._library.custom_ops import CustomOpDef
@@ -277,7 +278,7 @@ def gemv_op() -> CustomOpDef:
     ) -> torch.Tensor:
         return torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
 
-    return gemv
+    return declare(gemv)
 
 
 class Projections:

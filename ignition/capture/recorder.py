@@ -13,6 +13,7 @@ Beside the recording it writes, per graph, the raw bytes torch's replay consumed
 
 from __future__ import annotations
 
+import bisect
 import ctypes as C
 import hashlib
 import json
@@ -26,7 +27,8 @@ from typing import Any
 import torch
 
 from ignition.capture import driver as D
-from ignition.capture.arena import DEFAULT_BASE, FixedArena, build_allocator
+from ignition.capture import fallback
+from ignition.capture.arena import DEFAULT_BASE, FixedArena, Segment, build_allocator
 from ignition.capture.paged import HEADER_WORDS
 from ignition.capture.program import VALUE_DTYPES, GraphSpec, Program
 from ignition.core import safetensors_io as st
@@ -80,13 +82,22 @@ class ImageHook:
             self.by_function[int(function)] = (str(name), Path(cubins[0]).read_bytes())
 
 
-def configure_inductor() -> dict[str, Any]:
+def configure_inductor(template_fusion: str = "benchmark") -> dict[str, Any]:
+    """Inductor's settings for every compile of a preparation. `template_fusion`: "benchmark"
+    (Inductor's default) compiles and times each GEMM template with and without its epilogue
+    before fusing; "heuristic" fuses without timing. On the H100 (2026-12-05, SmolLM2 shapes)
+    that timing was ~52 of the ~67 s each prefill graph took to compile, and none of the decode
+    graphs' (no templates with gemv)."""
     import torch._inductor.config as ic
+
+    if template_fusion not in ("benchmark", "heuristic"):
+        raise ValueError(f"template_fusion {template_fusion!r}: expected 'benchmark' or 'heuristic'")
 
     ic.max_autotune_gemm = True
     ic.max_autotune_gemm_backends = "TRITON"  # GEMMs as Triton templates: no cuBLAS in the graph
     ic.use_static_cuda_launcher = False  # with it, Triton's load hook never fires
     ic.fallback_random = False
+    fallback.bound_operator_str()
     out: dict[str, Any] = {
         "max_autotune_gemm": True,
         "max_autotune_gemm_backends": "TRITON",
@@ -98,6 +109,14 @@ def configure_inductor() -> dict[str, Any]:
         if hasattr(ic, key):
             setattr(ic, key, value)
             out[key] = value
+    # The setting's name changed (torch 2.15: benchmark_template_fusion; 2.11: benchmark_epilogue_fusion).
+    names = ("benchmark_template_fusion", "benchmark_epilogue_fusion")
+    fusion_key = next((k for k in names if hasattr(ic, k)), None)
+    if fusion_key is not None:
+        setattr(ic, fusion_key, template_fusion == "benchmark")
+        out[fusion_key] = template_fusion == "benchmark"
+    elif template_fusion != "benchmark":
+        raise ValueError(f"template_fusion {template_fusion!r}: this torch has no setting for it")
     return out
 
 
@@ -143,6 +162,33 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(flat[0], flat[1])
 
 
+def copy_block_sizes(nbytes: int) -> tuple[int, int]:
+    """The block sizes torch's caching allocator can hand a tensor of `nbytes`: rounded up to 512;
+    a small-pool request (at most 1 MiB) gets exactly that, a large one may keep up to 2 MiB more
+    (a remainder too small to split, or a segment rounded to 2 MiB)."""
+    rounded = -(-max(nbytes, 1) // 512) * 512
+    return (rounded, rounded) if rounded <= 1 << 20 else (rounded, rounded + (2 << 20))
+
+
+def unlisted_segments(listed: list[dict[str, Any]], log: list[Segment], base: int) -> list[dict[str, Any]]:
+    """The arena's own segments (`log`) that torch's snapshot does not list, as whole inactive
+    blocks: pool "released" where the caching allocator freed the segment, "unlisted" otherwise.
+    The arena never reuses or unmaps an address, so such a range stays this process's alone, and a
+    captured graph that still points into it (seen on the device, 2026-12-05: a decode graph's
+    attention read K from an address in no listed segment) exports it as scratch instead of failing
+    on an unresolved pointer. Ranges overlapping a listed segment are left out."""
+    spans = sorted((s["address"], s["address"] + s["size"]) for s in listed)
+    out = []
+    for sg in log:
+        a, b = base + sg.offset, base + sg.offset + sg.size
+        i = bisect.bisect_right(spans, (a, float("inf"))) - 1
+        overlaps = (i >= 0 and spans[i][1] > a) or (i + 1 < len(spans) and spans[i + 1][0] < b)
+        if not overlaps:
+            pool = "released" if sg.freed else "unlisted"
+            out.append({"address": a, "size": sg.size, "pool": pool, "blocks": [(a, sg.size, "inactive")]})
+    return out
+
+
 @dataclass
 class CoreDescription:
     """What the manifest says beyond the graphs: identity, scheme, capacities, frontend."""
@@ -170,8 +216,10 @@ class Recorder:
         describe: CoreDescription,
         arena_bytes: int,
         base: int = DEFAULT_BASE,
+        template_fusion: str = "benchmark",
     ) -> None:
         self.out = out
+        self.template_fusion = template_fusion
         self.build = build
         self.describe = describe
         self.arena_bytes = arena_bytes
@@ -201,7 +249,7 @@ class Recorder:
             "at_requested_base": self.arena.base == self.arena.requested_base,
         }
         self.hook = ImageHook()
-        self.report["inductor"] = configure_inductor()
+        self.report["inductor"] = configure_inductor(self.template_fusion)
         t0 = time.time()
         self.state_pool = self.arena.pool()
         with torch.cuda.use_mem_pool(self.state_pool):
@@ -218,27 +266,31 @@ class Recorder:
     def compile_and_capture(self, progress: Any = print) -> None:
         t0 = time.time()
         self.report["compile_breakdown"] = {}
-        for i, g in enumerate(self.graphs):
-            t1 = time.time()
-            before = _compile_metrics()
-            g.fn = torch.compile(self.program.method(g), fullgraph=True, dynamic=False)
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(3):
-                    self.program.set_inputs(g, 0)
-                    self._call(g, g.fn)
-            torch.cuda.current_stream().wait_stream(s)
-            torch.cuda.synchronize()
-            wall = time.time() - t1
-            # Where this graph's compile went (torch's own timers; the rest of the wall time is
-            # the warm-up runs, Ignition's Triton kernels compiling on first launch included).
-            after = _compile_metrics()
-            spent = {k: round(v - before.get(k, 0.0), 2) for k, v in after.items() if v - before.get(k, 0.0) >= 0.1}
-            self.report["compile_breakdown"][g.name] = {"wall_s": round(wall, 2), "timers_s": spent}
-            brief = ", ".join(f"{name} {v:.1f}" for name, v in _compile_brief(spent).items())
-            progress(f"compiled {g.name} ({i + 1}/{len(self.graphs)}) in {wall:.1f} s ({brief})")
+        with fallback.watch_lowerings() as implicit:
+            for i, g in enumerate(self.graphs):
+                t1 = time.time()
+                before = _compile_metrics()
+                g.fn = torch.compile(self.program.method(g), fullgraph=True, dynamic=False)
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    for _ in range(3):
+                        self.program.set_inputs(g, 0)
+                        self._call(g, g.fn)
+                torch.cuda.current_stream().wait_stream(s)
+                torch.cuda.synchronize()
+                wall = time.time() - t1
+                # Where this graph's compile went (torch's own timers; the rest of the wall time is
+                # the warm-up runs, Ignition's Triton kernels compiling on first launch included).
+                after = _compile_metrics()
+                spent = {k: round(v - before.get(k, 0.0), 2) for k, v in after.items() if v - before.get(k, 0.0) >= 0.1}
+                self.report["compile_breakdown"][g.name] = {"wall_s": round(wall, 2), "timers_s": spent}
+                brief = ", ".join(f"{name} {v:.1f}" for name, v in _compile_brief(spent).items())
+                progress(f"compiled {g.name} ({i + 1}/{len(self.graphs)}) in {wall:.1f} s ({brief})")
         self._t("compile_s", t0)
+        self.report["implicit_fallbacks"] = implicit
+        if implicit:
+            progress(f"ops Inductor lowered implicitly (no declared lowering): {implicit}")
         t0 = time.time()
         for g in self.graphs:
             g.pool = self.arena.pool()
@@ -255,13 +307,14 @@ class Recorder:
         # whole buffer in its pool and copies it every replay (see attention.write_attend_op and
         # gdn.gdn_ops). Find blocks of that size: any block at least as large as the KV cache,
         # and for the rows (small for dense recipes, where activations outgrow them) a block of
-        # their size up to the allocator's 2 MiB rounding.
+        # the size the caching allocator would give their copy (`copy_block_sizes`).
         blocks = [size for seg in self._segments()[0] if seg["pool"] == "graph" for _, size, _ in seg["blocks"]]
         kv_bytes = self.program.kv_all.numel() * self.program.kv_all.element_size()
         row_bytes = self.program.rows.numel() * self.program.rows.element_size()
+        lo, hi = copy_block_sizes(row_bytes)
         for name, nbytes, hits in (
             ("kv", kv_bytes, [b for b in blocks if b >= kv_bytes]),
-            ("rows", row_bytes, [b for b in blocks if row_bytes <= b < row_bytes + (2 << 20)]),
+            ("rows", row_bytes, [b for b in blocks if lo <= b <= hi]),
         ):
             self.report[f"{name}_sized_graph_pool_blocks"] = hits
             if hits:
@@ -307,16 +360,7 @@ class Recorder:
                 inside.append({"address": a, "size": size, "pool": kind, "blocks": blocks})
             else:
                 foreign.append([hex(a), hex(a + size)])
-        if not inside:
-            # The snapshot does not list this allocator's segments: fall back to the arena's own
-            # log (no block states, so nothing there is exported with contents).
-            for sg in self.arena.segments():
-                if not sg.freed:
-                    a = self.arena.base + sg.offset
-                    inside.append(
-                        {"address": a, "size": sg.size, "pool": "unknown", "blocks": [(a, sg.size, "inactive")]}
-                    )
-        return inside, foreign
+        return inside + unlisted_segments(inside, self.arena.segments(), self.arena.base), foreign
 
     def allocations(self) -> tuple[list[dict[str, Any]], list[list[str]], dict[str, st.TensorBytes], dict[str, Any]]:
         named = self._named()
@@ -353,6 +397,10 @@ class Recorder:
             "scratch": 0,
             "graph_pool": 0,
             "pools": sorted({s["pool"] for s in segments}),
+            # Arena segments torch's snapshot did not list (see `unlisted_segments`).
+            "unlisted": [
+                [s["pool"], s["address"] - base, s["size"]] for s in segments if s["pool"] in ("released", "unlisted")
+            ],
         }
         for si, s in enumerate(segments):
             for bi, (addr, size, state) in enumerate(s["blocks"]):

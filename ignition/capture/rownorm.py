@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from ignition.capture.fallback import declare
+
 if TYPE_CHECKING:
     from torch._library.custom_ops import CustomOpDef
 
@@ -100,4 +102,4 @@ def rms_norm_op() -> CustomOpDef:
     def _(x: torch.Tensor, w: torch.Tensor, gate: torch.Tensor | None, eps: float, mode: str) -> torch.Tensor:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
-    return rms_norm
+    return declare(rms_norm)

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ignition.capture.fallback import declare
+
 if TYPE_CHECKING:
     from torch._library.custom_ops import CustomOpDef
 
@@ -270,7 +272,7 @@ def sample_op() -> CustomOpDef:
             torch.empty(b, dtype=torch.bool, device=logits.device),
         )
 
-    return sample_kernel
+    return declare(sample_kernel)
 
 
 class Sampler:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import Any
 
 from tests.ignition.conftest import require_torch
 
@@ -21,6 +22,47 @@ def test_gaps_cover_blocks_outside_named_tensors() -> None:
     assert _gaps(0, 4096, []) == [(0, 4096)]
     assert _gaps(0, 512, [(0, 512)]) == []
     assert _align_of(0) == 4096 and _align_of(1536) == 512 and _align_of(1 << 20) == 4096
+
+
+def test_arena_segments_the_snapshot_misses_are_kept_as_scratch() -> None:
+    """Segments in the arena's own log that torch's snapshot does not list become whole inactive
+    blocks ("released" when freed), so a graph pointing into one still resolves; a logged segment
+    overlapping a listed one is not added twice."""
+    require_torch()
+    from ignition.capture.arena import Segment
+    from ignition.capture.recorder import unlisted_segments
+
+    base = 1 << 40
+    mib = 1 << 20
+    listed = [{"address": base, "size": 2 * mib}, {"address": base + 8 * mib, "size": 2 * mib}]
+    log = [
+        Segment(0, 2 * mib, False),  # listed
+        Segment(2 * mib, 2 * mib, True),  # freed by the caching allocator
+        Segment(4 * mib, 4 * mib, False),  # live but unlisted
+        Segment(9 * mib, mib, False),  # inside a listed one
+        Segment(10 * mib, 2 * mib, True),
+    ]
+    got = unlisted_segments(listed, log, base)
+    assert [(g["pool"], g["address"] - base, g["size"]) for g in got] == [
+        ("released", 2 * mib, 2 * mib),
+        ("unlisted", 4 * mib, 4 * mib),
+        ("released", 10 * mib, 2 * mib),
+    ]
+    assert got[0]["blocks"] == [(base + 2 * mib, 2 * mib, "inactive")]
+    assert unlisted_segments([], log[:1], base)[0]["pool"] == "unlisted"
+
+
+def test_rows_copy_check_matches_only_the_block_a_copy_would_get() -> None:
+    """The functionalized-copy check looks for blocks of the size the caching allocator gives a
+    copy: exact for a small request (SmolLM2's 673,960-byte rows: the 2 MiB window matched 17
+    activation blocks on the device), a window for a large one."""
+    require_torch()
+    from ignition.capture.recorder import copy_block_sizes
+
+    assert copy_block_sizes(673_960) == (674_304, 674_304)
+    assert copy_block_sizes(512) == (512, 512) and copy_block_sizes(1) == (512, 512)
+    assert copy_block_sizes(1 << 20) == (1 << 20, 1 << 20)
+    assert copy_block_sizes((1 << 20) + 1) == ((1 << 20) + 512, (1 << 20) + 512 + (2 << 20))
 
 
 def test_allocator_source_exports_the_pluggable_entry_points() -> None:
@@ -50,6 +92,94 @@ def test_modules_import_without_a_device() -> None:
         "ignition.prepare",
     ):
         importlib.import_module(m)
+
+
+def test_every_flare_op_has_its_lowering_where_it_is_defined() -> None:
+    """Each `flare::` op registers its Inductor fallback lowering when it is defined, with the
+    layout constraint its tags imply, so lowering a graph never takes Inductor's implicit-fallback
+    path (which formatted deep argument IR for minutes on the device, torch 2.11). An op defined
+    without `declare` is reported, and a compile that lowers it implicitly names it."""
+    require_torch()
+    import torch
+    from torch._inductor.lowering import maybe_layout_constraints
+    from torch.library import custom_op
+
+    from ignition.capture import attention, gdn, gemv, rownorm, sampling
+    from ignition.capture.fallback import declare, undeclared, watch_lowerings
+
+    ops = [sampling.sample_op(), gemv.gemv_op(), *gdn.gdn_ops(), gdn.commit_op(), attention.write_attend_op()]
+    ops.append(rownorm.rms_norm_op())
+    assert undeclared() == []
+    assert {op._qualname for op in ops} >= {"flare::sample", "flare::gemv", "flare::gdn_delta", "flare::write_attend"}
+
+    def define(name: str) -> Any:
+        @custom_op(f"flare_test::{name}", mutates_args=(), schema="(Tensor x) -> Tensor")
+        def op(x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        @op.register_fake
+        def _(x: torch.Tensor) -> torch.Tensor:
+            return torch.empty_like(x)
+
+        return op
+
+    implicit, declared = define("implicit"), define("declared")
+    assert undeclared("flare_test") == ["flare_test::declared", "flare_test::implicit"]
+    declare(declared)
+    declare(declared)  # idempotent
+    assert undeclared("flare_test") == ["flare_test::implicit"]
+    # The constraint the implicit path would have chosen: none for a flexible-layout op, the
+    # configured default for the others.
+    assert maybe_layout_constraints(attention.write_attend_op()._opoverload) is None
+    assert maybe_layout_constraints(declared._opoverload) is not None
+
+    x = torch.randn(4, 8)
+    # force_disable_caches: a cache hit (an earlier run of this test) lowers nothing.
+    with watch_lowerings() as lowered, torch._inductor.config.patch(force_disable_caches=True):
+        got = torch.compile(lambda t: declared(implicit(t.sin()).cos()), fullgraph=True)(x)
+    assert lowered == ["flare_test.implicit.default"]
+    assert torch.allclose(got, 2 * (2 * x.sin()).cos())
+
+
+def test_bounded_operator_str_never_formats_argument_ir() -> None:
+    """Inductor's description of an implicitly lowered call names each argument's type and size
+    instead of printing it (an IR argument's text can take minutes), including inside lists."""
+    require_torch()
+    from torch._inductor import exc
+
+    from ignition.capture.fallback import bound_operator_str
+
+    class DeepIR:
+        def get_size(self) -> list[int]:
+            return [4, 8]
+
+        def __str__(self) -> str:
+            raise AssertionError("formatted the argument's IR")
+
+    bound_operator_str()
+    text = exc.OperatorIssue.operator_str("flare_test::probe", [DeepIR(), [DeepIR(), 3], 1e-6], {"eps": None})
+    assert "DeepIR(4, 8)" in text and "[DeepIR(4, 8), 3]" in text and "kwargs[eps]: None" in text, text
+
+
+def test_template_fusion_setting_reaches_inductor() -> None:
+    """`--template-fusion heuristic` turns Inductor's timing of fused GEMM templates off under
+    whichever name this torch gives the setting; an unknown value is refused."""
+    require_torch()
+    import pytest
+    import torch._inductor.config as ic
+
+    from ignition.capture.recorder import configure_inductor
+
+    saved = ic.save_config()
+    try:
+        out = configure_inductor("heuristic")
+        names = [k for k in ("benchmark_template_fusion", "benchmark_epilogue_fusion") if k in out]
+        assert len(names) == 1 and out[names[0]] is False and getattr(ic, names[0]) is False
+        assert configure_inductor("benchmark")[names[0]] is True and getattr(ic, names[0]) is True
+        with pytest.raises(ValueError, match="template_fusion"):
+            configure_inductor("fast")
+    finally:
+        ic.load_config(saved)
 
 
 def test_compile_breakdown_reads_torch_timers_and_names_disjoint_parts() -> None:
