@@ -19,11 +19,14 @@ class UnresolvedPointerError(ExportError):
     param_index: int
     byte_offset: int
     word: int
+    # The buffers on either side of the address (`AddressMap.around`), for diagnosis.
+    around: str = ""
 
     def __str__(self) -> str:
         return (
             f"graph {self.graph} node {self.node}: kernel {self.kernel} parameter {self.param_index} "
             f"byte offset {self.byte_offset} holds {self.word:#x}, inside the arena but in no buffer"
+            + (f" ({self.around})" if self.around else "")
         )
 
 

@@ -287,7 +287,9 @@ class RecordingExporter:
         for w in pointer_words(param_bytes, image.params):
             c = classify(w, amap, foreign)
             if c.problem == "arena-gap":
-                raise UnresolvedPointerError(graph, nid, image.function_name, w.param_index, w.byte_offset, w.word)
+                raise UnresolvedPointerError(
+                    graph, nid, image.function_name, w.param_index, w.byte_offset, w.word, amap.around(w.word)
+                )
             if c.problem == "foreign":
                 raise ForeignPointerError(graph, nid, image.function_name, w.param_index, w.byte_offset, w.word)
             if c.relocation is not None:

@@ -78,6 +78,20 @@ class AddressMap:
             return None
         return BufferRange(b.id, within)
 
+    def around(self, address: int) -> str:
+        """The buffers just below and above `address`, as arena offsets: what an unresolved
+        pointer fell between."""
+        i = bisect.bisect_right(self._starts, address) - 1
+        below = self.buffers[i] if i >= 0 else None
+        above = self.buffers[i + 1] if i + 1 < len(self.buffers) else None
+        at = address - self.arena.base_address
+        parts = [f"arena offset {at:#x}"]
+        if below is not None:
+            parts.append(f"after {below.name} [{below.offset:#x}, {below.end:#x})")
+        if above is not None:
+            parts.append(f"before {above.name} [{above.offset:#x}, {above.end:#x})")
+        return ", ".join(parts)
+
 
 def pointer_words(param_bytes: bytes, params: tuple[ParamSlot, ...]) -> list[PointerWord]:
     """Every 8-byte word at an 8-byte step from each parameter slot's start (as the loader scans)."""

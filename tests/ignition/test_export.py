@@ -122,6 +122,9 @@ def test_pointer_one_past_a_buffer_is_unresolved(tmp_path: Path) -> None:
     with pytest.raises(UnresolvedPointerError) as e:
         export(rec, tmp_path / "core")
     assert (e.value.param_index, e.value.byte_offset) == (3, 0)
+    # The message names what the address fell between.
+    end = pool["offset"] + pool["byte_size"]
+    assert f"arena offset {end:#x}, after graph_pool [{pool['offset']:#x}, {end:#x})" in str(e.value)
 
 
 def test_pointer_into_a_foreign_allocator_is_rejected(tmp_path: Path) -> None:
