@@ -341,6 +341,13 @@ class Recorder:
 
     def _segments(self) -> tuple[list[dict[str, Any]], list[list[str]]]:
         """Allocator segments inside the arena (with blocks and pool) and foreign segments."""
+        # A block freed during capture with a use on another stream waits for its end-of-life
+        # event, deferred until no capture is underway; while it waits the snapshot lists neither
+        # it nor, when it heads its segment, the segment. An allocation outside capture makes the
+        # caching allocator process those events (one candidate for the unlisted segment seen on
+        # the device; `unlisted_segments` covers whatever remains).
+        torch.cuda.synchronize()
+        torch.empty(1, device="cuda")
         snap = torch.cuda.memory._snapshot()
         pools = {tuple(self.state_pool.id): "state"}
         for g in self.graphs:
