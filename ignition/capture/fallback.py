@@ -74,7 +74,10 @@ def _brief(arg: Any, depth: int = 0) -> str:
         return f"[{inner}{', ...' if len(arg) > 8 else ''}]"
     size = getattr(arg, "get_size", None)
     if callable(size):
-        return f"{type(arg).__name__}{tuple(size())}"
+        try:
+            return f"{type(arg).__name__}{tuple(size())}"
+        except Exception:  # some IR nodes have no size; the name is enough for a log line
+            pass
     return type(arg).__name__
 
 

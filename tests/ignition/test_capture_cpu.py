@@ -156,9 +156,15 @@ def test_bounded_operator_str_never_formats_argument_ir() -> None:
         def __str__(self) -> str:
             raise AssertionError("formatted the argument's IR")
 
+    class Sizeless(DeepIR):
+        def get_size(self) -> list[int]:
+            raise NotImplementedError
+
     bound_operator_str()
-    text = exc.OperatorIssue.operator_str("flare_test::probe", [DeepIR(), [DeepIR(), 3], 1e-6], {"eps": None})
+    args = [DeepIR(), [DeepIR(), 3], 1e-6, Sizeless()]
+    text = exc.OperatorIssue.operator_str("flare_test::probe", args, {"eps": None})
     assert "DeepIR(4, 8)" in text and "[DeepIR(4, 8), 3]" in text and "kwargs[eps]: None" in text, text
+    assert "args[3]: Sizeless" in text, text
 
 
 def test_template_fusion_setting_reaches_inductor() -> None:
