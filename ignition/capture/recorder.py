@@ -170,6 +170,11 @@ def copy_block_sizes(nbytes: int) -> tuple[int, int]:
     return (rounded, rounded) if rounded <= 1 << 20 else (rounded, rounded + (2 << 20))
 
 
+def _inside(named: dict[str, tuple[torch.Tensor, str, Any, str]], address: int, size: int) -> list[str]:
+    """The names of the tensors in `named` whose data starts in [address, address + size)."""
+    return [name for name, (t, *_) in named.items() if address <= t.data_ptr() < address + size]
+
+
 def unlisted_segments(
     listed: list[dict[str, Any]], log: list[Segment], base: int, origin: list[str] | None = None
 ) -> list[dict[str, Any]]:
@@ -435,8 +440,10 @@ class Recorder:
             "graph_pool": 0,
             "pools": sorted({s["pool"] for s in segments}),
             # Arena segments torch's snapshot did not list (see `unlisted_segments`).
+            # Each with the named tensors inside it: a live one there (a graph's output) means
+            # the snapshot missed a segment in use, not one the allocator released.
             "unlisted": [
-                [s["pool"], s["address"] - base, s["size"], s["origin"]]
+                [s["pool"], s["address"] - base, s["size"], s["origin"], _inside(named, s["address"], s["size"])]
                 for s in segments
                 if s["pool"] in ("released", "unlisted")
             ],

@@ -254,3 +254,16 @@ def test_marks_name_the_phase_that_allocated_and_released_each_arena_segment() -
     rec._mark("snapshot")
     assert rec.segment_origin == ["state", "capture a", "capture a"]
     assert rec.report["arena_released"] == [{"by": "capture b", "segments": [["capture a", 8, 2]]}]
+
+
+def test_named_tensors_inside_a_segment_are_found_by_their_start() -> None:
+    require_torch()
+    import torch
+
+    from ignition.capture.recorder import _inside
+
+    t = torch.zeros(16)
+    named = {"out": (t, "graph_pool", "uninitialized", "f32"), "view": (t[4:], "graph_pool", "uninitialized", "f32")}
+    assert _inside(named, t.data_ptr(), 16) == ["out"]
+    assert _inside(named, t.data_ptr(), 64) == ["out", "view"]
+    assert _inside(named, t.data_ptr() + 1, 8) == []
