@@ -238,7 +238,7 @@ case "$STAGE" in
     # What a still-running stage has written so far comes back too: a machine taken back mid-stage
     # (2026-12-05) loses everything no call has copied out.
     for s in "${@:3}"; do [ -f "/tmp/bg/$s.done" ] || { echo "== $s still running"; tail -4 "/tmp/bg/$s.log" | cut -c1-300
-      mkdir -p "$DEST/partial/$s"; cp /tmp/gpu_out/"$s"/*.json /tmp/gpu_out/"$s"/*.log "$DEST/partial/$s/" 2>/dev/null; }; done
+      tar czf "$DEST/$s.partial.tgz" -C "/tmp/gpu_out/$s" . 2>/dev/null; }; done  # one file: a call returns at most 8
     exit 5 ;;
   cc-out)  # the compile caches prepares wrote (/tmp/cc), in 15 MiB parts: keep them in .dev/cc for the next session
     for f in /tmp/cc/*.bin; do [ -f "$f" ] && split -b 15M -d "$f" "$DEST/$(basename "$f").part"; done
