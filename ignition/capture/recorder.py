@@ -182,9 +182,10 @@ def unlisted_segments(
     blocks: pool "released" where the caching allocator freed the segment, "unlisted" otherwise;
     `origin[i]` names the phase that allocated segment i (kept as the entry's "origin").
     The arena never reuses or unmaps an address, so such a range stays this process's alone, and a
-    captured graph that still points into it (seen on the device, 2026-12-05: a decode graph's
-    attention read K from an address in no listed segment) exports it as scratch instead of failing
-    on an unresolved pointer. Ranges overlapping a listed segment are left out."""
+    captured graph that still points into it exports it as scratch instead of failing on an
+    unresolved pointer. A guard: the caching allocator releases a live pool's segment only by
+    `release_available_cached_blocks` during a capture whose allocation failed, with
+    `max_split_size_mb` set (pytorch/pytorch#159594). Ranges overlapping a listed segment are left out."""
     spans = sorted((s["address"], s["address"] + s["size"]) for s in listed)
     out = []
     for i_log, sg in enumerate(log):
@@ -375,10 +376,9 @@ class Recorder:
     def _segments(self) -> tuple[list[dict[str, Any]], list[list[str]]]:
         """Allocator segments inside the arena (with blocks and pool) and foreign segments."""
         # A block freed during capture with a use on another stream waits for its end-of-life
-        # event, deferred until no capture is underway; while it waits the snapshot lists neither
-        # it nor, when it heads its segment, the segment. An allocation outside capture makes the
-        # caching allocator process those events (one candidate for the unlisted segment seen on
-        # the device; `unlisted_segments` covers whatever remains).
+        # event until no capture is underway, listed as "active_awaiting_free" meanwhile (a state
+        # pool block in that state would be exported as a constant). An allocation outside
+        # capture makes the caching allocator process those events.
         torch.cuda.synchronize()
         torch.empty(1, device="cuda")
         snap = torch.cuda.memory._snapshot()
@@ -800,8 +800,12 @@ def _align_of(offset: int) -> int:
 
 
 def _gaps(lo: int, hi: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Parts of [lo, hi) outside every covered range; starts rounded up to 512 bytes (the caching
-    allocator's block granularity) so fillers never share a word with a named tensor."""
+    """Parts of [lo, hi) outside every covered range, starts rounded up to a word (8 bytes) so
+    fillers never share one with a named tensor. Rounding to the allocator's 512-byte blocks left
+    a hole after a tensor of another size: a graph output reusing a freed block at its start
+    (1,152 bytes at SmolLM2's width) left the rest of what the block held earlier in the same
+    graph (decode_b1's K, a view 1,152 bytes into its QKV projection) in no buffer, and export
+    failed on the pointer (device, 2026-12-05)."""
     out, at = [], lo
     for a, b in covered:
         if b <= at or a >= hi:
@@ -813,7 +817,7 @@ def _gaps(lo: int, hi: int, covered: list[tuple[int, int]]) -> list[tuple[int, i
         out.append((at, hi))
     res = []
     for a, b in out:
-        a2 = -(-a // 512) * 512
+        a2 = -(-a // 8) * 8
         if b > a2:
             res.append((a2, b))
     return res

@@ -17,8 +17,11 @@ def test_gaps_cover_blocks_outside_named_tensors() -> None:
     from ignition.capture.recorder import _align_of, _gaps
 
     # A 4 KiB block holding one 100-byte tensor at 1024: fillers before it and after its
-    # 512-rounded end, never sharing a word with it.
-    assert _gaps(0, 4096, [(1024, 1124)]) == [(0, 1024), (1536, 4096)]
+    # word-rounded end, never sharing a word with it.
+    assert _gaps(0, 4096, [(1024, 1124)]) == [(0, 1024), (1128, 4096)]
+    # A graph's 1,152-byte output at the start of a freed 3,072-byte block: the rest of the block
+    # (where a view 1,152 bytes into the block's earlier tensor pointed) is covered from its end.
+    assert _gaps(0, 3072, [(0, 1152)]) == [(1152, 3072)]
     assert _gaps(0, 4096, []) == [(0, 4096)]
     assert _gaps(0, 512, [(0, 512)]) == []
     assert _align_of(0) == 4096 and _align_of(1536) == 512 and _align_of(1 << 20) == 4096
@@ -267,3 +270,23 @@ def test_named_tensors_inside_a_segment_are_found_by_their_start() -> None:
     assert _inside(named, t.data_ptr(), 16) == ["out"]
     assert _inside(named, t.data_ptr(), 64) == ["out", "view"]
     assert _inside(named, t.data_ptr() + 1, 8) == []
+
+
+def test_a_pointer_past_a_named_tensor_in_a_reused_block_resolves() -> None:
+    """decode_b1 on the device (2026-12-05): the graph's 1,152-byte output reused the freed block
+    where its layer's QKV projection had been, and the attention kernel's K pointer (1,152 bytes
+    into that projection) must still resolve, to the filler after the output."""
+    from ignition.capture.recorder import _gaps
+    from ignition.core.manifest import Arena, Buffer, BufferRange, BufferRole, Dtype, Uninitialized
+    from ignition.export.resolve import AddressMap
+
+    base, block = 1 << 40, 0x600
+    out = (base + block, base + block + 1152)
+    spans = [out, *_gaps(base + block, base + block + 3072, [out])]
+    buffers = [
+        Buffer(i + 1, f"b{i}", BufferRole.GRAPH_POOL, lo - base, hi - lo, 8, Dtype.U8, Uninitialized())
+        for i, (lo, hi) in enumerate(spans)
+    ]
+    amap = AddressMap(Arena(base, 1 << 20, 4096), buffers)
+    assert amap.find(base + 0xA80) == BufferRange(2, 0)
+    assert amap.find(base + block) == BufferRange(1, 0)
