@@ -137,12 +137,14 @@ def test_every_flare_op_has_its_lowering_where_it_is_defined() -> None:
     assert maybe_layout_constraints(attention.write_attend_op()._opoverload) is None
     assert maybe_layout_constraints(declared._opoverload) is not None
 
-    x = torch.randn(4, 8)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
     # force_disable_caches: a cache hit (an earlier run of this test) lowers nothing.
     with watch_lowerings() as lowered, torch._inductor.config.patch(force_disable_caches=True):
         got = torch.compile(lambda t: declared(implicit(t.sin()).cos()), fullgraph=True)(x)
     assert lowered == ["flare_test.implicit.default"]
-    assert torch.allclose(got, 2 * (2 * x.sin()).cos())
+    # Absolute tolerance: Inductor's vectorized cos differs from eager by float32 rounding, which
+    # is large relative to outputs near cos's zeros (a CI run failed allclose's 1e-8 there).
+    torch.testing.assert_close(got, 2 * (2 * x.sin()).cos(), rtol=1e-5, atol=1e-6)
 
 
 def test_bounded_operator_str_never_formats_argument_ir() -> None:
