@@ -66,23 +66,39 @@ def _kernel() -> Any:  # a triton.JITFunction (Triton ships no type information)
     return flare_rms_norm
 
 
+def _rows3(t: torch.Tensor, d: int) -> torch.Tensor:
+    """t [..., D] as a view [A, B, D], never a copy: an ATen copy inside the op would be a library
+    kernel in the graph, which no core can carry. Heads sliced out of a fused projection ([N, H, D]
+    with row stride past H x D) stay two-level; reshaping them to [N x H, D] would copy."""
+    if t.dim() < 2:
+        return t.reshape(1, 1, d)
+    if t.dim() == 2:
+        return t.unsqueeze(1)
+    try:
+        return t.view(-1, t.shape[-2], d)
+    except RuntimeError as e:
+        raise ValueError(f"rms_norm: {tuple(t.shape)} with strides {t.stride()} has no [A, B, D] view") from e
+
+
 def launch(x: torch.Tensor, w: torch.Tensor, eps: float, mode: str, gate: torch.Tensor | None = None) -> torch.Tensor:
-    """What `flare::rms_norm` runs: x [..., D] normalized over its last dimension."""
+    """What `flare::rms_norm` runs: x [..., D] normalized over its last dimension; rows are read
+    through their strides (two levels of them) and written dense."""
     d = x.shape[-1]
     if w.shape != (d,) or mode not in MODES or (mode == "gated") != (gate is not None):
         raise ValueError(
             f"rms_norm: x {tuple(x.shape)}, weight {tuple(w.shape)}, mode {mode!r}, gate {gate is not None}"
         )
-    rows = x.reshape(-1, d)
-    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-    g = gate.reshape(-1, d) if gate is not None else rows
-    g = g if g.stride(-1) == 1 else g.contiguous()
-    y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    if rows.shape[0]:
+    xs = _rows3(x, d)
+    gs = _rows3(gate, d) if gate is not None else xs
+    n = xs.shape[0] * xs.shape[1]
+    if gs.shape[0] * gs.shape[1] != n or gs.shape[2] != d:
+        raise ValueError(f"rms_norm: gate {tuple(gs.shape)} does not match x {tuple(x.shape)}")
+    y = torch.empty((n, d), dtype=x.dtype, device=x.device)
+    if n:
         block = max(16, 1 << (d - 1).bit_length())
         warps = min(8, max(1, block // 256))
-        _kernel()[(rows.shape[0],)](
-            rows, w.contiguous(), g, y, d, rows.stride(0), g.stride(0), y.stride(0), eps,
+        _kernel()[(n,)](
+            xs, w.contiguous(), gs, y, d, xs.shape[1], *xs.stride(), gs.shape[1], *gs.stride(), y.stride(0), eps,
             MODE=MODES[mode], BLOCK=block, num_warps=warps,
         )  # fmt: skip
     return y.view(x.shape)

@@ -764,6 +764,51 @@ def test_row_norm_kernel_is_row_invariant_under_the_interpreter() -> None:
     assert report["worst_ulps"]["float32"] < 8 and report["worst_ulps"]["float16"] <= 1, report
 
 
+def test_row_norm_reads_fused_projection_heads_without_an_aten_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ATen copy inside `flare::rms_norm` is a library kernel in the graph, which export
+    rejects (2026-12-06, the H200: Qwen3.5's decode_b2 failed on a `direct_copy_kernel` from
+    reshaping q heads [2, H, D], sliced out of the fused projection, to [2H, D]). The launch
+    must pass such views by their strides, at every row count, with the kernel stubbed out."""
+    require_torch()
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ignition.capture import rownorm
+
+    launches: list[tuple[Any, ...]] = []
+
+    class Kernel:
+        def __getitem__(self, grid: tuple[int, ...]) -> Any:
+            return lambda *args, **kw: launches.append((grid, *args))
+
+    class Copies(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func.overloadpacket in (torch.ops.aten.copy_, torch.ops.aten.clone, torch.ops.aten._to_copy):
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(rownorm, "_kernel", lambda: Kernel())
+    heads, d = 4, 32
+    w = torch.ones(d)
+    for n in (1, 2, 4):
+        qkv = torch.randn(n, 2 * heads * 2 * d + 2 * 2 * d)
+        q = qkv[:, : 2 * heads * d].reshape(n, heads, 2 * d)[..., :d]  # Qwen3.5: [query | gate] per head
+        k = qkv[:, 2 * heads * d : 2 * heads * d + 2 * d].reshape(n, 2, d)
+        gate = qkv[:, : heads * d].reshape(n * heads, d)
+        with Copies() as copies:
+            for x, g, mode in ((q, None, "zero_centred"), (k, None, "rms"), (q, gate, "gated")):
+                rownorm.launch(x, w, 1e-6, mode, g)
+        assert copies.seen == [], (n, copies.seen)
+    grid, x3 = launches[-3][0], launches[-3][1]  # q at n = 4: its heads, read in place
+    assert grid == (4 * heads,) and x3.stride() == q.stride() and x3.data_ptr() == q.data_ptr()
+    with pytest.raises(ValueError, match="gate"):
+        rownorm.launch(q, w, 1e-6, "gated", gate[:3])
+
+
 def test_fused_sampler_matches_the_torch_sampler_under_the_interpreter() -> None:
     """`flare::sample`'s kernel against the torch definition it replaces: every filter, penalty
     and grammar mix, ties at thresholds, fully masked rows, the top-p climb and bisection; a

@@ -34,11 +34,18 @@ for dtype in (torch.float32, torch.float16):
                 alone = launch(x[lo:hi], w, 1e-6, mode, gate[lo:hi] if gate is not None else None)
                 invariant &= torch.equal(alone, got[lo:hi])
             cases += 1
-# Strided rows: the q heads of a fused projection.
-qkv = torch.randn(5, 3 * 4 * 32, generator=gen)
-q = qkv[:, : 4 * 32].reshape(5, 4, 32)
+# Strided rows: the q heads of a fused projection (Qwen3.5's q is each head's first half of
+# [query | gate]), and a gate of another shape.
+qkv = torch.randn(5, 3 * 4 * 64, generator=gen)
+q = qkv[:, : 4 * 64].reshape(5, 4, 64)[..., :32]
+z = qkv[:, 4 * 64 : 4 * 64 + 4 * 32]
 w = torch.rand(32, generator=gen) + 0.5
-strided = (launch(q, w, 1e-6, "rms") - reference(q, w, 1e-6, "rms")).abs().max().item()
+got_q = launch(q, w, 1e-6, "zero_centred")
+got_g = launch(q, w, 1e-6, "gated", z.reshape(5 * 4, 32)[:, None, :])
+strided = max(
+    (got_q - reference(q, w, 1e-6, "zero_centred")).abs().max().item(),
+    (got_g - reference(q, w, 1e-6, "gated", z.reshape(5, 4, 32))).abs().max().item(),
+)
 
 
 def step(x: torch.Tensor, proj: Projections) -> torch.Tensor:
