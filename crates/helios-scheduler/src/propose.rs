@@ -127,18 +127,17 @@ impl CopyProposer {
     }
 }
 
-/// Chooses a request's proposal depth from its observed acceptance and the core's verification
-/// cost.
+/// Chooses a request's proposal depth from its observed acceptance and the verification cost of
+/// the batch it decodes in.
 ///
 /// Model: each proposed token is accepted with probability `p` independently, so depth `d`
 /// yields `1 + p + p² + … + p^d` tokens per step (the bonus token included) at a cost of
 /// `cost[d]` plain decode steps. The estimate of `p` is an exponentially weighted average of
-/// the observed per-token acceptance, starting optimistic so a request gets to try.
+/// the observed per-token acceptance, starting optimistic so a request gets to try. The cost
+/// is an argument, not state: it depends on how many requests share the round (a core's
+/// programs for four requests verify fewer proposals, at another price, than for one).
 #[derive(Clone, Debug)]
 pub struct DepthController {
-    /// `cost[d]`: time of verifying `d` proposals (d + 1 rows) over a plain decode step;
-    /// `cost[0] == 1`. Measured on the core.
-    cost: Vec<f64>,
     acceptance: f64,
     prior: f64,
     /// Weight of a new observation.
@@ -149,17 +148,17 @@ pub struct DepthController {
 /// request that stopped proposing tries again after some tens of steps.
 const RELAX: f64 = 0.02;
 
+/// Expected tokens of a round that verifies `d` proposals, each accepted with probability `p`
+/// (a geometric prefix, plus the bonus token).
+pub fn expected_tokens(p: f64, d: usize) -> f64 {
+    (0..=d).map(|k| p.powi(k as i32)).sum()
+}
+
 impl DepthController {
-    /// A controller for verification costs `cost` (index = depth; `cost[0]` is 1 by
-    /// definition and is forced to it), starting from acceptance estimate `prior`.
-    pub fn new(cost: &[f64], prior: f64) -> Self {
-        let mut cost: Vec<f64> = cost.iter().map(|c| c.max(1.0)).collect();
-        if cost.is_empty() {
-            cost.push(1.0);
-        }
-        cost[0] = 1.0;
+    /// A controller starting from acceptance estimate `prior`.
+    pub fn new(prior: f64) -> Self {
         let prior = prior.clamp(0.0, 1.0);
-        DepthController { cost, acceptance: prior, prior, alpha: 0.2 }
+        DepthController { acceptance: prior, prior, alpha: 0.2 }
     }
 
     /// The current acceptance estimate.
@@ -167,18 +166,14 @@ impl DepthController {
         self.acceptance
     }
 
-    /// Expected tokens per unit of decode cost at depth `d`.
-    fn rate(&self, d: usize) -> f64 {
-        let p = self.acceptance;
-        let tokens: f64 = (0..=d).map(|k| p.powi(k as i32)).sum();
-        tokens / self.cost[d]
-    }
-
     /// The depth to propose next (0: decode without speculation), at most `available` (the
-    /// proposer's match length).
-    pub fn depth(&self, available: usize) -> usize {
-        let max = available.min(self.cost.len() - 1);
-        (0..=max).max_by(|&a, &b| self.rate(a).total_cmp(&self.rate(b)).then(b.cmp(&a))).unwrap_or(0)
+    /// proposer's match length) and at most `cost.len() - 1`. `cost[d]`: a round verifying `d`
+    /// proposals over a plain decode step of the same batch (`cost[0]` is taken as 1). Costs
+    /// O(`available`).
+    pub fn depth(&self, available: usize, cost: &[f64]) -> usize {
+        let max = available.min(cost.len().saturating_sub(1));
+        let rate = |d: usize| expected_tokens(self.acceptance, d) / if d == 0 { 1.0 } else { cost[d].max(1.0) };
+        (0..=max).max_by(|&a, &b| rate(a).total_cmp(&rate(b)).then(b.cmp(&a))).unwrap_or(0)
     }
 
     /// A step decoded without proposals: the estimate drifts back toward the prior, so a
@@ -270,28 +265,35 @@ mod tests {
     fn depth_follows_acceptance_and_cost() {
         // Verifying d proposals costs 1 + 0.1 d decode steps.
         let cost: Vec<f64> = (0..8).map(|d| 1.0 + 0.1 * d as f64).collect();
-        let mut c = DepthController::new(&cost, 0.9);
-        assert_eq!(c.depth(7), 7, "high acceptance: as deep as the proposer reaches");
-        assert_eq!(c.depth(3), 3, "never deeper than the match");
+        let mut c = DepthController::new(0.9);
+        assert_eq!(c.depth(7, &cost), 7, "high acceptance: as deep as the proposer reaches");
+        assert_eq!(c.depth(3, &cost), 3, "never deeper than the match");
+        assert_eq!(c.depth(7, &cost[..4]), 3, "never deeper than the batch's programs verify");
+        assert_eq!(c.depth(7, &cost[..1]), 0, "no program for the batch: plain decoding");
         for _ in 0..40 {
             c.observe(4, 0);
         }
         assert!(c.acceptance() < 0.01);
-        assert_eq!(c.depth(7), 0, "nothing accepted: plain decoding");
+        assert_eq!(c.depth(7, &cost), 0, "nothing accepted: plain decoding");
         for _ in 0..40 {
             c.observe(4, 4);
         }
-        assert!(c.depth(7) > 0, "acceptance recovered");
+        assert!(c.depth(7, &cost) > 0, "acceptance recovered");
         for _ in 0..40 {
             c.observe(4, 0);
         }
-        assert_eq!(c.depth(7), 0);
+        assert_eq!(c.depth(7, &cost), 0);
         for _ in 0..200 {
             c.relax();
         }
-        assert!(c.depth(7) > 0, "steps without proposals bring the estimate back to try again");
+        assert!(c.depth(7, &cost) > 0, "steps without proposals bring the estimate back to try again");
         // On a core where verification costs as much as the tokens it can yield, never.
         let expensive: Vec<f64> = (0..8).map(|d| 1.0 + d as f64).collect();
-        assert_eq!(DepthController::new(&expensive, 0.95).depth(7), 0);
+        assert_eq!(DepthController::new(0.95).depth(7, &expensive), 0);
+        // The same acceptance pays in a cheap batch and not in a dear one.
+        let p = DepthController::new(0.5);
+        assert!(p.depth(7, &cost) > 0);
+        assert_eq!(p.depth(7, &[1.0, 1.6, 1.9, 2.2]), 0);
+        assert!((expected_tokens(0.5, 2) - 1.75).abs() < 1e-12);
     }
 }

@@ -19,9 +19,12 @@
 //!
 //! Speculation (`SchedulerConfig::speculative_depth`, with speculative programs in the core):
 //! a host-fed decoder whose history repeats gets copy proposals (`propose::CopyProposer`), as
-//! deep as its `propose::DepthController` finds worth it, and the batch runs as one
-//! `StepOp::Verify`; the accepted proposals advance its consumed count when the round lands.
-//! A round in flight keeps the batch host-fed (its consumed count is open until it lands).
+//! deep as its `propose::DepthController` finds worth it at the verification cost of a batch
+//! of that many decoders (measured per decode bucket), never deeper than the core's programs
+//! for that batch verify, and the batch runs as one `StepOp::Verify` when the tokens its rows
+//! expect pay for the round; the accepted proposals advance its consumed count when the round
+//! lands. A round in flight keeps the batch host-fed (its consumed count is open until it
+//! lands).
 //!
 //! Held requests ([`Scheduler::hold`]): the host is still preparing what a request's next
 //! sample needs (a grammar mask computed off the model thread). Nothing that samples for a
@@ -48,7 +51,7 @@ use helios_contract::model::{CacheScheme, Capacities};
 use helios_offload::{DemoteOutcome, HostEntryId, HostExtent, HostTier, PageSource, StoreGeometry, TierStats};
 
 use crate::plan::{Completion, ConsumeRow, PageCopy, RequestId, SampleSpec, SampledToken, Step, StepOp, epoch_of};
-use crate::propose::{CopyProposer, DepthController};
+use crate::propose::{CopyProposer, DepthController, expected_tokens};
 
 mod tiers;
 use tiers::{CopyOut, DiskState, RestoreTicket};
@@ -200,9 +203,10 @@ pub struct SchedulerStats {
     /// samples one token, plus the proposals its round accepted).
     pub decode_steps: u64,
     pub decode_rows: u64,
-    /// Speculative rounds: steps that verified proposals, proposals verified, proposals
-    /// accepted.
+    /// Speculative rounds: steps that verified proposals, their rows (requests), proposals
+    /// verified, proposals accepted.
     pub verify_steps: u64,
+    pub verify_rows: u64,
     pub proposed_tokens: u64,
     pub accepted_tokens: u64,
 }
@@ -338,31 +342,31 @@ struct Speculation {
 
 impl Speculation {
     /// Whether the next round would propose: the history's suffix recurs and the depth
-    /// controller finds proposing worth its cost.
-    fn pays(&self) -> bool {
+    /// controller finds proposing worth `cost` (the round's cost per depth in its batch).
+    fn pays(&self, cost: &[f64]) -> bool {
         let available = self.proposer.propose(PROPOSER_MAX_MATCH).len();
-        available > 0 && self.depth.depth(available) > 0
+        available > 0 && self.depth.depth(available, cost) > 0
     }
 
-    /// `cost`: a round's cost at each depth up to the deepest this request may propose.
-    fn new(history: &[u32], cost: &[f64]) -> Box<Self> {
+    fn new(history: &[u32]) -> Box<Self> {
         // Only the window's tail of a long prompt is indexed (submission runs on the model thread).
         let proposer = CopyProposer::new(PROPOSER_MIN_MATCH, PROPOSER_MAX_MATCH)
             .with_window(PROPOSER_WINDOW)
             .with_history(history);
         Box::new(Speculation {
             proposer,
-            depth: DepthController::new(cost, ACCEPTANCE_PRIOR),
+            depth: DepthController::new(ACCEPTANCE_PRIOR),
             in_flight: None,
             checked: None,
         })
     }
 }
 
-/// The prefix of `available` a request proposes: as deep as its depth controller goes, never
-/// past an EOS token (an accepted EOS would be consumed, which ordinary decoding never does).
-fn within_depth(r: &Request, spec: &Speculation, available: &[u32]) -> Vec<u32> {
-    let proposals = &available[..spec.depth.depth(available.len())];
+/// The prefix of `available` a request proposes: as deep as its depth controller goes at `cost`
+/// (its batch's), never past an EOS token (an accepted EOS would be consumed, which ordinary
+/// decoding never does).
+fn within_depth(r: &Request, spec: &Speculation, available: &[u32], cost: &[f64]) -> Vec<u32> {
+    let proposals = &available[..spec.depth.depth(available.len(), cost)];
     let end = proposals.iter().position(|t| r.spec.eos_tokens.contains(t)).unwrap_or(proposals.len());
     proposals[..end].to_vec()
 }
@@ -404,10 +408,12 @@ pub struct Scheduler {
     completed: Fence,
     /// Bytes of restore copies per step.
     restore_budget: u64,
-    /// A verification round's cost at each proposal depth (index), in plain decode steps:
-    /// `[0] == 1`, non-decreasing. Assumed (`VERIFY_ROW_COST` per proposal) until the executor
-    /// measures the core's programs ([`Self::set_verify_costs`]).
-    verify_cost: Vec<f64>,
+    /// Per decode bucket (ascending, as in the capacities): a verification round's cost at each
+    /// proposal depth (index) for a batch of that many requests, over that bucket's plain
+    /// decode step: `[0] == 1`, non-decreasing, as long as the deepest program for that many
+    /// requests allows (`[1]` only: no program). Assumed (`VERIFY_ROW_COST` per proposal)
+    /// until the executor measures the core's programs ([`Self::set_verify_costs`]).
+    verify_cost: Vec<(u32, Vec<f64>)>,
     next_request: u64,
     next_fence: u64,
     admissions: u64,
@@ -436,7 +442,11 @@ impl Scheduler {
     /// A scheduler over empty pools sized from the scheme and capacities.
     pub fn new(scheme: CacheScheme, capacities: Capacities, config: SchedulerConfig) -> Result<Self, ConfigError> {
         Self::validate(&capacities, &config)?;
-        let verify_cost = assumed_verify_cost(capacities.max_speculative_depth(1));
+        let verify_cost = capacities
+            .decode_request_buckets
+            .iter()
+            .map(|&b| (b, assumed_verify_cost(capacities.max_speculative_depth(b))))
+            .collect();
         Ok(Self {
             pages: FencedPool::new(capacities.max_kv_pages),
             rows: RowPool::new(&scheme, capacities.request_slots, capacities.snapshot_rows),
@@ -535,11 +545,9 @@ impl Scheduler {
             speculation: None,
             spec,
         };
-        let depth = self.speculation_depth();
         // A request that needs host feedback (a grammar) proposes what its grammar accepts.
-        let speculate = depth > 0;
-        let cost = &self.verify_cost[..=(depth as usize).min(self.verify_cost.len() - 1)];
-        let request = Request { speculation: speculate.then(|| Speculation::new(&request.tokens, cost)), ..request };
+        let speculate = self.speculation_depth() > 0;
+        let request = Request { speculation: speculate.then(|| Speculation::new(&request.tokens)), ..request };
         let pages = self.reservation_pages(&request);
         if pages > u64::from(self.capacities.max_kv_pages) {
             return Err(AdmissionError::LargerThanPool { pages, pool: self.capacities.max_kv_pages });
@@ -904,6 +912,21 @@ impl Scheduler {
         }
     }
 
+    /// Running requests past their prompt that are not finishing, cancelled or held: the
+    /// decoders a step batches.
+    fn decoders(&self) -> usize {
+        self.running
+            .iter()
+            .filter_map(|id| self.requests.get(id))
+            .filter(|r| {
+                r.finishing.is_none()
+                    && !r.cancelling
+                    && !r.held
+                    && r.live.as_ref().is_some_and(|l| l.consumed >= r.prompt_len)
+            })
+            .count()
+    }
+
     /// Whether this step may device-feed decoders, and whether it decodes at all. Decoders move
     /// in lockstep: while one has as many samples in flight as it may (two device-fed, one
     /// host-fed) the step plans no decode, and the next one takes everybody. Otherwise a
@@ -922,10 +945,12 @@ impl Scheduler {
         // next input needs the host, and so (lockstep) does everybody's.
         let verifying = decoding().any(|r| r.speculation.as_ref().is_some_and(|s| s.in_flight.is_some()));
         // Proposals follow the pending token, so a decoder that would get some is fed from the
-        // host: speculation, while it pays, takes the place of the second step in flight.
+        // host: speculation, while it pays at this batch's cost, takes the place of the second
+        // step in flight.
+        let cost = self.batch_cost(decoding().filter(|r| !r.held).count());
         let device_fed = self.config.device_fed_decode
             && !verifying
-            && !decoding().any(|r| r.spec.needs_host_feedback || r.speculation.as_ref().is_some_and(|s| s.pays()));
+            && !decoding().any(|r| r.spec.needs_host_feedback || r.speculation.as_ref().is_some_and(|s| s.pays(cost)));
         let limit = if device_fed { 2 } else { 1 };
         let lockstep = !decoding().any(|r| !r.held && r.live.as_ref().is_some_and(|l| l.samples_in_flight >= limit));
         (device_fed, lockstep)
@@ -1030,6 +1055,13 @@ impl Scheduler {
         if !lockstep {
             return false;
         }
+        // Proposals are weighed at the cost of a round for the batch this step will have.
+        let batch = candidates
+            .iter()
+            .filter(|&&id| !self.request(id).held && self.decode_input(id, device_fed).is_some())
+            .count()
+            .min(max_bucket);
+        let cost = self.batch_cost(batch).to_vec();
         for id in candidates {
             if rows.len() >= max_bucket {
                 continue;
@@ -1071,7 +1103,7 @@ impl Scheduler {
                 continue;
             }
             let proposals = match input {
-                DecodeInput::Host => self.proposals(id, have),
+                DecodeInput::Host => self.proposals(id, have, &cost),
                 DecodeInput::Device => Vec::new(),
             };
             let Some(request) = self.requests.get_mut(&id) else { broken("a decoder is not in the request table") };
@@ -1105,6 +1137,12 @@ impl Scheduler {
             return short;
         }
         self.stats.decode_rows += rows.len() as u64;
+        if !self.round_pays(&mut rows) {
+            // Every row decodes its pending token alone, as plain decoding would.
+            for (_, row) in rows.iter_mut() {
+                row.tokens.truncate(usize::from(!row.device_token));
+            }
+        }
         let depth = rows.iter().map(|(_, r)| r.proposals()).max().unwrap_or(0) as u32;
         let program = self.capacities.speculative_program_for(rows.len() as u32, depth).filter(|_| depth > 0);
         if let Some(program) = program {
@@ -1116,6 +1154,7 @@ impl Scheduler {
                 }
             }
             self.stats.verify_steps += 1;
+            self.stats.verify_rows += rows.len() as u64;
             ops.push(StepOp::Verify { program, rows: rows.into_iter().map(|(_, r)| r).collect() });
         } else if let Some(bucket) = self.capacities.decode_bucket_for(rows.len() as u32) {
             // No program verifies this batch: every row decodes its pending token alone.
@@ -1129,15 +1168,17 @@ impl Scheduler {
         short
     }
 
-    /// The speculative program depth this configuration allows (0: speculation off).
-    /// Replaces the assumed cost of verification with what the executor measured on this core:
-    /// `round[d]` is the wall time of a round that verifies up to `d` proposals for one request,
-    /// `decode` that of a plain one-request decode step (`round[0]` is ignored). Requests
-    /// submitted afterwards weigh proposals against it; on a core where a round costs as much as
-    /// the tokens it can yield, they never propose. Called before readiness.
-    pub fn set_verify_costs(&mut self, decode: std::time::Duration, round: &[std::time::Duration]) {
+    /// Replaces the assumed cost of verification for batches of `bucket` requests (a decode
+    /// bucket of the capacities; any other is ignored) with what the executor measured on this
+    /// core: `round[d]` is the wall time of a round that verifies up to `d` proposals for each
+    /// of `bucket` requests, `decode` that of the bucket's plain decode step (`round[0]` is
+    /// ignored). Decisions from then on weigh proposals against it; where a round costs as much
+    /// as the tokens it can yield, requests in such a batch never propose. Called before
+    /// readiness.
+    pub fn set_verify_costs(&mut self, bucket: u32, decode: std::time::Duration, round: &[std::time::Duration]) {
         let base = decode.as_secs_f64();
-        if base <= 0.0 || round.len() != self.verify_cost.len() {
+        let Some((_, table)) = self.verify_cost.iter_mut().find(|(b, _)| *b == bucket) else { return };
+        if base <= 0.0 || round.len() != table.len() {
             return;
         }
         let mut cost = vec![1.0];
@@ -1146,12 +1187,48 @@ impl Scheduler {
             let c = (t.as_secs_f64() / base).max(*cost.last().unwrap_or(&1.0));
             cost.push(c);
         }
-        self.verify_cost = cost;
+        *table = cost;
     }
 
-    /// The verification cost requests weigh proposals against (see [`Self::set_verify_costs`]).
-    pub fn verify_costs(&self) -> &[f64] {
-        &self.verify_cost
+    /// The verification cost per depth a batch of `bucket` requests weighs proposals against
+    /// (see [`Self::set_verify_costs`]); empty for a bucket the capacities do not have.
+    pub fn verify_costs(&self, bucket: u32) -> &[f64] {
+        self.verify_cost.iter().find(|(b, _)| *b == bucket).map_or(&[], |(_, c)| c.as_slice())
+    }
+
+    /// The round cost per depth for a batch of `requests` decoders: its decode bucket's table,
+    /// cut at the depth this configuration allows (`[1.0]` alone: no proposals).
+    fn batch_cost(&self, requests: usize) -> &[f64] {
+        const NONE: &[f64] = &[1.0];
+        let n = requests.max(1) as u32;
+        let Some((_, cost)) = self.verify_cost.iter().find(|(b, _)| *b >= n) else { return NONE };
+        &cost[..cost.len().min(self.speculation_depth() as usize + 1)]
+    }
+
+    /// Whether a batch's proposals pay for its round: the tokens its rows expect (each at its
+    /// request's acceptance estimate; a row without proposals yields its one sample) per unit of
+    /// the round's cost, against one token per row for a plain step. Proposals deeper than any
+    /// program for this many requests verifies are cut first. Costs O(rows x depth).
+    fn round_pays(&self, rows: &mut [(RequestId, ConsumeRow)]) -> bool {
+        let cap = self.capacities.max_speculative_depth(rows.len() as u32) as usize;
+        for (_, row) in rows.iter_mut() {
+            row.tokens.truncate(usize::from(!row.device_token) + cap);
+        }
+        let depth = rows.iter().map(|(_, r)| r.proposals()).max().unwrap_or(0);
+        if depth == 0 {
+            return true;
+        }
+        let cost = self.batch_cost(rows.len());
+        let Some(&round) = cost.get(depth) else { return false };
+        let expected: f64 = rows
+            .iter()
+            .map(|(id, row)| {
+                let p =
+                    self.requests.get(id).and_then(|r| r.speculation.as_ref()).map_or(0.0, |s| s.depth.acceptance());
+                expected_tokens(p, row.proposals())
+            })
+            .sum();
+        expected / round > rows.len() as f64
     }
 
     /// Copy proposals a request under a grammar could verify next, for the host to check with
@@ -1160,7 +1237,8 @@ impl Scheduler {
     pub fn proposal_candidates(&self, id: RequestId) -> Vec<u32> {
         let Some(r) = self.requests.get(&id) else { return Vec::new() };
         let Some(spec) = r.speculation.as_ref() else { return Vec::new() };
-        within_depth(r, spec, spec.proposer.propose(self.speculation_depth() as usize))
+        let cost = self.batch_cost(self.decoders());
+        within_depth(r, spec, spec.proposer.propose(self.speculation_depth() as usize), cost)
     }
 
     /// The proposals a request under a grammar verifies next: a prefix of its
@@ -1172,6 +1250,7 @@ impl Scheduler {
         }
     }
 
+    /// The speculative program depth this configuration allows (0: speculation off).
     fn speculation_depth(&self) -> u32 {
         self.config.speculative_depth.min(self.capacities.max_speculative_depth(1))
     }
@@ -1180,7 +1259,7 @@ impl Scheduler {
     /// controller chooses, within its output limit and the pages it holds, never past an EOS
     /// token (an accepted EOS would be consumed, which ordinary decoding never does). Empty
     /// without speculation, for a request that needs host feedback, or without a match.
-    fn proposals(&self, id: RequestId, pages: usize) -> Vec<u32> {
+    fn proposals(&self, id: RequestId, pages: usize, cost: &[f64]) -> Vec<u32> {
         let Some(r) = self.requests.get(&id) else { return Vec::new() };
         let (Some(spec), Some(live)) = (r.speculation.as_ref(), r.live.as_ref()) else { return Vec::new() };
         let room_output = r.max_output.saturating_sub(r.generated + 1);
@@ -1193,7 +1272,7 @@ impl Scheduler {
         } else {
             spec.proposer.propose(cap as usize)
         };
-        within_depth(r, spec, available)
+        within_depth(r, spec, available, cost)
     }
 
     /// FIFO admission; a request that does not fit waits without blocking later ones.

@@ -500,46 +500,47 @@ pub(crate) struct ModelLoop<E: Executor> {
 /// Replays measured per program by [`measure_verification`].
 const VERIFY_MEASURE_REPS: u32 = 20;
 
-/// Times one-request verification rounds at each depth against a plain one-request decode step
-/// on this core (wall time over padding, before readiness) and gives the ratios to the
-/// scheduler, so a request proposes only where its acceptance pays for the round. An executor
-/// that cannot measure (the simulated one) leaves the scheduler's assumption.
+/// Times verification rounds at each depth against the plain decode step of the same batch, for
+/// every decode bucket (all rows padding, wall time, before readiness), and gives the ratios to
+/// the scheduler, so a request proposes only where its acceptance pays for its batch's round.
+/// A program is timed once however many (bucket, depth) pairs it serves. An executor that cannot
+/// measure (the simulated one) leaves the scheduler's assumption.
 fn measure_verification<E: Executor>(
     executor: &mut E,
     scheduler: &mut Scheduler,
     caps: &helios_contract::model::Capacities,
 ) -> Result<(), ExecutorError> {
     use helios_scheduler::StepOp;
-    let max = caps.max_speculative_depth(1);
-    let Some(bucket) = caps.decode_bucket_for(1) else { return Ok(()) };
-    if max == 0 {
-        return Ok(());
-    }
-    let plain = StepOp::Decode { bucket, rows: Vec::new() };
-    let Some(decode) = executor.measure_step(&plain, VERIFY_MEASURE_REPS)? else { return Ok(()) };
-    let mut rounds = vec![decode];
     let mut measured: Vec<(helios_contract::model::SpeculativeProgram, Duration)> = Vec::new();
-    for depth in 1..=max {
-        let Some(program) = caps.speculative_program_for(1, depth) else { return Ok(()) };
-        let t = match measured.iter().find(|(p, _)| *p == program) {
-            Some((_, t)) => *t,
-            None => {
-                let op = StepOp::Verify { program, rows: Vec::new() };
-                let Some(t) = executor.measure_step(&op, VERIFY_MEASURE_REPS)? else { return Ok(()) };
-                tracing::info!(
-                    requests = program.requests,
-                    depth = program.depth,
-                    round_us = t.as_secs_f64() * 1e6,
-                    decode_us = decode.as_secs_f64() * 1e6,
-                    "speculative program measured against plain decode"
-                );
-                measured.push((program, t));
-                t
-            }
-        };
-        rounds.push(t);
+    for &bucket in &caps.decode_request_buckets {
+        let max = caps.max_speculative_depth(bucket);
+        if max == 0 {
+            continue;
+        }
+        let plain = StepOp::Decode { bucket, rows: Vec::new() };
+        let Some(decode) = executor.measure_step(&plain, VERIFY_MEASURE_REPS)? else { return Ok(()) };
+        let mut rounds = vec![decode];
+        for depth in 1..=max {
+            let Some(program) = caps.speculative_program_for(bucket, depth) else { break };
+            let t = match measured.iter().find(|(p, _)| *p == program) {
+                Some((_, t)) => *t,
+                None => {
+                    let op = StepOp::Verify { program, rows: Vec::new() };
+                    let Some(t) = executor.measure_step(&op, VERIFY_MEASURE_REPS)? else { return Ok(()) };
+                    measured.push((program, t));
+                    t
+                }
+            };
+            rounds.push(t);
+        }
+        tracing::info!(
+            bucket,
+            decode_us = decode.as_secs_f64() * 1e6,
+            round_us = ?rounds[1..].iter().map(|t| (t.as_secs_f64() * 1e6).round()).collect::<Vec<_>>(),
+            "speculative rounds measured against plain decode (per depth)"
+        );
+        scheduler.set_verify_costs(bucket, decode, &rounds);
     }
-    scheduler.set_verify_costs(decode, &rounds);
     Ok(())
 }
 

@@ -124,10 +124,11 @@ pub struct WorkloadReport {
     pub disk_writes: u64,
     pub disk_fetches: u64,
     pub disk_fetch_failures: u64,
-    /// Steps that decoded without speculation and speculative rounds; proposals verified and
-    /// accepted.
+    /// Steps that decoded without speculation and speculative rounds (and their rows);
+    /// proposals verified and accepted.
     pub decode_steps: u64,
     pub verify_steps: u64,
+    pub verify_rows: u64,
     pub proposed_tokens: u64,
     pub accepted_tokens: u64,
 }
@@ -346,6 +347,7 @@ pub fn run_workload_tiered<E: Executor>(
         + pressure.snapshot_leaf_evictions;
     report.host_restores = stats.host_restores;
     report.verify_steps = stats.verify_steps;
+    report.verify_rows = stats.verify_rows;
     report.proposed_tokens = stats.proposed_tokens;
     report.accepted_tokens = stats.accepted_tokens;
     report.decode_steps = stats.decode_steps;
