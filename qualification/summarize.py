@@ -158,7 +158,8 @@ def prepare_section(report: Any) -> dict[str, Any]:
 
 def speculation_section(raw: Path) -> dict[str, Any]:
     """`spec_bench`'s files: each `flare bench` workload (bench_W_dD.json) served with
-    `--speculative-depth D` and with 0, the tokens/s ratio, and the server's speculation counters
+    `--speculative-depth D` and with 0, the tokens/s ratio, whether the copy workload's outputs
+    are identical (where its records carry digests), and the server's speculation counters
     at depth D (metrics_dD.txt: totals over every workload that server ran). A run whose bench
     wrote nothing (the server never came up) is left out, not counted as zero."""
     runs: dict[str, dict[int, Any]] = {}
@@ -185,6 +186,10 @@ def speculation_section(raw: Path) -> dict[str, Any]:
                                   "off": round(off["itl"]["median_ms"], 4)},
                 "failed": on["failed"] + off["failed"],
             }  # fmt: skip
+            digests = [[r.get("output_digest") for r in w["records"]] for w in (on, off)]
+            if on["kind"] == "copy" and None not in digests[0] + digests[1]:
+                # Greedy and seeded (`--copy-seed`): speculation must not change one token.
+                workloads[name]["outputs_identical"] = digests[0] == digests[1]
     out: dict[str, Any] = {"depth": depth, "workloads": workloads}
     metrics = find(raw, f"metrics_d{depth}.txt", ())
     if metrics is not None:

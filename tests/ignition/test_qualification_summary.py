@@ -86,3 +86,22 @@ def test_speculation_figures_come_from_the_bench_files_and_counters(tmp_path: Pa
     (tmp_path / "bench_decode_d4.json").write_text("")
     assert set(summarize.speculation_section(tmp_path)["workloads"]) == {"copy c=1", "copy c=4"}
     assert summarize.speculation_section(tmp_path / "nothing") == {}
+
+
+def test_copy_outputs_compare_by_digest_across_depths(tmp_path: Path) -> None:
+    """Seeded greedy copy runs at depth 4 and 0: equal digests, identical outputs; one differing
+    record, not identical; records without digests (older benches), not judged."""
+    raw = REPO / "qualification" / "raw" / "2026-12-06-s17" / "smollm2_spec"
+    docs = {d: json.loads((raw / f"bench_copy_d{d}.json").read_text()) for d in (4, 0)}
+    for d, doc in docs.items():
+        for w in doc["workloads"]:
+            for i, r in enumerate(w["records"]):
+                r["output_digest"] = f"{i:016x}"
+        (tmp_path / f"bench_copy_d{d}.json").write_text(json.dumps(doc))
+    spec = summarize.speculation_section(tmp_path)
+    assert all(w["outputs_identical"] for w in spec["workloads"].values())
+    docs[0]["workloads"][1]["records"][2]["output_digest"] = "ff"
+    (tmp_path / "bench_copy_d0.json").write_text(json.dumps(docs[0]))
+    spec = summarize.speculation_section(tmp_path)
+    assert spec["workloads"]["copy c=1"]["outputs_identical"] and not spec["workloads"]["copy c=4"]["outputs_identical"]
+    assert "outputs_identical" not in summarize.speculation_section(raw)["workloads"]["copy c=1"]

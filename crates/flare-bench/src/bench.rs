@@ -87,6 +87,11 @@ pub struct BenchArgs {
     /// Lines of the copy workload's source file (fewer where the served context is short).
     #[arg(long, default_value_t = 200)]
     pub copy_lines: usize,
+    /// Seed of the copy workload's files: the same prompts on every run, so that two servers'
+    /// outputs compare by `output_digest` (with and without speculation, say). Default: fresh
+    /// files per run, which no earlier run cached.
+    #[arg(long)]
+    pub copy_seed: Option<u64>,
 }
 
 /// One request as measured by the client.
@@ -110,6 +115,8 @@ pub struct RequestRecord {
     pub prompt_tokens: Option<u64>,
     /// `usage.prompt_tokens_details.cached_tokens`.
     pub cached_tokens: Option<u64>,
+    /// FNV-1a (64-bit, hex) of the streamed `content` text: equal digests, equal outputs.
+    pub output_digest: String,
 }
 
 /// The summary of one workload (or one concurrency level of the decode workload).
@@ -445,15 +452,10 @@ impl Bench {
             Some(len) => args.copy_lines.min((len as usize).saturating_sub(512) / (2 * COPY_TOKENS_PER_LINE)),
             None => args.copy_lines,
         };
+        let seed = args.copy_seed.unwrap_or_else(nonce);
         let bodies = (0..concurrency)
             .map(|i| {
-                let file = source_file(lines, nonce() ^ i as u64);
-                let functions = file.matches("def step_").count().max(1);
-                let renamed = i % functions;
-                let prompt = format!(
-                    "Here is a Python file:\n\n{file}\nRepeat the whole file exactly as it is, except that the \
-                     function `step_{renamed}` is renamed to `advance_{renamed}`. Output only the file."
-                );
+                let prompt = copy_prompt(lines, seed, i);
                 let max_tokens = (lines * COPY_TOKENS_PER_LINE * 5 / 4) as u32;
                 self.body(json!([{"role": "user", "content": prompt}]), max_tokens, json!({"temperature": 0}))
             })
@@ -632,6 +634,7 @@ fn summarise(name: &str, kind: WorkloadKind, concurrency: usize, outs: Vec<Strea
             chunks: o.content_chunks,
             prompt_tokens: o.usage_u64(&["prompt_tokens"]),
             cached_tokens: o.cached_tokens(),
+            output_digest: format!("{:016x}", fnv1a(o.text.as_bytes())),
         })
         .collect();
     let wall_secs = wall.as_secs_f64();
@@ -790,6 +793,22 @@ impl Rng {
     }
 }
 
+/// Stream `i`'s copy request: its own file (from `seed ^ i`) to reproduce with one rename.
+fn copy_prompt(lines: usize, seed: u64, i: usize) -> String {
+    let file = source_file(lines, seed ^ i as u64);
+    let functions = file.matches("def step_").count().max(1);
+    let renamed = i % functions;
+    format!(
+        "Here is a Python file:\n\n{file}\nRepeat the whole file exactly as it is, except that the function \
+         `step_{renamed}` is renamed to `advance_{renamed}`. Output only the file."
+    )
+}
+
+/// FNV-1a, 64-bit: a digest of outputs for comparing runs, not a defence against collisions.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
 fn nonce() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering};
     static COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -918,6 +937,7 @@ mod tests {
             prefix_words: 50,
             timeout_secs: 10,
             copy_lines: 40,
+            copy_seed: None,
         };
         let r = run_bench(&args).await.expect("bench runs");
         assert_eq!(r.model, "fake");
@@ -945,6 +965,12 @@ mod tests {
         let names: Vec<&str> = r.workloads.iter().map(|w| w.name.as_str()).collect();
         assert_eq!(names, ["copy c=1", "copy c=2"]);
         assert!(r.workloads.iter().all(|w| w.failed == 0 && w.prompt_tokens > 0));
+        // The fake server streams "t0 t1 ... " whatever the prompt.
+        let text: String = (0..r.workloads[0].records[0].output_tokens).map(|i| format!("t{i} ")).collect();
+        assert_eq!(r.workloads[0].records[0].output_digest, format!("{:016x}", fnv1a(text.as_bytes())));
+        // A seeded copy run sends the same prompts every run, one file per stream.
+        assert_eq!(copy_prompt(40, 7, 1), copy_prompt(40, 7, 1));
+        assert_ne!(copy_prompt(40, 7, 0), copy_prompt(40, 7, 1));
 
         let only = BenchArgs { workload: WorkloadKind::Cold, ..args.clone() };
         assert_eq!(run_bench(&only).await.expect("bench runs").workloads.len(), 1);
