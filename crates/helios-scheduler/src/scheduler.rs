@@ -947,7 +947,7 @@ impl Scheduler {
         // Proposals follow the pending token, so a decoder that would get some is fed from the
         // host: speculation, while it pays at this batch's cost, takes the place of the second
         // step in flight.
-        let cost = self.batch_cost(decoding().filter(|r| !r.held).count());
+        let cost = self.batch_cost(self.decoders());
         let device_fed = self.config.device_fed_decode
             && !verifying
             && !decoding().any(|r| r.spec.needs_host_feedback || r.speculation.as_ref().is_some_and(|s| s.pays(cost)));
