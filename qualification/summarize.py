@@ -15,7 +15,8 @@ Entry fields (all optional but `sources`): `tokens` (identity with the torch rep
 (ITL median/p99 per concurrency, the floor, the bound, the fractions), `ttft_ms` (cold 512 and
 4,096 tokens, prefix hit, agent turns), `prefill_tokens_per_s`, `lifecycle`, `prepare` (times,
 peak memory, numerics), `kernels` (per graph from kernel_breakdown), and free-form
-`exactness`/`agent` flags a stage may write as `exactness.json`, and `speculation` (issue 21: each
+`exactness`/`agent` flags a stage may write as `exactness.json`; the headline figures again under
+the decode-bandwidth issue's names (`figures`); and `speculation` (issue 21: each
 bench workload served with and without copy proposals, and the server's acceptance counters).
 """
 
@@ -217,6 +218,34 @@ def kernels_section(breakdown: Any) -> dict[str, Any]:
     return out
 
 
+def figures(entry: dict[str, Any], fed: Any) -> dict[str, Any]:
+    """The headline figures under the names the decode-bandwidth issue gives them
+    (`decode_itl_ms.c1.median`, `cold_ttft_ms.4096`, `hbm_fraction_c1`, ...), taken from the
+    entry's sections (and `decode c=4`'s throughput from the bench); absent where they are."""
+    out: dict[str, Any] = {}
+    dec, ttft = entry.get("decode", {}), entry.get("ttft_ms", {})
+    itl = {f"c{c}": dec[f"itl_ms_c{c}"] for c in (1, 2, 4) if f"itl_ms_c{c}" in dec}
+    if itl:
+        out["decode_itl_ms"] = itl
+    if fed is not None and isinstance(fed.get("bench"), dict):
+        c4 = bench(fed).get("decode c=4")
+        if c4:
+            out["decode_tok_s"] = {"c4": c4["output_tokens_per_s"]}
+    cold = {n: ttft[f"cold_{n}"] for n in ("512", "4096") if f"cold_{n}" in ttft}
+    if cold:
+        out["cold_ttft_ms"] = cold
+    pairs = (
+        ("prefix_hit_ttft_ms", ttft.get("prefix_hit")),
+        ("native_over_floor", dec.get("itl_c1_over_python_floor_step")),
+        ("hbm_bound_ms", dec.get("hbm_bound_ms_b1")),
+        ("hbm_fraction_c1", dec.get("fraction_of_hbm_bound_c1")),
+        ("prefill_tok_s_4096", entry.get("prefill_tokens_per_s", {}).get("cold_4096")),
+        ("prepare_s", entry.get("prepare", {}).get("prepare_total_s")),
+    )
+    out.update({k: v for k, v in pairs if v is not None})
+    return out
+
+
 def summarize(raw: Path, tags: str | Sequence[str] | None) -> dict[str, Any]:
     """RAW's stage files → one model's entry; `tags` say which tagged files win, first first."""
     tags = [tags] if isinstance(tags, str) else list(tags or ())
@@ -274,6 +303,7 @@ def summarize(raw: Path, tags: str | Sequence[str] | None) -> dict[str, Any]:
     spec = speculation_section(raw)
     if spec:
         entry["speculation"] = spec
+    entry.update(figures(entry, fed))
     extra = load(paths["exactness.json"])
     if isinstance(extra, dict):
         entry.update({k: v for k, v in extra.items() if k in ("exactness", "agent")})

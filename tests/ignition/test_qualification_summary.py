@@ -105,3 +105,15 @@ def test_copy_outputs_compare_by_digest_across_depths(tmp_path: Path) -> None:
     spec = summarize.speculation_section(tmp_path)
     assert spec["workloads"]["copy c=1"]["outputs_identical"] and not spec["workloads"]["copy c=4"]["outputs_identical"]
     assert "outputs_identical" not in summarize.speculation_section(raw)["workloads"]["copy c=1"]
+
+
+def test_headline_figures_carry_the_decode_bandwidth_issue_names() -> None:
+    """`decode_itl_ms.c1.median`, `cold_ttft_ms.4096`, ... equal the sections they repeat."""
+    raw = REPO / "qualification" / "raw" / "2026-12-04" / "llama_1b_random"
+    entry = summarize.summarize(raw, None)
+    assert entry["decode_itl_ms"]["c1"] == entry["decode"]["itl_ms_c1"]
+    assert entry["cold_ttft_ms"]["4096"] == entry["ttft_ms"]["cold_4096"]
+    assert entry["hbm_fraction_c1"] == entry["decode"]["fraction_of_hbm_bound_c1"]
+    assert entry["prepare_s"] == entry["prepare"]["prepare_total_s"]
+    assert entry["decode_tok_s"]["c4"] > 0 and entry["prefill_tok_s_4096"] > 0
+    assert summarize.figures({}, None) == {}
