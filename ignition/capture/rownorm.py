@@ -71,7 +71,7 @@ def _rows3(t: torch.Tensor, d: int) -> torch.Tensor:
     kernel in the graph, which no core can carry. Heads sliced out of a fused projection ([N, H, D]
     with row stride past H x D) stay two-level; reshaping them to [N x H, D] would copy."""
     if t.dim() < 2:
-        return t.reshape(1, 1, d)
+        return t.view(1, 1, d)
     if t.dim() == 2:
         return t.unsqueeze(1)
     try:
