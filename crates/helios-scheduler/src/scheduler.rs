@@ -912,19 +912,16 @@ impl Scheduler {
         }
     }
 
-    /// Running requests past their prompt that are not finishing, cancelled or held: the
-    /// decoders a step batches.
+    /// Running requests past their prompt that are neither finishing nor cancelled.
+    fn decoding(&self) -> impl Iterator<Item = &Request> {
+        self.running.iter().filter_map(|id| self.requests.get(id)).filter(|r| {
+            r.finishing.is_none() && !r.cancelling && r.live.as_ref().is_some_and(|l| l.consumed >= r.prompt_len)
+        })
+    }
+
+    /// The decoders a step batches: [`Self::decoding`] requests that are not held.
     fn decoders(&self) -> usize {
-        self.running
-            .iter()
-            .filter_map(|id| self.requests.get(id))
-            .filter(|r| {
-                r.finishing.is_none()
-                    && !r.cancelling
-                    && !r.held
-                    && r.live.as_ref().is_some_and(|l| l.consumed >= r.prompt_len)
-            })
-            .count()
+        self.decoding().filter(|r| !r.held).count()
     }
 
     /// Whether this step may device-feed decoders, and whether it decodes at all. Decoders move
@@ -936,23 +933,21 @@ impl Scheduler {
     /// Held requests count for that choice but not for lockstep: they are left out until
     /// resumed, and must not stop the decoders that are ready.
     fn decode_plan(&self) -> (bool, bool) {
-        let decoding = || {
-            self.running.iter().filter_map(|id| self.requests.get(id)).filter(|r| {
-                r.finishing.is_none() && !r.cancelling && r.live.as_ref().is_some_and(|l| l.consumed >= r.prompt_len)
-            })
-        };
         // A verify row in flight leaves its request's consumed count open until it lands: its
         // next input needs the host, and so (lockstep) does everybody's.
-        let verifying = decoding().any(|r| r.speculation.as_ref().is_some_and(|s| s.in_flight.is_some()));
+        let verifying = self.decoding().any(|r| r.speculation.as_ref().is_some_and(|s| s.in_flight.is_some()));
         // Proposals follow the pending token, so a decoder that would get some is fed from the
         // host: speculation, while it pays at this batch's cost, takes the place of the second
         // step in flight.
         let cost = self.batch_cost(self.decoders());
         let device_fed = self.config.device_fed_decode
             && !verifying
-            && !decoding().any(|r| r.spec.needs_host_feedback || r.speculation.as_ref().is_some_and(|s| s.pays(cost)));
+            && !self
+                .decoding()
+                .any(|r| r.spec.needs_host_feedback || r.speculation.as_ref().is_some_and(|s| s.pays(cost)));
         let limit = if device_fed { 2 } else { 1 };
-        let lockstep = !decoding().any(|r| !r.held && r.live.as_ref().is_some_and(|l| l.samples_in_flight >= limit));
+        let lockstep =
+            !self.decoding().any(|r| !r.held && r.live.as_ref().is_some_and(|l| l.samples_in_flight >= limit));
         (device_fed, lockstep)
     }
 
