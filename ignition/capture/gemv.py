@@ -85,6 +85,10 @@ CANDIDATES: tuple[GemvConfig, ...] = tuple(
 CANDIDATES += tuple(
     GemvConfig(n, 256, 4, wide, split=s) for n, wide in ((4, True), (8, True), (16, False), (32, False)) for s in (2, 4)
 )
+# Tensor-core tiles over K slices: the one kernel whose K loop Triton software-pipelines, with a
+# program per SM even for a weight of 2,048 rows, and the same weight read for every row count
+# up to DOT_ROWS (the decode buckets of a batch cost what one row costs).
+CANDIDATES += tuple(GemvConfig(n, k, 4, dot=True, split=s) for n in (16, 32, 64) for k in (128, 256) for s in (2, 4))
 # Activation rows per tensor-core group (the MMA's row tile; rows past M are zeros).
 DOT_ROWS = 16
 # The norm prologues (`rownorm` defines them): Llama's RMSNorm, and Qwen3.5's zero-centred one
@@ -201,8 +205,8 @@ def launch(
     if m == 0:
         return y
     r = residual.contiguous() if residual is not None else x
-    if cfg.split > 1 and (cfg.dot or pdl):
-        raise ValueError(f"gemv: a split configuration runs neither as a tensor-core nor as a PDL launch ({cfg})")
+    if cfg.split > 1 and pdl:
+        raise ValueError(f"gemv: a split configuration does not run as a PDL launch ({cfg})")
     partial = torch.empty(cfg.split, m, n, dtype=torch.float32, device=x.device) if cfg.split > 1 else y
     args = (
         x,
@@ -232,7 +236,8 @@ def launch(
     if pdl:
         flags.update(PDL=pdl, launch_pdl=True)
     if cfg.dot:
-        _dot_kernel()[(-(-n // cfg.block_n), -(-m // DOT_ROWS))](*args, BLOCK_M=DOT_ROWS, **flags)
+        grid = (-(-n // cfg.block_n), -(-m // DOT_ROWS), cfg.split)
+        _dot_kernel()[grid](*args, partial, BLOCK_M=DOT_ROWS, SPLIT=cfg.split, **flags)
     else:
         rows = min(m, MAX_GROUP_ROWS)
         grid = (-(-n // cfg.block_n), -(-m // rows), cfg.split)

@@ -337,6 +337,7 @@ def flare_gemv_dot(
     stride_r,
     stride_y,
     eps,
+    P,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -345,13 +346,16 @@ def flare_gemv_dot(
     BIAS: tl.constexpr,
     RESIDUAL: tl.constexpr,
     PDL: tl.constexpr = 0,
+    SPLIT: tl.constexpr = 1,
 ):
     """The tensor-core variant: program (n, g) multiplies activation rows [g*BLOCK_M, +BLOCK_M)
     (rows past M are zeros) by weight rows [n*BLOCK_N, +BLOCK_N) with `tl.dot`. A row's result
     does not depend on the other rows' values (an MMA reduces each output element on its own)
     and every bucket launches the same BLOCK_M, so buckets agree bitwise here too. PDL > 0:
     waits for the previous kernel first (no prefetch here) and lets the next launch after the
-    loop."""
+    loop. SPLIT > 1: program (n, g, s) covers K slice s only (BLOCK_K-aligned, as `flare_gemv`'s)
+    and stores its float32 sums to P [SPLIT, M, N] for `flare_gemv_reduce`: a weight with few
+    rows then still has a program per SM, and its loop is the pipelined tensor-core one."""
     if PDL > 0:
         gdc_wait()
     pid_n = tl.program_id(0)
@@ -371,7 +375,13 @@ def flare_gemv_dot(
             ss += xs * xs
         rstd = 1.0 / tl.sqrt(tl.sum(ss, 1) / K + eps)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_first = 0
+    k_end = K
+    if SPLIT > 1:
+        span = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
+        k_first = tl.program_id(2) * span
+        k_end = tl.minimum(K, k_first + span)
+    for k0 in range(k_first, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         xm = rmask[:, None] & (ks < K)[None, :]
         if GLU:
@@ -390,12 +400,16 @@ def flare_gemv_dot(
         acc = tl.dot(h.to(w.dtype), tl.trans(w), acc)
     if PDL > 0:
         gdc_launch_dependents()
-    y = acc
-    if BIAS:
-        y += tl.load(B + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    y = y.to(dt)
-    out_mask = rmask[:, None] & nmask[None, :]
-    if RESIDUAL:
-        r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=out_mask, other=0.0)
-        y = (r.to(tl.float32) + y.to(tl.float32)).to(dt)
-    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y, mask=out_mask)
+    if SPLIT > 1:  # slice s's sums: P[s, rows, cols] (rows past M store nothing)
+        P += tl.program_id(2).to(tl.int64) * M * N
+        tl.store(P + rows[:, None] * N + cols[None, :], acc, mask=rmask[:, None] & nmask[None, :])
+    else:
+        y = acc
+        if BIAS:
+            y += tl.load(B + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        y = y.to(dt)
+        out_mask = rmask[:, None] & nmask[None, :]
+        if RESIDUAL:
+            r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=out_mask, other=0.0)
+            y = (r.to(tl.float32) + y.to(tl.float32)).to(dt)
+        tl.store(Y + rows[:, None] * stride_y + cols[None, :], y, mask=out_mask)

@@ -43,6 +43,8 @@ for cfg, variants, counts in (
     # K = 300 in 3 slices of 128, 128 and 44 (the last partial); 2 slices, wide accumulators.
     (GemvConfig(8, 64, 4, split=3), ("plain", "norm+bias+res", "glu+res", "zc+res"), (1, MAX_GROUP_ROWS + 3)),
     (GemvConfig(16, 64, 2, wide=True, split=2), ("norm+bias+res",), (3,)),
+    # The tensor-core kernel over 3 slices (the last partial), past one row tile.
+    (GemvConfig(16, 64, 4, dot=True, split=3), ("plain", "norm+bias+res", "glu+res", "zc+res"), (1, DOT_ROWS + 2)),
 ):
     for variant in variants:
         w = torch.randn(n, k, generator=gen) * 0.05
