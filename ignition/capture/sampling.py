@@ -1,7 +1,7 @@
 """The sampling step inside every sampling graph: penalties, grammar mask, temperature, top-k,
 top-p, min-p, and a counter-based draw. `sample` is the definition, in plain torch ops (Inductor
 compiles it; CPU runs use it); `flare::sample` (`Sampler` with the kernel on, `--sampler kernel`)
-makes the same decisions in one Triton kernel per row (`sampling_triton`).
+makes the same decisions in three Triton kernels (`sampling_triton`).
 
 Invariants:
 - No sort and no generator: top-k and top-p thresholds are found by an exact search over the bit
@@ -147,6 +147,9 @@ def sample(
 # block at a time (a 2,048-entry block of float32 is 8 KiB in flight per pass).
 KERNEL_BLOCK = 2048
 KERNEL_WARPS = 8
+# Entries per program of the first two passes (a multiple of the block): a 49,152-entry row runs
+# on 12 programs where one program read it all (46 us of a ~1B decode step, 2026-12-06).
+KERNEL_CHUNK = 4096
 # Top-p misses the kernel climbs past before it bisects for the nucleus threshold.
 CLIMBS = 3
 
@@ -156,6 +159,20 @@ def _kernel() -> Any:  # a triton.JITFunction (Triton ships no type information)
     from ignition.capture.sampling_triton import flare_sample
 
     return flare_sample
+
+
+@functools.cache
+def _max_kernel() -> Any:
+    from ignition.capture.sampling_triton import flare_sample_max
+
+    return flare_sample_max
+
+
+@functools.cache
+def _weights_kernel() -> Any:
+    from ignition.capture.sampling_triton import flare_sample_weights
+
+    return flare_sample_weights
 
 
 def launch(
@@ -174,11 +191,15 @@ def launch(
     grammar: torch.Tensor | None,
     block: int = KERNEL_BLOCK,
     climbs: int = CLIMBS,
+    chunk: int = KERNEL_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What `flare::sample` runs: `sample` over `histogram[hist_rows]` without gathering it.
-    One program per row; a row's scratch (`[B, V]` float32) holds its unnormalized weights, and
-    a `[B, V]` int32 one the ids a top-k row's later passes read.
-    `block` and `climbs` change the passes, never the token (the tests vary them)."""
+    Three launches: the first two passes over `chunk`-entry chunks of every row, then one
+    program per row; a row's scratch (`[B, V]` float32) holds its unnormalized weights, and a
+    `[B, V]` int32 one the ids a top-k row's later passes read.
+    `block`, `climbs` and `chunk` change the passes, never the token (the tests vary them)."""
+    if chunk <= 0 or chunk % block:
+        raise ValueError(f"sample: chunk {chunk} is not a positive multiple of the block {block}")
     b, v = logits.shape
     if histogram.dim() != 2 or histogram.shape[1] != v or histogram.stride(1) != 1:
         raise ValueError(f"sample: histogram {tuple(histogram.shape)} does not match logits {tuple(logits.shape)}")
@@ -196,40 +217,37 @@ def launch(
     def f32(t: torch.Tensor) -> torch.Tensor:
         return t.to(torch.float32).contiguous()
 
-    _kernel()[(b,)](
-        logits,
-        histogram,
-        hist_rows.to(torch.int64).contiguous(),
-        words,
-        f32(temperature),
-        top_k.to(torch.int32).contiguous(),
-        f32(top_p),
-        f32(min_p),
-        f32(repetition),
-        f32(presence),
-        f32(frequency),
-        seed.to(torch.int64).contiguous(),
-        counter.to(torch.int64).contiguous(),
-        scratch,
-        candidates,
-        tok,
-        allowed,
-        v,
-        logits.stride(0),
-        histogram.stride(0),
-        words.stride(0),
-        scratch.stride(0),
-        HAS_GRAMMAR=grammar is not None,
-        BLOCK=block,
-        CLIMBS=climbs,
-        num_warps=KERNEL_WARPS,
+    chunks = -(-v // chunk)
+    smax = max(2, 1 << (chunks - 1).bit_length())
+    # Per (row, chunk): pass 1's any-allowed and maxima, pass 2's max weight and best score
+    # (float32, 8 slots), the best's id, and a top-k row's 256-bin histogram.
+    stats = torch.empty(b, chunks, 8, dtype=torch.float32, device=logits.device)
+    wins = torch.empty(b, chunks, dtype=torch.int32, device=logits.device)
+    counts = torch.empty(b, chunks, 256, dtype=torch.int32, device=logits.device)
+    rows = hist_rows.to(torch.int64).contiguous()
+    temp, top_k32 = f32(temperature), top_k.to(torch.int32).contiguous()
+    tp, mp = f32(top_p), f32(min_p)
+    rep, pres, freq = f32(repetition), f32(presence), f32(frequency)
+    seeds, counters = seed.to(torch.int64).contiguous(), counter.to(torch.int64).contiguous()
+    strides = (logits.stride(0), histogram.stride(0), words.stride(0))
+    flags = {"HAS_GRAMMAR": grammar is not None, "BLOCK": block, "num_warps": KERNEL_WARPS}
+    _max_kernel()[(b, chunks)](
+        logits, histogram, rows, words, temp, rep, pres, freq, stats, v, *strides, CHUNK=chunk, **flags
     )
+    _weights_kernel()[(b, chunks)](
+        logits, histogram, rows, words, temp, top_k32, tp, mp, rep, pres, freq, seeds, counters, scratch, stats,
+        wins, counts, v, *strides, scratch.stride(0), CHUNK=chunk, SMAX=smax, **flags,
+    )  # fmt: skip
+    _kernel()[(b,)](
+        top_k32, tp, mp, seeds, counters, scratch, candidates, tok, allowed, stats, wins, counts, v, chunks,
+        scratch.stride(0), SMAX=smax, BLOCK=block, CLIMBS=climbs, num_warps=KERNEL_WARPS,
+    )  # fmt: skip
     return tok, allowed
 
 
 @functools.cache
 def sample_op() -> CustomOpDef:
-    """`flare::sample`: the sampler as one opaque op (one kernel instead of ~19)."""
+    """`flare::sample`: the sampler as one opaque op (three kernels instead of ~19)."""
     from torch.library import custom_op
 
     @custom_op("flare::sample", mutates_args=())

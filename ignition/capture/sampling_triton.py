@@ -14,7 +14,10 @@ least min_p * max e, and e > 0; the token is argmax over kept i of e_i / E_i, E_
 u_i hashing (seed, counter, i) as `sampling.uniform` does. Dividing every e by their sum would
 not change any of these decisions, so no pass normalizes.
 
-How (per row, `BLOCK` entries at a time):
+How (per row, `BLOCK` entries at a time). Passes 1 and 2 run as programs over `CHUNK`-entry
+chunks of the row (`flare_sample_max`, `flare_sample_weights`: a row fills as many SMs as it has
+chunks instead of one), and `flare_sample`, one program per row, combines what they found (maxima,
+integer counts and a first-best: exact whatever the order) and runs the rest:
 1. logits -> whether the grammar allows anything, the max over allowed entries (or over all when
    none is: that row is reported, not sampled);
 2. logits -> e, stored in the row's scratch; its max; the top byte histogram of e's bit patterns
@@ -130,7 +133,88 @@ def _mass_from(e_ptr, cand_ptr, n, use_cand, lo, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def flare_sample(
+def _row_key(seed_ptr, counter_ptr, r):
+    """The row's draw key: `sampling.uniform`'s hash of (seed, counter)."""
+    seed = tl.load(seed_ptr + r)
+    counter = tl.load(counter_ptr + r)
+    c = _mix32(counter.to(tl.uint32) + 0x9E3779B9)
+    c = _mix32((counter >> 32).to(tl.uint32) ^ c)
+    return _mix32((seed >> 32).to(tl.uint32) ^ _mix32(seed.to(tl.uint32) ^ c))
+
+
+@triton.jit
+def _is_plain(topk_ptr, topp_ptr, minp_ptr, r, V):
+    """The row's top-k (0 when off) and whether it asks for no filter at all."""
+    top_k = tl.load(topk_ptr + r).to(tl.int32)
+    top_k = tl.where((top_k <= 0) | (top_k >= V), 0, top_k)
+    plain = (top_k == 0) & (tl.load(topp_ptr + r) >= 1.0) & (tl.load(minp_ptr + r) <= 0.0)
+    return top_k, plain
+
+
+@triton.jit
+def flare_sample_max(
+    logits_ptr,
+    hist_ptr,
+    hist_rows_ptr,
+    grammar_ptr,
+    temp_ptr,
+    rep_ptr,
+    pres_ptr,
+    freq_ptr,
+    stats_ptr,
+    V,
+    logits_stride,
+    hist_stride,
+    grammar_stride,
+    CHUNK: tl.constexpr,
+    HAS_GRAMMAR: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program (r, c), pass 1 over entries [c*CHUNK, +CHUNK) of row r: whether any is allowed,
+    the max over the allowed ones and over all of them (penalized, over temperature), to
+    stats[r, c, 0:3]. Maxima are exact in any order, so the chunks' combine equals one pass."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    logits_ptr += r * logits_stride
+    hist_ptr += tl.load(hist_rows_ptr + r) * hist_stride
+    grammar_ptr += r * grammar_stride
+    temp = tl.load(temp_ptr + r)
+    rep = tl.load(rep_ptr + r)
+    pres = tl.load(pres_ptr + r)
+    freq = tl.load(freq_ptr + r)
+    penalized = (rep != 1.0) | (pres != 0.0) | (freq != 0.0)
+    allowed_v = tl.zeros([BLOCK], tl.int32)
+    m_allowed_v = tl.full([BLOCK], float("-inf"), tl.float32)
+    m_all_v = tl.full([BLOCK], float("-inf"), tl.float32)
+    for start in range(c * CHUNK, tl.minimum(V, c * CHUNK + CHUNK), BLOCK):
+        idx = start + offs
+        valid = idx < V
+        x, allow = _logits_block(logits_ptr, hist_ptr, grammar_ptr, idx, valid, rep, pres, freq, penalized, HAS_GRAMMAR)
+        x = x / temp
+        allowed_v = tl.maximum(allowed_v, allow.to(tl.int32))
+        m_allowed_v = tl.maximum(m_allowed_v, tl.where(allow, x, float("-inf")))
+        m_all_v = tl.maximum(m_all_v, tl.where(valid, x, float("-inf")))
+    out = stats_ptr + (r * tl.num_programs(1) + c) * 8
+    tl.store(out, tl.max(allowed_v, 0).to(tl.float32))
+    tl.store(out + 1, tl.max(m_allowed_v, 0))
+    tl.store(out + 2, tl.max(m_all_v, 0))
+
+
+@triton.jit
+def _row_max(stats_ptr, r, S, SMAX: tl.constexpr):
+    """The row's pass-1 result from its chunks: (any allowed, the max its weights subtract)."""
+    cs = tl.arange(0, SMAX)
+    row = stats_ptr + (r * S + cs) * 8
+    live = cs < S
+    any_allowed = tl.max(tl.load(row, mask=live, other=0.0), 0)
+    m_allowed = tl.max(tl.load(row + 1, mask=live, other=float("-inf")), 0)
+    m_all = tl.max(tl.load(row + 2, mask=live, other=float("-inf")), 0)
+    return any_allowed > 0.0, tl.where(any_allowed > 0.0, m_allowed, m_all)
+
+
+@triton.jit
+def flare_sample_weights(
     logits_ptr,
     hist_ptr,
     hist_rows_ptr,
@@ -145,68 +229,49 @@ def flare_sample(
     seed_ptr,
     counter_ptr,
     e_ptr,
-    cand_ptr,
-    tok_ptr,
-    allowed_ptr,
+    stats_ptr,
+    wins_ptr,
+    counts_ptr,
     V,
     logits_stride,
     hist_stride,
     grammar_stride,
     e_stride,
+    CHUNK: tl.constexpr,
+    SMAX: tl.constexpr,
     HAS_GRAMMAR: tl.constexpr,
     BLOCK: tl.constexpr,
-    CLIMBS: tl.constexpr,
 ):
+    """Program (r, c), pass 2 over the same chunk: e = exp(x - max) with the row's max from every
+    chunk's stats; its max to stats[r, c, 3]; for a plain row the chunk's best race score to
+    stats[r, c, 4] and its first id to wins[r, c]; for any other row e to its scratch and, with
+    top-k > 1, the chunk's top-byte histogram to counts[r, c]. Each value is what the one-program
+    pass computes for those entries: the same float operations, entry by entry."""
     r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    S = tl.num_programs(1)
     offs = tl.arange(0, BLOCK)
     logits_ptr += r * logits_stride
     hist_ptr += tl.load(hist_rows_ptr + r) * hist_stride
     grammar_ptr += r * grammar_stride
     e_ptr += r * e_stride
-    cand_ptr += r * e_stride  # [B, V] int32, laid out as the weights' scratch
     temp = tl.load(temp_ptr + r)
     rep = tl.load(rep_ptr + r)
     pres = tl.load(pres_ptr + r)
     freq = tl.load(freq_ptr + r)
     penalized = (rep != 1.0) | (pres != 0.0) | (freq != 0.0)
-    top_k = tl.load(topk_ptr + r).to(tl.int32)
-    top_k = tl.where((top_k <= 0) | (top_k >= V), 0, top_k)
-    top_p = tl.load(topp_ptr + r)
-    min_p = tl.load(minp_ptr + r)
-    plain = (top_k == 0) & (top_p >= 1.0) & (min_p <= 0.0)
-    seed = tl.load(seed_ptr + r)
-    counter = tl.load(counter_ptr + r)
-    c = _mix32(counter.to(tl.uint32) + 0x9E3779B9)
-    c = _mix32((counter >> 32).to(tl.uint32) ^ c)
-    key = _mix32((seed >> 32).to(tl.uint32) ^ _mix32(seed.to(tl.uint32) ^ c))
-
-    # 1. Whether anything is allowed; the max over allowed entries and over all of them. Every
-    # pass keeps running per-lane values and reduces across lanes once, after its last block.
-    allowed_v = tl.zeros([BLOCK], tl.int32)
-    m_allowed_v = tl.full([BLOCK], float("-inf"), tl.float32)
-    m_all_v = tl.full([BLOCK], float("-inf"), tl.float32)
-    for start in range(0, V, BLOCK):
-        idx = start + offs
-        valid = idx < V
-        x, allow = _logits_block(logits_ptr, hist_ptr, grammar_ptr, idx, valid, rep, pres, freq, penalized, HAS_GRAMMAR)
-        x = x / temp
-        allowed_v = tl.maximum(allowed_v, allow.to(tl.int32))
-        m_allowed_v = tl.maximum(m_allowed_v, tl.where(allow, x, float("-inf")))
-        m_all_v = tl.maximum(m_all_v, tl.where(valid, x, float("-inf")))
-    any_allowed = tl.max(allowed_v, 0)
-    tl.store(allowed_ptr + r, any_allowed > 0)
-    m = tl.where(any_allowed > 0, tl.max(m_allowed_v, 0), tl.max(m_all_v, 0))
-
-    # 2. e = exp(x - max), its max and top-byte histogram; a row without filters draws here.
+    top_k, plain = _is_plain(topk_ptr, topp_ptr, minp_ptr, r, V)
+    key = _row_key(seed_ptr, counter_ptr, r)
+    any_allowed, m = _row_max(stats_ptr, r, S, SMAX)
     e_max_v = tl.zeros([BLOCK], tl.float32)
     counts = tl.zeros((256,), tl.int32)
     best_v = tl.full([BLOCK], -1.0, tl.float32)
     win_v = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, V, BLOCK):
+    for start in range(c * CHUNK, tl.minimum(V, c * CHUNK + CHUNK), BLOCK):
         idx = start + offs
         valid = idx < V
         x, allow = _logits_block(logits_ptr, hist_ptr, grammar_ptr, idx, valid, rep, pres, freq, penalized, HAS_GRAMMAR)
-        allow = allow | (valid & (any_allowed == 0))
+        allow = allow | (valid & (not any_allowed))
         e = tl.where(allow, tl.exp(x / temp - m), 0.0)
         e_max_v = tl.maximum(e_max_v, e)
         if plain:
@@ -218,10 +283,65 @@ def flare_sample(
             tl.store(e_ptr + idx, e, mask=valid)
             if top_k > 1:
                 counts += tl.histogram(e.to(tl.int32, bitcast=True) >> 24, 256, mask=valid)
-    e_max = tl.max(e_max_v, 0)
+    out = stats_ptr + (r * S + c) * 8
+    tl.store(out + 3, tl.max(e_max_v, 0))
+    if plain:
+        best, win = _first_best(best_v, win_v, V)
+        tl.store(out + 4, best)
+        tl.store(wins_ptr + r * S + c, win)
+    elif top_k > 1:
+        tl.store(counts_ptr + (r * S + c) * 256 + tl.arange(0, 256), counts)
+
+
+@triton.jit
+def flare_sample(
+    topk_ptr,
+    topp_ptr,
+    minp_ptr,
+    seed_ptr,
+    counter_ptr,
+    e_ptr,
+    cand_ptr,
+    tok_ptr,
+    allowed_ptr,
+    stats_ptr,
+    wins_ptr,
+    counts_ptr,
+    V,
+    S,
+    e_stride,
+    SMAX: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CLIMBS: tl.constexpr,
+):
+    """Program r, after `flare_sample_max` and `flare_sample_weights` over row r's S chunks:
+    their results combined (maxima and integer counts: exact in any order; the plain row's
+    draw: the highest chunk score, lowest id on ties, as one pass's lanes reduce), then the
+    filters over the row's scratch."""
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    e_ptr += r * e_stride
+    cand_ptr += r * e_stride  # [B, V] int32, laid out as the weights' scratch
+    top_k, plain = _is_plain(topk_ptr, topp_ptr, minp_ptr, r, V)
+    top_p = tl.load(topp_ptr + r)
+    min_p = tl.load(minp_ptr + r)
+    key = _row_key(seed_ptr, counter_ptr, r)
+    any_allowed, _ = _row_max(stats_ptr, r, S, SMAX)
+    tl.store(allowed_ptr + r, any_allowed)
+    cs = tl.arange(0, SMAX)
+    live = cs < S
+    row = stats_ptr + (r * S + cs) * 8
+    e_max = tl.max(tl.load(row + 3, mask=live, other=0.0), 0)
     win = tl.full([], 0, tl.int32)
-    if plain:  # only a plain row drew here
-        _, win = _first_best(best_v, win_v, V)
+    if plain:  # only a plain row drew in pass 2
+        best = tl.max(tl.load(row + 4, mask=live, other=-2.0), 0)
+        wins = tl.load(wins_ptr + r * S + cs, mask=live, other=V)
+        chunk_best = tl.load(row + 4, mask=live, other=-2.0)
+        win = tl.min(tl.where(chunk_best == best, wins, V), 0)
+    counts = tl.zeros((256,), tl.int32)
+    if top_k > 1:
+        for ci in range(0, S):
+            counts += tl.load(counts_ptr + (r * S + ci) * 256 + tl.arange(0, 256))
     if not plain:
         tl.debug_barrier()
         # 3. Top-k threshold: the k-th largest bit pattern, one byte per pass. The second pass

@@ -2,7 +2,7 @@
 torch definition (`ignition.capture.sampling.sample`): random logits (float32 and bfloat16) with
 every filter, penalty and grammar mix, ties at the top-k threshold, fully masked rows, the top-p
 climb and its bisection, the histogram rows given by index. Also checks that a row's token does
-not depend on the rows launched with it, nor on the block size or the climb limit. Prints one
+not depend on the rows launched with it, nor on the block size, the climb limit or the chunking. Prints one
 JSON line; exit 1 on a mismatch. Needs TRITON_INTERPRET=1 before Triton is imported."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from ignition.capture.sampling import CLIMBS, KERNEL_BLOCK, Sampler, launch, parameters, sample
+from ignition.capture.sampling import CLIMBS, KERNEL_BLOCK, KERNEL_CHUNK, Sampler, launch, parameters, sample
 
 gen = torch.Generator().manual_seed(0)
 mismatches: list[str] = []
@@ -46,8 +46,9 @@ def run(
     grammar: torch.Tensor | None,
     block: int = KERNEL_BLOCK,
     climbs: int = CLIMBS,
+    chunk: int = KERNEL_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return launch(logits, hist, rows, *parameters(p), grammar, block=block, climbs=climbs)
+    return launch(logits, hist, rows, *parameters(p), grammar, block=block, climbs=climbs, chunk=chunk)
 
 
 def check(name: str, logits: torch.Tensor, p: dict[str, torch.Tensor], grammar: torch.Tensor | None) -> None:
@@ -63,11 +64,17 @@ def check(name: str, logits: torch.Tensor, p: dict[str, torch.Tensor], grammar: 
     if not (torch.equal(got, want) and torch.equal(ok, want_ok)):
         bad = (got != want).nonzero().flatten().tolist()
         mismatches.append(f"{name}: rows {bad} got {got[bad].tolist()} want {want[bad].tolist()}")
-    # The same rows alone, reversed, with another block size and climb limit: the same tokens.
-    for block, climbs in ((512, CLIMBS), (KERNEL_BLOCK, 0), (KERNEL_BLOCK, 1), (1024, 64)):
-        alt, _ = run(logits, hist, rows, p, grammar, block, climbs)
+    # The same rows alone, reversed, with another block size, climb limit and chunking (one
+    # chunk for the whole row, many, and a last partial one): the same tokens.
+    for block, climbs, chunk in (
+        (512, CLIMBS, 512),
+        (KERNEL_BLOCK, 0, 8192),
+        (KERNEL_BLOCK, 1, 2048),
+        (1024, 64, 3072),
+    ):
+        alt, _ = run(logits, hist, rows, p, grammar, block, climbs, chunk)
         if not torch.equal(alt, got):
-            mismatches.append(f"{name}: block {block}, climbs {climbs} changed the tokens")
+            mismatches.append(f"{name}: block {block}, climbs {climbs}, chunk {chunk} changed the tokens")
     flip = torch.arange(b - 1, -1, -1)
     sub = {key: t[flip] for key, t in p.items()}
     alone, _ = run(logits[flip], hist, rows[flip], sub, grammar[flip] if grammar is not None else None)
