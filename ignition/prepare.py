@@ -521,6 +521,69 @@ def _lanes_against_decode(runner: Any, gen: dict[str, Any]) -> dict[str, Any]:
     return {"graph": g.name, "lanes": lanes, "record": rec[0][: runner.header_words + 2], "live_row_bitwise": live_row}
 
 
+def _batched_against_alone(runner: Any, gen: dict[str, Any]) -> dict[str, Any]:
+    """One request's step in every decode bucket and speculative program, batched behind other
+    requests (other prompts, other states, the earlier slots), against the same step alone in
+    the smallest decode bucket: its hidden vector bitwise (and the largest difference), per
+    graph. The serving loop batches whatever requests are running, so a request's tokens equal
+    its solo run, and speculation's with top_k = 1 equal decoding's, only where this holds."""
+    import torch
+
+    from ignition.capture.runner import Row, Sampling
+    from ignition.core.stepping import admit
+
+    p = runner.p
+    geo = p.geo
+    state = (p.kv_all, p.rows, p.hist, p.pending)
+    prompt, toks, seed = gen["prompt_ids"], gen["tokens"], gen["seed"]
+    s = Sampling(**gen.get("params", {}))
+    most = max(g.request_count for g in [*runner.decode, *runner.verify])
+    per = -(-(len(prompt) + 16) // runner.page_tokens)
+    requests = []  # (live row, pages, start, first token); the checked request last
+    for k in range(most):
+        # The neighbours' prompts: the request's rotated (same length, other tokens and states).
+        own = prompt if k == most - 1 else prompt[k + 1 :] + prompt[: k + 1]
+        live, pages = geo.live_row(k), list(range(k * per, (k + 1) * per))
+        first = admit(runner, live, pages, own, seed + k, s)
+        requests.append((live, pages, len(own), toks[0] if k == most - 1 else first))
+    saved = [t.clone() for t in state]
+
+    def restore() -> None:
+        for t, v in zip(state, saved, strict=True):
+            t.copy_(v)
+
+    def row(k: int, lanes: int) -> Row:
+        live, pages, start, first = requests[k]
+        tokens = toks[:lanes] if k == most - 1 else [first] * lanes
+        return Row(live, pages, start, tokens, (seed + k, 1), s)
+
+    alone = []
+    for i in range(2):  # the request's next two steps alone (the speculative lanes' references)
+        h, _ = runner.replay(
+            runner.decode_graph(1),
+            [Row(*requests[-1][:2], requests[-1][2] + i, [toks[i]], (seed + most - 1, 1 + i), s)],
+        )
+        alone.append(h[0].float())
+    restore()
+    out: dict[str, Any] = {}
+    for g in runner.decode[1:]:
+        b = g.request_count
+        h, _ = runner.replay(g, [row(k, 1) for k in range(most - b, most)])
+        hv = h[b - 1].float()
+        out[g.name] = {"bitwise": bool(torch.equal(hv, alone[0])), "max_abs_diff": float((hv - alone[0]).abs().max())}
+        restore()
+    for g in runner.verify:
+        b, w = g.request_count, g.proposal_depth + 1
+        h, _ = runner.replay(g, [row(k, 2) for k in range(most - b, most)])
+        lanes = [h[(b - 1) * w + i].float() for i in range(2)]
+        out[g.name] = {
+            "bitwise": all(bool(torch.equal(a, c)) for a, c in zip(lanes, alone, strict=True)),
+            "max_abs_diff": max(float((a - c).abs().max()) for a, c in zip(lanes, alone, strict=True)),
+        }
+        restore()
+    return {"graphs": out, "all_bitwise": all(v["bitwise"] for v in out.values())}
+
+
 def _torch_dtype(name: str) -> Any:
     import torch
 
@@ -567,6 +630,9 @@ def _check(
             note(f"device-fed decode identical to host-fed: {report['device_fed_identical']}")
             if runner.verify:
                 report["speculative"] = _speculative_check(runner, gens)
+            if len(runner.decode) > 1 or runner.verify:
+                report["batched_against_alone"] = _batched_against_alone(runner, gens[0])
+                note(f"a request batched behind others, bitwise its step alone: {report['batched_against_alone']}")
             (work / "reference_generations.json").write_text(json.dumps(gens) + "\n")
     with phase("exactness: snapshot and restore, a reused row, split against whole prefill"):
         from ignition.capture.exactness import check as exactness

@@ -5,7 +5,8 @@ Inductor's emulated precision casts and its split reductions; then the tiny hybr
 columns, the commit op), compiled with the kernels, with GEMM templates and `flare::gemv`.
 Prints one JSON line per case: whether the tokens are identical, the rounds taken with right
 proposals, and each lane's hidden vector (and the live row) against the decode step's
-(`ignition.prepare._lanes_against_decode`).
+(`ignition.prepare._lanes_against_decode`), and the same step batched behind other requests in
+every bucket and program against it alone (`_batched_against_alone`).
 
     python3 qualification/speculative_diag.py [--device cpu] [--cases all|llama|hybrid]
 
@@ -167,7 +168,7 @@ def _case(prog: Program, compiled: bool, res: dict[str, Any]) -> None:
 
     from ignition.capture.runner import GraphRunner, Sampling
     from ignition.core.stepping import replaying
-    from ignition.prepare import _lanes_against_decode
+    from ignition.prepare import _batched_against_alone, _lanes_against_decode
 
     for spec in prog.graphs:
         fn = prog.method(spec)
@@ -186,6 +187,7 @@ def _case(prog: Program, compiled: bool, res: dict[str, Any]) -> None:
         res[name] = {"identical": got == want, "rounds": steps, "first_difference": first}
     gen = {"prompt_ids": prompt, "tokens": want, "seed": 21, "params": vars(Sampling(top_k=1))}
     res["lanes"] = _lanes_against_decode(runner, gen)
+    res["batched"] = _batched_against_alone(runner, gen)
     res["s"] = round(time.time() - t0, 1)
     print(json.dumps(res), flush=True)
 

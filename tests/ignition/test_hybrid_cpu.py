@@ -283,11 +283,12 @@ def test_speculative_generation_equals_ordinary_generation(tmp_path: Path) -> No
     """The hybrid's speculative programs (eager): each slot owns one row per lane (W = 4), and
     generation through them equals ordinary generation whether the proposals are right, one in
     three wrong, empty or garbage, host-fed or device-fed, on any slot; prepare's speculative
-    check passes (lanes and the committed live row bitwise the decode steps')."""
+    check passes (lanes and the committed live row bitwise the decode steps'), and a request
+    batched behind others (their own GDN rows) is bitwise its step alone."""
     require_torch()
     from ignition.capture.runner import GraphRunner, Sampling
     from ignition.core.stepping import replaying
-    from ignition.prepare import _speculative_check
+    from ignition.prepare import _batched_against_alone, _speculative_check
 
     _checkpoint(tmp_path)
     _, prog = _program(tmp_path, speculative=((1, 3), (4, 3)))
@@ -316,6 +317,8 @@ def test_speculative_generation_equals_ordinary_generation(tmp_path: Path) -> No
     assert report["identical"] == "1/1" and report["depth"] == 3, report
     lanes = report["lanes_against_decode"]
     assert all(lane["bitwise"] for lane in lanes["lanes"]) and lanes["live_row_bitwise"], report
+    batched = _batched_against_alone(runner, gens[0])
+    assert batched["all_bitwise"] and len(batched["graphs"]) >= 2, batched
 
 
 def test_a_round_leaves_the_state_two_decode_steps_leave(tmp_path: Path) -> None:

@@ -178,14 +178,15 @@ def test_a_speculative_depth_outside_the_plan_is_refused(depth: int) -> None:
 
 def test_the_replay_check_inputs_and_the_prepare_check_run_the_programs(tmp_path: Path) -> None:
     """`Program.set_inputs` (the GPU replay checks' inputs) gives each speculative program a valid
-    round: real requests sample and store their pending token, the padded one does not; and
-    prepare's speculative check passes over eager steps."""
+    round: real requests sample and store their pending token, the padded one does not;
+    prepare's speculative check passes over eager steps; and a request batched behind others in
+    every decode bucket and program is bitwise its step alone."""
     require_torch()
     import torch
 
     from ignition.capture.paged import FLAG_SAMPLED, HEADER_WORDS
     from ignition.capture.runner import GraphRunner
-    from ignition.prepare import _speculative_check
+    from ignition.prepare import _batched_against_alone, _speculative_check
 
     _checkpoint(tmp_path, TINY)
     prog = _program(tmp_path, [(1, 3), (4, 3)])
@@ -212,6 +213,8 @@ def test_the_replay_check_inputs_and_the_prepare_check_run_the_programs(tmp_path
     assert all(lane["bitwise"] for lane in report["lanes_against_decode"]["lanes"]), report
     assert report["lanes_against_decode"]["live_row_bitwise"], report
     assert report["decode_rounds"]["right"] < report["decode_rounds"]["one_in_three_wrong"] <= 8, report
+    batched = _batched_against_alone(runner, gens[0])
+    assert batched["all_bitwise"] and {"verify_b1_d3", "verify_b4_d3"} <= batched["graphs"].keys(), batched
 
 
 def test_speculative_lanes_with_the_device_kernels_equal_decoding() -> None:
