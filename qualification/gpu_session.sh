@@ -376,6 +376,10 @@ case "$STAGE" in
       timeout 120 /tmp/core_workload /tmp/q35specbw > "$OUT/core_workload.json"; echo "core_workload rc=$?"
       timeout 120 /tmp/core_workload /tmp/q35specbw --pages 48 > "$OUT/core_workload_pressure.json"
       echo "core_workload --pages 48 rc=$?"; head -c 600 "$OUT/core_workload_pressure.json"; echo
+      # Preemption and readmission: 600-token answers in 25 pages of 64 tokens (four admitted
+      # prompts outgrow it mid-decode; the 48-page run only evicts checkpoints).
+      timeout 240 /tmp/core_workload /tmp/q35specbw --pages 25 --max-output 600 > "$OUT/core_workload_preempt.json"
+      echo "core_workload --pages 25 --max-output 600 rc=$?"; head -c 600 "$OUT/core_workload_preempt.json"; echo
       timing_unlock
     fi ;;
   q35-spec)  # issue 21 (bg): the Qwen3.5 core with speculative programs (GDN state columns, W = 5 rows per slot) and

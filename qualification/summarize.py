@@ -258,6 +258,8 @@ def summarize(raw: Path, tags: str | Sequence[str] | None) -> dict[str, Any]:
             "ignition_replay.log",
             "kernel_breakdown.json",
             "core_workload.json",
+            "core_workload_pressure.json",
+            "core_workload_preempt.json",
             "hf_generate.json",
             "exactness.json",
         )
@@ -292,6 +294,12 @@ def summarize(raw: Path, tags: str | Sequence[str] | None) -> dict[str, Any]:
     if work is not None:
         keys = ("compared", "identical_to_solo_run", "prefix_hit_tokens")
         entry["lifecycle"] = {k: work[k] for k in keys if k in work}
+        # The small-pool runs: checkpoint eviction, then preemption (long outputs).
+        for name, key in (("core_workload_pressure.json", "pressure"), ("core_workload_preempt.json", "preemption")):
+            run = load(paths[name])
+            if run is not None:
+                more = ("pages", "max_output", "preemptions", "evictions", "compared", "identical_to_solo_run")
+                entry["lifecycle"][key] = {k: run[k] for k in more if k in run}
     prep = prepare_section(load(paths["prepare_report.json"]))
     if prep:
         entry["prepare"] = prep
@@ -320,10 +328,14 @@ def main() -> int:
     ap.add_argument("--commit")
     ap.add_argument("--date")
     ap.add_argument("--command", help="what ran on the device, recorded with the entry")
+    ap.add_argument(
+        "--device", help="the card the entry was measured on, where it is not the file's (e.g. NVIDIA H100 80GB HBM3)"
+    )
     ap.add_argument("--latest", type=Path, default=Path(__file__).parent / "latest.json")
     args = ap.parse_args()
     entry = summarize(args.raw, args.tag)
-    entry.update({k: v for k, v in (("commit", args.commit), ("date", args.date), ("command", args.command)) if v})
+    given = (("commit", args.commit), ("date", args.date), ("command", args.command), ("device", args.device))
+    entry.update({k: v for k, v in given if v})
     doc: dict[str, Any] = (
         json.loads(args.latest.read_text()) if args.latest.exists() else {"device": "NVIDIA H200", "models": {}}
     )

@@ -3,8 +3,10 @@
 //! runs through the serving loop over `GraphExecutor<DeviceCore>`, then every request is run
 //! again alone on the same device (one slot, nothing cached) and the tokens are compared.
 //!
-//! `core_workload CORE [--pages N] [--relocate] [--host-mib N [--disk-dir DIR]]`: `--pages` caps
-//! the scheduler's page pool below the core's (pressure, preemption); `--host-mib` adds a host
+//! `core_workload CORE [--pages N] [--max-output N] [--relocate] [--host-mib N [--disk-dir DIR]]`:
+//! `--pages` caps the scheduler's page pool below the core's (pressure: checkpoint eviction);
+//! `--max-output` gives every request that output budget (long outputs in a small pool run short
+//! of pages mid-decode: preemption and readmission); `--host-mib` adds a host
 //! tier of that size (evicted checkpoints restored from host memory, through the device's
 //! copies), `--disk-dir` a disk tier below it. Prints JSON; exits 1 on an error.
 //!
@@ -20,10 +22,16 @@ use helios_contract::RuntimeCore;
 use helios_replay::cuda::{DeviceCore, LoadOptions};
 use helios_replay::graph::GraphExecutor;
 use helios_worker::FinishCause;
-use helios_worker::workload::{Tiers, device_scenario, finish, run_alone_on, run_workload_tiered};
+use helios_worker::workload::{Tiers, device_scenario, finish, run_alone_on, run_workload_tiered, with_max_output};
 use serde_json::json;
 
-fn run(core: &str, pages: Option<u32>, relocate: bool, tiers: &Tiers) -> Result<serde_json::Value, String> {
+fn run(
+    core: &str,
+    pages: Option<u32>,
+    max_output: Option<u16>,
+    relocate: bool,
+    tiers: &Tiers,
+) -> Result<serde_json::Value, String> {
     let core = RuntimeCore::open(core).map_err(|e| e.to_string())?;
     let t0 = Instant::now();
     let dev = DeviceCore::load(&core, &LoadOptions { force_relocation: relocate, ..LoadOptions::default() })
@@ -39,8 +47,9 @@ fn run(core: &str, pages: Option<u32>, relocate: bool, tiers: &Tiers) -> Result<
     let mut executor = GraphExecutor::new(&m, dev).map_err(|e| e.to_string())?;
     let slots = caps.request_slots.max(1);
     let t1 = Instant::now();
-    let report = run_workload_tiered(&mut executor, &scheme, &caps, slots, &eos, tiers, &device_scenario())
-        .map_err(|e| e.to_string())?;
+    let actions = max_output.map_or_else(device_scenario, |n| with_max_output(&device_scenario(), n));
+    let report =
+        run_workload_tiered(&mut executor, &scheme, &caps, slots, &eos, tiers, &actions).map_err(|e| e.to_string())?;
     let workload_s = t1.elapsed().as_secs_f64();
     let mut identical = 0usize;
     let mut compared = 0usize;
@@ -67,7 +76,7 @@ fn run(core: &str, pages: Option<u32>, relocate: bool, tiers: &Tiers) -> Result<
         "prefix_hit_tokens": report.finished.iter().map(|(_, d)| u64::from(finish(d).cached_tokens)).sum::<u64>(),
         "cancelled": report.finished.iter().filter(|(_, d)| finish(d).cause == FinishCause::Cancelled).count(),
         "compared": compared, "identical_to_solo_run": identical, "differing": differing,
-        "pages": caps.max_kv_pages, "relocated": relocate,
+        "pages": caps.max_kv_pages, "max_output": max_output, "relocated": relocate,
         "host_tier_bytes": tiers.host_bytes, "demotions": report.demotions, "host_restores": report.host_restores,
         "disk_writes": report.disk_writes, "disk_fetches": report.disk_fetches,
     }))
@@ -76,6 +85,7 @@ fn run(core: &str, pages: Option<u32>, relocate: bool, tiers: &Tiers) -> Result<
 fn main() -> ExitCode {
     let mut core = None;
     let mut pages = None;
+    let mut max_output = None;
     let mut relocate = false;
     let mut tiers = Tiers::default();
     let mut args = std::env::args().skip(1);
@@ -88,27 +98,36 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             },
+            "--max-output" => match args.next().and_then(|n| n.parse().ok()) {
+                Some(n) => max_output = Some(n),
+                None => {
+                    eprintln!("--max-output needs a number of tokens (at most 65535)");
+                    return ExitCode::FAILURE;
+                }
+            },
             "--relocate" => relocate = true,
             "--host-mib" => tiers.host_bytes = args.next().and_then(|n| n.parse::<u64>().ok()).map(|n| n << 20),
             "--disk-dir" => tiers.disk = args.next().map(|d| (std::path::PathBuf::from(d), 64 << 30)),
             _ if core.is_none() && !a.starts_with("--") => core = Some(a),
             other => {
                 eprintln!(
-                    "unknown argument {other}; usage: core_workload CORE [--pages N] [--relocate] [--host-mib N [--disk-dir DIR]]"
+                    "unknown argument {other}; usage: core_workload CORE [--pages N] [--max-output N] [--relocate] [--host-mib N [--disk-dir DIR]]"
                 );
                 return ExitCode::FAILURE;
             }
         }
     }
     let Some(core) = core else {
-        eprintln!("usage: core_workload CORE [--pages N] [--relocate] [--host-mib N [--disk-dir DIR]]");
+        eprintln!(
+            "usage: core_workload CORE [--pages N] [--max-output N] [--relocate] [--host-mib N [--disk-dir DIR]]"
+        );
         return ExitCode::FAILURE;
     };
     if tiers.disk.is_some() && tiers.host_bytes.is_none() {
         eprintln!("--disk-dir needs --host-mib: the disk tier stages through host memory");
         return ExitCode::FAILURE;
     }
-    match run(&core, pages, relocate, &tiers) {
+    match run(&core, pages, max_output, relocate, &tiers) {
         Ok(report) => {
             println!("{report}");
             ExitCode::SUCCESS

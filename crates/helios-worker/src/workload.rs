@@ -57,6 +57,23 @@ pub fn device_scenario() -> Vec<Action> {
     a
 }
 
+/// `actions` with every request's output budget set to `max_output`. Admission reserves the
+/// prompt and grows page tables as tokens come, so long outputs in a small pool run short of
+/// pages mid-decode and preempt (the device pressure run, `core_workload --max-output`).
+pub fn with_max_output(actions: &[Action], max_output: u16) -> Vec<Action> {
+    actions
+        .iter()
+        .map(|a| match *a {
+            Action::Start { messages, message_len, seed, .. } => {
+                Action::Start { messages, message_len, max_output, seed }
+            }
+            Action::Append { conversation, len, .. } => Action::Append { conversation, len, max_output },
+            Action::Branch { conversation, cut, len, .. } => Action::Branch { conversation, cut, len, max_output },
+            ref other => other.clone(),
+        })
+        .collect()
+}
+
 /// Config for tests (no speculation).
 pub fn test_config(max_concurrency: u32) -> SchedulerConfig {
     SchedulerConfig {

@@ -612,6 +612,32 @@ fn the_device_scenario_matches_solo_runs_on_the_same_executor() {
     }
 }
 
+/// The same scenario with long outputs in a small pool (`core_workload --max-output --pages`):
+/// decoding requests run short of pages, the newest yields and is readmitted later, and every
+/// request still matches its solo run.
+#[test]
+fn the_device_scenario_with_long_outputs_preempts_and_still_matches_solo_runs() {
+    use helios_worker::workload::{device_scenario, run_alone_on, run_workload_on, with_max_output};
+
+    let actions = with_max_output(&device_scenario(), 600);
+    for scheme in reference_schemes() {
+        // About two requests' prompts and reservations: four admitted ones outgrow it.
+        let mut caps = test_capacities(4, 1600u32.div_ceil(scheme.page_tokens), 24);
+        caps.context_limit = 4096; // appended turns after 600-token answers still fit
+        let mut executor = SimulatedExecutor::new(&scheme, &caps);
+        let report = run_workload_on(&mut executor, &scheme, &caps, 4, &[], &actions).unwrap();
+        let (pt, preempted, finished) = (scheme.page_tokens, report.preemptions, report.finished.len());
+        assert!(preempted > 0 && finished >= 6, "page tokens {pt}: {preempted} preemptions, {finished} finished");
+        for (spec, done) in &report.finished {
+            let alone = run_alone_on(&mut executor, &scheme, &caps, spec).unwrap();
+            match finish(done).cause {
+                FinishCause::Cancelled | FinishCause::PoolExhausted => assert!(alone.starts_with(&done.output)),
+                _ => assert_eq!(done.output, alone, "{:?} diverged from its solo run", done.id),
+            }
+        }
+    }
+}
+
 /// Runs one request with completions one step late and device-fed decode; returns its output,
 /// the device-fed decode rows planned and the most samples that were in flight at once.
 fn pipelined(scheme: &CacheScheme, spec: &RequestSpec) -> (Vec<u32>, usize, usize) {
