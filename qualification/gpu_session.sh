@@ -132,8 +132,9 @@ spec_bench() {  # CORE: `flare bench` copy and decode workloads at c=1,4 served 
     for _ in $(seq 120); do grep -q "ready: listening" "$OUT/flare_run_d$depth.log" && break; sleep 0.5; done
     for w in copy decode; do
       # --copy-seed: the same greedy prompts at both depths, so their output digests compare.
+      # --keep-outputs: where the digests differ, the texts say where the outputs part.
       timeout 240 /tmp/flare bench --url http://127.0.0.1:8125 --workload $w --concurrency 1,4 --json --copy-seed 17 \
-        > "$OUT/bench_${w}_d$depth.json" 2> "$OUT/bench_${w}_d$depth.log"
+        $([ $w = copy ] && echo --keep-outputs) > "$OUT/bench_${w}_d$depth.json" 2> "$OUT/bench_${w}_d$depth.log"
       echo "bench $w depth $depth rc=$?"
     done
     curl -s http://127.0.0.1:8125/metrics > "$OUT/metrics_d$depth.txt"

@@ -191,6 +191,14 @@ def speculation_section(raw: Path) -> dict[str, Any]:
             if on["kind"] == "copy" and None not in digests[0] + digests[1]:
                 # Greedy and seeded (`--copy-seed`): speculation must not change one token.
                 workloads[name]["outputs_identical"] = digests[0] == digests[1]
+                texts = [[r.get("output") for r in w["records"]] for w in (on, off)]
+                if None not in texts[0] + texts[1]:  # `flare bench --keep-outputs`
+                    workloads[name]["first_difference_chars"] = [
+                        next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), min(len(x), len(y)))
+                        if x != y
+                        else None
+                        for x, y in zip(texts[0], texts[1], strict=False)
+                    ]
     out: dict[str, Any] = {"depth": depth, "workloads": workloads}
     metrics = find(raw, f"metrics_d{depth}.txt", ())
     if metrics is not None:

@@ -105,6 +105,17 @@ def test_copy_outputs_compare_by_digest_across_depths(tmp_path: Path) -> None:
     spec = summarize.speculation_section(tmp_path)
     assert spec["workloads"]["copy c=1"]["outputs_identical"] and not spec["workloads"]["copy c=4"]["outputs_identical"]
     assert "outputs_identical" not in summarize.speculation_section(raw)["workloads"]["copy c=1"]
+    # With the texts kept (`--keep-outputs`): where each differing record first parts.
+    for d, doc in docs.items():
+        for w in doc["workloads"]:
+            for i, r in enumerate(w["records"]):
+                r["output"] = f"same prefix {i}" + ("" if d == 4 or r["output_digest"] != "ff" else " then more")
+        (tmp_path / f"bench_copy_d{d}.json").write_text(json.dumps(doc))
+    docs[0]["workloads"][1]["records"][1]["output"] = "same prefiX"
+    (tmp_path / "bench_copy_d0.json").write_text(json.dumps(docs[0]))
+    parts = summarize.speculation_section(tmp_path)["workloads"]
+    assert parts["copy c=1"]["first_difference_chars"] == [None]
+    assert parts["copy c=4"]["first_difference_chars"] == [None, 10, 13, None]
 
 
 def test_headline_figures_carry_the_decode_bandwidth_issue_names() -> None:

@@ -92,6 +92,10 @@ pub struct BenchArgs {
     /// files per run, which no earlier run cached.
     #[arg(long)]
     pub copy_seed: Option<u64>,
+    /// Keep each copy request's streamed text in its record (`output`): where two servers'
+    /// digests differ, the texts say where the outputs first part.
+    #[arg(long)]
+    pub keep_outputs: bool,
 }
 
 /// One request as measured by the client.
@@ -117,6 +121,9 @@ pub struct RequestRecord {
     pub cached_tokens: Option<u64>,
     /// FNV-1a (64-bit, hex) of the streamed `content` text: equal digests, equal outputs.
     pub output_digest: String,
+    /// The streamed `content` text (copy workload with `--keep-outputs`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub output: Option<String>,
 }
 
 /// The summary of one workload (or one concurrency level of the decode workload).
@@ -461,7 +468,12 @@ impl Bench {
             })
             .collect();
         let (outs, wall) = self.concurrent(bodies).await;
-        summarise(&format!("copy c={concurrency}"), WorkloadKind::Copy, concurrency, outs, wall)
+        let texts: Vec<String> = if args.keep_outputs { outs.iter().map(|o| o.text.clone()).collect() } else { vec![] };
+        let mut w = summarise(&format!("copy c={concurrency}"), WorkloadKind::Copy, concurrency, outs, wall);
+        for (r, text) in w.records.iter_mut().zip(texts) {
+            r.output = Some(text);
+        }
+        w
     }
 
     async fn decode(&self, args: &BenchArgs, concurrency: usize) -> Workload {
@@ -635,6 +647,7 @@ fn summarise(name: &str, kind: WorkloadKind, concurrency: usize, outs: Vec<Strea
             prompt_tokens: o.usage_u64(&["prompt_tokens"]),
             cached_tokens: o.cached_tokens(),
             output_digest: format!("{:016x}", fnv1a(o.text.as_bytes())),
+            output: None,
         })
         .collect();
     let wall_secs = wall.as_secs_f64();
@@ -938,6 +951,7 @@ mod tests {
             timeout_secs: 10,
             copy_lines: 40,
             copy_seed: None,
+            keep_outputs: false,
         };
         let r = run_bench(&args).await.expect("bench runs");
         assert_eq!(r.model, "fake");
@@ -968,6 +982,9 @@ mod tests {
         // The fake server streams "t0 t1 ... " whatever the prompt.
         let text: String = (0..r.workloads[0].records[0].output_tokens).map(|i| format!("t{i} ")).collect();
         assert_eq!(r.workloads[0].records[0].output_digest, format!("{:016x}", fnv1a(text.as_bytes())));
+        assert!(r.workloads[0].records[0].output.is_none(), "texts are kept only when asked");
+        let kept = run_bench(&BenchArgs { keep_outputs: true, ..copy.clone() }).await.expect("bench runs");
+        assert_eq!(kept.workloads[0].records[0].output.as_deref(), Some(text.as_str()));
         // A seeded copy run sends the same prompts every run, one file per stream.
         assert_eq!(copy_prompt(40, 7, 1), copy_prompt(40, 7, 1));
         assert_ne!(copy_prompt(40, 7, 0), copy_prompt(40, 7, 1));
