@@ -21,7 +21,8 @@ integer counts and a first-best: exact whatever the order) and runs the rest:
 1. logits -> whether the grammar allows anything, the max over allowed entries (or over all when
    none is: that row is reported, not sampled);
 2. logits -> e, stored in the row's scratch; its max; the top byte histogram of e's bit patterns
-   (non-negative floats order like their bits). A row without filters draws here and stops.
+   (non-negative floats order like their bits). A row without filters draws here and stops;
+   so does a top-1 row (its draw is the race among the entries at the max weight).
 3. top-k: radix select over e's bits, one 256-bin histogram pass per further byte (k = 1 needs
    none: the threshold is max e). The first of these passes also lists the ids whose top byte is
    at or above the first digit, a superset of the top k; every later pass reads only those.
@@ -214,6 +215,15 @@ def _row_max(stats_ptr, r, S, SMAX: tl.constexpr):
 
 
 @triton.jit
+def _race_floor(top_k, m):
+    """The least weight bits a plain or top-1 row races over in pass 2: any e > 0 (bits >= 1)
+    for a plain row; for top-1 the bits of exp(0), what an entry at the max weighs, which is
+    the row's max weight (the threshold the filters would find) unless exp is not monotone:
+    `flare_sample` checks that and otherwise runs the filters."""
+    return tl.where(top_k == 1, tl.exp(m - m).to(tl.int32, bitcast=True), 1)
+
+
+@triton.jit
 def flare_sample_weights(
     logits_ptr,
     hist_ptr,
@@ -243,8 +253,9 @@ def flare_sample_weights(
     BLOCK: tl.constexpr,
 ):
     """Program (r, c), pass 2 over the same chunk: e = exp(x - max) with the row's max from every
-    chunk's stats; its max to stats[r, c, 3]; for a plain row the chunk's best race score to
-    stats[r, c, 4] and its first id to wins[r, c]; for any other row e to its scratch and, with
+    chunk's stats; its max to stats[r, c, 3]; for a plain or top-1 row the chunk's best race
+    score over `_race_floor` to stats[r, c, 4] and its first id to wins[r, c]; for any row but a
+    plain one e to its scratch and, with
     top-k > 1, the chunk's top-byte histogram to counts[r, c]. Each value is what the one-program
     pass computes for those entries: the same float operations, entry by entry."""
     r = tl.program_id(0).to(tl.int64)
@@ -263,6 +274,8 @@ def flare_sample_weights(
     top_k, plain = _is_plain(topk_ptr, topp_ptr, minp_ptr, r, V)
     key = _row_key(seed_ptr, counter_ptr, r)
     any_allowed, m = _row_max(stats_ptr, r, S, SMAX)
+    raced = plain | (top_k == 1)
+    floor = _race_floor(top_k, m)
     e_max_v = tl.zeros([BLOCK], tl.float32)
     counts = tl.zeros((256,), tl.int32)
     best_v = tl.full([BLOCK], -1.0, tl.float32)
@@ -274,18 +287,18 @@ def flare_sample_weights(
         allow = allow | (valid & (not any_allowed))
         e = tl.where(allow, tl.exp(x / temp - m), 0.0)
         e_max_v = tl.maximum(e_max_v, e)
-        if plain:
-            score = tl.where(e > 0.0, e / _race_weight(key, idx), -1.0)
+        if raced:
+            score = tl.where(e.to(tl.int32, bitcast=True) >= floor, e / _race_weight(key, idx), -1.0)
             better = score > best_v
             win_v = tl.where(better, idx, win_v)
             best_v = tl.where(better, score, best_v)
-        else:
+        if not plain:  # (a top-1 row keeps its weights too, for `flare_sample`'s fallback)
             tl.store(e_ptr + idx, e, mask=valid)
             if top_k > 1:
                 counts += tl.histogram(e.to(tl.int32, bitcast=True) >> 24, 256, mask=valid)
     out = stats_ptr + (r * S + c) * 8
     tl.store(out + 3, tl.max(e_max_v, 0))
-    if plain:
+    if raced:
         best, win = _first_best(best_v, win_v, V)
         tl.store(out + 4, best)
         tl.store(wins_ptr + r * S + c, win)
@@ -326,14 +339,18 @@ def flare_sample(
     top_p = tl.load(topp_ptr + r)
     min_p = tl.load(minp_ptr + r)
     key = _row_key(seed_ptr, counter_ptr, r)
-    any_allowed, _ = _row_max(stats_ptr, r, S, SMAX)
+    any_allowed, m = _row_max(stats_ptr, r, S, SMAX)
     tl.store(allowed_ptr + r, any_allowed)
     cs = tl.arange(0, SMAX)
     live = cs < S
     row = stats_ptr + (r * S + cs) * 8
     e_max = tl.max(tl.load(row + 3, mask=live, other=0.0), 0)
     win = tl.full([], 0, tl.int32)
-    if plain:  # only a plain row drew in pass 2
+    # A top-1 row keeps exactly the entries at the max weight, and min-p (at most 1) and top-p
+    # (the mass above a max entry is 0) keep all of them: pass 2's race over them is its draw.
+    top1 = (top_k == 1) & (min_p <= 1.0) & (top_p > 0.0)
+    raced = plain | (top1 & (e_max.to(tl.int32, bitcast=True) == _race_floor(top_k, m)))
+    if raced:  # only a plain or top-1 row drew in pass 2
         best = tl.max(tl.load(row + 4, mask=live, other=-2.0), 0)
         wins = tl.load(wins_ptr + r * S + cs, mask=live, other=V)
         chunk_best = tl.load(row + 4, mask=live, other=-2.0)
@@ -342,7 +359,7 @@ def flare_sample(
     if top_k > 1:
         for ci in range(0, S):
             counts += tl.load(counts_ptr + (r * S + ci) * 256 + tl.arange(0, 256))
-    if not plain:
+    if not raced:
         tl.debug_barrier()
         # 3. Top-k threshold: the k-th largest bit pattern, one byte per pass. The second pass
         # also lists the ids whose top byte is at or above the first digit (in id order): every
