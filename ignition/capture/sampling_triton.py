@@ -153,6 +153,19 @@ def _is_plain(topk_ptr, topp_ptr, minp_ptr, r, V):
 
 
 @triton.jit
+def _row_inputs(logits_ptr, hist_ptr, hist_rows_ptr, grammar_ptr, temp_ptr, rep_ptr, pres_ptr, freq_ptr, r, ls, hs, gs):
+    """Row r's logits, histogram and grammar rows, and its temperature and penalties (with
+    whether any penalty applies): what both chunked passes read."""
+    temp = tl.load(temp_ptr + r)
+    rep = tl.load(rep_ptr + r)
+    pres = tl.load(pres_ptr + r)
+    freq = tl.load(freq_ptr + r)
+    penalized = (rep != 1.0) | (pres != 0.0) | (freq != 0.0)
+    hist_ptr += tl.load(hist_rows_ptr + r) * hs
+    return logits_ptr + r * ls, hist_ptr, grammar_ptr + r * gs, temp, rep, pres, freq, penalized
+
+
+@triton.jit
 def flare_sample_max(
     logits_ptr,
     hist_ptr,
@@ -177,14 +190,10 @@ def flare_sample_max(
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
-    logits_ptr += r * logits_stride
-    hist_ptr += tl.load(hist_rows_ptr + r) * hist_stride
-    grammar_ptr += r * grammar_stride
-    temp = tl.load(temp_ptr + r)
-    rep = tl.load(rep_ptr + r)
-    pres = tl.load(pres_ptr + r)
-    freq = tl.load(freq_ptr + r)
-    penalized = (rep != 1.0) | (pres != 0.0) | (freq != 0.0)
+    logits_ptr, hist_ptr, grammar_ptr, temp, rep, pres, freq, penalized = _row_inputs(
+        logits_ptr, hist_ptr, hist_rows_ptr, grammar_ptr, temp_ptr, rep_ptr, pres_ptr, freq_ptr, r,
+        logits_stride, hist_stride, grammar_stride,
+    )  # fmt: skip
     allowed_v = tl.zeros([BLOCK], tl.int32)
     m_allowed_v = tl.full([BLOCK], float("-inf"), tl.float32)
     m_all_v = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -262,15 +271,11 @@ def flare_sample_weights(
     c = tl.program_id(1)
     S = tl.num_programs(1)
     offs = tl.arange(0, BLOCK)
-    logits_ptr += r * logits_stride
-    hist_ptr += tl.load(hist_rows_ptr + r) * hist_stride
-    grammar_ptr += r * grammar_stride
+    logits_ptr, hist_ptr, grammar_ptr, temp, rep, pres, freq, penalized = _row_inputs(
+        logits_ptr, hist_ptr, hist_rows_ptr, grammar_ptr, temp_ptr, rep_ptr, pres_ptr, freq_ptr, r,
+        logits_stride, hist_stride, grammar_stride,
+    )  # fmt: skip
     e_ptr += r * e_stride
-    temp = tl.load(temp_ptr + r)
-    rep = tl.load(rep_ptr + r)
-    pres = tl.load(pres_ptr + r)
-    freq = tl.load(freq_ptr + r)
-    penalized = (rep != 1.0) | (pres != 0.0) | (freq != 0.0)
     top_k, plain = _is_plain(topk_ptr, topp_ptr, minp_ptr, r, V)
     key = _row_key(seed_ptr, counter_ptr, r)
     any_allowed, m = _row_max(stats_ptr, r, S, SMAX)
