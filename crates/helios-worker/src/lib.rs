@@ -41,6 +41,7 @@ pub use metrics::{Metrics, TierMetrics};
 pub use output::{ChoiceEvent, ChoiceStream, FinishCause, FinishInfo};
 pub use prep::PrepPool;
 pub use request::{
-    ChatPrompt, GenerationInput, MAX_CHOICES, Prepared, PromptInput, check_limits, prepare, tokenize, tool_name,
+    ChatPrompt, GREEDY_SEED, GenerationInput, MAX_CHOICES, Prepared, PromptInput, check_limits, prepare, tokenize,
+    tool_name,
 };
 pub use trim::release_free_memory;

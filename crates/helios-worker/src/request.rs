@@ -49,7 +49,7 @@ pub struct GenerationInput {
     pub request_id: String,
     pub prompt: PromptInput,
     pub sampling: SamplingRequest,
-    /// `None`: a fresh seed per request.
+    /// `None`: a fresh seed per request, except for top-1 (greedy) sampling: [`GREEDY_SEED`].
     pub seed: Option<u64>,
     pub n: u32,
     pub stop: Vec<String>,
@@ -321,7 +321,7 @@ pub(crate) fn prepare_checked(
         message_endpoints,
         prompt_text,
         sampling,
-        seed: input.seed.unwrap_or_else(fresh_seed),
+        seed: input.seed.unwrap_or_else(|| if sampling.top_k == 1 { GREEDY_SEED } else { fresh_seed() }),
         n: input.n,
         stop: Arc::new(StopSet::new(&input.stop)),
         ignore_eos: input.ignore_eos,
@@ -359,6 +359,12 @@ fn add_system_instruction(messages: &mut Vec<Json>, instruction: &str) {
     }
     messages.insert(0, serde_json::json!({"role": "system", "content": instruction}));
 }
+
+/// The seed of a top-1 request that names none. Top-1 keeps every token tied at the highest
+/// probability and draws among them by the seed (bf16 logits tie often, above all with random
+/// weights); a fixed seed makes a greedy answer a function of its prompt, the same on every run
+/// and every server, as users of temperature 0 expect.
+pub const GREEDY_SEED: u64 = 0;
 
 fn fresh_seed() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering};

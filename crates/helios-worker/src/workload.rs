@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use helios_cache::PrefixIdentity;
 use helios_contract::model::{CacheScheme, Capacities};
 use helios_replay::{Executor, ExecutorError, SimModel, SimulatedExecutor, seeded_tokens};
-use helios_scheduler::{RequestId, RequestSpec, Scheduler, SchedulerConfig};
+use helios_scheduler::{RequestId, RequestSpec, Scheduler, SchedulerConfig, snapshot_budget};
 
 use crate::drive::{Ended, LoopDriver};
 use crate::error::LoopError;
@@ -98,17 +98,20 @@ pub fn run_alone_as(model: SimModel, scheme: &CacheScheme, capacities: &Capaciti
     run_alone_on(&mut executor, scheme, capacities, spec).expect("oracle executes")
 }
 
-/// One slot, no snapshots, pages for one request: nothing cached, nothing shared.
+/// Pages for one request (and one request at a time, `test_config(1)`): nothing cached, nothing
+/// shared. The slots stay the pool's, so its rows lie where the executor's do; its snapshot rows
+/// are the per-request budget of the shared pool (every slot busy), so it captures at the same
+/// message endpoints a workload request does and prefills in the same chunks: a recipe whose
+/// prefill rounds differently when split elsewhere (a chunked recurrence) still compares.
 fn solo_capacities(scheme: &CacheScheme, capacities: &Capacities) -> Capacities {
     let mut caps = capacities.clone();
-    caps.request_slots = 1;
-    caps.snapshot_rows = 0;
+    caps.snapshot_rows = snapshot_budget(capacities.snapshot_rows, capacities.request_slots);
     caps.max_kv_pages = (caps.pages_per_request(scheme.page_tokens) as u32 + 2).min(capacities.max_kv_pages);
     caps
 }
 
-/// Output of `spec` run alone through `executor` (a fresh scheduler over a solo pool: one slot,
-/// no snapshots). The executor's storage needs no reset: admission initializes the row and the
+/// Output of `spec` run alone through `executor` (a fresh scheduler over a solo pool: one request
+/// at a time, its own captures only). The executor's storage needs no reset: admission initializes the row and the
 /// request writes every KV position before reading it.
 pub fn run_alone_on<E: Executor>(
     executor: &mut E,

@@ -12,8 +12,8 @@ use helios_frontend::{AnswerFormat, SamplingRequest, ToolChoice};
 use helios_replay::{Executor, ExecutorError, SimModel, SimulatedExecutor, StepInputs};
 use helios_scheduler::{Completion, Step};
 use helios_worker::{
-    ChatPrompt, ChoiceEvent, Engine, EngineOptions, ErrorClass, FinishCause, Frontend, GenerationInput, Health,
-    PromptInput, RequestError,
+    ChatPrompt, ChoiceEvent, Engine, EngineOptions, ErrorClass, FinishCause, Frontend, GREEDY_SEED, GenerationInput,
+    Health, PromptInput, RequestError,
 };
 use serde_json::json;
 
@@ -100,6 +100,27 @@ async fn streams_to_the_output_limit_and_accounts() {
     let m = engine.metrics_text();
     assert!(m.contains("flare_requests_admitted_total 2"), "{m}");
     assert!(m.contains("flare_requests_finished_total{reason=\"length\"} 2"), "{m}");
+}
+
+/// Without a seed, a greedy request (temperature 0) draws its ties with the fixed greedy seed,
+/// so two runs agree token for token; a sampled one gets a fresh seed per request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_greedy_request_without_a_seed_answers_the_same_every_time() {
+    let engine = sim_engine();
+    let unseeded = |temperature: f64| {
+        let mut i = input("hello there", 8);
+        i.seed = None;
+        i.sampling.temperature = Some(temperature);
+        i
+    };
+    let greedy = engine.prepare(unseeded(0.0)).await.expect("prepares");
+    assert_eq!((greedy.sampling.top_k, greedy.seed), (1, GREEDY_SEED));
+    let a = engine.prepare(unseeded(0.7)).await.expect("prepares");
+    let b = engine.prepare(unseeded(0.7)).await.expect("prepares");
+    assert_ne!(a.seed, b.seed, "sampled requests without a seed draw fresh ones");
+    let (first, _) = drain(&engine, unseeded(0.0)).await;
+    let (second, _) = drain(&engine, unseeded(0.0)).await;
+    assert_eq!(first, second);
 }
 
 /// A request under a grammar speculates within it: the grammar threads look ahead over the
