@@ -7,7 +7,10 @@
   the same position (its state must not leak into the restored one);
 - **split against whole prefill**: the prompt in the largest chunks or in the smallest ones,
   the rows after it (recurrent state, hidden vector) compared as relative L2 — equal bytes are
-  not expected where GEMMs see different row counts, so this is measured, not asserted.
+  not expected where GEMMs see different row counts, so this is measured, not asserted; and
+  again split at `UNALIGNED`-token steps (fewer when the smallest capacity is smaller), where
+  message endpoints fall: a chunked recurrence groups its tokens from each chunk's start, so
+  these splits round differently, and solo runs compare with batched ones only at equal splits.
 
 Works on a `GraphRunner` (the torch replay of the captured graphs, or eager steps on CPU).
 """
@@ -20,6 +23,23 @@ from typing import Any
 import torch
 
 from ignition.capture.runner import GraphRunner, Row
+
+# Tokens per prefill step in the unaligned split: a message's length, no power of two.
+UNALIGNED = 90
+
+
+def _against_whole(p: Any, whole: torch.Tensor, other: torch.Tensor) -> dict[str, Any]:
+    """Rows after a split prefill against the rows after the whole one: bitwise, and the hidden
+    vector's and every recurrent state's relative L2."""
+    hidden = p.model.hidden_rows(torch.stack([whole, other])).float()
+    out: dict[str, Any] = {
+        "rows_bitwise": bool(torch.equal(whole, other)),
+        "hidden_rel_l2": float((hidden[0] - hidden[1]).norm() / hidden[0].norm().clamp(min=1e-30)),
+    }
+    states = p.model.recurrent_states(torch.stack([whole, other]))
+    if states:
+        out["recurrent_rel_l2_max"] = max(float((s[0] - s[1]).norm() / s[0].norm().clamp(min=1e-30)) for s in states)
+    return out
 
 
 def _prefill(runner: GraphRunner, row: int, pages: list[int], ids: list[int], chunk: int) -> None:
@@ -74,22 +94,17 @@ def check(runner: GraphRunner, prompt_len: int = 300, steps: int = 8, seed: int 
     p.kv_all.copy_(kv)
     _prefill(runner, a, pages, ids[:prompt_len], largest)
     whole = p.rows[a].clone()
-    _prefill(runner, b, pages, ids[:prompt_len], runner.prefill[0].token_capacity)
+    smallest = runner.prefill[0].token_capacity
+    _prefill(runner, b, pages, ids[:prompt_len], smallest)
     split = p.rows[b].clone()
-    hidden = p.model.hidden_rows(torch.stack([whole, split])).float()
-    out: dict[str, Any] = {
+    step = min(UNALIGNED, smallest - 1)
+    _prefill(runner, b, pages, ids[:prompt_len], step)
+    unaligned = p.rows[b].clone()
+    return {
         "prompt_tokens": prompt_len,
         "decode_steps": steps,
         "restore_bitwise": hidden_equal and row_equal,
         "restore_into_reused_row_bitwise": reused_hidden and reused_row,
-        "split_vs_whole": {
-            "chunks": [runner.prefill[0].token_capacity, largest],
-            "rows_bitwise": bool(torch.equal(whole, split)),
-            "hidden_rel_l2": float((hidden[0] - hidden[1]).norm() / hidden[0].norm().clamp(min=1e-30)),
-        },
+        "split_vs_whole": {"chunks": [smallest, largest], **_against_whole(p, whole, split)},
+        "split_unaligned_vs_whole": {"step": step, **_against_whole(p, whole, unaligned)},
     }
-    states = p.model.recurrent_states(torch.stack([whole, split]))
-    if states:
-        worst = max(float((s[0] - s[1]).norm() / s[0].norm().clamp(min=1e-30)) for s in states)
-        out["split_vs_whole"]["recurrent_rel_l2_max"] = worst
-    return out

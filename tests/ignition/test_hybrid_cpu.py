@@ -181,6 +181,9 @@ def test_prepare_exactness_check_on_eager_steps(tmp_path: Path) -> None:
     assert out["split_vs_whole"]["chunks"] == [32, 128]
     assert out["restore_bitwise"] and out["restore_into_reused_row_bitwise"], out
     assert out["split_vs_whole"]["hidden_rel_l2"] < 0.02 and out["split_vs_whole"]["recurrent_rel_l2_max"] < 0.02, out
+    # Split where messages end (every 31 tokens here: below the smallest capacity, 32).
+    unaligned = out["split_unaligned_vs_whole"]
+    assert unaligned["step"] == 31 and unaligned["recurrent_rel_l2_max"] < 0.02, out
 
 
 def test_compiled_graph_path_matches_the_reference_under_the_interpreter() -> None:

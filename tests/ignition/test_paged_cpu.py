@@ -637,6 +637,7 @@ def test_prepare_exactness_check_on_eager_steps(tmp_path: Path) -> None:
     out = check(GraphRunner(prog), prompt_len=150, steps=4)
     assert out["restore_bitwise"] and out["restore_into_reused_row_bitwise"], out
     assert out["split_vs_whole"]["hidden_rel_l2"] < 0.02, out
+    assert out["split_unaligned_vs_whole"]["hidden_rel_l2"] < 0.02, out
 
 
 def test_a_decode_row_is_bitwise_the_same_in_every_bucket(tmp_path: Path) -> None:
