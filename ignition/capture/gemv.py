@@ -68,6 +68,9 @@ class GemvConfig:
     # K in this many slices, each its own programs, their float32 sums added in slice order by
     # `flare_gemv_reduce` (one more launch): for weights with few rows and long ones.
     split: int = 1
+    # Triton's software-pipeline depth for the K loop (0: its default): more stages keep more
+    # weight tiles in flight, what a stream over HBM needs; the tensor-core loop pipelines.
+    stages: int = 0
 
 
 # Used until a shape is tuned (CPU interpreter runs, tests).
@@ -89,6 +92,12 @@ CANDIDATES += tuple(
 # program per SM even for a weight of 2,048 rows, and the same weight read for every row count
 # up to DOT_ROWS (the decode buckets of a batch cost what one row costs).
 CANDIDATES += tuple(GemvConfig(n, k, 4, dot=True, split=s) for n in (16, 32, 64) for k in (128, 256) for s in (2, 4))
+# Deeper pipelines for the tensor-core tiles the ~1B's widest projections chose (gate_up at 3.4 of
+# the H200's 4.8 TB/s with the default depth, 2026-12-06): at most 5 stages of a 64 x 256 tile
+# and its rows, 200 KiB of shared memory.
+CANDIDATES += tuple(
+    GemvConfig(n, k, 4, dot=True, stages=d) for n, k in ((32, 256), (64, 256), (64, 128)) for d in (4, 5)
+)
 # Activation rows per tensor-core group (the MMA's row tile; rows past M are zeros).
 DOT_ROWS = 16
 # The norm prologues (`rownorm` defines them): Llama's RMSNorm, and Qwen3.5's zero-centred one
@@ -233,6 +242,8 @@ def launch(
         "RESIDUAL": residual is not None,
         "num_warps": cfg.num_warps,
     }
+    if cfg.stages:
+        flags["num_stages"] = cfg.stages
     if pdl:
         flags.update(PDL=pdl, launch_pdl=True)
     if cfg.dot:

@@ -40,6 +40,7 @@ for cfg, variants, counts in (
     (GemvConfig(8, 128, 4), ("norm+bias+res", "glu+res", "zc", "zc+res"), (1, 3, MAX_GROUP_ROWS, MAX_GROUP_ROWS + 3)),
     (GemvConfig(16, 64, 2, wide=True), ("norm+bias+res", "glu+res"), (3, MAX_GROUP_ROWS + 3)),
     (GemvConfig(16, 64, 4, dot=True), ("norm+bias+res", "glu+res", "zc+res"), (1, DOT_ROWS + 2)),
+    (GemvConfig(16, 64, 4, dot=True, stages=4), ("norm+res",), (1,)),  # a pipeline depth: the same sums
     # K = 300 in 3 slices of 128, 128 and 44 (the last partial); 2 slices, wide accumulators.
     (GemvConfig(8, 64, 4, split=3), ("plain", "norm+bias+res", "glu+res", "zc+res"), (1, MAX_GROUP_ROWS + 3)),
     (GemvConfig(16, 64, 2, wide=True, split=2), ("norm+bias+res",), (3,)),
