@@ -29,12 +29,15 @@ def _query_rows(qp, valid, cs, COS, SIN, di, D: tl.constexpr, ROPE: tl.constexpr
 
 
 @triton.jit
-def _page_step(q, kp, s_sel, first, ti, pos, m, lsum, acc, SCALE: tl.constexpr):
+def _page_step(q, kp, s_sel, first, ti, pos, last_pos, m, lsum, acc, SCALE: tl.constexpr):
     """One KV page (K at `kp`, V `s_sel` past it; its first position `first`) into the rows'
     online-softmax state (m, lsum, acc); positions past a row's `pos` are masked. A fully
-    masked page leaves the state exactly as it was (alpha = 1, p = 0)."""
+    masked page leaves the state exactly as it was (alpha = 1, p = 0). V past `last_pos` (the
+    last position any row reads) is not loaded: a recycled page may still hold another
+    request's values there, and p = 0 times a non-finite one would still be NaN. K needs no
+    mask: its scores there are replaced by -inf."""
     k = tl.load(kp)
-    v = tl.load(kp + s_sel)
+    v = tl.load(kp + s_sel, mask=((first + ti) <= last_pos)[:, None], other=0.0)
     s = tl.dot(q, tl.trans(k)) * SCALE
     s = tl.where((first + ti)[None, :] <= pos, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
@@ -137,7 +140,7 @@ def paged_attention_kernel(
     for j in range(first, last):
         page = tl.maximum(tl.load(PT + r * pt_stride + j).to(tl.int64), 0)
         kp = base + page * s_page + ti[:, None] * s_tok + di[None, :]
-        m, lsum, acc = _page_step(q, kp, s_sel, j * T, ti, pos, m, lsum, acc, SCALE)
+        m, lsum, acc = _page_step(q, kp, s_sel, j * T, ti, pos, pos, m, lsum, acc, SCALE)
     if SPLITS == 1:
         # Page 0 is always walked, so lsum > 0.
         out = acc / lsum[:, None]
@@ -205,7 +208,7 @@ def paged_prefill_attention_kernel(
     for j in range(0, last):
         page = tl.maximum(tl.load(PT + r * pt_stride + j).to(tl.int64), 0)
         kp = base + page * s_page + ti[:, None] * s_tok + di[None, :]
-        m, lsum, acc = _page_step(q, kp, s_sel, j * T, ti, pos[:, None], m, lsum, acc, SCALE)
+        m, lsum, acc = _page_step(q, kp, s_sel, j * T, ti, pos[:, None], tl.max(pos, 0), m, lsum, acc, SCALE)
     # Page 0 is always walked, so lsum > 0 on every valid row.
     out = acc / lsum[:, None]
     dst = OUT + (n.to(tl.int64)[:, None] * H + head[:, None]) * D + di[None, :]

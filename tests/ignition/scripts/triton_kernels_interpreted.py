@@ -108,8 +108,32 @@ for pps, rope in ((1, True), (2, False), (4, True)):
     got4 = _launch_attention(rq, b_kv, tables4, req4, pos4, 1, scale, pps, cos=c4, sin=s4, tokens="decode",
                              write=(rk, rv, slots4))  # fmt: skip
     fused_bitwise &= torch.equal(got4, want4) and torch.equal(a_kv, b_kv)
+# A recycled page still holding another request's non-finite values past the positions read:
+# decode (split and not) and the prefill block kernel give the same bits as over clean pages.
+
+
+def poisoned_past(r_: int, last_: int) -> torch.Tensor:
+    """`kv` with request r_'s positions past `last_` (in its pages) set to NaN."""
+    out_ = kv.clone()
+    for j_, page_ in enumerate(tables[r_].tolist()):
+        if page_ >= 0:
+            out_[page_, :, :, max(0, last_ + 1 - j_ * t) :] = float("nan")
+    return out_
+
+
+no_nan_leak = all(
+    torch.equal(
+        _launch_attention(q, poisoned_past(0, 70), tables, req, pos, 1, scale, pps),
+        _launch_attention(q, kv, tables, req, pos, 1, scale, pps),
+    )
+    for pps in (1, 4)
+)
+got_block = _launch_attention(q3, poisoned_past(1, int(pos3.max())), tables, req3, pos3, 2, scale, cos=cos3, sin=sin3,
+                              tokens="prefill")  # fmt: skip
+no_nan_leak &= torch.equal(got_block, block)
 report = {
     "decode_fused_write_bitwise": fused_bitwise,
+    "poisoned_pages_bitwise": no_nan_leak,
     "prefill_block_max_abs_err": prefill_err,
     "prefill_block_vs_per_token": prefill_vs_per_token,
     "prefill_block_invariant": prefill_block_invariant,
@@ -121,4 +145,5 @@ report = {
 print(json.dumps(report))
 ok = attn_err < 1e-5 and kv_write_exact and rope_write_err < 1e-5 and rope_attn_err < 1e-5
 ok = ok and prefill_err < 1e-5 and prefill_vs_per_token < 1e-5 and prefill_block_invariant and fused_bitwise
+ok = ok and no_nan_leak
 sys.exit(0 if ok else 1)
