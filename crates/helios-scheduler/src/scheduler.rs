@@ -1056,7 +1056,6 @@ impl Scheduler {
             .filter(|&&id| !self.request(id).held && self.decode_input(id, device_fed).is_some())
             .count()
             .min(max_bucket);
-        let cost = self.batch_cost(batch).to_vec();
         for id in candidates {
             if rows.len() >= max_bucket {
                 continue;
@@ -1098,7 +1097,7 @@ impl Scheduler {
                 continue;
             }
             let proposals = match input {
-                DecodeInput::Host => self.proposals(id, have, &cost),
+                DecodeInput::Host => self.proposals(id, have, batch),
                 DecodeInput::Device => Vec::new(),
             };
             let Some(request) = self.requests.get_mut(&id) else { broken("a decoder is not in the request table") };
@@ -1250,11 +1249,11 @@ impl Scheduler {
         self.config.speculative_depth.min(self.capacities.max_speculative_depth(1))
     }
 
-    /// Copy proposals for a host-fed decoder with `pages` pages: as deep as its depth
-    /// controller chooses, within its output limit and the pages it holds, never past an EOS
+    /// Copy proposals for a host-fed decoder with `pages` pages in a step of `batch` decoders: as
+    /// deep as its depth controller chooses at that batch's round cost, within its output limit and the pages it holds, never past an EOS
     /// token (an accepted EOS would be consumed, which ordinary decoding never does). Empty
     /// without speculation, for a request that needs host feedback, or without a match.
-    fn proposals(&self, id: RequestId, pages: usize, cost: &[f64]) -> Vec<u32> {
+    fn proposals(&self, id: RequestId, pages: usize, batch: usize) -> Vec<u32> {
         let Some(r) = self.requests.get(&id) else { return Vec::new() };
         let (Some(spec), Some(live)) = (r.speculation.as_ref(), r.live.as_ref()) else { return Vec::new() };
         let room_output = r.max_output.saturating_sub(r.generated + 1);
@@ -1267,7 +1266,7 @@ impl Scheduler {
         } else {
             spec.proposer.propose(cap as usize)
         };
-        within_depth(r, spec, available, cost)
+        within_depth(r, spec, available, self.batch_cost(batch))
     }
 
     /// FIFO admission; a request that does not fit waits without blocking later ones.
