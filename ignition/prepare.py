@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -483,6 +484,19 @@ def _speculative_check(runner: Any, gens: list[dict[str, Any]]) -> dict[str, Any
     return out
 
 
+def _state_restorer(p: Any) -> Callable[[], None]:
+    """Copies the program's request state (KV, rows, histograms, pending tokens) now; the
+    returned function puts it back, so the lane checks replay several graphs from one state."""
+    state = (p.kv_all, p.rows, p.hist, p.pending)
+    saved = [t.clone() for t in state]
+
+    def restore() -> None:
+        for t, v in zip(state, saved, strict=True):
+            t.copy_(v)
+
+    return restore
+
+
 def _lanes_against_decode(runner: Any, gen: dict[str, Any]) -> dict[str, Any]:
     """From one state, two decode steps of a generation's next tokens, then one speculative
     round consuming the same two tokens: each lane's hidden vector against the decode step's at
@@ -495,12 +509,11 @@ def _lanes_against_decode(runner: Any, gen: dict[str, Any]) -> dict[str, Any]:
     from ignition.core.stepping import admit
 
     p = runner.p
-    state = (p.kv_all, p.rows, p.hist, p.pending)
     prompt, toks, seed = gen["prompt_ids"], gen["tokens"], gen["seed"]
     s = Sampling(**gen.get("params", {}))
     pages = list(range(-(-(len(prompt) + 16) // runner.page_tokens)))
     admit(runner, 1, pages, prompt, seed, s)
-    saved = [t.clone() for t in state]
+    restore = _state_restorer(p)
     start = len(prompt)
     decoded = []
     for i in range(2):
@@ -508,8 +521,7 @@ def _lanes_against_decode(runner: Any, gen: dict[str, Any]) -> dict[str, Any]:
         h, rec = runner.replay(g, [Row(1, pages, start + i, [toks[i]], (seed, 1 + i), s)])
         decoded.append((h[0].float(), rec[0][runner.header_words]))
     row_after = p.rows[1].clone()
-    for t, v in zip(state, saved, strict=True):
-        t.copy_(v)
+    restore()
     g = runner.verify_graph([Row(1, pages, start, [toks[0], toks[1]], (seed, 1), s)])
     h, rec = runner.replay(g, [Row(1, pages, start, [toks[0], toks[1]], (seed, 1), s)])
     lanes = []
@@ -534,7 +546,6 @@ def _batched_against_alone(runner: Any, gen: dict[str, Any]) -> dict[str, Any]:
 
     p = runner.p
     geo = p.geo
-    state = (p.kv_all, p.rows, p.hist, p.pending)
     prompt, toks, seed = gen["prompt_ids"], gen["tokens"], gen["seed"]
     s = Sampling(**gen.get("params", {}))
     most = max(g.request_count for g in [*runner.decode, *runner.verify])
@@ -546,11 +557,7 @@ def _batched_against_alone(runner: Any, gen: dict[str, Any]) -> dict[str, Any]:
         live, pages = geo.live_row(k), list(range(k * per, (k + 1) * per))
         first = admit(runner, live, pages, own, seed + k, s)
         requests.append((live, pages, len(own), toks[0] if k == most - 1 else first))
-    saved = [t.clone() for t in state]
-
-    def restore() -> None:
-        for t, v in zip(state, saved, strict=True):
-            t.copy_(v)
+    restore = _state_restorer(p)
 
     def row(k: int, lanes: int) -> Row:
         live, pages, start, first = requests[k]

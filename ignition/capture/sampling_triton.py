@@ -356,10 +356,9 @@ def flare_sample(
     top1 = (top_k == 1) & (min_p <= 1.0) & (top_p > 0.0)
     raced = plain | (top1 & (e_max.to(tl.int32, bitcast=True) == _race_floor(top_k, m)))
     if raced:  # only a plain or top-1 row drew in pass 2
-        best = tl.max(tl.load(row + 4, mask=live, other=-2.0), 0)
-        wins = tl.load(wins_ptr + r * S + cs, mask=live, other=V)
         chunk_best = tl.load(row + 4, mask=live, other=-2.0)
-        win = tl.min(tl.where(chunk_best == best, wins, V), 0)
+        wins = tl.load(wins_ptr + r * S + cs, mask=live, other=V)
+        win = tl.min(tl.where(chunk_best == tl.max(chunk_best, 0), wins, V), 0)
     counts = tl.zeros((256,), tl.int32)
     if top_k > 1:
         for ci in range(0, S):
