@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ignition.capture.gemv import _time_ms
 from ignition.capture.sampling import launch, parameters, sample
 
+# (block, warps) of `flare_sample`'s one program per row, timed beside the default.
+FINAL_WIDTHS = ((2048, 8), (4096, 8), (8192, 16), (8192, 8))
 MIXES: dict[str, dict[str, float]] = {
     "plain": {"temperature": 0.8},
     "greedy": {"top_k": 1},
@@ -96,6 +98,11 @@ def main() -> int:
                     a = inputs(b, v, mix, 0, dev)
                     args = (*parameters(a), a["grammar"])
                     kernel_us = 1000 * _time_ms(functools.partial(launch, x, hist, rows, *args), 50)
+                    # The one program per row at other widths (the default is FINAL_BLOCK/WARPS).
+                    widths = {}
+                    for fb, fw in FINAL_WIDTHS:
+                        run = functools.partial(launch, x, hist, rows, *args, final_block=fb, final_warps=fw)
+                        widths[f"{fb}/{fw}"] = round(1000 * _time_ms(run, 20), 2)
                     gathered = hist[rows]
                     # One compile per shape: the grammar mix (another graph) is timed by the kernel only.
                     torch_us = kernel_us
@@ -110,6 +117,7 @@ def main() -> int:
                         "kernel_us": round(kernel_us, 2),
                         "torch_compiled_us": round(torch_us, 2) if a["grammar"] is None else None,
                         "speedup": round(torch_us / kernel_us, 2) if a["grammar"] is None else None,
+                        "kernel_us_by_final_width": widths,
                     }
                     report["cases"].append(case)
                     print(json.dumps(case), flush=True)

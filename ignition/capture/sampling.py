@@ -147,6 +147,12 @@ def sample(
 # block at a time (a 2,048-entry block of float32 is 8 KiB in flight per pass).
 KERNEL_BLOCK = 2048
 KERNEL_WARPS = 8
+# The same for `flare_sample`'s one program per row (the filters' passes after the chunked
+# ones): wider blocks keep more loads in flight, 32 KiB per step. Compiled for sm_90 (Triton
+# 3.9), 8,192 entries on 16 warps use 128 registers and no stack; 16,384 spill, and so did
+# 2,048 on 8 warps (16 bytes per thread).
+FINAL_BLOCK = 8192
+FINAL_WARPS = 16
 # Entries per program of the first two passes (a multiple of the block): a 49,152-entry row runs
 # on 12 programs where one program read it all (46 us of a ~1B decode step, 2026-12-06).
 KERNEL_CHUNK = 4096
@@ -192,12 +198,15 @@ def launch(
     block: int = KERNEL_BLOCK,
     climbs: int = CLIMBS,
     chunk: int = KERNEL_CHUNK,
+    final_block: int = FINAL_BLOCK,
+    final_warps: int = FINAL_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What `flare::sample` runs: `sample` over `histogram[hist_rows]` without gathering it.
     Three launches: the first two passes over `chunk`-entry chunks of every row, then one
     program per row; a row's scratch (`[B, V]` float32) holds its unnormalized weights, and a
     `[B, V]` int32 one the ids a top-k row's later passes read.
-    `block`, `climbs` and `chunk` change the passes, never the token (the tests vary them)."""
+    `block`, `climbs`, `chunk`, `final_block` and `final_warps` change the passes, never the
+    token (the tests vary them)."""
     if chunk <= 0 or chunk % block:
         raise ValueError(f"sample: chunk {chunk} is not a positive multiple of the block {block}")
     b, v = logits.shape
@@ -240,7 +249,7 @@ def launch(
     )  # fmt: skip
     _kernel()[(b,)](
         top_k32, tp, mp, seeds, counters, scratch, candidates, tok, allowed, stats, wins, counts, v, chunks,
-        scratch.stride(0), SMAX=smax, BLOCK=block, CLIMBS=climbs, num_warps=KERNEL_WARPS,
+        scratch.stride(0), SMAX=smax, BLOCK=final_block, CLIMBS=climbs, num_warps=final_warps,
     )  # fmt: skip
     return tok, allowed
 

@@ -22,7 +22,9 @@ integer counts and a first-best: exact whatever the order) and runs the rest:
    none is: that row is reported, not sampled);
 2. logits -> e, stored in the row's scratch; its max; the top byte histogram of e's bit patterns
    (non-negative floats order like their bits). A row without filters draws here and stops;
-   so does a top-1 row (its draw is the race among the entries at the max weight).
+   so does a top-1 row (its draw is the race among the entries at the max weight). A row
+   without top-k also makes its first draw of step 4 here, and sums its top-p mass: every pass
+   left to `flare_sample` is then a top-p miss's.
 3. top-k: radix select over e's bits, one 256-bin histogram pass per further byte (k = 1 needs
    none: the threshold is max e). The first of these passes also lists the ids whose top byte is
    at or above the first digit, a superset of the top k; every later pass reads only those.
@@ -38,6 +40,9 @@ Each pass keeps running values per lane of the block (maxima, first best scores 
 partial sums) and reduces across lanes once, after its last block. Reducing every block
 instead cost a cross-warp reduction per 2,048 entries: on an H100 one pass over 49,152 entries
 took ~27 us where its loads need an estimated ~2 us (2026-12-05, before this change).
+`flare_sample`'s one program per row reads wider blocks with more warps than the chunked passes:
+its passes are a chain of dependent loads (2026-12-06, H100: ~13 us per pass over 49,152 entries
+at 2,048, so a nucleus row took 47 us and a top-k/top-p row 86 us against 8.7 without filters).
 """
 
 # mypy: disable-error-code="no-untyped-def"
@@ -112,10 +117,13 @@ def _draw(e_ptr, cand_ptr, n, use_cand, lo, key, BLOCK: tl.constexpr):
         idx, valid = _entries(cand_ptr, n, use_cand, start, offs)
         e = tl.load(e_ptr + idx, mask=valid, other=0.0)
         cand = valid & (e.to(tl.int32, bitcast=True) >= lo)
-        score = tl.where(cand, e / _race_weight(key, idx), -1.0)
-        better = score > best_v
-        win_v = tl.where(better, idx, win_v)
-        best_v = tl.where(better, score, best_v)
+        # The hash and log cost more than the load: a block without a candidate skips them
+        # (after a top-p miss, most blocks of a peaked row).
+        if tl.max(cand.to(tl.int32), 0) > 0:
+            score = tl.where(cand, e / _race_weight(key, idx), -1.0)
+            better = score > best_v
+            win_v = tl.where(better, idx, win_v)
+            best_v = tl.where(better, score, best_v)
     best, win = _first_best(best_v, win_v, 2147483647)
     return tl.where(best > -1.0, win, -1)
 
@@ -224,12 +232,15 @@ def _row_max(stats_ptr, r, S, SMAX: tl.constexpr):
 
 
 @triton.jit
-def _race_floor(top_k, m):
-    """The least weight bits a plain or top-1 row races over in pass 2: any e > 0 (bits >= 1)
-    for a plain row; for top-1 the bits of exp(0), what an entry at the max weighs, which is
-    the row's max weight (the threshold the filters would find) unless exp is not monotone:
-    `flare_sample` checks that and otherwise runs the filters."""
-    return tl.where(top_k == 1, tl.exp(m - m).to(tl.int32, bitcast=True), 1)
+def _race_floor(top_k, min_p, m):
+    """The least weight bits a row without top-k (or with top-1) races over in pass 2, the
+    `lo` of `flare_sample`'s first draw: for top-1 the bits of exp(0), what an entry at the max
+    weighs; otherwise any e > 0 (bits >= 1) and, with min-p, at least min_p times exp(0).
+    exp(0) is the row's max weight unless exp is not monotone: `flare_sample` checks that and
+    otherwise draws itself."""
+    top = tl.exp(m - m)
+    floor = tl.where(min_p > 0.0, tl.maximum((min_p * top).to(tl.int32, bitcast=True), 1), 1)
+    return tl.where(top_k == 1, top.to(tl.int32, bitcast=True), floor)
 
 
 @triton.jit
@@ -262,11 +273,12 @@ def flare_sample_weights(
     BLOCK: tl.constexpr,
 ):
     """Program (r, c), pass 2 over the same chunk: e = exp(x - max) with the row's max from every
-    chunk's stats; its max to stats[r, c, 3]; for a plain or top-1 row the chunk's best race
-    score over `_race_floor` to stats[r, c, 4] and its first id to wins[r, c]; for any row but a
-    plain one e to its scratch and, with
-    top-k > 1, the chunk's top-byte histogram to counts[r, c]. Each value is what the one-program
-    pass computes for those entries: the same float operations, entry by entry."""
+    chunk's stats; its max to stats[r, c, 3]; for a row without top-k (or with top-1) the
+    chunk's best race score over `_race_floor` to stats[r, c, 4] and its first id to wins[r, c],
+    and with top-p the chunk's sum of e to stats[r, c, 5]; for any row but a plain one e to its
+    scratch and, with top-k > 1, the chunk's top-byte histogram to counts[r, c]. Each value is
+    what the one-program pass computes for those entries: the same float operations, entry by
+    entry (the sums: per lane in id order, then over the lanes)."""
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     S = tl.num_programs(1)
@@ -279,9 +291,11 @@ def flare_sample_weights(
     top_k, plain = _is_plain(topk_ptr, topp_ptr, minp_ptr, r, V)
     key = _row_key(seed_ptr, counter_ptr, r)
     any_allowed, m = _row_max(stats_ptr, r, S, SMAX)
-    raced = plain | (top_k == 1)
-    floor = _race_floor(top_k, m)
+    raced = top_k <= 1
+    massed = (top_k == 0) & (tl.load(topp_ptr + r) < 1.0)
+    floor = _race_floor(top_k, tl.load(minp_ptr + r), m)
     e_max_v = tl.zeros([BLOCK], tl.float32)
+    mass_v = tl.zeros([BLOCK], tl.float32)
     counts = tl.zeros((256,), tl.int32)
     best_v = tl.full([BLOCK], -1.0, tl.float32)
     win_v = tl.zeros([BLOCK], tl.int32)
@@ -297,12 +311,16 @@ def flare_sample_weights(
             better = score > best_v
             win_v = tl.where(better, idx, win_v)
             best_v = tl.where(better, score, best_v)
-        if not plain:  # (a top-1 row keeps its weights too, for `flare_sample`'s fallback)
+        if massed:
+            mass_v += e
+        if not plain:  # (a raced row keeps its weights too, for the filters and the fallback)
             tl.store(e_ptr + idx, e, mask=valid)
             if top_k > 1:
                 counts += tl.histogram(e.to(tl.int32, bitcast=True) >> 24, 256, mask=valid)
     out = stats_ptr + (r * S + c) * 8
     tl.store(out + 3, tl.max(e_max_v, 0))
+    if massed:
+        tl.store(out + 5, tl.sum(mass_v, 0))
     if raced:
         best, win = _first_best(best_v, win_v, V)
         tl.store(out + 4, best)
@@ -351,14 +369,19 @@ def flare_sample(
     row = stats_ptr + (r * S + cs) * 8
     e_max = tl.max(tl.load(row + 3, mask=live, other=0.0), 0)
     win = tl.full([], 0, tl.int32)
+    # Pass 2 raced over `_race_floor`, which is this row's `lo` when the max weight is exp(0).
+    as_raced = e_max.to(tl.int32, bitcast=True) == tl.exp(m - m).to(tl.int32, bitcast=True)
     # A top-1 row keeps exactly the entries at the max weight, and min-p (at most 1) and top-p
     # (the mass above a max entry is 0) keep all of them: pass 2's race over them is its draw.
     top1 = (top_k == 1) & (min_p <= 1.0) & (top_p > 0.0)
-    raced = plain | (top1 & (e_max.to(tl.int32, bitcast=True) == _race_floor(top_k, m)))
-    if raced:  # only a plain or top-1 row drew in pass 2
+    raced = plain | (top1 & as_raced)
+    # Without top-k, pass 2's race is the first draw (step 4), and its sums the top-p mass.
+    first = raced | ((top_k == 0) & ((min_p <= 0.0) | as_raced))
+    if first:
         chunk_best = tl.load(row + 4, mask=live, other=-2.0)
         wins = tl.load(wins_ptr + r * S + cs, mask=live, other=V)
         win = tl.min(tl.where(chunk_best == tl.max(chunk_best, 0), wins, V), 0)
+        win = tl.where(tl.max(chunk_best, 0) > -1.0, win, -1)  # as `_draw` reports none
     counts = tl.zeros((256,), tl.int32)
     if top_k > 1:
         for ci in range(0, S):
@@ -410,8 +433,12 @@ def flare_sample(
             lo = tl.maximum(lo, (min_p * e_max).to(tl.int32, bitcast=True))
         target = 0.0
         if top_p < 1.0:
-            target = top_p * _mass_from(e_ptr, cand_ptr, n, use_cand, tk, BLOCK)
-        win = _draw(e_ptr, cand_ptr, n, use_cand, lo, key, BLOCK)
+            if top_k == 0:  # the mass of the whole row, summed in pass 2 chunk by chunk
+                target = top_p * tl.sum(tl.load(row + 5, mask=live, other=0.0), 0)
+            else:
+                target = top_p * _mass_from(e_ptr, cand_ptr, n, use_cand, tk, BLOCK)
+        if not first:
+            win = _draw(e_ptr, cand_ptr, n, use_cand, lo, key, BLOCK)
         misses = 0
         go = (top_p < 1.0) & (win >= 0)
         while go:
@@ -433,5 +460,4 @@ def flare_sample(
                     go = False
                 win = _draw(e_ptr, cand_ptr, n, use_cand, lo, key, BLOCK)
                 go = go & (win >= 0)
-        win = tl.maximum(win, 0)
-    tl.store(tok_ptr + r, win.to(tl.int64))
+    tl.store(tok_ptr + r, tl.maximum(win, 0).to(tl.int64))

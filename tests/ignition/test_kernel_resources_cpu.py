@@ -105,3 +105,40 @@ def test_chunked_gdn_prefill_does_not_spill() -> None:
     }
     for name, res in results.items():
         assert res["stack"] == 0 and res["shared"] <= SM90_SHARED, (name, res)
+
+
+def test_fused_sampler_kernels_do_not_spill() -> None:
+    """`flare::sample`'s three kernels at the widths `sampling.launch` uses: the chunked passes
+    and the one program per row (wide blocks, a cumulative sum and histograms per block) keep
+    their running values in registers and fit a block's shared memory."""
+    from ignition.capture import sampling, sampling_triton
+
+    # Pointer element types by parameter name (`NAME_ptr`); every other parameter is an int32.
+    types = {"logits": "bf16", "hist": "i32", "hist_rows": "i64", "grammar": "i32", "topk": "i32"}
+    types |= dict.fromkeys(("seed", "counter", "tok"), "i64") | dict.fromkeys(("wins", "counts", "cand"), "i32")
+    types |= {"allowed": "i1"}
+    constexprs = {"CHUNK", "HAS_GRAMMAR", "BLOCK", "SMAX", "CLIMBS"}
+
+    def sig(fn: Any) -> dict[str, str]:
+        params = [a for a in fn.arg_names if a not in constexprs]
+        return {a: "*" + types.get(a.removesuffix("_ptr"), "fp32") if a.endswith("_ptr") else "i32" for a in params}
+
+    chunked = {"CHUNK": sampling.KERNEL_CHUNK, "HAS_GRAMMAR": True, "BLOCK": sampling.KERNEL_BLOCK}
+    warps = sampling.KERNEL_WARPS
+    final = {"SMAX": 64, "BLOCK": sampling.FINAL_BLOCK, "CLIMBS": sampling.CLIMBS}
+    results = {
+        "max": compile_sm90(
+            sampling_triton.flare_sample_max, sig(sampling_triton.flare_sample_max), chunked, num_warps=warps
+        ),
+        "weights": compile_sm90(
+            sampling_triton.flare_sample_weights,
+            sig(sampling_triton.flare_sample_weights),
+            {**chunked, "SMAX": 16},
+            num_warps=warps,
+        ),
+        "final": compile_sm90(
+            sampling_triton.flare_sample, sig(sampling_triton.flare_sample), final, num_warps=sampling.FINAL_WARPS
+        ),
+    }
+    for name, res in results.items():
+        assert res["stack"] == 0 and res["shared"] <= SM90_SHARED, (name, res)

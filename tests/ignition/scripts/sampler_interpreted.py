@@ -13,7 +13,16 @@ import sys
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from ignition.capture.sampling import CLIMBS, KERNEL_BLOCK, KERNEL_CHUNK, Sampler, launch, parameters, sample
+from ignition.capture.sampling import (
+    CLIMBS,
+    FINAL_BLOCK,
+    KERNEL_BLOCK,
+    KERNEL_CHUNK,
+    Sampler,
+    launch,
+    parameters,
+    sample,
+)
 
 gen = torch.Generator().manual_seed(0)
 mismatches: list[str] = []
@@ -47,8 +56,11 @@ def run(
     block: int = KERNEL_BLOCK,
     climbs: int = CLIMBS,
     chunk: int = KERNEL_CHUNK,
+    final_block: int = FINAL_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return launch(logits, hist, rows, *parameters(p), grammar, block=block, climbs=climbs, chunk=chunk)
+    return launch(
+        logits, hist, rows, *parameters(p), grammar, block=block, climbs=climbs, chunk=chunk, final_block=final_block
+    )
 
 
 def check(name: str, logits: torch.Tensor, p: dict[str, torch.Tensor], grammar: torch.Tensor | None) -> None:
@@ -64,17 +76,17 @@ def check(name: str, logits: torch.Tensor, p: dict[str, torch.Tensor], grammar: 
     if not (torch.equal(got, want) and torch.equal(ok, want_ok)):
         bad = (got != want).nonzero().flatten().tolist()
         mismatches.append(f"{name}: rows {bad} got {got[bad].tolist()} want {want[bad].tolist()}")
-    # The same rows alone, reversed, with another block size, climb limit and chunking (one
+    # The same rows alone, reversed, with other block sizes, climb limit and chunking (one
     # chunk for the whole row, many, and a last partial one): the same tokens.
-    for block, climbs, chunk in (
-        (512, CLIMBS, 512),
-        (KERNEL_BLOCK, 0, 8192),
-        (KERNEL_BLOCK, 1, 2048),
-        (1024, 64, 3072),
+    for block, climbs, chunk, final in (
+        (512, CLIMBS, 512, 512),
+        (KERNEL_BLOCK, 0, 8192, KERNEL_BLOCK),
+        (KERNEL_BLOCK, 1, 2048, 16384),
+        (1024, 64, 3072, 1024),
     ):
-        alt, _ = run(logits, hist, rows, p, grammar, block, climbs, chunk)
+        alt, _ = run(logits, hist, rows, p, grammar, block, climbs, chunk, final)
         if not torch.equal(alt, got):
-            mismatches.append(f"{name}: block {block}, climbs {climbs}, chunk {chunk} changed the tokens")
+            mismatches.append(f"{name}: blocks {block}/{final}, climbs {climbs}, chunk {chunk} changed the tokens")
     flip = torch.arange(b - 1, -1, -1)
     sub = {key: t[flip] for key, t in p.items()}
     alone, _ = run(logits[flip], hist, rows[flip], sub, grammar[flip] if grammar is not None else None)
@@ -114,6 +126,13 @@ p["top_k"] = torch.zeros(b, dtype=torch.int32)
 p["top_p"] = torch.tensor([0.01, 0.02, 0.05, 0.01, 0.3, 0.5, 0.03, 0.01])
 p["min_p"] = torch.zeros(b)
 check("flat nucleus", logits, p, None)
+# Without top-k the first draw and the top-p mass come from the chunked pass: min-p floors with
+# top-p, min-p alone, and top-p with penalties, over several chunks.
+p2 = params(b, v)
+p2["top_k"] = torch.tensor([0, -1, 0, v, 0, 0, 0, 0], dtype=torch.int32)
+p2["top_p"] = torch.tensor([0.9, 0.5, 1.0, 0.3, 0.02, 1.0, 0.7, 0.05])
+p2["min_p"] = torch.tensor([0.0, 0.2, 0.05, 0.3, 0.0, 0.9, 0.01, 0.4])
+check("no top-k", torch.randn(b, v, generator=gen) * 3, p2, None)
 rows = torch.arange(b)
 hist = torch.zeros(b, v, dtype=torch.int32)
 first, _ = run(logits, hist, rows, {**p, "top_p": torch.ones(b)}, None)
