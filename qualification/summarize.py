@@ -306,7 +306,16 @@ def summarize(raw: Path, tags: str | Sequence[str] | None) -> dict[str, Any]:
         for name, key in (("core_workload_pressure.json", "pressure"), ("core_workload_preempt.json", "preemption")):
             run = load(paths[name])
             if run is not None:
-                more = ("pages", "max_output", "preemptions", "evictions", "compared", "identical_to_solo_run")
+                more = (
+                    "pages",
+                    "max_output",
+                    "preemptions",
+                    "evictions",
+                    "compared",
+                    "identical_to_solo_run",
+                    "differing_without_prefix_hit_or_recompute",
+                    "restored_whole_after_preemption",
+                )
                 entry["lifecycle"][key] = {k: run[k] for k in more if k in run}
     prep = prepare_section(load(paths["prepare_report.json"]))
     if prep:

@@ -300,8 +300,22 @@ pub struct SimulatedExecutor {
     /// initialized or restored (outside every checkpoint).
     pending: Vec<Option<u32>>,
     device_fed: bool,
+    /// Whether a token's state depends on the graph that consumed it ([`Self::with_graph_rounding`]).
+    graph_rounding: bool,
     host: Option<Arc<HostArena>>,
 }
+
+/// The graph family a row is consumed through: on a device, decode (and speculative) programs
+/// and prefill chunks compute the same function with different kernels, so they round
+/// differently.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Graph {
+    Decode,
+    Prefill,
+}
+
+/// What a decode-consumed token mixes into the row state under [`SimulatedExecutor::with_graph_rounding`].
+const DECODE_ROUNDING: u64 = 0x5eed_0fde_c0de;
 
 impl SimulatedExecutor {
     /// Like [`Self::new`], but reports each completion `lag` submissions late, so the
@@ -325,6 +339,7 @@ impl SimulatedExecutor {
             model: SimModel::Hash,
             pending: vec![None; rows],
             device_fed: false,
+            graph_rounding: false,
             host: None,
         }
     }
@@ -332,6 +347,15 @@ impl SimulatedExecutor {
     /// Accepts device-fed decode rows (reports [`Executor::device_fed_decode`]).
     pub fn with_device_fed_decode(mut self) -> Self {
         self.device_fed = true;
+        self
+    }
+
+    /// Makes a token's state depend on whether a decode row or a prefill chunk consumed it,
+    /// as a device's rounding does: a request matches its uninterrupted run only if every
+    /// token it consumed went through the same graph family there (history recomputed by
+    /// prefill where it was decoded does not).
+    pub fn with_graph_rounding(mut self) -> Self {
+        self.graph_rounding = true;
         self
     }
 
@@ -556,7 +580,7 @@ impl SimulatedExecutor {
         let sample = row.sample.ok_or(ExecutorError::VerifyWithoutSample(row.live_row))?;
         let pending = usize::from(!row.device_token).min(row.tokens.len());
         let first = ConsumeRow { tokens: row.tokens[..pending].to_vec(), ..row.clone() };
-        self.consume(&first, inputs)?;
+        self.consume(&first, inputs, Graph::Decode)?;
         let proposals = &row.tokens[pending..];
         for (j, &proposal) in proposals.iter().enumerate() {
             let drawn = self.completions.last().and_then(|c| c.sampled.last()).map(|s| s.token);
@@ -585,15 +609,15 @@ impl SimulatedExecutor {
                     if let Some(entry) = lane_inputs.sampling.get_mut(&sample.request) {
                         entry.mask = lane;
                     }
-                    self.consume(&next, &lane_inputs)?;
+                    self.consume(&next, &lane_inputs, Graph::Decode)?;
                 }
-                _ => self.consume(&next, inputs)?,
+                _ => self.consume(&next, inputs, Graph::Decode)?,
             }
         }
         Ok(())
     }
 
-    fn consume(&mut self, row: &ConsumeRow, inputs: &StepInputs) -> Result<(), ExecutorError> {
+    fn consume(&mut self, row: &ConsumeRow, inputs: &StepInputs, graph: Graph) -> Result<(), ExecutorError> {
         let (mut state, consumed) = self.row_state(row.live_row)?;
         if consumed != u64::from(row.start) {
             return Err(ExecutorError::StaleRow {
@@ -615,7 +639,8 @@ impl SimulatedExecutor {
             let position = row.start + i as u32;
             let word = u64::from(token) | (u64::from(position) << 32);
             self.slot_of(&row.page_table, position)?.copy_from_slice(&word.to_le_bytes());
-            state = splitmix(state ^ word);
+            let rounding = if self.graph_rounding && graph == Graph::Decode { DECODE_ROUNDING } else { 0 };
+            state = splitmix(state ^ word ^ rounding);
         }
         self.set_row_state(row.live_row, state, consumed + row.len() as u64)?;
         if let Some(sample) = &row.sample {
@@ -722,10 +747,10 @@ impl Executor for SimulatedExecutor {
                 }
                 StepOp::Decode { rows, .. } => {
                     for row in rows {
-                        self.consume(row, inputs)?;
+                        self.consume(row, inputs, Graph::Decode)?;
                     }
                 }
-                StepOp::Prefill { row, .. } => self.consume(row, inputs)?,
+                StepOp::Prefill { row, .. } => self.consume(row, inputs, Graph::Prefill)?,
                 StepOp::Verify { program, rows } => {
                     let fits = rows.len() as u32 <= program.requests
                         && rows.iter().all(|r| r.proposals() as u32 <= program.depth);

@@ -96,7 +96,7 @@ pub enum StepOp {
     ResumeSampling { live_row: u32, consumed: u32, page_table: Vec<PageId>, sample: SampleSpec },
     /// Count the request's prompt into its live row's penalty histogram, once, at admission
     /// (after the row's Initialize or Restore; on a prefix hit too). After a preemption the
-    /// prompt is everything consumed so far, generated tokens included. Sampling graphs count
+    /// prompt is every token the request has, its pending sampled token included. Sampling graphs count
     /// each sampled token afterwards. Cores without a penalty histogram skip it.
     AdmitHistogram { live_row: u32, tokens: Vec<u32> },
     /// Copy retired checkpoints out to the host tier: pages and snapshot rows into host

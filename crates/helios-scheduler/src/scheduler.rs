@@ -160,6 +160,11 @@ pub struct FinishedRequest {
     pub preemptions: u32,
     /// Prompt tokens restored from a checkpoint at first admission instead of recomputed.
     pub cached_tokens: u32,
+    /// History tokens prefilled again at readmissions: what lay past the checkpoint each one
+    /// restored (0 when every preemption's terminal checkpoint was still cached). Recomputed
+    /// history is prefill arithmetic where the request first decoded, so on a device its
+    /// later tokens may differ from an uninterrupted run.
+    pub recomputed_tokens: u32,
 }
 
 /// Where storage is right now (for metrics and drain checks).
@@ -300,6 +305,8 @@ struct Request {
     full_reservation: bool,
     preemptions: u32,
     cached_tokens: u32,
+    /// [`FinishedRequest::recomputed_tokens`] so far.
+    recomputed_tokens: u32,
     finishing: Option<FinishReason>,
     /// Cancelled; finishes once nothing is in flight. Plans nothing meanwhile.
     cancelling: bool,
@@ -538,6 +545,7 @@ impl Scheduler {
             full_reservation: !spec.images.is_empty(),
             preemptions: 0,
             cached_tokens: 0,
+            recomputed_tokens: 0,
             finishing: None,
             cancelling: false,
             held: false,
@@ -889,18 +897,25 @@ impl Scheduler {
                 reason,
                 preemptions: request.preemptions,
                 cached_tokens: request.cached_tokens,
+                recomputed_tokens: request.recomputed_tokens,
             });
         }
     }
 
     /// Preempts a decoder: terminal capture when backing allows, release, readmit first.
+    ///
+    /// Its history to consume again ends where it stopped consuming: the token it sampled last
+    /// stays pending, and after readmission a decode row consumes it as one would have without
+    /// the preemption (decode and prefill graphs round differently, so a prefill chunk there
+    /// would change the request's later tokens on a device).
     fn preempt(&mut self, id: RequestId, fence: Fence, ops: &mut Vec<StepOp>) {
+        let consumed = self.request(id).live.as_ref().map(|l| l.consumed);
         self.capture(id, fence, ops, false);
         self.release(id);
         self.stats.preemptions += 1;
         if let Some(request) = self.requests.get_mut(&id) {
             request.preemptions += 1;
-            request.prompt_len = request.tokens.len() as u32;
+            request.prompt_len = consumed.unwrap_or(request.tokens.len() as u32).min(request.tokens.len() as u32);
             request.message_budget = 0;
         }
         let too_large =
@@ -1399,7 +1414,8 @@ impl Scheduler {
         let Some(request) = self.requests.get_mut(&id) else {
             broken("an admitted request is not in the request table")
         };
-        ops.push(StepOp::AdmitHistogram { live_row, tokens: request.tokens[..request.prompt_len as usize].to_vec() });
+        // Every token the request has seen, a readmitted one's pending token included.
+        ops.push(StepOp::AdmitHistogram { live_row, tokens: request.tokens.clone() });
         let mut captures: VecDeque<u32> = select_message_endpoints(
             &request.spec.message_endpoints,
             hit_tokens,
@@ -1418,6 +1434,8 @@ impl Scheduler {
         if request.preemptions == 0 {
             request.cached_tokens = hit_tokens;
             self.admitted.push(id);
+        } else {
+            request.recomputed_tokens += request.prompt_len - hit_tokens;
         }
         self.admissions += 1;
         let mut live = Live {
@@ -1430,7 +1448,8 @@ impl Scheduler {
             last_fence: fence,
             admitted: self.admissions,
         };
-        if hit_tokens == request.prompt_len {
+        // A readmitted request's pending token is consumed by a decode row, which samples.
+        if hit_tokens == request.prompt_len && request.tokens.len() == request.prompt_len as usize {
             self.stats.full_prompt_hits += 1;
             live.samples_in_flight = 1;
             ops.push(StepOp::ResumeSampling {
@@ -1476,7 +1495,8 @@ impl Scheduler {
         let Some(capacity) = self.capacities.prefill_capacity_for(len) else {
             broken("a prefill chunk is longer than the largest captured capacity")
         };
-        let ends_prompt = stop == request.prompt_len;
+        // The chunk ending the prompt samples, unless a token is already pending (readmission).
+        let ends_prompt = stop == request.prompt_len && request.tokens.len() == stop as usize;
         let row = ConsumeRow {
             live_row: self.rows.live_row(live.slot),
             start: live.consumed,

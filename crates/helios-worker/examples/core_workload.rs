@@ -54,6 +54,7 @@ fn run(
     let mut identical = 0usize;
     let mut compared = 0usize;
     let mut differing = Vec::new();
+    let mut unexplained = 0usize;
     for (spec, done) in &report.finished {
         let alone = run_alone_on(&mut executor, &scheme, &caps, spec).map_err(|e| e.to_string())?;
         let info = finish(done);
@@ -65,7 +66,11 @@ fn run(
         } else {
             let at =
                 done.output.iter().zip(&alone).position(|(a, b)| a != b).unwrap_or(done.output.len().min(alone.len()));
+            // A prefix hit or history recomputed after a preemption ran through other graphs
+            // than the solo run (prefill where it decoded), which round differently.
+            unexplained += usize::from(info.cached_tokens == 0 && info.recomputed_tokens == 0);
             differing.push(json!({"prompt_tokens": spec.tokens.len(), "cached_tokens": info.cached_tokens,
+                                  "preemptions": info.preemptions, "recomputed_tokens": info.recomputed_tokens,
                                   "reason": info.cause.as_str(), "first_difference": at,
                                   "tokens": done.output.len(), "alone_tokens": alone.len()}));
         }
@@ -76,6 +81,10 @@ fn run(
         "prefix_hit_tokens": report.finished.iter().map(|(_, d)| u64::from(finish(d).cached_tokens)).sum::<u64>(),
         "cancelled": report.finished.iter().filter(|(_, d)| finish(d).cause == FinishCause::Cancelled).count(),
         "compared": compared, "identical_to_solo_run": identical, "differing": differing,
+        "differing_without_prefix_hit_or_recompute": unexplained,
+        "preempted_requests": report.finished.iter().filter(|(_, d)| finish(d).preemptions > 0).count(),
+        "restored_whole_after_preemption": report.finished.iter()
+            .filter(|(_, d)| { let i = finish(d); i.preemptions > 0 && i.recomputed_tokens == 0 }).count(),
         "pages": caps.max_kv_pages, "max_output": max_output, "relocated": relocate,
         "host_tier_bytes": tiers.host_bytes, "demotions": report.demotions, "host_restores": report.host_restores,
         "disk_writes": report.disk_writes, "disk_fetches": report.disk_fetches,

@@ -1121,6 +1121,7 @@ impl<E: Executor> ModelLoop<E> {
             generated: f.output.len() as u32,
             cached_tokens: f.cached_tokens,
             preemptions: f.preemptions,
+            recomputed_tokens: f.recomputed_tokens,
         }));
     }
 

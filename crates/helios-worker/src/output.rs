@@ -46,6 +46,9 @@ pub struct FinishInfo {
     /// Prompt tokens restored from the prefix cache.
     pub cached_tokens: u32,
     pub preemptions: u32,
+    /// History prefilled again at readmissions after preemption (see
+    /// `helios_scheduler::FinishedRequest::recomputed_tokens`).
+    pub recomputed_tokens: u32,
 }
 
 /// What a consumer receives.
