@@ -214,6 +214,9 @@ pub struct SchedulerStats {
     pub verify_rows: u64,
     pub proposed_tokens: u64,
     pub accepted_tokens: u64,
+    /// Decode steps fed from the host because a round was expected, that then verified
+    /// nothing: pipelining given up for no round (the planner's prediction missed).
+    pub host_fed_without_round: u64,
 }
 
 /// A restore the scheduler finished (its checkpoint published), for latency metrics.
@@ -347,14 +350,18 @@ struct Speculation {
     checked: Option<Vec<u32>>,
 }
 
-impl Speculation {
-    /// Whether the next round would propose: the history's suffix recurs and the depth
-    /// controller finds proposing worth `cost` (the round's cost per depth in its batch).
-    fn pays(&self, cost: &[f64]) -> bool {
-        let available = self.proposer.propose(PROPOSER_MAX_MATCH).len();
-        available > 0 && self.depth.depth(available, cost) > 0
-    }
+/// Where a capture's partial tail page comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TailPage {
+    /// A fresh page the live tail is copied into (evicting cached checkpoints for it if
+    /// `may_evict`); the request keeps writing its own.
+    Copied { may_evict: bool },
+    /// The live tail page itself, for a request released right after the capture with nothing
+    /// in flight (a preemption victim).
+    Handed,
+}
 
+impl Speculation {
     fn new(history: &[u32]) -> Box<Self> {
         // Only the window's tail of a long prompt is indexed (submission runs on the model thread).
         let proposer = CopyProposer::new(PROPOSER_MIN_MATCH, PROPOSER_MAX_MATCH)
@@ -807,7 +814,7 @@ impl Scheduler {
 
     /// Snapshots `id`'s live state at its consumed count, unless that endpoint is cached or no
     /// backing is available. The capture publishes when `fence` completes.
-    fn capture(&mut self, id: RequestId, fence: Fence, ops: &mut Vec<StepOp>, evict_pages: bool) {
+    fn capture(&mut self, id: RequestId, fence: Fence, ops: &mut Vec<StepOp>, tail: TailPage) {
         let Some(request) = self.requests.get(&id) else { broken("a captured request is not in the request table") };
         let Some(live) = request.live.as_ref() else { broken("a captured request has no live state") };
         let end = live.consumed as usize;
@@ -830,21 +837,27 @@ impl Scheduler {
             return;
         };
         let pt = self.pt() as usize;
-        let tail = if !end.is_multiple_of(pt) {
-            match self.allocate_page(evict_pages) {
+        let copy_to = match tail {
+            _ if end.is_multiple_of(pt) => None,
+            TailPage::Handed => None,
+            TailPage::Copied { may_evict } => match self.allocate_page(may_evict) {
                 Some(page) => Some(page),
                 None => {
                     self.rows.snapshots.release(snapshot, Fence(0));
                     self.stats.snapshot_skips += 1;
                     return;
                 }
-            }
-        } else {
-            None
+            },
         };
         let Some(live) = self.requests.get_mut(&id).and_then(|r| r.live.as_mut()) else {
             broken("a captured request lost its live state while the capture was planned")
         };
+        // A handed-over tail page is the live one itself: the checkpoint keeps a reference to
+        // it, so the request's release leaves it in place and nothing needs copying.
+        let handed = (!end.is_multiple_of(pt) && tail == TailPage::Handed).then(|| live.page_table[end / pt]);
+        if let Some(page) = handed {
+            self.pages.retain(page);
+        }
         let parent = live.anchor.filter(|a| self.prefix.get(*a).is_some());
         let parent_tokens = parent.and_then(|a| self.prefix.get(a)).map_or(0, |a| a.tokens()) as usize;
         let segment = live.page_table[parent_tokens / pt..end / pt].to_vec();
@@ -861,14 +874,14 @@ impl Scheduler {
         ops.push(StepOp::Snapshot {
             live_row: self.rows.live_row(live.slot),
             snapshot_row: self.rows.snapshot_row(snapshot),
-            tail: tail.map(|destination| PageCopy { source: live.page_table[end / pt], destination }),
+            tail: copy_to.map(|destination| PageCopy { source: live.page_table[end / pt], destination }),
             consumed: live.consumed,
             epoch: epoch_of(&key),
         });
         self.stats.captures += 1;
         self.pending.push(PendingCapture {
             request: id,
-            publication: Publication { key, parent, segment, tail_page: tail, snapshot, fence },
+            publication: Publication { key, parent, segment, tail_page: copy_to.or(handed), snapshot, fence },
         });
     }
 
@@ -910,7 +923,9 @@ impl Scheduler {
     /// would change the request's later tokens on a device).
     fn preempt(&mut self, id: RequestId, fence: Fence, ops: &mut Vec<StepOp>) {
         let consumed = self.request(id).live.as_ref().map(|l| l.consumed);
-        self.capture(id, fence, ops, false);
+        // Nothing of a victim is in flight and its pages are released next: its tail page
+        // goes to the checkpoint as it is (a copy would need a free page, and pages are short).
+        self.capture(id, fence, ops, TailPage::Handed);
         self.release(id);
         self.stats.preemptions += 1;
         if let Some(request) = self.requests.get_mut(&id) {
@@ -947,23 +962,24 @@ impl Scheduler {
     /// feedback keeps every decoder host-fed (one step in flight), so it is never left out.
     /// Held requests count for that choice but not for lockstep: they are left out until
     /// resumed, and must not stop the decoders that are ready.
-    fn decode_plan(&self) -> (bool, bool) {
+    fn decode_plan(&self) -> (bool, bool, bool) {
         // A verify row in flight leaves its request's consumed count open until it lands: its
         // next input needs the host, and so (lockstep) does everybody's.
         let verifying = self.decoding().any(|r| r.speculation.as_ref().is_some_and(|s| s.in_flight.is_some()));
-        // Proposals follow the pending token, so a decoder that would get some is fed from the
-        // host: speculation, while it pays at this batch's cost, takes the place of the second
-        // step in flight.
-        let cost = self.batch_cost(self.decoders());
+        // Proposals follow the pending token, so a batch that would verify some is fed from the
+        // host: a round, while it pays at this batch's cost, takes the place of the second step
+        // in flight. Judged for the batch as `round_pays` judges it: one row's proposals that do
+        // not pay for the whole batch's round must not cost everybody the pipelining (at c=4
+        // that cost 2-3% of decode throughput on the H100, session 19).
+        let round_expected = self.round_expected();
         let device_fed = self.config.device_fed_decode
             && !verifying
-            && !self
-                .decoding()
-                .any(|r| r.spec.needs_host_feedback || r.speculation.as_ref().is_some_and(|s| s.pays(cost)));
+            && !self.decoding().any(|r| r.spec.needs_host_feedback)
+            && !round_expected;
         let limit = if device_fed { 2 } else { 1 };
         let lockstep =
             !self.decoding().any(|r| !r.held && r.live.as_ref().is_some_and(|l| l.samples_in_flight >= limit));
-        (device_fed, lockstep)
+        (device_fed, lockstep, round_expected)
     }
 
     /// Whether the request decodes next step, and how its input token is fed.
@@ -1013,7 +1029,7 @@ impl Scheduler {
             self.running.iter().filter_map(|id| self.request(id).finishing.map(|f| (*id, f))).collect();
         for (id, reason) in finishing {
             if self.request(id).capture_terminal {
-                self.capture(id, fence, &mut ops, true);
+                self.capture(id, fence, &mut ops, TailPage::Copied { may_evict: true });
             }
             self.finish(id, reason);
         }
@@ -1031,7 +1047,7 @@ impl Scheduler {
             if let Some(live) = self.requests.get_mut(&id).and_then(|r| r.live.as_mut()) {
                 live.captures.pop_front();
             }
-            self.capture(id, fence, &mut ops, true);
+            self.capture(id, fence, &mut ops, TailPage::Copied { may_evict: true });
         }
 
         let short_of_pages = self.plan_decode(fence, &mut ops);
@@ -1061,7 +1077,7 @@ impl Scheduler {
         let mut rows = Vec::new();
         let mut short = false;
         let candidates: Vec<RequestId> = self.running.clone();
-        let (device_fed, lockstep) = self.decode_plan();
+        let (device_fed, lockstep, round_expected) = self.decode_plan();
         if !lockstep {
             return false;
         }
@@ -1172,6 +1188,7 @@ impl Scheduler {
                 r
             });
             self.stats.decode_steps += 1;
+            self.stats.host_fed_without_round += u64::from(round_expected && self.config.device_fed_decode);
             ops.push(StepOp::Decode { bucket, rows: rows.collect() });
         }
         short
@@ -1223,21 +1240,54 @@ impl Scheduler {
         for (_, row) in rows.iter_mut() {
             row.tokens.truncate(usize::from(!row.device_token) + cap);
         }
-        let depth = rows.iter().map(|(_, r)| r.proposals()).max().unwrap_or(0);
+        let weighed: Vec<(f64, usize)> = rows
+            .iter()
+            .map(|(id, row)| {
+                let p =
+                    self.requests.get(id).and_then(|r| r.speculation.as_ref()).map_or(0.0, |s| s.depth.acceptance());
+                (p, row.proposals())
+            })
+            .collect();
+        self.round_pays_for(&weighed)
+    }
+
+    /// [`Self::round_pays`] over `(acceptance estimate, proposals)` per row, the proposals
+    /// already cut to what the batch's programs verify; true when nobody proposes.
+    fn round_pays_for(&self, rows: &[(f64, usize)]) -> bool {
+        let depth = rows.iter().map(|&(_, k)| k).max().unwrap_or(0);
         if depth == 0 {
             return true;
         }
         let cost = self.batch_cost(rows.len());
         let Some(&round) = cost.get(depth) else { return false };
-        let expected: f64 = rows
-            .iter()
-            .map(|(id, row)| {
-                let p =
-                    self.requests.get(id).and_then(|r| r.speculation.as_ref()).map_or(0.0, |s| s.depth.acceptance());
-                expected_tokens(p, row.proposals())
-            })
-            .sum();
+        let expected: f64 = rows.iter().map(|&(p, k)| expected_tokens(p, k)).sum();
         expected / round > rows.len() as f64
+    }
+
+    /// Whether the next decode step would verify a round: its decoders' proposals (what each
+    /// proposer finds, as deep as its controller goes at the batch's cost) pay for the batch's
+    /// round. A prediction from the same inputs `plan_decode` weighs, before it allocates.
+    fn round_expected(&self) -> bool {
+        if self.config.speculative_depth == 0 {
+            return false;
+        }
+        let decoders: Vec<&Request> = self.decoding().filter(|r| !r.held).collect();
+        let max_bucket = self.capacities.decode_request_buckets.last().copied().unwrap_or(0) as usize;
+        let n = decoders.len().min(max_bucket);
+        let cost = self.batch_cost(n);
+        let cap = self.capacities.max_speculative_depth(n as u32) as usize;
+        let rows: Vec<(f64, usize)> = decoders
+            .iter()
+            .take(n)
+            .map(|r| match r.speculation.as_deref() {
+                Some(s) => {
+                    let available = s.proposer.propose(self.speculation_depth() as usize);
+                    (s.depth.acceptance(), within_depth(r, s, available, cost).len().min(cap))
+                }
+                None => (0.0, 0),
+            })
+            .collect();
+        rows.iter().any(|&(_, k)| k > 0) && self.round_pays_for(&rows)
     }
 
     /// Copy proposals a request under a grammar could verify next, for the host to check with

@@ -151,6 +151,8 @@ pub struct WorkloadReport {
     pub verify_rows: u64,
     pub proposed_tokens: u64,
     pub accepted_tokens: u64,
+    /// `SchedulerStats::host_fed_without_round`.
+    pub host_fed_without_round: u64,
 }
 
 /// Runs `actions` through the serving loop over one scheduler, checking invariants after every
@@ -371,6 +373,7 @@ pub fn run_workload_tiered<E: Executor>(
     report.proposed_tokens = stats.proposed_tokens;
     report.accepted_tokens = stats.accepted_tokens;
     report.decode_steps = stats.decode_steps;
+    report.host_fed_without_round = stats.host_fed_without_round;
     report.demotions = scheduler.host_stats().map_or(0, |h| h.demotions);
     scheduler.evict_cache();
     scheduler.check_invariants();

@@ -325,6 +325,36 @@ fn batches_beyond_a_program_depth_still_verify_what_it_holds() {
     );
 }
 
+/// A batch gives up its second step in flight only for a round it then verifies: one request
+/// whose proposals would pay alone must not make everybody host-fed when the batch's round does
+/// not pay (what cost 2-3% of c=4 decode on the H100). Four induction conversations with
+/// device-fed decode and completions a step late, speculating at depth 4.
+#[test]
+fn batches_stay_device_fed_unless_a_round_is_verified() {
+    let scheme = reference_schemes().remove(0);
+    let min_pages = scheme.pages_for(1024) as u32 + 2;
+    let mut caps = test_capacities(4, min_pages * 2, 8);
+    caps.speculative_programs = [(1, 7), (2, 7), (4, 3)].map(|(b, d)| SpeculativeProgram::rectangular(b, d)).to_vec();
+    let executor = SimulatedExecutor::with_completion_lag(&scheme, &caps, 1).with_model(SimModel::Induction);
+    let mut executor = executor.with_device_fed_decode();
+    let tiers = Tiers { speculative_depth: 4, ..Tiers::default() };
+    let mut actions = Vec::new();
+    for seed in 0..4u64 {
+        actions.push(Action::Start { messages: 2, message_len: 40, max_output: 160, seed: 10 + seed });
+    }
+    actions.push(Action::Run { turns: 200 });
+    actions.push(Action::Run { turns: 200 });
+    let report = run_workload_tiered(&mut executor, &scheme, &caps, 4, &[0], &tiers, &actions).unwrap();
+    assert_matches_oracle_as(SimModel::Induction, &scheme, &caps, &report);
+    let steps = report.decode_steps + report.verify_steps;
+    assert!(report.verify_steps > 0, "{report:?}");
+    assert!(
+        report.host_fed_without_round * 20 <= steps,
+        "{} of {steps} steps gave up pipelining for a round they did not verify",
+        report.host_fed_without_round
+    );
+}
+
 /// A restore budget of `pages` page copies per step (0: the default), to split restores.
 fn restore_budget(scheme_index: usize, pages: u64) -> Option<u64> {
     let page_bytes = reference_schemes()[scheme_index].bytes_per_page();
