@@ -381,6 +381,11 @@ case "$STAGE" in
       # prompts outgrow it mid-decode; the 48-page run only evicts checkpoints).
       timeout 240 /tmp/core_workload /tmp/q35specbw --pages 25 --max-output 600 > "$OUT/core_workload_preempt.json"
       echo "core_workload --pages 25 --max-output 600 rc=$?"; head -c 600 "$OUT/core_workload_preempt.json"; echo
+      # The same with a host tier: a victim's terminal checkpoint, evicted for the pages it
+      # freed, comes back from host memory, so readmission recomputes nothing.
+      timeout 240 /tmp/core_workload /tmp/q35specbw --pages 25 --max-output 600 --host-mib 4096 \
+        > "$OUT/core_workload_preempt_host.json"
+      echo "core_workload --pages 25 --max-output 600 --host-mib 4096 rc=$?"; head -c 600 "$OUT/core_workload_preempt_host.json"; echo
       timing_unlock
     fi ;;
   q35-spec)  # issue 21 (bg): the Qwen3.5 core with speculative programs (GDN state columns, W = 5 rows per slot) and

@@ -268,6 +268,7 @@ def summarize(raw: Path, tags: str | Sequence[str] | None) -> dict[str, Any]:
             "core_workload.json",
             "core_workload_pressure.json",
             "core_workload_preempt.json",
+            "core_workload_preempt_host.json",
             "hf_generate.json",
             "exactness.json",
         )
@@ -303,7 +304,12 @@ def summarize(raw: Path, tags: str | Sequence[str] | None) -> dict[str, Any]:
         keys = ("compared", "identical_to_solo_run", "prefix_hit_tokens")
         entry["lifecycle"] = {k: work[k] for k in keys if k in work}
         # The small-pool runs: checkpoint eviction, then preemption (long outputs).
-        for name, key in (("core_workload_pressure.json", "pressure"), ("core_workload_preempt.json", "preemption")):
+        runs = (
+            ("core_workload_pressure.json", "pressure"),
+            ("core_workload_preempt.json", "preemption"),
+            ("core_workload_preempt_host.json", "preemption_host_tier"),
+        )
+        for name, key in runs:
             run = load(paths[name])
             if run is not None:
                 more = (

@@ -647,43 +647,46 @@ fn the_device_scenario_matches_solo_runs_on_the_same_executor() {
 /// request still matches its solo run.
 #[test]
 fn the_device_scenario_with_long_outputs_preempts_and_still_matches_solo_runs() {
-    use helios_worker::workload::{device_scenario, run_alone_on, run_workload_on, with_max_output};
+    use helios_worker::workload::{device_scenario, run_alone_on, run_workload_tiered, with_max_output};
 
     let actions = with_max_output(&device_scenario(), 600);
-    let mut restored_whole = 0;
     for scheme in reference_schemes() {
-        // Without graph rounding every request matches its solo run. With it, so does a
-        // preempted request readmitted from its terminal checkpoint (its pending token decoded,
-        // as in the uninterrupted run); history recomputed by prefill may change what follows.
-        // 1,600 tokens hold about two requests' prompts and reservations, so four admitted ones
-        // outgrow them; in the larger pool terminal checkpoints survive until readmission.
-        for (rounding, tokens) in [(false, 1600u32), (true, 1600), (true, 2200)] {
-            let mut caps = test_capacities(4, tokens.div_ceil(scheme.page_tokens), 24);
-            caps.context_limit = 4096; // appended turns after 600-token answers still fit
+        // About two requests' prompts and reservations: four admitted ones outgrow it.
+        let mut caps = test_capacities(4, 1600u32.div_ceil(scheme.page_tokens), 24);
+        caps.context_limit = 4096; // appended turns after 600-token answers still fit
+        // Without graph rounding every request matches its solo run. With it, history that
+        // readmission recomputed by prefill may change what follows (a victim's checkpoint,
+        // holding the pages its preemption freed, is evicted for them). With a host tier the
+        // checkpoint comes back from host memory: every victim resumes whole, its pending token
+        // decoded as in the uninterrupted run, and matches.
+        for (rounding, host) in [(false, None), (true, None), (true, Some(64u64 << 20))] {
             let mut executor = SimulatedExecutor::new(&scheme, &caps);
             if rounding {
                 executor = executor.with_graph_rounding();
             }
-            let report = run_workload_on(&mut executor, &scheme, &caps, 4, &[], &actions).unwrap();
+            let tiers = Tiers { host_bytes: host, ..Tiers::default() };
+            let report = run_workload_tiered(&mut executor, &scheme, &caps, 4, &[], &tiers, &actions).unwrap();
             let (pt, preempted, finished) = (scheme.page_tokens, report.preemptions, report.finished.len());
             assert!(preempted > 0 && finished >= 6, "page tokens {pt}: {preempted} preemptions, {finished} finished");
             for (spec, done) in &report.finished {
                 let info = finish(done);
-                if rounding && info.recomputed_tokens > 0 {
+                if host.is_some() {
+                    assert_eq!(info.recomputed_tokens, 0, "page tokens {pt}: {:?} recomputed history", done.id);
+                } else if rounding && info.recomputed_tokens > 0 {
                     continue;
                 }
-                restored_whole += usize::from(rounding && info.preemptions > 0);
                 let alone = run_alone_on(&mut executor, &scheme, &caps, spec).unwrap();
                 match info.cause {
                     FinishCause::Cancelled | FinishCause::PoolExhausted => assert!(alone.starts_with(&done.output)),
-                    _ => {
-                        assert_eq!(done.output, alone, "{:?} diverged from its solo run (rounding {rounding})", done.id)
-                    }
+                    _ => assert_eq!(
+                        done.output, alone,
+                        "{:?} diverged from its solo run ({rounding}, {host:?})",
+                        done.id
+                    ),
                 }
             }
         }
     }
-    assert!(restored_whole > 0, "no preempted request came back from its terminal checkpoint");
 }
 
 /// Runs one request with completions one step late and device-fed decode; returns its output,
