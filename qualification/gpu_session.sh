@@ -133,11 +133,13 @@ spec_bench() {  # CORE: `flare bench` copy and decode workloads at c=1,4 served 
     /tmp/flare run "$1" --port 8125 --speculative-depth $depth > "$OUT/flare_run_d$depth.log" 2>&1 &
     local pid=$!
     for _ in $(seq 120); do grep -q "ready: listening" "$OUT/flare_run_d$depth.log" && break; sleep 0.5; done
-    for w in copy decode; do
+    for w in copy copytool decode; do
       # --copy-seed: the same greedy prompts at both depths, so their output digests compare.
       # --keep-outputs: where the digests differ, the texts say where the outputs part.
-      timeout 240 /tmp/flare bench --url http://127.0.0.1:8125 --workload $w --concurrency 1,4 --json --copy-seed 17 \
-        $([ $w = copy ] && echo --keep-outputs) > "$OUT/bench_${w}_d$depth.json" 2> "$OUT/bench_${w}_d$depth.log"
+      # copytool: the same files as read_file tool results the model quotes back edited.
+      timeout 240 /tmp/flare bench --url http://127.0.0.1:8125 --workload ${w/copytool/copy} --concurrency 1,4 --json \
+        --copy-seed 17 $([ $w != decode ] && echo --keep-outputs) $([ $w = copytool ] && echo --copy-from-tool) \
+        > "$OUT/bench_${w}_d$depth.json" 2> "$OUT/bench_${w}_d$depth.log"
       echo "bench $w depth $depth rc=$?"
     done
     curl -s http://127.0.0.1:8125/metrics > "$OUT/metrics_d$depth.txt"
@@ -146,8 +148,11 @@ spec_bench() {  # CORE: `flare bench` copy and decode workloads at c=1,4 served 
   python3 -c "
 import json
 for d in (4, 0):
-    for w in ('copy', 'decode'):
-        r = json.load(open('$OUT/bench_' + w + '_d' + str(d) + '.json'))
+    for w in ('copy', 'copytool', 'decode'):
+        try:
+            r = json.load(open('$OUT/bench_' + w + '_d' + str(d) + '.json'))
+        except (OSError, ValueError):
+            continue
         for x in r['workloads']:
             print(f'depth {d} {x[\"name\"]}: {x[\"stream_tokens_per_sec\"]:.0f} tok/s per stream, {x[\"output_tokens\"]} tokens')
 "

@@ -96,6 +96,11 @@ pub struct BenchArgs {
     /// digests differ, the texts say where the outputs first part.
     #[arg(long)]
     pub keep_outputs: bool,
+    /// The copy workload as an agent turn: the file arrives as a `read_file` tool result and the
+    /// model quotes it back with the rename (workloads `copy from tool c=N`), instead of inside
+    /// the user's message.
+    #[arg(long)]
+    pub copy_from_tool: bool,
 }
 
 /// One request as measured by the client.
@@ -460,16 +465,23 @@ impl Bench {
             None => args.copy_lines,
         };
         let seed = args.copy_seed.unwrap_or_else(nonce);
+        let max_tokens = (lines * COPY_TOKENS_PER_LINE * 5 / 4) as u32;
         let bodies = (0..concurrency)
-            .map(|i| {
-                let prompt = copy_prompt(lines, seed, i);
-                let max_tokens = (lines * COPY_TOKENS_PER_LINE * 5 / 4) as u32;
-                self.body(json!([{"role": "user", "content": prompt}]), max_tokens, json!({"temperature": 0}))
+            .map(|i| match args.copy_from_tool {
+                false => {
+                    let prompt = copy_prompt(lines, seed, i);
+                    self.body(json!([{"role": "user", "content": prompt}]), max_tokens, json!({"temperature": 0}))
+                }
+                true => {
+                    let (messages, tools) = copy_from_tool_messages(lines, seed, i);
+                    self.body(messages, max_tokens, json!({"temperature": 0, "tools": tools}))
+                }
             })
             .collect();
         let (outs, wall) = self.concurrent(bodies).await;
         let texts: Vec<String> = if args.keep_outputs { outs.iter().map(|o| o.text.clone()).collect() } else { vec![] };
-        let mut w = summarise(&format!("copy c={concurrency}"), WorkloadKind::Copy, concurrency, outs, wall);
+        let name = if args.copy_from_tool { "copy from tool" } else { "copy" };
+        let mut w = summarise(&format!("{name} c={concurrency}"), WorkloadKind::Copy, concurrency, outs, wall);
         for (r, text) in w.records.iter_mut().zip(texts) {
             r.output = Some(text);
         }
@@ -817,6 +829,37 @@ fn copy_prompt(lines: usize, seed: u64, i: usize) -> String {
     )
 }
 
+/// [`copy_prompt`]'s file as an agent turn: the user asks for the edit, the assistant reads the
+/// file with a tool, and the tool's result is the file, which the model then writes back
+/// edited. Returns the messages and the tool declarations.
+fn copy_from_tool_messages(lines: usize, seed: u64, i: usize) -> (Value, Value) {
+    let file = source_file(lines, seed ^ i as u64);
+    let functions = file.matches("def step_").count().max(1);
+    let renamed = i % functions;
+    let path = format!("src/stepper_{i}.py");
+    let tools = json!([{
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "The contents of a file in the repository.",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+        },
+    }]);
+    let messages = json!([
+        {"role": "system", "content": "You are a coding agent. Read files with the tools; answer with file contents only."},
+        {"role": "user", "content": format!(
+            "In {path}, rename the function `step_{renamed}` to `advance_{renamed}` and show me the whole edited file."
+        )},
+        {"role": "assistant", "content": null, "tool_calls": [{
+            "id": "call_0",
+            "type": "function",
+            "function": {"name": "read_file", "arguments": json!({"path": path}).to_string()},
+        }]},
+        {"role": "tool", "tool_call_id": "call_0", "content": file},
+    ]);
+    (messages, tools)
+}
+
 /// FNV-1a, 64-bit: a digest of outputs for comparing runs, not a defence against collisions.
 fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
@@ -952,6 +995,7 @@ mod tests {
             copy_lines: 40,
             copy_seed: None,
             keep_outputs: false,
+            copy_from_tool: false,
         };
         let r = run_bench(&args).await.expect("bench runs");
         assert_eq!(r.model, "fake");
@@ -985,6 +1029,15 @@ mod tests {
         assert!(r.workloads[0].records[0].output.is_none(), "texts are kept only when asked");
         let kept = run_bench(&BenchArgs { keep_outputs: true, ..copy.clone() }).await.expect("bench runs");
         assert_eq!(kept.workloads[0].records[0].output.as_deref(), Some(text.as_str()));
+        // The same files as tool results quoted back in an agent turn.
+        let tool = run_bench(&BenchArgs { copy_from_tool: true, ..copy.clone() }).await.expect("bench runs");
+        let names: Vec<&str> = tool.workloads.iter().map(|w| w.name.as_str()).collect();
+        assert_eq!(names, ["copy from tool c=1", "copy from tool c=2"]);
+        assert!(tool.workloads.iter().all(|w| w.failed == 0 && w.prompt_tokens > 0));
+        let (messages, tools) = copy_from_tool_messages(40, 7, 1);
+        assert_eq!(messages[3]["content"].as_str(), Some(source_file(40, 7 ^ 1).as_str()));
+        assert_eq!(messages[2]["tool_calls"][0]["id"], messages[3]["tool_call_id"]);
+        assert_eq!(tools[0]["function"]["name"], messages[2]["tool_calls"][0]["function"]["name"]);
         // A seeded copy run sends the same prompts every run, one file per stream.
         assert_eq!(copy_prompt(40, 7, 1), copy_prompt(40, 7, 1));
         assert_ne!(copy_prompt(40, 7, 0), copy_prompt(40, 7, 1));

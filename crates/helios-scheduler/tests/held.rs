@@ -6,24 +6,14 @@
 use std::collections::VecDeque;
 
 use helios_cache::PrefixIdentity;
-use helios_contract::model::{CacheScheme, Capacities, PageRegion};
+use helios_contract::model::Capacities;
 use helios_scheduler::{
     Completion, FinishReason, RequestId, RequestSpec, SampledToken, Scheduler, SchedulerConfig, Step, StepOp,
 };
 use proptest::prelude::*;
 
-fn scheme() -> CacheScheme {
-    CacheScheme {
-        page_tokens: 16,
-        page_regions: vec![PageRegion { name: "kv".into(), bytes_per_page: 1 }],
-        continuation_row_bytes: 16,
-        row_layout: vec![],
-        null_row: 0,
-        live_rows_per_slot: 1,
-        verification_width: 1,
-        padding_slot: -1,
-    }
-}
+mod support;
+use support::{sampled, scheme};
 
 fn capacities(pages: u32) -> Capacities {
     Capacities {
@@ -61,20 +51,6 @@ fn spec(prompt: usize, salt: u32, max_output: u32, host_feedback: bool) -> Reque
         seed: u64::from(salt),
         needs_host_feedback: host_feedback,
     }
-}
-
-/// Requests the step samples.
-fn sampled(step: &Step) -> Vec<RequestId> {
-    let mut out = Vec::new();
-    for op in &step.ops {
-        match op {
-            StepOp::Decode { rows, .. } => out.extend(rows.iter().filter_map(|r| r.sample.map(|s| s.request))),
-            StepOp::Prefill { row, .. } => out.extend(row.sample.map(|s| s.request)),
-            StepOp::ResumeSampling { sample, .. } => out.push(sample.request),
-            _ => {}
-        }
-    }
-    out
 }
 
 fn completion(step: &Step) -> Completion {

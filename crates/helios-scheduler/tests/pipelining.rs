@@ -9,21 +9,11 @@ use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
 use helios_cache::PrefixIdentity;
-use helios_contract::model::{CacheScheme, Capacities, PageRegion, SpeculativeProgram};
+use helios_contract::model::{Capacities, SpeculativeProgram};
 use helios_scheduler::{Completion, RequestId, RequestSpec, SampledToken, Scheduler, SchedulerConfig, Step, StepOp};
 
-fn scheme() -> CacheScheme {
-    CacheScheme {
-        page_tokens: 16,
-        page_regions: vec![PageRegion { name: "kv".into(), bytes_per_page: 1 }],
-        continuation_row_bytes: 16,
-        row_layout: vec![],
-        null_row: 0,
-        live_rows_per_slot: 1,
-        verification_width: 1,
-        padding_slot: -1,
-    }
-}
+mod support;
+use support::{sampled, scheme};
 
 fn scheduler() -> Scheduler {
     let capacities = Capacities {
@@ -66,21 +56,6 @@ fn spec(tokens: Vec<u32>, seed: u64) -> RequestSpec {
     }
 }
 
-/// Requests the step samples, in row order.
-fn sampled(step: &Step) -> Vec<RequestId> {
-    let mut out = Vec::new();
-    for op in &step.ops {
-        match op {
-            StepOp::Decode { rows, .. } => out.extend(rows.iter().filter_map(|r| r.sample.map(|s| s.request))),
-            StepOp::Prefill { row, .. } => out.extend(row.sample.map(|s| s.request)),
-            StepOp::ResumeSampling { sample, .. } => out.push(sample.request),
-            StepOp::Verify { .. } => panic!("a round was planned where none pays for its batch"),
-            _ => {}
-        }
-    }
-    out
-}
-
 #[test]
 fn one_requests_proposals_do_not_cost_its_batch_the_pipelining() {
     let mut s = scheduler();
@@ -121,6 +96,8 @@ fn one_requests_proposals_do_not_cost_its_batch_the_pipelining() {
             None => {}
         }
         let step = in_flight.pop_front().expect("a step in flight");
+        let verifies = step.ops.iter().any(|op| matches!(op, StepOp::Verify { .. }));
+        assert!(!verifies, "a round was planned where none pays for its batch");
         let tokens = sampled(&step)
             .into_iter()
             .map(|request| {

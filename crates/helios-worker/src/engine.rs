@@ -915,7 +915,9 @@ impl<E: Executor> ModelLoop<E> {
             }
             None => {
                 // The oldest step only: a later one stays in flight while this turn plans.
+                let t0 = Instant::now();
                 let done = self.executor.wait()?;
+                self.metrics.executor_wait.observe(t0.elapsed().as_secs_f64());
                 if done.is_empty() && !self.scheduler.is_idle() && !self.grammars.is_empty() {
                     // Held for masks: wait briefly for one (commands are taken next turn).
                     let landed = self.collect_grammars(Some(Duration::from_millis(1)));

@@ -138,6 +138,10 @@ pub struct Metrics {
     pub itl: Histogram,
     /// Time inside the executor per step (submit + poll): model time, as opposed to server time.
     pub executor: Histogram,
+    /// Time the model thread waited for its oldest step in flight. With two steps in flight,
+    /// waits near a step's graph time mean the device sets the pace; short ones with a slower
+    /// step period mean the host or the gaps between graphs do.
+    pub executor_wait: Histogram,
     /// Request arrival at the HTTP layer to its last byte (or failure), for requests whose
     /// choices were all admitted (see [`Metrics::observe_e2e`]).
     e2e: RequestHistogram,
@@ -356,6 +360,8 @@ impl Metrics {
             &mut out,
         );
         self.executor.render("flare_executor_step_seconds", "Executor time per step (submit and poll).", "", &mut out);
+        let wait = "Time the model thread waited for its oldest step in flight.";
+        self.executor_wait.render("flare_executor_wait_seconds", wait, "", &mut out);
         if self.device_memory_sampled.load(Ordering::Relaxed) {
             let _ = writeln!(
                 out,
