@@ -1,7 +1,7 @@
 """`flare::sample` on the device (issue 19): the fused sampler against the torch definition it
 replaces, tokens and time. For each vocabulary (SmolLM2/Qwen3.5's 49,152 and Llama 3's 128,256),
-batch 1 and 4, and each request mix (plain temperature, greedy, chat top-k/top-p, nucleus only,
-penalties with min-p, a grammar mask), over peaked and flat logits:
+batch 1 and 4, and each request mix (plain temperature, greedy, chat top-k/top-p, top-k alone,
+nucleus only, penalties with min-p, a grammar mask), over peaked and flat logits:
 - tokens: the kernel's against eager `sample` over many draws (same seeds and counters);
 - time: each replayed as a CUDA graph (as a core runs it), the kernel against `torch.compile` of
   `sample` (what a core prepared with `--sampler torch` runs), in microseconds per step.
@@ -30,6 +30,7 @@ MIXES: dict[str, dict[str, float]] = {
     "plain": {"temperature": 0.8},
     "greedy": {"top_k": 1},
     "chat": {"temperature": 0.7, "top_k": 20, "top_p": 0.8},
+    "topk": {"temperature": 0.7, "top_k": 20},  # chat's radix select without its top-p climb
     "nucleus": {"top_p": 0.9},
     "penalties": {"repetition_penalty": 1.1, "presence_penalty": 0.5, "min_p": 0.05},
     "grammar": {"top_p": 0.95},
