@@ -819,10 +819,15 @@ impl Rng {
 }
 
 /// Stream `i`'s copy request: its own file (from `seed ^ i`) to reproduce with one rename.
-fn copy_prompt(lines: usize, seed: u64, i: usize) -> String {
+/// Stream `i`'s file and the function it renames.
+fn copy_task(lines: usize, seed: u64, i: usize) -> (String, usize) {
     let file = source_file(lines, seed ^ i as u64);
     let functions = file.matches("def step_").count().max(1);
-    let renamed = i % functions;
+    (file, i % functions)
+}
+
+fn copy_prompt(lines: usize, seed: u64, i: usize) -> String {
+    let (file, renamed) = copy_task(lines, seed, i);
     format!(
         "Here is a Python file:\n\n{file}\nRepeat the whole file exactly as it is, except that the function \
          `step_{renamed}` is renamed to `advance_{renamed}`. Output only the file."
@@ -833,9 +838,7 @@ fn copy_prompt(lines: usize, seed: u64, i: usize) -> String {
 /// file with a tool, and the tool's result is the file, which the model then writes back
 /// edited. Returns the messages and the tool declarations.
 fn copy_from_tool_messages(lines: usize, seed: u64, i: usize) -> (Value, Value) {
-    let file = source_file(lines, seed ^ i as u64);
-    let functions = file.matches("def step_").count().max(1);
-    let renamed = i % functions;
+    let (file, renamed) = copy_task(lines, seed, i);
     let path = format!("src/stepper_{i}.py");
     let tools = json!([{
         "type": "function",

@@ -635,11 +635,11 @@ impl SimulatedExecutor {
         } else {
             None
         };
+        let rounding = if self.graph_rounding && graph == Graph::Decode { DECODE_ROUNDING } else { 0 };
         for (i, &token) in device.iter().chain(&row.tokens).enumerate() {
             let position = row.start + i as u32;
             let word = u64::from(token) | (u64::from(position) << 32);
             self.slot_of(&row.page_table, position)?.copy_from_slice(&word.to_le_bytes());
-            let rounding = if self.graph_rounding && graph == Graph::Decode { DECODE_ROUNDING } else { 0 };
             state = splitmix(state ^ word ^ rounding);
         }
         self.set_row_state(row.live_row, state, consumed + row.len() as u64)?;

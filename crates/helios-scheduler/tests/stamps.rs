@@ -11,19 +11,14 @@ use helios_cache::{PrefixIdentity, PromptDigests};
 use helios_contract::model::{CacheScheme, Capacities, PageRegion};
 use helios_scheduler::{Completion, RequestSpec, SampledToken, Scheduler, SchedulerConfig, Step, StepOp, epoch_of};
 
+mod support;
+use support::scheme;
+
 const IDENTITY: PrefixIdentity = PrefixIdentity { model: 3, token_layout: 5 };
 
 fn scheduler() -> Scheduler {
-    let scheme = CacheScheme {
-        page_tokens: 16,
-        page_regions: vec![PageRegion { name: "kv".into(), bytes_per_page: 64 }],
-        continuation_row_bytes: 16,
-        row_layout: vec![],
-        null_row: 0,
-        live_rows_per_slot: 1,
-        verification_width: 1,
-        padding_slot: -1,
-    };
+    // Pages of 64 bytes: what the host tier's transfers size.
+    let scheme = CacheScheme { page_regions: vec![PageRegion { name: "kv".into(), bytes_per_page: 64 }], ..scheme() };
     let caps = Capacities {
         context_limit: 512,
         decode_request_buckets: vec![1, 2],

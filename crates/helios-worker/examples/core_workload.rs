@@ -55,9 +55,12 @@ fn run(
     let mut compared = 0usize;
     let mut differing = Vec::new();
     let mut unexplained = 0usize;
+    let (mut preempted, mut restored_whole) = (0usize, 0usize);
     for (spec, done) in &report.finished {
         let alone = run_alone_on(&mut executor, &scheme, &caps, spec).map_err(|e| e.to_string())?;
         let info = finish(done);
+        preempted += usize::from(info.preemptions > 0);
+        restored_whole += usize::from(info.preemptions > 0 && info.recomputed_tokens == 0);
         let partial = matches!(info.cause, FinishCause::Cancelled | FinishCause::PoolExhausted);
         let same = if partial { alone.starts_with(&done.output) } else { alone == done.output };
         compared += 1;
@@ -82,9 +85,7 @@ fn run(
         "cancelled": report.finished.iter().filter(|(_, d)| finish(d).cause == FinishCause::Cancelled).count(),
         "compared": compared, "identical_to_solo_run": identical, "differing": differing,
         "differing_without_prefix_hit_or_recompute": unexplained,
-        "preempted_requests": report.finished.iter().filter(|(_, d)| finish(d).preemptions > 0).count(),
-        "restored_whole_after_preemption": report.finished.iter()
-            .filter(|(_, d)| { let i = finish(d); i.preemptions > 0 && i.recomputed_tokens == 0 }).count(),
+        "preempted_requests": preempted, "restored_whole_after_preemption": restored_whole,
         "pages": caps.max_kv_pages, "max_output": max_output, "relocated": relocate,
         "host_tier_bytes": tiers.host_bytes, "demotions": report.demotions, "host_restores": report.host_restores,
         "disk_writes": report.disk_writes, "disk_fetches": report.disk_fetches,
