@@ -17,7 +17,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -421,6 +421,27 @@ def _cache_entries(info: Any) -> dict[str, int]:
     return {str(kind): len(keys) for kind, keys in artifacts.items() if keys}
 
 
+@contextlib.contextmanager
+def _timing_lock() -> Iterator[None]:
+    """Holds the file lock named by `IGNITION_TIMING_LOCK` (if set) while tuning: the
+    qualification harness runs one model's prepare beside another's measurements, and a
+    tile chosen under a neighbour's load is the wrong tile."""
+    path = os.environ.get("IGNITION_TIMING_LOCK")
+    if not path:
+        yield
+        return
+    import fcntl
+
+    with open(path, "a") as lock:
+        t0 = time.time()
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        note(f"timing lock {path} held after {time.time() - t0:.1f} s")
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _tune_projections(rec: Any, buckets: list[int], lanes: int) -> dict[str, Any]:
     """Picks each projection shape's `flare::gemv` tile on this device (outside the arena: the
     temporaries are freed before capture) and prints what each reaches. Timed at the decode
@@ -440,8 +461,9 @@ def _tune_projections(rec: Any, buckets: list[int], lanes: int) -> dict[str, Any
         f"by {pre['workers']} processes ({pre['failed']} failed{error})"
     )
     rec.report["gemv_precompile"] = pre
-    out = tune(problems, buckets, invariant_rows=lanes)
-    torch.cuda.synchronize()
+    with _timing_lock():
+        out = tune(problems, buckets, invariant_rows=lanes)
+        torch.cuda.synchronize()
     torch.cuda.empty_cache()
     rec.timings["gemv_tune_s"] = round(time.time() - t0, 3)
     for name, r in out.items():

@@ -106,12 +106,13 @@ prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|
            # SAMPLER=torch (default)|kernel, TEMPLATE_FUSION=benchmark (default)|heuristic, NO_CHECK=1 skips the checks
   local tag=${5:+_$5}
   # One prepare at a time: two side by side (2026-12-05, 16 cores) each ran 2.5x slower in tuning
-  # and neither finished its first graph's compile in 12 minutes. Measurements may overlap one.
+  # and neither finished its first graph's compile in 12 minutes. Measurements may overlap one; its
+  # gemv tuning takes the timing lock (2026-12-06: tiles tuned beside a measurement ran 7% slower).
   # AFTER=STAGE: let STAGE's prepare go first (the lock is not first come, first served).
   for _ in $(seq 180); do [ -z "${AFTER:-}" ] || [ -f "/tmp/gpu_out/$AFTER/prepare.done" ] && break; sleep 5; done
   exec 8> /tmp/gpu_prepare.lock; flock 8; echo "prepare lock held at $(date +%T)"
   python3 qualification/make_reference_prompts.py "$1" "$1.prompts.json"
-  IGNITION_STACKS=${IGNITION_STACKS:-1} timeout "$4" python3 -m ignition prepare --model "$1" --out "$2" --decode-buckets 1,2,4 \
+  IGNITION_TIMING_LOCK=/tmp/gpu_timing.lock IGNITION_STACKS=${IGNITION_STACKS:-1} timeout "$4" python3 -m ignition prepare --model "$1" --out "$2" --decode-buckets 1,2,4 \
     --prefill-chunk-size "${PREFILL_CHUNK:-256}" --context-limit "${CONTEXT_LIMIT:-4608}" --served-name "$3" ${CORE_REPLAY:+--core-replay /tmp/core_replay} ${DUMP_IO:+--dump-io} \
     --decode-projections "${DECODE_PROJECTIONS:-gemm}" ${NO_CHECK:+--no-check} ${GDN_PREFILL:+--gdn-prefill $GDN_PREFILL} \
     ${SPECULATIVE_DEPTH:+--speculative-depth $SPECULATIVE_DEPTH} ${SAMPLER:+--sampler $SAMPLER} \
