@@ -283,6 +283,7 @@ def _launch_attention(
         H=h,
         G=g,
         GP=max(16, 1 << (g - 1).bit_length()),
+        GC=1 << (g - 1).bit_length(),
         D=d,
         T=t,
         SPLITS=splits,

@@ -100,6 +100,7 @@ def paged_attention_kernel(
     H: tl.constexpr,
     G: tl.constexpr,
     GP: tl.constexpr,
+    GC: tl.constexpr,
     D: tl.constexpr,
     T: tl.constexpr,
     SPLITS: tl.constexpr,
@@ -163,8 +164,7 @@ def paged_attention_kernel(
             counter = SEM + n * (H // G) + kh
             if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
                 tl.store(counter, 0)  # zero again for the next layer and the next replay
-                for hg in tl.static_range(G):
-                    _combine_head(PACC, PM, PL, OUT, n, kh * G + hg, H, D, SPLITS, SP, ".cg")
+                _combine_heads(PACC, PM, PL, OUT, n, kh, H, G, GC, D, SPLITS, SP)
 
 
 @triton.jit
@@ -246,6 +246,26 @@ def _combine_head(PACC, PM, PL, OUT, n, h, H: tl.constexpr, D: tl.constexpr, SPL
     acc = tl.load(PACC + at[:, None] * D + di[None, :], mask=smask[:, None], other=0.0, cache_modifier=CACHE)
     out = tl.sum(acc * w[:, None], 0) / tl.sum(lsum * w, 0)
     tl.store(OUT + (n * H + h) * D + di, out.to(OUT.dtype.element_ty))
+
+
+@triton.jit
+def _combine_heads(PACC, PM, PL, OUT, n, kh, H: tl.constexpr, G: tl.constexpr, GC: tl.constexpr, D: tl.constexpr,
+                   SPLITS: tl.constexpr, SP: tl.constexpr):  # fmt: skip
+    """`_combine_head` for the G heads of KV head `kh` at once (one round of loads, from L2)."""
+    gi = tl.arange(0, GC)
+    si = tl.arange(0, SP)
+    di = tl.arange(0, D)
+    head = kh * G + gi
+    valid = (gi < G)[:, None] & (si < SPLITS)[None, :]
+    at = (n * SPLITS + si[None, :]) * H + head[:, None]
+    m = tl.load(PM + at, mask=valid, other=float("-inf"), cache_modifier=".cg")
+    lsum = tl.load(PL + at, mask=valid, other=0.0, cache_modifier=".cg")
+    mx = tl.max(m, 1)
+    w = tl.where(valid, tl.exp(m - mx[:, None]), 0.0)
+    pacc = PACC + at[:, :, None] * D + di[None, None, :]
+    acc = tl.load(pacc, mask=valid[:, :, None], other=0.0, cache_modifier=".cg")
+    out = tl.sum(acc * w[:, :, None], 1) / tl.sum(lsum * w, 1)[:, None]
+    tl.store(OUT + (n * H + head[:, None]) * D + di[None, :], out.to(OUT.dtype.element_ty), mask=(gi < G)[:, None])
 
 
 @triton.jit
