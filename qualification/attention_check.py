@@ -4,11 +4,6 @@ read once per ~64 query rows) against the per-token kernel it replaces for prefi
 4,096- and 1,024-token contexts; each as a CUDA-graph replay of all layers (the chunk's attention
 over every layer, as a prefill graph runs it), with the relative error against each other.
 
-Then decode (issue 19 item 3): page groups combined by the last group to arrive
-(`attention.FUSED_COMBINE`) against the combine kernel after the attention kernel, for 1 and 4
-requests at 512 and 4,096 tokens over 72-page tables (a 4,608-token context limit), the tokens'
-K/V written inside the attention as decode graphs do; all layers as one graph, compared.
-
     python3 qualification/attention_check.py OUT.json
 """
 
@@ -71,46 +66,9 @@ def sweep(args: tuple[Any, ...], reference: torch.Tensor, g: int, d: int) -> lis
     return results
 
 
-def decode(name: str, layers: int, h: int, kvh: int, d: int, rope: bool, rows: int, context: int) -> dict[str, Any]:
-    """One decode case: each row its own request at position `context - 1`, writing its K/V."""
-    dev = torch.device("cuda")
-    width = 72
-    kv = torch.randn(rows * width + 1, layers, 2, 64, kvh, d, device=dev, dtype=torch.bfloat16)
-    table = torch.randperm(rows * width + 1, device=dev)[: rows * width].int().view(rows, width)
-    table[:, context // 64 + 1 :] = -1
-    req = torch.arange(rows, dtype=torch.int32, device=dev)
-    pos = torch.full((rows,), context - 1, dtype=torch.int32, device=dev)
-    slots = (table[:, (context - 1) // 64].long() * 64 + (context - 1) % 64).contiguous()
-    q, k, v = (torch.randn(rows, n_, d, device=dev, dtype=torch.bfloat16) for n_ in (h, kvh, kvh))
-    cos = sin = None
-    if rope:
-        ang = pos.float()[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2, device=dev).float() / d))[None, :]
-        cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
-
-    def step() -> torch.Tensor:
-        out = q
-        for layer in range(layers):
-            out = _launch_attention(q, kv, table, req, pos, layer, d**-0.5, cos=cos, sin=sin, tokens="decode",
-                                    write=(k, v, slots))  # fmt: skip
-        return out
-
-    outs, ms = {}, {}
-    for fused in (False, True):
-        attention.FUSED_COMBINE = fused
-        outs[fused] = step().clone()
-        ms[fused] = _time_ms(step, 50)
-    attention.FUSED_COMBINE = True
-    return {
-        "geometry": name, "layers": layers, "rows": rows, "context": context,
-        "combine_kernel_ms": round(ms[False], 4), "fused_combine_ms": round(ms[True], 4),
-        "ratio": round(ms[True] / ms[False], 3), "bitwise": bool(torch.equal(outs[True], outs[False])),
-        "rel_l2": float((outs[True].float() - outs[False].float()).norm() / outs[False].float().norm()),
-    }  # fmt: skip
-
-
 def main() -> int:
     dev = torch.device("cuda")
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "cases": [], "decode": []}
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "cases": []}
     worst = 0.0
     for name, layers, h, kvh, d, rope in GEOMETRIES:
         for context in (1024, 4096):
@@ -142,14 +100,8 @@ def main() -> int:
             report["cases"].append(case)
             print(json.dumps(case), flush=True)
     report["worst_rel_l2"] = worst
-    for name, layers, h, kvh, d, rope in GEOMETRIES:
-        for rows in (1, 4):
-            for context in (512, 4096):
-                case = decode(name, layers, h, kvh, d, rope, rows, context)
-                report["decode"].append(case)
-                print(json.dumps(case), flush=True)
     Path(sys.argv[1]).write_text(json.dumps(report, indent=1))
-    return 0 if worst < 1e-2 and all(c["rel_l2"] < 1e-2 for c in report["decode"]) else 1
+    return 0 if worst < 1e-2 else 1
 
 
 if __name__ == "__main__":

@@ -91,34 +91,6 @@ TOKENS = ("decode", "prefill", "lanes")
 # separate write kernel / the per-token prefill kernel for every core prepared afterwards.
 FUSED_DECODE_WRITE = True
 PREFILL_BLOCKS = True
-# Page groups combined by the last group to finish (an arrival counter per (token, KV head) in
-# `semaphores`) instead of a combine kernel after the attention kernel: one kernel per layer less.
-# False restores the combine kernel for every core prepared afterwards.
-FUSED_COMBINE = True
-# Arrival counters: (tokens x KV heads) of any split launch (at most SPLIT_MAX_TOKENS tokens).
-SEMAPHORE_SLOTS = 8192
-_SEMAPHORES: dict[tuple[str, int | None], torch.Tensor] = {}
-
-
-def reserve_semaphores(device: torch.device) -> torch.Tensor:
-    """Allocates the fused combine's arrival counters on `device` (zeros) and makes every later
-    launch there use them; each launch leaves them zero again, so all layers and graphs share
-    them. The recorder calls it under the pool that holds persistent state, before any capture
-    (a capture cannot allocate them); the exporter carries them as a constant into the core."""
-    sem = torch.zeros(SEMAPHORE_SLOTS, dtype=torch.int32, device=device)
-    _SEMAPHORES[(device.type, device.index)] = sem
-    return sem
-
-
-def _semaphores(device: torch.device) -> torch.Tensor:
-    """The counters `reserve_semaphores` made for `device`, made here on first use outside a
-    capture (eager runs and CPU tests)."""
-    sem = _SEMAPHORES.get((device.type, device.index))
-    if sem is not None:
-        return sem
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("attention: reserve_semaphores must run before graph capture")
-    return reserve_semaphores(device)
 
 
 def pages_per_split(tokens: int, pages: int) -> int:
@@ -238,11 +210,6 @@ def _launch_attention(
     pps = pps or pages_per_split(n, pages.shape[1])
     splits = -(-pages.shape[1] // pps)
     out = torch.empty((n, h, d), dtype=q.dtype, device=q.device)
-    combine = FUSED_COMBINE and splits > 1
-    if combine and n * kvh > SEMAPHORE_SLOTS:
-        raise ValueError(f"attention: {n} tokens x {kvh} KV heads exceed {SEMAPHORE_SLOTS} counters")
-    sem = _semaphores(q.device) if combine else pos  # not read without the fused combine
-    sp = max(2, 1 << (splits - 1).bit_length())
     if splits == 1:
         part_acc = part_m = part_l = out  # not read or written with one group
     else:
@@ -265,7 +232,6 @@ def _launch_attention(
         k,
         v,
         slots,
-        sem,
         layer,
         q.stride(0),
         q.stride(1),
@@ -283,18 +249,17 @@ def _launch_attention(
         H=h,
         G=g,
         GP=max(16, 1 << (g - 1).bit_length()),
-        GC=1 << (g - 1).bit_length(),
         D=d,
         T=t,
         SPLITS=splits,
-        SP=sp,
         PPS=pps,
         ROPE=rope,
         WRITE=write is not None,
-        COMBINE=combine,
     )
-    if splits > 1 and not combine:
-        _combine_kernel()[(n, h)](part_acc, part_m, part_l, out, H=h, D=d, SPLITS=splits, SP=sp)
+    if splits > 1:
+        _combine_kernel()[(n, h)](
+            part_acc, part_m, part_l, out, H=h, D=d, SPLITS=splits, SP=max(2, 1 << (splits - 1).bit_length())
+        )
     return out
 
 

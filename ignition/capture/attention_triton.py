@@ -82,7 +82,6 @@ def paged_attention_kernel(
     K,
     V,
     SLOT,
-    SEM,
     layer,
     q_row,
     q_head,
@@ -100,20 +99,15 @@ def paged_attention_kernel(
     H: tl.constexpr,
     G: tl.constexpr,
     GP: tl.constexpr,
-    GC: tl.constexpr,
     D: tl.constexpr,
     T: tl.constexpr,
     SPLITS: tl.constexpr,
-    SP: tl.constexpr,
     PPS: tl.constexpr,
     ROPE: tl.constexpr,
     WRITE: tl.constexpr,
-    COMBINE: tl.constexpr,
 ):
     """One (token, KV head, page group): the group's unnormalized softmax state (m, l, acc);
-    with a single group, the normalized output itself (into OUT). `COMBINE` (several groups):
-    the group that arrives last at the (token, KV head)'s counter in SEM combines all groups'
-    states into OUT and zeroes the counter, so no combine kernel follows. `ROPE`: q is rotated here
+    with a single group, the normalized output itself (into OUT). `ROPE`: q is rotated here
     (rotate-half with the token's cos/sin), so no kernel materializes it first.
     `WRITE` (decode: every token of its own request): the group holding the token's position
     first writes the token's K/V into its slot, then reads the page after a barrier; no other
@@ -156,15 +150,6 @@ def paged_attention_kernel(
         tl.store(PM + at, m, mask=qmask)
         tl.store(PL + at, lsum, mask=qmask)
         tl.store(PACC + at[:, None] * D + di[None, :], acc, mask=qmask[:, None])
-        if COMBINE:
-            # Every thread's partials are stored before the counter's release (the barrier), and
-            # the last group reads the others' after its acquire, from L2 (.cg: not this SM's L1,
-            # which may hold an earlier layer's lines at these addresses).
-            tl.debug_barrier()
-            counter = SEM + n * (H // G) + kh
-            if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
-                tl.store(counter, 0)  # zero again for the next layer and the next replay
-                _combine_heads(PACC, PM, PL, OUT, n, kh, H, G, GC, D, SPLITS, SP)
 
 
 @triton.jit
@@ -231,50 +216,24 @@ def paged_prefill_attention_kernel(
 
 
 @triton.jit
-def _combine_head(PACC, PM, PL, OUT, n, h, H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-                  SP: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
-    """(token n, head h): the page groups' states rescaled to their common max and normalized.
+def paged_attention_combine(
+    PACC, PM, PL, OUT, H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr
+):
+    """One (token, head): the page groups' states rescaled to their common max and normalized.
     Group 0 always holds the token's first page, so the max is finite."""
+    n = tl.program_id(0)
+    h = tl.program_id(1)
     si = tl.arange(0, SP)
     di = tl.arange(0, D)
     smask = si < SPLITS
     at = (n * SPLITS + si) * H + h
-    m = tl.load(PM + at, mask=smask, other=float("-inf"), cache_modifier=CACHE)
-    lsum = tl.load(PL + at, mask=smask, other=0.0, cache_modifier=CACHE)
+    m = tl.load(PM + at, mask=smask, other=float("-inf"))
+    lsum = tl.load(PL + at, mask=smask, other=0.0)
     mx = tl.max(m, 0)
     w = tl.where(smask, tl.exp(m - mx), 0.0)
-    acc = tl.load(PACC + at[:, None] * D + di[None, :], mask=smask[:, None], other=0.0, cache_modifier=CACHE)
+    acc = tl.load(PACC + at[:, None] * D + di[None, :], mask=smask[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.sum(lsum * w, 0)
     tl.store(OUT + (n * H + h) * D + di, out.to(OUT.dtype.element_ty))
-
-
-@triton.jit
-def _combine_heads(PACC, PM, PL, OUT, n, kh, H: tl.constexpr, G: tl.constexpr, GC: tl.constexpr, D: tl.constexpr,
-                   SPLITS: tl.constexpr, SP: tl.constexpr):  # fmt: skip
-    """`_combine_head` for the G heads of KV head `kh` at once (one round of loads, from L2)."""
-    gi = tl.arange(0, GC)
-    si = tl.arange(0, SP)
-    di = tl.arange(0, D)
-    head = kh * G + gi
-    valid = (gi < G)[:, None] & (si < SPLITS)[None, :]
-    at = (n * SPLITS + si[None, :]) * H + head[:, None]
-    m = tl.load(PM + at, mask=valid, other=float("-inf"), cache_modifier=".cg")
-    lsum = tl.load(PL + at, mask=valid, other=0.0, cache_modifier=".cg")
-    mx = tl.max(m, 1)
-    w = tl.where(valid, tl.exp(m - mx[:, None]), 0.0)
-    pacc = PACC + at[:, :, None] * D + di[None, None, :]
-    acc = tl.load(pacc, mask=valid[:, :, None], other=0.0, cache_modifier=".cg")
-    out = tl.sum(acc * w[:, :, None], 1) / tl.sum(lsum * w, 1)[:, None]
-    tl.store(OUT + (n * H + head[:, None]) * D + di[None, :], out.to(OUT.dtype.element_ty), mask=(gi < G)[:, None])
-
-
-@triton.jit
-def paged_attention_combine(
-    PACC, PM, PL, OUT, H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr
-):
-    """One (token, head): `_combine_head` as a kernel of its own (cores prepared with
-    `attention.FUSED_COMBINE` off)."""
-    _combine_head(PACC, PM, PL, OUT, tl.program_id(0), tl.program_id(1), H, D, SPLITS, SP, "")
 
 
 @triton.jit

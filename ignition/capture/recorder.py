@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ignition.capture import attention, fallback
 from ignition.capture import driver as D
+from ignition.capture import fallback
 from ignition.capture.arena import DEFAULT_BASE, FixedArena, Segment, build_allocator
 from ignition.capture.paged import HEADER_WORDS
 from ignition.capture.program import VALUE_DTYPES, GraphSpec, Program
@@ -255,7 +255,6 @@ class Recorder:
         self.state_pool = self.arena.pool()
         with torch.cuda.use_mem_pool(self.state_pool):
             self.program = self.build(torch.device("cuda"))
-            attention.reserve_semaphores(torch.device("cuda", torch.cuda.current_device()))
         self.graphs = self.program.graphs
         torch.cuda.synchronize()
         self._t("weights_to_device_s", t0)

@@ -10,7 +10,6 @@ import sys
 
 import torch
 
-from ignition.capture import attention
 from ignition.capture.attention import (
     PAGES_PER_SPLIT,
     SPLIT_MAX_TOKENS,
@@ -109,19 +108,6 @@ for pps, rope in ((1, True), (2, False), (4, True)):
     got4 = _launch_attention(rq, b_kv, tables4, req4, pos4, 1, scale, pps, cos=c4, sin=s4, tokens="decode",
                              write=(rk, rv, slots4))  # fmt: skip
     fused_bitwise &= torch.equal(got4, want4) and torch.equal(a_kv, b_kv)
-# The page groups combined by the last one to arrive (FUSED_COMBINE): the same bits as the
-# combine kernel, with and without the fused write, and the arrival counters zero again after.
-combine_bitwise = True
-for pps, fuse_write in ((1, False), (3, False), (2, True)):
-    outs = []
-    for fused in (True, False):
-        attention.FUSED_COMBINE = fused
-        kv_ = kv4.clone()
-        how = {"tokens": "decode", "write": (rk, rv, slots4)} if fuse_write else {}
-        outs.append(_launch_attention(rq, kv_, tables4, req4, pos4, 1, scale, pps, **how))  # type: ignore[arg-type]
-    attention.FUSED_COMBINE = True
-    combine_bitwise &= torch.equal(outs[0], outs[1])
-counters_zero = int(attention._semaphores(torch.device("cpu")).abs().sum()) == 0
 # A recycled page still holding another request's non-finite values past the positions read:
 # decode (split and not) and the prefill block kernel give the same bits as over clean pages.
 
@@ -147,8 +133,6 @@ got_block = _launch_attention(q3, poisoned_past(1, int(pos3.max())), tables, req
 no_nan_leak &= torch.equal(got_block, block)
 report = {
     "decode_fused_write_bitwise": fused_bitwise,
-    "fused_combine_bitwise": combine_bitwise,
-    "combine_counters_zero_after": counters_zero,
     "poisoned_pages_bitwise": no_nan_leak,
     "prefill_block_max_abs_err": prefill_err,
     "prefill_block_vs_per_token": prefill_vs_per_token,
@@ -161,5 +145,5 @@ report = {
 print(json.dumps(report))
 ok = attn_err < 1e-5 and kv_write_exact and rope_write_err < 1e-5 and rope_attn_err < 1e-5
 ok = ok and prefill_err < 1e-5 and prefill_vs_per_token < 1e-5 and prefill_block_invariant and fused_bitwise
-ok = ok and no_nan_leak and combine_bitwise and counters_zero
+ok = ok and no_nan_leak
 sys.exit(0 if ok else 1)
