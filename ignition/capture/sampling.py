@@ -181,6 +181,13 @@ def _weights_kernel() -> Any:
     return flare_sample_weights
 
 
+@functools.cache
+def _narrow_kernel() -> Any:
+    from ignition.capture.sampling_triton import flare_sample_narrow
+
+    return flare_sample_narrow
+
+
 def launch(
     logits: torch.Tensor,
     histogram: torch.Tensor,
@@ -202,9 +209,10 @@ def launch(
     final_warps: int = FINAL_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What `flare::sample` runs: `sample` over `histogram[hist_rows]` without gathering it.
-    Three launches: the first two passes over `chunk`-entry chunks of every row, then one
-    program per row; a row's scratch (`[B, V]` float32) holds its unnormalized weights, and a
-    `[B, V]` int32 one the ids a top-k row's later passes read.
+    Four launches: the first two passes over `chunk`-entry chunks of every row, the top-k rows'
+    first candidate listing over the same chunks, then one program per row; a row's scratch
+    (`[B, V]` float32) holds its unnormalized weights, and a `[B, V]` int32 one the ids a top-k
+    row's later passes read.
     `block`, `climbs`, `chunk`, `final_block` and `final_warps` change the passes, never the
     token (the tests vary them)."""
     if chunk <= 0 or chunk % block:
@@ -233,6 +241,7 @@ def launch(
     stats = torch.empty(b, chunks, 8, dtype=torch.float32, device=logits.device)
     wins = torch.empty(b, chunks, dtype=torch.int32, device=logits.device)
     counts = torch.empty(b, chunks, 256, dtype=torch.int32, device=logits.device)
+    counts1 = torch.empty(b, chunks, 256, dtype=torch.int32, device=logits.device)  # the second byte's
     rows = hist_rows.to(torch.int64).contiguous()
     temp, top_k32 = f32(temperature), top_k.to(torch.int32).contiguous()
     tp, mp = f32(top_p), f32(min_p)
@@ -247,8 +256,12 @@ def launch(
         logits, histogram, rows, words, temp, top_k32, tp, mp, rep, pres, freq, seeds, counters, scratch, stats,
         wins, counts, v, *strides, scratch.stride(0), CHUNK=chunk, SMAX=smax, **flags,
     )  # fmt: skip
+    _narrow_kernel()[(b, chunks)](
+        top_k32, tp, mp, scratch, candidates, counts, counts1, v, scratch.stride(0), CHUNK=chunk, BLOCK=block,
+        num_warps=KERNEL_WARPS,
+    )  # fmt: skip
     _kernel()[(b,)](
-        top_k32, tp, mp, seeds, counters, scratch, candidates, tok, allowed, stats, wins, counts, v, chunks,
+        top_k32, tp, mp, seeds, counters, scratch, candidates, tok, allowed, stats, wins, counts, counts1, v, chunks,
         scratch.stride(0), SMAX=smax, BLOCK=final_block, CLIMBS=climbs, num_warps=final_warps,
     )  # fmt: skip
     return tok, allowed
@@ -256,7 +269,7 @@ def launch(
 
 @functools.cache
 def sample_op() -> CustomOpDef:
-    """`flare::sample`: the sampler as one opaque op (three kernels instead of ~19)."""
+    """`flare::sample`: the sampler as one opaque op (four kernels instead of ~19)."""
     from torch.library import custom_op
 
     @custom_op("flare::sample", mutates_args=())

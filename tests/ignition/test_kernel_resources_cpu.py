@@ -108,15 +108,15 @@ def test_chunked_gdn_prefill_does_not_spill() -> None:
 
 
 def test_fused_sampler_kernels_do_not_spill() -> None:
-    """`flare::sample`'s three kernels at the widths `sampling.launch` uses: the chunked passes
+    """`flare::sample`'s four kernels at the widths `sampling.launch` uses: the chunked passes
     and the one program per row (wide blocks, a cumulative sum and histograms per block) keep
     their running values in registers and fit a block's shared memory."""
     from ignition.capture import sampling, sampling_triton
 
     # Pointer element types by parameter name (`NAME_ptr`); every other parameter is an int32.
     types = {"logits": "bf16", "hist": "i32", "hist_rows": "i64", "grammar": "i32", "topk": "i32"}
-    types |= dict.fromkeys(("seed", "counter", "tok"), "i64") | dict.fromkeys(("wins", "counts", "cand"), "i32")
-    types |= {"allowed": "i1"}
+    types |= dict.fromkeys(("seed", "counter", "tok"), "i64")
+    types |= dict.fromkeys(("wins", "counts", "counts1", "cand"), "i32") | {"allowed": "i1"}
     constexprs = {"CHUNK", "HAS_GRAMMAR", "BLOCK", "SMAX", "CLIMBS"}
 
     def sig(fn: Any) -> dict[str, str]:
@@ -134,6 +134,12 @@ def test_fused_sampler_kernels_do_not_spill() -> None:
             sampling_triton.flare_sample_weights,
             sig(sampling_triton.flare_sample_weights),
             {**chunked, "SMAX": 16},
+            num_warps=warps,
+        ),
+        "narrow": compile_sm90(
+            sampling_triton.flare_sample_narrow,
+            sig(sampling_triton.flare_sample_narrow),
+            {"CHUNK": sampling.KERNEL_CHUNK, "BLOCK": sampling.KERNEL_BLOCK},
             num_warps=warps,
         ),
         "final": compile_sm90(
