@@ -153,6 +153,11 @@ KERNEL_WARPS = 8
 # 2,048 on 8 warps (16 bytes per thread).
 FINAL_BLOCK = 8192
 FINAL_WARPS = 16
+# The same program's block over a top-k row's candidate list (the ids past the first radix
+# digit: tens to a few thousand): at 128,256 entries on an H100 a top-k row took 32 us at
+# 2,048/8 and 42 us at 8,192/16 while a nucleus row (whole-row passes) took 34 and 25 us
+# (2026-12-06); narrow blocks for the list, wide ones for the row.
+CAND_BLOCK = 2048
 # Entries per program of the first two passes (a multiple of the block): a 49,152-entry row runs
 # on 12 programs where one program read it all (46 us of a ~1B decode step, 2026-12-06).
 KERNEL_CHUNK = 4096
@@ -207,14 +212,15 @@ def launch(
     chunk: int = KERNEL_CHUNK,
     final_block: int = FINAL_BLOCK,
     final_warps: int = FINAL_WARPS,
+    cand_block: int = CAND_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What `flare::sample` runs: `sample` over `histogram[hist_rows]` without gathering it.
     Four launches: the first two passes over `chunk`-entry chunks of every row, the top-k rows'
     first candidate listing over the same chunks, then one program per row; a row's scratch
     (`[B, V]` float32) holds its unnormalized weights, and a `[B, V]` int32 one the ids a top-k
     row's later passes read.
-    `block`, `climbs`, `chunk`, `final_block` and `final_warps` change the passes, never the
-    token (the tests vary them)."""
+    `block`, `climbs`, `chunk`, `final_block`, `final_warps` and `cand_block` change the passes,
+    never the token (the tests vary them)."""
     if chunk <= 0 or chunk % block:
         raise ValueError(f"sample: chunk {chunk} is not a positive multiple of the block {block}")
     b, v = logits.shape
@@ -262,7 +268,7 @@ def launch(
     )  # fmt: skip
     _kernel()[(b,)](
         top_k32, tp, mp, seeds, counters, scratch, candidates, tok, allowed, stats, wins, counts, counts1, v, chunks,
-        scratch.stride(0), SMAX=smax, BLOCK=final_block, CLIMBS=climbs, num_warps=final_warps,
+        scratch.stride(0), SMAX=smax, BLOCK=final_block, CBLOCK=cand_block, CLIMBS=climbs, num_warps=final_warps,
     )  # fmt: skip
     return tok, allowed
 

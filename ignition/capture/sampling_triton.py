@@ -144,6 +144,27 @@ def _mass_from(e_ptr, cand_ptr, n, use_cand, lo, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _draw_in(e_ptr, cand_ptr, n, use_cand, lo, key, BLOCK: tl.constexpr, CBLOCK: tl.constexpr):
+    """`_draw` in CBLOCK-entry blocks over the candidate list (short: a narrow block reduces
+    sooner), in BLOCK-entry blocks over the whole row."""
+    if use_cand:
+        win = _draw(e_ptr, cand_ptr, n, use_cand, lo, key, CBLOCK)
+    else:
+        win = _draw(e_ptr, cand_ptr, n, use_cand, lo, key, BLOCK)
+    return win
+
+
+@triton.jit
+def _mass_in(e_ptr, cand_ptr, n, use_cand, lo, BLOCK: tl.constexpr, CBLOCK: tl.constexpr):
+    """`_mass_from` in blocks as `_draw_in` reads them."""
+    if use_cand:
+        mass = _mass_from(e_ptr, cand_ptr, n, use_cand, lo, CBLOCK)
+    else:
+        mass = _mass_from(e_ptr, cand_ptr, n, use_cand, lo, BLOCK)
+    return mass
+
+
+@triton.jit
 def _row_key(seed_ptr, counter_ptr, r):
     """The row's draw key: `sampling.uniform`'s hash of (seed, counter)."""
     seed = tl.load(seed_ptr + r)
@@ -401,6 +422,7 @@ def flare_sample(
     e_stride,
     SMAX: tl.constexpr,
     BLOCK: tl.constexpr,
+    CBLOCK: tl.constexpr,
     CLIMBS: tl.constexpr,
 ):
     """Program r, after `flare_sample_max` and `flare_sample_weights` over row r's S chunks:
@@ -408,7 +430,6 @@ def flare_sample(
     draw: the highest chunk score, lowest id on ties, as one pass's lanes reduce), then the
     filters over the row's scratch."""
     r = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
     e_ptr += r * e_stride
     cand_ptr += r * e_stride  # [B, V] int32, laid out as the weights' scratch
     top_k, plain = _is_plain(topk_ptr, topp_ptr, minp_ptr, r, V)
@@ -463,8 +484,8 @@ def flare_sample(
                     use_cand = tl.full([], True, tl.int1)
                 elif level > 1:
                     counts = tl.zeros((256,), tl.int32)
-                    for start in range(0, n, BLOCK):
-                        idx, valid = _entries(cand_ptr, n, use_cand, start, offs)
+                    for start in range(0, n, CBLOCK):
+                        idx, valid = _entries(cand_ptr, n, use_cand, start, tl.arange(0, CBLOCK))
                         bits = tl.load(e_ptr + idx, mask=valid, other=0.0).to(tl.int32, bitcast=True)
                         match = valid & ((bits >> (shift + 8)) == (tk >> (shift + 8)))
                         counts += tl.histogram((bits >> shift) & 255, 256, mask=match)
@@ -481,28 +502,28 @@ def flare_sample(
             if top_k == 0:  # the mass of the whole row, summed in pass 2 chunk by chunk
                 target = top_p * tl.sum(tl.load(row + 5, mask=live, other=0.0), 0)
             else:
-                target = top_p * _mass_from(e_ptr, cand_ptr, n, use_cand, tk, BLOCK)
+                target = top_p * _mass_in(e_ptr, cand_ptr, n, use_cand, tk, BLOCK, CBLOCK)
         if not first:
-            win = _draw(e_ptr, cand_ptr, n, use_cand, lo, key, BLOCK)
+            win = _draw_in(e_ptr, cand_ptr, n, use_cand, lo, key, BLOCK, CBLOCK)
         misses = 0
         go = (top_p < 1.0) & (win >= 0)
         while go:
-            above = _mass_from(e_ptr, cand_ptr, n, use_cand, tl.load(e_ptr + win).to(tl.int32, bitcast=True) + 1, BLOCK)
-            if above < target:
+            past = tl.load(e_ptr + win).to(tl.int32, bitcast=True) + 1
+            if _mass_in(e_ptr, cand_ptr, n, use_cand, past, BLOCK, CBLOCK) < target:
                 go = False
             else:
-                lo = tl.load(e_ptr + win).to(tl.int32, bitcast=True) + 1
+                lo = past
                 misses += 1
                 if misses >= CLIMBS:
                     # W(lo) >= target (the nucleus threshold is at or past lo), W(hi) = 0.
                     hi = e_max.to(tl.int32, bitcast=True) + 1
                     while hi - lo > 1:
                         mid = lo + (hi - lo) // 2
-                        if _mass_from(e_ptr, cand_ptr, n, use_cand, mid, BLOCK) >= target:
+                        if _mass_in(e_ptr, cand_ptr, n, use_cand, mid, BLOCK, CBLOCK) >= target:
                             lo = mid
                         else:
                             hi = mid
                     go = False
-                win = _draw(e_ptr, cand_ptr, n, use_cand, lo, key, BLOCK)
+                win = _draw_in(e_ptr, cand_ptr, n, use_cand, lo, key, BLOCK, CBLOCK)
                 go = go & (win >= 0)
     tl.store(tok_ptr + r, tl.maximum(win, 0).to(tl.int64))

@@ -117,7 +117,7 @@ def test_fused_sampler_kernels_do_not_spill() -> None:
     types = {"logits": "bf16", "hist": "i32", "hist_rows": "i64", "grammar": "i32", "topk": "i32"}
     types |= dict.fromkeys(("seed", "counter", "tok"), "i64")
     types |= dict.fromkeys(("wins", "counts", "counts1", "cand"), "i32") | {"allowed": "i1"}
-    constexprs = {"CHUNK", "HAS_GRAMMAR", "BLOCK", "SMAX", "CLIMBS"}
+    constexprs = {"CHUNK", "HAS_GRAMMAR", "BLOCK", "CBLOCK", "SMAX", "CLIMBS"}
 
     def sig(fn: Any) -> dict[str, str]:
         params = [a for a in fn.arg_names if a not in constexprs]
@@ -125,7 +125,7 @@ def test_fused_sampler_kernels_do_not_spill() -> None:
 
     chunked = {"CHUNK": sampling.KERNEL_CHUNK, "HAS_GRAMMAR": True, "BLOCK": sampling.KERNEL_BLOCK}
     warps = sampling.KERNEL_WARPS
-    final = {"SMAX": 64, "BLOCK": sampling.FINAL_BLOCK, "CLIMBS": sampling.CLIMBS}
+    final = {"SMAX": 64, "BLOCK": sampling.FINAL_BLOCK, "CBLOCK": sampling.CAND_BLOCK, "CLIMBS": sampling.CLIMBS}
     results = {
         "max": compile_sm90(
             sampling_triton.flare_sample_max, sig(sampling_triton.flare_sample_max), chunked, num_warps=warps

@@ -14,6 +14,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 from ignition.capture.sampling import (
+    CAND_BLOCK,
     CLIMBS,
     FINAL_BLOCK,
     KERNEL_BLOCK,
@@ -57,10 +58,12 @@ def run(
     climbs: int = CLIMBS,
     chunk: int = KERNEL_CHUNK,
     final_block: int = FINAL_BLOCK,
+    cand_block: int = CAND_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return launch(
-        logits, hist, rows, *parameters(p), grammar, block=block, climbs=climbs, chunk=chunk, final_block=final_block
-    )
+        logits, hist, rows, *parameters(p), grammar, block=block, climbs=climbs, chunk=chunk, final_block=final_block,
+        cand_block=cand_block,
+    )  # fmt: skip
 
 
 def check(name: str, logits: torch.Tensor, p: dict[str, torch.Tensor], grammar: torch.Tensor | None) -> None:
@@ -78,15 +81,17 @@ def check(name: str, logits: torch.Tensor, p: dict[str, torch.Tensor], grammar: 
         mismatches.append(f"{name}: rows {bad} got {got[bad].tolist()} want {want[bad].tolist()}")
     # The same rows alone, reversed, with other block sizes, climb limit and chunking (one
     # chunk for the whole row, many, and a last partial one): the same tokens.
-    for block, climbs, chunk, final in (
-        (512, CLIMBS, 512, 512),
-        (KERNEL_BLOCK, 0, 8192, KERNEL_BLOCK),
-        (KERNEL_BLOCK, 1, 2048, 16384),
-        (1024, 64, 3072, 1024),
+    for block, climbs, chunk, final, cand in (
+        (512, CLIMBS, 512, 512, 16),
+        (KERNEL_BLOCK, 0, 8192, KERNEL_BLOCK, 8192),
+        (KERNEL_BLOCK, 1, 2048, 16384, 256),
+        (1024, 64, 3072, 1024, 1024),
     ):
-        alt, _ = run(logits, hist, rows, p, grammar, block, climbs, chunk, final)
+        alt, _ = run(logits, hist, rows, p, grammar, block, climbs, chunk, final, cand)
         if not torch.equal(alt, got):
-            mismatches.append(f"{name}: blocks {block}/{final}, climbs {climbs}, chunk {chunk} changed the tokens")
+            mismatches.append(
+                f"{name}: blocks {block}/{final}/{cand}, climbs {climbs}, chunk {chunk} changed the tokens"
+            )
     flip = torch.arange(b - 1, -1, -1)
     sub = {key: t[flip] for key, t in p.items()}
     alone, _ = run(logits[flip], hist, rows[flip], sub, grammar[flip] if grammar is not None else None)
