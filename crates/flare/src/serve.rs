@@ -65,6 +65,10 @@ pub(crate) struct RunArgs {
     /// Serve through the simulated executor (no GPU): the embedded core, or CORE's frontend.
     #[arg(long)]
     sim: bool,
+    /// With the simulated executor: how long each step takes, in microseconds (a device's
+    /// pace, for tests and demos of streaming and connection handling; 0 runs at CPU speed).
+    #[arg(long, value_name = "MICROSECONDS", default_value_t = 0)]
+    sim_step_us: u64,
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     #[arg(long, default_value_t = 8000)]
@@ -256,6 +260,9 @@ pub(crate) fn run(args: RunArgs) -> Result<(), CliError> {
         }
     };
     let simulate = args.sim || (args.core.is_none() && prepared.is_none());
+    if args.sim_step_us > 0 && !simulate {
+        return Err(CliError::Startup("--sim-step-us applies only to the simulated executor (--sim)".into()));
+    }
     progress(started, &format!("validating core {} (hashing payloads and assets)", core_dir.display()));
     let core = RuntimeCore::open(&core_dir)?;
     if !simulate && !cfg!(feature = "cuda") {
@@ -304,11 +311,13 @@ pub(crate) fn run(args: RunArgs) -> Result<(), CliError> {
     let engine = if simulate {
         progress(started, "starting the model thread (simulated executor)");
         let (scheme, caps) = (manifest.cache_scheme.clone(), manifest.capacities.clone());
+        let step_time = std::time::Duration::from_micros(args.sim_step_us);
         Engine::start(&manifest, frontend, options, move || {
             // Completions one step late, like a device with two steps in flight.
             Ok(SimulatedExecutor::with_completion_lag(&scheme, &caps, 1)
                 .with_model(SimModel::Induction)
-                .with_device_fed_decode())
+                .with_device_fed_decode()
+                .with_step_time(step_time))
         })
     } else {
         progress(started, "starting the model thread: loading the core onto the GPU");

@@ -424,7 +424,9 @@ fn slow_heads_slow_bodies_and_idle_connections_are_closed_in_time() {
 
 #[test]
 fn the_connection_cap_evicts_idle_refuses_when_busy_and_logs() {
-    let server = Server::start(&["--max-connections", "4"]);
+    // 2 ms steps: a 2,048-token stream lasts seconds, so the busy connections below are still
+    // serving when the next one arrives (at CPU speed a release build finished them first).
+    let server = Server::start(&["--max-connections", "4", "--sim-step-us", "2000"]);
     // A flood of connections that send nothing: /health still answers, replacing the oldest.
     let silent: Vec<TcpStream> = (0..4).map(|_| server.connect()).collect();
     std::thread::sleep(Duration::from_millis(200));

@@ -9,6 +9,7 @@ use helios_contract::model::{CacheScheme, Capacities};
 use helios_offload::{HostArena, HostExtent, StoreGeometry};
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use helios_scheduler::{Completion, ConsumeRow, RequestId, SampleSpec, SampledToken, Step, StepOp};
 
@@ -303,6 +304,8 @@ pub struct SimulatedExecutor {
     /// Whether a token's state depends on the graph that consumed it ([`Self::with_graph_rounding`]).
     graph_rounding: bool,
     host: Option<Arc<HostArena>>,
+    /// How long each submission takes ([`Self::with_step_time`]); zero by default.
+    step_time: Duration,
 }
 
 /// The graph family a row is consumed through: on a device, decode (and speculative) programs
@@ -341,7 +344,16 @@ impl SimulatedExecutor {
             device_fed: false,
             graph_rounding: false,
             host: None,
+            step_time: Duration::ZERO,
         }
+    }
+
+    /// Makes every submission take `step_time` (the model thread sleeps in `submit`), as a
+    /// device step would: a server on this executor streams at a device's pace instead of
+    /// finishing a long generation within milliseconds.
+    pub fn with_step_time(mut self, step_time: Duration) -> Self {
+        self.step_time = step_time;
+        self
     }
 
     /// Accepts device-fed decode rows (reports [`Executor::device_fed_decode`]).
@@ -721,6 +733,9 @@ fn nth_allowed(mask: &[u32], vocab: u32, h: u64, window: u64) -> Option<u32> {
 
 impl Executor for SimulatedExecutor {
     fn submit(&mut self, step: &Step, inputs: &StepInputs) -> Result<(), ExecutorError> {
+        if !self.step_time.is_zero() {
+            std::thread::sleep(self.step_time);
+        }
         self.completions.push(Completion { fence: step.fence, sampled: Vec::new() });
         for op in &step.ops {
             match op {
