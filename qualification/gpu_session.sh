@@ -34,6 +34,7 @@
 #   gdn-check                            issue 18: GDN components vs Transformers' torch functions, times (chunked prefill)
 #   attention-check                      issue 19: prefill attention, block kernel against per-token, three geometries
 #   pdl-probe                            issue 19: gemv chains as one graph, plain and with programmatic dependent launch
+#   graph-probe                          issue 19: a graph replay's cost beyond its kernels, per replay and per kernel
 #   r1b-spec     (carry .dev/b2)         issue 21: the ~1B with speculative programs, checks, copy/decode benches (bg)
 #   r1b-spec-bw  (carry .dev/b2)         issues 19 + 21: one ~1B prepare (gemv, fused sampler, speculative programs): the
 #                                        breakdown, floor and bench at depth 0, then the copy/decode benches (bg)
@@ -405,6 +406,10 @@ case "$STAGE" in
     SPECULATIVE_DEPTH=4 DECODE_PROJECTIONS=${DECODE_PROJECTIONS:-gemv} SAMPLER=${SAMPLER:-kernel} \
       prepare /tmp/q35 /tmp/q35spec qwen3_5-0.8b-random "${PREPARE_TIMEOUT:-900}" spec
     python3 -c "import json; r = json.load(open('$OUT/prepare_report_spec.json')); print(json.dumps(r.get('speculative'))[:1500])" ;;
+  graph-probe)  # issue 19: per-replay against per-kernel cost of CUDA graphs (synthetic, N one-element kernels, ~30 s)
+    timing_lock
+    timeout 200 python3 qualification/graph_launch_probe.py "$OUT/graph_launch_probe.json" > "$OUT/graph_launch_probe.log" 2>&1
+    echo "graph_launch_probe rc=$?"; tail -8 "$OUT/graph_launch_probe.log" | cut -c1-400 ;;
   pdl-probe)  # issue 19 item 3: the decode projections' chain (every layer, flare::gemv) as one graph, plain and with
               # programmatic dependent launch; SmolLM2 and the ~1B geometries (random weights, ~2 min)
     for c in smollm2_135m_random llama_1b_random; do
