@@ -35,6 +35,7 @@
 #   attention-check                      issue 19: prefill attention, block kernel against per-token, three geometries
 #   pdl-probe                            issue 19: gemv chains as one graph, plain and with programmatic dependent launch
 #   graph-probe                          issue 19: a graph replay's cost beyond its kernels, per replay and per kernel
+#   prefetch-probe                       issue 19: gemv chains with the next layer's weights read into L2 on a graph branch
 #   r1b-spec     (carry .dev/b2)         issue 21: the ~1B with speculative programs, checks, copy/decode benches (bg)
 #   r1b-spec-bw  (carry .dev/b2)         issues 19 + 21: one ~1B prepare (gemv, fused sampler, speculative programs): the
 #                                        breakdown, floor and bench at depth 0, then the copy/decode benches (bg)
@@ -410,6 +411,14 @@ case "$STAGE" in
     timing_lock
     timeout 200 python3 qualification/graph_launch_probe.py "$OUT/graph_launch_probe.json" > "$OUT/graph_launch_probe.log" 2>&1
     echo "graph_launch_probe rc=$?"; tail -8 "$OUT/graph_launch_probe.log" | cut -c1-400 ;;
+  prefetch-probe)  # issue 19: the projections' chain with a graph branch reading the next layer's weights into L2
+                   # one layer ahead; SmolLM2 and the ~1B geometries (random weights, ~3 min)
+    timing_lock
+    for c in smollm2_135m_random llama_1b_random; do
+      timeout 280 python3 qualification/l2_prefetch_probe.py qualification/configs/$c.json "$OUT/l2_prefetch_probe_$c.json" \
+        > "$OUT/l2_prefetch_probe_$c.log" 2>&1
+      echo "l2_prefetch_probe $c rc=$?"; tail -2 "$OUT/l2_prefetch_probe_$c.log" | cut -c1-600
+    done ;;
   pdl-probe)  # issue 19 item 3: the decode projections' chain (every layer, flare::gemv) as one graph, plain and with
               # programmatic dependent launch; SmolLM2 and the ~1B geometries (random weights, ~2 min)
     for c in smollm2_135m_random llama_1b_random; do
