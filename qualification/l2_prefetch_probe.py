@@ -23,6 +23,7 @@ with the plain chain's (the branch writes nothing the chain reads).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gemv_check import problems  # siblings: the script directory is on the path
 from hbm import peak_gbps
-from pdl_probe import replay_ms
+from pdl_probe import captured, replay_ms
 
 from ignition.capture.gemv import CANDIDATES, launch, precompile, tune
 
@@ -140,15 +141,7 @@ def main() -> int:
         plain_out = None
         for key, ahead in variants:
             try:
-                x = x0.clone()
-                for _ in range(2):  # compile and warm outside the capture
-                    chain(cfg, probs, x, ahead)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    out = chain(cfg, probs, x, ahead)
-                graph.replay()
-                torch.cuda.synchronize()
+                graph, out = captured(functools.partial(chain, cfg, probs, x0.clone(), ahead))
                 us = replay_ms(graph, args.reps) * 1e3
                 entry[key] = {"graph_us": round(us, 1), "fraction_of_hbm_bound": round(bound_us / us, 3)}
                 if plain_out is None:

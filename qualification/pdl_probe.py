@@ -17,8 +17,10 @@ bitwise equal to the plain launches' (a missing wait would show as a difference)
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,20 @@ def chain(cfg: dict[str, Any], probs: dict[str, Any], x: torch.Tensor, pdl: int)
         gu = launch(x, probs["gate_up"].weights[i], norm=probs["gate_up"].norms[i], eps=eps, pdl=pdl)
         x = launch(gu, probs["down"].weights[i], residual=x, glu=True, pdl=pdl)
     return x
+
+
+def captured(step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`step` run twice (compiles and warms outside the capture), then captured as one graph and
+    replayed once: the graph and the output tensor it writes."""
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, out
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
@@ -94,15 +110,7 @@ def main() -> int:
         entry: dict[str, Any] = {}
         outs = {}
         for pdl, key in ((0, "plain"), (1, "pdl"), (2, "pdl_prefetch")):
-            x = x0.clone()
-            for _ in range(2):  # compile and warm outside the capture
-                chain(cfg, probs, x, pdl)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = chain(cfg, probs, x, pdl)
-            graph.replay()
-            torch.cuda.synchronize()
+            graph, out = captured(functools.partial(chain, cfg, probs, x0.clone(), pdl))
             outs[pdl] = out.clone()
             ms = replay_ms(graph, args.reps)
             entry[key] = {
