@@ -69,6 +69,22 @@ fn failed_startup_binds_nothing() {
     assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_err());
 }
 
+/// A simulated step time asks for the simulated executor: with a real core (and no `--sim`) it
+/// is a startup error, before the core is loaded.
+#[test]
+fn sim_step_time_needs_the_simulated_executor() {
+    let port = free_port();
+    let out = flare()
+        .args(["run", "--sim-step-us", "2000", "--port", &port.to_string()])
+        .arg(fixture("abi2"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(4));
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(stderr.contains("--sim-step-us applies only to the simulated executor"), "{stderr}");
+    assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_err());
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }

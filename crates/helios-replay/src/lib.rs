@@ -975,6 +975,23 @@ mod tests {
         assert_eq!(induction_candidates(&[4, 4, 4, 4], u64::MAX, 1.0), Vec::<u32>::new());
     }
 
+    /// A step time makes every submission last at least that long; none by default.
+    #[test]
+    fn a_step_time_paces_every_submission() {
+        let scheme = reference_schemes().remove(0);
+        let caps = test_capacities(2, 8, 2);
+        let init =
+            |fence| Step { fence: helios_cache::Fence(fence), ops: vec![StepOp::Initialize { live_row: 1, rows: 1 }] };
+        let mut paced = SimulatedExecutor::new(&scheme, &caps).with_step_time(Duration::from_millis(20));
+        let started = std::time::Instant::now();
+        for fence in 1..=3 {
+            paced.submit(&init(fence), &StepInputs::default()).expect("submit");
+        }
+        assert!(started.elapsed() >= Duration::from_millis(60), "{:?}", started.elapsed());
+        assert_eq!(paced.synchronize().expect("synchronize").len(), 3);
+        assert_eq!(SimulatedExecutor::new(&scheme, &caps).step_time, Duration::ZERO);
+    }
+
     #[test]
     fn nth_allowed_walks_set_bits_below_vocab() {
         let mut mask = vec![0u32; 3];
