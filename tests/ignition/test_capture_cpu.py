@@ -249,3 +249,28 @@ def test_a_pointer_past_a_named_tensor_in_a_reused_block_resolves() -> None:
     amap = AddressMap(Arena(base, 1 << 20, 4096), buffers)
     assert amap.find(base + 0xA80) == BufferRange(2, 0)
     assert amap.find(base + block) == BufferRange(1, 0)
+
+
+def test_the_gemv_tuner_streams_more_weights_than_l2_holds(monkeypatch: Any) -> None:
+    """The tuner times a projection over its layers followed by copies of them (distinct memory,
+    same values, biases and norms alongside) up to `COLD_BYTES`, so that no layer's weights are
+    still in L2 when it is read again; a problem that already holds that much is timed as is."""
+    require_torch()
+    import torch
+
+    from ignition.capture import gemv
+
+    monkeypatch.setattr(gemv, "COLD_BYTES", 10_000)
+    weights = [torch.full((8, 64), float(i)) for i in range(2)]  # 2 x 2,048 bytes
+    norms = [torch.full((64,), float(i)) for i in range(2)]
+    p = gemv.Problem("o_proj", weights, gemv.Variant(residual=True), norms=norms)
+    cold = gemv._cold(p)
+    assert len(cold.weights) == 6 and sum(w.numel() * w.element_size() for w in cold.weights) >= 10_000
+    assert cold.norms is not None and len(cold.norms) == 6 and cold.biases is None
+    assert len({w.data_ptr() for w in cold.weights}) == 6
+    assert all(
+        torch.equal(w, weights[i % 2]) and torch.equal(n, norms[i % 2])
+        for i, (w, n) in enumerate(zip(cold.weights, cold.norms, strict=True))
+    )
+    monkeypatch.setattr(gemv, "COLD_BYTES", 4096)
+    assert gemv._cold(p) is p
