@@ -36,6 +36,7 @@
 #   pdl-probe                            issue 19: gemv chains as one graph, plain and with programmatic dependent launch
 #   graph-probe                          issue 19: a graph replay's cost beyond its kernels, per replay and per kernel
 #   prefetch-probe                       issue 19: gemv chains with the next layer's weights read into L2 on a graph branch
+#   persistent-probe                     issue 19: a projection chain as one persistent kernel against a kernel per link
 #   r1b-spec     (carry .dev/b2)         issue 21: the ~1B with speculative programs, checks, copy/decode benches (bg)
 #   r1b-spec-bw  (carry .dev/b2)         issues 19 + 21: one ~1B prepare (gemv, fused sampler, speculative programs): the
 #                                        breakdown, floor and bench at depth 0, then the copy/decode benches (bg)
@@ -419,6 +420,11 @@ case "$STAGE" in
         > "$OUT/l2_prefetch_probe_$c.log" 2>&1
       echo "l2_prefetch_probe $c rc=$?"; tail -2 "$OUT/l2_prefetch_probe_$c.log" | cut -c1-600
     done ;;
+  persistent-probe)  # issue 19: a chain of dependent projections as one persistent kernel (grid barrier, weights
+                     # loaded before the wait) against a kernel per projection; SmolLM2 and ~1B widths (~1 min)
+    timing_lock
+    timeout 200 python3 qualification/persistent_probe.py "$OUT/persistent_probe.json" > "$OUT/persistent_probe.log" 2>&1
+    echo "persistent_probe rc=$?"; tail -3 "$OUT/persistent_probe.log" | cut -c1-600 ;;
   pdl-probe)  # issue 19 item 3: the decode projections' chain (every layer, flare::gemv) as one graph, plain and with
               # programmatic dependent launch; SmolLM2 and the ~1B geometries (random weights, ~2 min)
     for c in smollm2_135m_random llama_1b_random; do
