@@ -122,7 +122,7 @@ def main() -> int:
                     "rel_l2_vs_per_kernel": err,
                     "barrier_gave_up": bool(fail.item()),
                 }
-                ok &= err < 2e-2 and not fail.item()
+                ok &= err < 0.1 and not fail.item()  # 120 bf16 roundings each way: a sanity bound
             except Exception as e:  # a variant that cannot compile or launch is a result
                 case[key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                 ok = False
