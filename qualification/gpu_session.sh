@@ -377,7 +377,8 @@ case "$STAGE" in
     spec_bench /tmp/r1bspec ;;
   q35-spec-bw)  # issues 18 + 19 + 21 (bg; carry .dev/b2): one Qwen3.5 prepare with gemv, the chunked GDN prefill, the
                 # fused sampler and speculative programs (every check), the GDN components, the breakdown, floor and
-                # bench at depth 0 (8 agent turns), then the copy and decode benches at depth 4 and 0
+                # bench at depth 0 (8 agent turns), then the copy and decode benches at depth 4 and 0 (SPEC_BENCH=0
+                # skips them, ~4 min: issue 18's figures alone)
     random_model qwen3_5_0p8b_random /tmp/q35
     SPECULATIVE_DEPTH=4 DECODE_PROJECTIONS=gemv GDN_PREFILL=chunked SAMPLER=${SAMPLER:-kernel} \
       TEMPLATE_FUSION=${TEMPLATE_FUSION:-heuristic} prepare /tmp/q35 /tmp/q35specbw qwen3_5-0.8b-random "${PREPARE_TIMEOUT:-900}" spec
@@ -385,7 +386,7 @@ case "$STAGE" in
     timeout 120 python3 qualification/gdn_components.py "$OUT/gdn_components.json" > "$OUT/gdn_components.log" 2>&1
     echo "gdn_components rc=$?"
     AGENT_TURNS=8 RUN_ARG=--speculative-depth=0 bw_measure /tmp/q35 /tmp/q35specbw bw
-    spec_bench /tmp/q35specbw
+    [ "${SPEC_BENCH:-1}" = 0 ] || spec_bench /tmp/q35specbw
     if [ -x /tmp/core_workload ]; then  # (bg carried .dev/b3) lifecycle vs solo runs, then preemption in a small pool
       timing_lock
       timeout 120 /tmp/core_workload /tmp/q35specbw > "$OUT/core_workload.json"; echo "core_workload rc=$?"
