@@ -1,9 +1,8 @@
-"""GPU machine, issue 19: where a decode graph's time beyond its kernels goes. On the H100
-(2026-12-06) SmolLM2's decode_b1 spans 670 us of kernels inside the graph (CUPTI: first kernel
-start to last kernel end, what the kernel breakdown calls graph time) but replays back to back
-in 758 us, and `flare run` decodes in 758 us; the ~1B's graph spends 45 us beyond its 135
-kernels. This separates a per-replay cost from a per-kernel one on synthetic graphs of N
-one-element kernels (N = 50 to 400):
+"""GPU machine, issue 19: what launching a CUDA graph costs beyond its kernels. On the H100
+(2026-12-06) SmolLM2's decode_b1 replays back to back in 670 us between CUDA events (the kernel
+breakdown's graph time, equal to CUPTI's kernel sum) but in 758 us on the host clock in the
+floor harness, and `flare run` decodes in 758 us. This separates a per-replay cost from a
+per-kernel one on synthetic graphs of N one-element kernels (N = 50 to 400):
 - back-to-back replays of one graph exec (CUDA events around R replays), and of two execs of
   the same capture alternated (as an executor with two steps in flight could launch them);
 - each replay's kernel span and the idle time between replays, from torch's profiler (CUPTI);
