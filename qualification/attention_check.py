@@ -4,6 +4,13 @@ read once per ~64 query rows) against the per-token kernel it replaces for prefi
 4,096- and 1,024-token contexts; each as a CUDA-graph replay of all layers (the chunk's attention
 over every layer, as a prefill graph runs it), with the relative error against each other.
 
+Then decode (issue 19): pages per attention program (`pps`, `attention.PAGES_PER_SPLIT` today)
+at 1, 2, 4, 8 and 16, for 1 and 4 requests at 256, 1,024 and 4,096 tokens over 72-page tables
+(a 4,608-token context limit), each token's K/V written inside the attention as decode graphs
+do; all layers as one graph, with the relative error against the current setting. (SmolLM2's
+decode step took 88 us longer at 288 tokens of context than at a few: ~3 us per attention layer,
+with 4 pages walked one after another by each program.)
+
     python3 qualification/attention_check.py OUT.json
 """
 
@@ -26,6 +33,8 @@ from ignition.capture.gemv import _time_ms
 # The prefill kernel's (query rows per program, warps, stages) tried beside the rule's choice.
 CONFIGS = ((64, 8, 2), (64, 8, 1), (32, 8, 2), (32, 4, 2), (64, 4, 2), (32, 8, 1), (16, 8, 1), (16, 4, 1))
 
+# Pages per attention program timed for decode.
+PPS = (1, 2, 4, 8, 16)
 # (name, layers with attention, heads, KV heads, head dim, RoPE in the kernel)
 GEOMETRIES = (("llama_1b", 16, 32, 8, 64, True), ("smollm2", 30, 9, 3, 64, True), ("qwen3_5_0p8b", 6, 8, 2, 256, False))
 
@@ -66,9 +75,46 @@ def sweep(args: tuple[Any, ...], reference: torch.Tensor, g: int, d: int) -> lis
     return results
 
 
+def decode(name: str, layers: int, h: int, kvh: int, d: int, rope: bool, rows: int, context: int) -> dict[str, Any]:
+    """One decode case: each row its own request at position `context - 1`, writing its K/V;
+    every `PPS` setting timed over all layers."""
+    dev = torch.device("cuda")
+    width = 72
+    kv = torch.randn(rows * width + 1, layers, 2, 64, kvh, d, device=dev, dtype=torch.bfloat16)
+    table = torch.randperm(rows * width + 1, device=dev)[: rows * width].int().view(rows, width)
+    table[:, (context - 1) // 64 + 1 :] = -1
+    req = torch.arange(rows, dtype=torch.int32, device=dev)
+    pos = torch.full((rows,), context - 1, dtype=torch.int32, device=dev)
+    slots = (table[:, (context - 1) // 64].long() * 64 + (context - 1) % 64).contiguous()
+    q, k, v = (torch.randn(rows, n_, d, device=dev, dtype=torch.bfloat16) for n_ in (h, kvh, kvh))
+    cos = sin = None
+    if rope:
+        ang = pos.float()[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2, device=dev).float() / d))[None, :]
+        cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+
+    def step(pps: int) -> torch.Tensor:
+        out = q
+        for layer in range(layers):
+            out = _launch_attention(q, kv, table, req, pos, layer, d**-0.5, pps, cos=cos, sin=sin, tokens="decode",
+                                    write=(k, v, slots))  # fmt: skip
+        return out
+
+    now = attention.PAGES_PER_SPLIT
+    want = step(now).float()
+    case: dict[str, Any] = {"geometry": name, "layers": layers, "rows": rows, "context": context, "pps": {}}
+    for pps in PPS:
+        got = step(pps).float()
+        case["pps"][str(pps)] = {
+            "us_per_layer": round(_time_ms(functools.partial(step, pps), 50) * 1e3 / layers, 2),
+            "rel_l2": float((got - want).norm() / want.norm()),
+        }
+    case["fastest"] = min(PPS, key=lambda p: case["pps"][str(p)]["us_per_layer"])
+    return case
+
+
 def main() -> int:
     dev = torch.device("cuda")
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "cases": []}
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "cases": [], "decode": []}
     worst = 0.0
     for name, layers, h, kvh, d, rope in GEOMETRIES:
         for context in (1024, 4096):
@@ -99,6 +145,14 @@ def main() -> int:
                 case["configs"] = sweep(args, b, h // kvh, d)
             report["cases"].append(case)
             print(json.dumps(case), flush=True)
+    report["worst_rel_l2"] = worst
+    for name, layers, h, kvh, d, rope in GEOMETRIES:
+        for rows in (1, 4):
+            for context in (256, 1024, 4096):
+                timed = decode(name, layers, h, kvh, d, rope, rows, context)
+                worst = max(worst, *(v["rel_l2"] for v in timed["pps"].values()))
+                report["decode"].append(timed)
+                print(json.dumps(timed), flush=True)
     report["worst_rel_l2"] = worst
     Path(sys.argv[1]).write_text(json.dumps(report, indent=1))
     return 0 if worst < 1e-2 else 1

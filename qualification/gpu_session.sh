@@ -441,7 +441,7 @@ case "$STAGE" in
     timing_lock
     timeout 200 python3 qualification/gdn_components.py "$OUT/gdn_components.json" > "$OUT/gdn_components.log" 2>&1
     echo "gdn_components rc=$?"; tail -12 "$OUT/gdn_components.log" | cut -c1-300 ;;
-  attention-check)  # issue 19 item 4: the prefill block attention kernel against the per-token one (~1 min)
+  attention-check)  # issue 19 item 4: the prefill block attention kernel against the per-token one; decode pages per program (~2 min)
     timing_lock
     timeout 300 python3 qualification/attention_check.py "$OUT/attention_check.json" > "$OUT/attention_check.log" 2>&1
     echo "attention_check rc=$?"; tail -8 "$OUT/attention_check.log" | cut -c1-300 ;;
