@@ -3,7 +3,9 @@ core (replayed through the CUDA driver, as Helios does; torch only as CUPTI's re
 
 For each graph (default: every decode bucket and the largest prefill capacity):
 - inputs from a real request (prompts admitted and prefilled first), so every kernel sees what
-  serving gives it;
+  serving gives it; a decode step's request holds `--decode-context` tokens (default 288, the
+  floor harness's 32-token prompt plus 256 decoded tokens, so graph time compares with its
+  back-to-back replay; 32 before 2026-12-06, when SmolLM2's graph time was 88 us shorter);
 - graph time: back-to-back replays timed with events;
 - in-graph kernel time: CUPTI's record of the same replays (torch.profiler), so durations and the
   gaps between kernels are what the graph really does, L2 state included;
@@ -15,6 +17,7 @@ For each graph (default: every decode bucket and the largest prefill capacity):
   sampler); achieved weight bytes/s for every kernel that reads weights.
 
     python3 qualification/kernel_breakdown.py CORE OUT.json [--graphs decode_b1,prefill_t512] [--hbm-gbps GBPS]
+        [--decode-context TOKENS]
 """
 
 from __future__ import annotations
@@ -115,16 +118,17 @@ def category(function: str) -> str:
     return "pointwise" if "poi" in f else "reduction" if ("red" in f or "per" in f) else "other"
 
 
-def setup(rep: CoreReplay, g: GraphInfo) -> list[Row]:
-    """Admits requests and returns the rows of one realistic step of `g`."""
+def setup(rep: CoreReplay, g: GraphInfo, context: int) -> list[Row]:
+    """Admits requests and returns the rows of one realistic step of `g` (decode: each request
+    holding `context` tokens)."""
     if g.kind == "decode":
         rows = []
         for j in range(g.request_count):
-            prompt = [(7 + 13 * j + 5 * i) % 1000 + 10 for i in range(32)]
-            pages = rep.pages_for(j, 300)
+            prompt = [(7 + 13 * j + 5 * i) % 1000 + 10 for i in range(context)]
+            pages = rep.pages_for(j, context + 8)
             live = rep.live_row(j)  # slots own verification-width rows: live rows are apart
             first = admit(rep, live, pages, prompt, 5 + j, Sampling())
-            rows.append(Row(live, pages, 32, [first], (5 + j, 1)))
+            rows.append(Row(live, pages, context, [first], (5 + j, 1)))
         return rows
     cap = g.token_capacity
     pages = rep.pages_for(0, cap)
@@ -286,6 +290,7 @@ def main() -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--graphs", help="comma-separated graph names (default: decode buckets + largest prefill)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--decode-context", type=int, default=288, help="tokens each decode request holds")
     ap.add_argument("--hbm-gbps", type=float, help="GB/s for the HBM bound (default: the device's datasheet figure)")
     args = ap.parse_args()
     args.hbm_gbps, hbm_source = peak_gbps(args.hbm_gbps)
@@ -297,10 +302,16 @@ def main() -> int:
         if args.graphs
         else [g.name for g in core.by_kind("decode")] + [core.by_kind("prefill")[-1].name]
     )
-    report: dict[str, Any] = {"core": str(args.core), "hbm_gbps": args.hbm_gbps, "hbm_source": hbm_source, "graphs": []}
+    report: dict[str, Any] = {
+        "core": str(args.core),
+        "hbm_gbps": args.hbm_gbps,
+        "hbm_source": hbm_source,
+        "decode_context": args.decode_context,
+        "graphs": [],
+    }
     for name in names:
         g = next(x for x in core.graphs if x.name == name)
-        rows = setup(rep, g)
+        rows = setup(rep, g, args.decode_context)
         rep.rows_step(g, rows)
         nodes = kernel_nodes(core, g)
         graph_us = graph_time_us(dev, g, args.reps)
