@@ -107,6 +107,60 @@ def test_chunked_gdn_prefill_does_not_spill() -> None:
         assert res["stack"] == 0 and res["shared"] <= SM90_SHARED, (name, res)
 
 
+@pytest.mark.parametrize(("name", "heads", "kv_heads", "d", "rope"), ATTENTION)
+def test_decode_attention_fits_sm90(name: str, heads: int, kv_heads: int, d: int, rope: bool) -> None:
+    """The decode attention kernel as `_launch_attention` launches it (a write inside, 72-page
+    tables in groups of `PAGES_PER_SPLIT`): at head dim 64 no stack, one page at a time on 4
+    warps and two pages at once (`PAGES_AHEAD`) on 8; at 256 (one page at a time only) no more
+    than the ~480 bytes it spilled before the page ids were loaded per group (a page-offset tile
+    held across the loop once took 4,960)."""
+    from ignition.capture import attention, attention_triton
+
+    g = heads // kv_heads
+    pps = attention.PAGES_PER_SPLIT
+    sig = signature(
+        {
+            "Q": "bf16",
+            "COS": "fp32",
+            "SIN": "fp32",
+            "KV": "bf16",
+            "PT": "i32",
+            "REQ": "i32",
+            "POS": "i32",
+            "PACC": "fp32",
+            "PM": "fp32",
+            "PL": "fp32",
+            "OUT": "bf16",
+            "K": "bf16",
+            "V": "bf16",
+            "SLOT": "i64",
+        },
+        [
+            "layer",
+            "q_row",
+            "q_head",
+            "k_row",
+            "k_head",
+            "v_row",
+            "v_head",
+            "s_page",
+            "s_layer",
+            "s_sel",
+            "s_tok",
+            "s_head",
+            "pt_stride",
+        ],
+    )
+    consts = {"SCALE": d**-0.5, "H": heads, "G": g, "GP": max(16, 1 << (g - 1).bit_length()), "D": d, "T": 64}
+    consts |= {"SPLITS": -(-72 // pps), "PPS": pps, "PPSP": max(2, 1 << (pps - 1).bit_length())}
+    consts |= {"ROPE": rope, "WRITE": True}
+    for ahead in (False, True) if d <= 64 else (False,):
+        res = compile_sm90(
+            attention_triton.paged_attention_kernel, sig, {**consts, "AHEAD": ahead}, num_warps=8 if ahead else 4
+        )
+        assert res["stack"] <= (0 if d <= 64 else 512) and res["shared"] <= SM90_SHARED, (name, ahead, res)
+
+
 def test_fused_sampler_kernels_do_not_spill() -> None:
     """`flare::sample`'s four kernels at the widths `sampling.launch` uses: the chunked passes
     and the one program per row (wide blocks, a cumulative sum and histograms per block) keep
