@@ -36,14 +36,15 @@ def _page_step(q, kp, s_sel, first, ti, pos, last_pos, m, lsum, acc, SCALE: tl.c
     last position any row reads) is not loaded: a recycled page may still hold another
     request's values there, and p = 0 times a non-finite one would still be NaN. K needs no
     mask: its scores there are replaced by -inf."""
-    k, v = _page_load(kp, s_sel, first, ti, last_pos, 1 << 30)
+    k = tl.load(kp)
+    v = tl.load(kp + s_sel, mask=((first + ti) <= last_pos)[:, None], other=0.0)
     return _page_fold(q, k, v, first, ti, pos, m, lsum, acc, SCALE)
 
 
 @triton.jit
 def _page_load(kp, s_sel, first, ti, last_pos, rows):
-    """`_page_step`'s loads: the page's K, and its V up to `last_pos`, in its first `rows` rows
-    (0: none, for a page past the group's last)."""
+    """`_page_step`'s loads, in the page's first `rows` rows (0: none, for a page past the
+    group's last)."""
     live = (ti < rows)[:, None]
     k = tl.load(kp, mask=live, other=0.0)
     v = tl.load(kp + s_sel, mask=live & ((first + ti) <= last_pos)[:, None], other=0.0)
