@@ -49,6 +49,8 @@ def signature(pointers: dict[str, str], ints: list[str]) -> dict[str, str]:
     return {**{k: "*" + v for k, v in pointers.items()}, **dict.fromkeys(ints, "i32")}
 
 
+# Pointer parameters both attention kernels take, by element type.
+ATTENTION_POINTERS = {"Q": "bf16", "COS": "fp32", "SIN": "fp32", "KV": "bf16", "PT": "i32", "REQ": "i32", "POS": "i32"}
 # (name, heads, KV heads, head dim, RoPE in the kernel): the ~1B Llama, SmolLM2, Qwen3.5-0.8B.
 ATTENTION = (("llama_1b", 32, 8, 64, True), ("smollm2", 9, 3, 64, True), ("qwen3_5_0p8b", 8, 2, 256, False))
 
@@ -61,16 +63,7 @@ def test_prefill_attention_fits_sm90(name: str, heads: int, kv_heads: int, d: in
     gp = 1 << (g - 1).bit_length()
     bt, warps, stages = attention.prefill_block_config(gp, d)
     sig = signature(
-        {
-            "Q": "bf16",
-            "COS": "fp32",
-            "SIN": "fp32",
-            "KV": "bf16",
-            "PT": "i32",
-            "REQ": "i32",
-            "POS": "i32",
-            "OUT": "bf16",
-        },
+        {**ATTENTION_POINTERS, "OUT": "bf16"},
         ["layer", "N", "q_row", "q_head", "s_page", "s_layer", "s_sel", "s_tok", "s_head", "pt_stride", "pt_cols"],
     )
     consts = {"SCALE": d**-0.5, "H": heads, "G": g, "GP": gp, "D": d, "T": 64, "BT": bt, "ROPE": rope}
@@ -118,38 +111,10 @@ def test_decode_attention_fits_sm90(name: str, heads: int, kv_heads: int, d: int
 
     g = heads // kv_heads
     pps = attention.PAGES_PER_SPLIT
+    pointers = {"PACC": "fp32", "PM": "fp32", "PL": "fp32", "OUT": "bf16", "K": "bf16", "V": "bf16", "SLOT": "i64"}
+    ints = ["layer", "q_row", "q_head", "k_row", "k_head", "v_row", "v_head"]
     sig = signature(
-        {
-            "Q": "bf16",
-            "COS": "fp32",
-            "SIN": "fp32",
-            "KV": "bf16",
-            "PT": "i32",
-            "REQ": "i32",
-            "POS": "i32",
-            "PACC": "fp32",
-            "PM": "fp32",
-            "PL": "fp32",
-            "OUT": "bf16",
-            "K": "bf16",
-            "V": "bf16",
-            "SLOT": "i64",
-        },
-        [
-            "layer",
-            "q_row",
-            "q_head",
-            "k_row",
-            "k_head",
-            "v_row",
-            "v_head",
-            "s_page",
-            "s_layer",
-            "s_sel",
-            "s_tok",
-            "s_head",
-            "pt_stride",
-        ],
+        {**ATTENTION_POINTERS, **pointers}, [*ints, "s_page", "s_layer", "s_sel", "s_tok", "s_head", "pt_stride"]
     )
     consts = {"SCALE": d**-0.5, "H": heads, "G": g, "GP": max(16, 1 << (g - 1).bit_length()), "D": d, "T": 64}
     consts |= {"SPLITS": -(-72 // pps), "PPS": pps, "PPSP": max(2, 1 << (pps - 1).bit_length())}
