@@ -5,20 +5,14 @@ use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use helios_cache::{Fence, FencedPool, PrefixCache, PrefixIdentity, PromptDigests, Publication};
-use helios_contract::model::{CacheScheme, Capacities, PageRegion};
+use helios_contract::model::{CacheScheme, Capacities};
 use helios_scheduler::{Completion, RequestSpec, SampledToken, Scheduler, SchedulerConfig, Step, StepOp};
 
+#[path = "../tests/support/mod.rs"]
+mod support;
+
 fn scheme() -> CacheScheme {
-    CacheScheme {
-        page_tokens: 64,
-        page_regions: vec![PageRegion { name: "kv".into(), bytes_per_page: 1 }],
-        continuation_row_bytes: 16,
-        row_layout: vec![],
-        null_row: 0,
-        live_rows_per_slot: 1,
-        verification_width: 1,
-        padding_slot: -1,
-    }
+    support::paged_scheme(64)
 }
 
 fn capacities(slots: u32) -> Capacities {

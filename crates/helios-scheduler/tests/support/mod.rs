@@ -1,5 +1,5 @@
-//! What the tests that drive the scheduler as their own executor share: a one-region page
-//! scheme and the requests a planned step samples.
+//! What the tests that drive the scheduler as their own executor share (and the planning
+//! bench, by path): a one-region page scheme and the requests a planned step samples.
 #![allow(dead_code)] // each test binary uses its own part
 
 use helios_contract::model::{CacheScheme, PageRegion};
@@ -7,8 +7,13 @@ use helios_scheduler::{RequestId, Step, StepOp};
 
 /// 16-token pages of one byte-sized region, one live row per slot, no verification columns.
 pub(crate) fn scheme() -> CacheScheme {
+    paged_scheme(16)
+}
+
+/// [`scheme`] with `page_tokens`-token pages (the planning bench uses 64).
+pub(crate) fn paged_scheme(page_tokens: u32) -> CacheScheme {
     CacheScheme {
-        page_tokens: 16,
+        page_tokens,
         page_regions: vec![PageRegion { name: "kv".into(), bytes_per_page: 1 }],
         continuation_row_bytes: 16,
         row_layout: vec![],
