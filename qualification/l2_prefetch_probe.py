@@ -85,11 +85,13 @@ def chain(cfg: dict[str, Any], probs: dict[str, Any], x: torch.Tensor, ahead: tu
     d = cfg.get("head_dim") or cfg["hidden_size"] // heads
     eps = float(cfg.get("rms_norm_eps", 1e-6))
     main = torch.cuda.current_stream()
-    side = torch.cuda.Stream() if ahead is not None else None
-    sink = torch.zeros(max(1, ahead[1] if ahead else 1), dtype=torch.int32, device="cuda")
+    # The side stream and the load variant's sink (nothing the plain chain's graph holds: its
+    # graph is `pdl_probe`'s plain one).
+    branch = None if ahead is None else (torch.cuda.Stream(), torch.empty(ahead[1], dtype=torch.int32, device="cuda"))
     layers = cfg["num_hidden_layers"]
     for i in range(layers):
-        if side is not None and ahead is not None and i + 1 < layers:
+        if branch is not None and ahead is not None and i + 1 < layers:
+            side, sink = branch
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 prefetch(
@@ -99,8 +101,8 @@ def chain(cfg: dict[str, Any], probs: dict[str, Any], x: torch.Tensor, ahead: tu
         x = launch(qkv[:, : heads * d], probs["o_proj"].weights[i], residual=x)
         gu = launch(x, probs["gate_up"].weights[i], norm=probs["gate_up"].norms[i], eps=eps)
         x = launch(gu, probs["down"].weights[i], residual=x, glu=True)
-    if side is not None:
-        main.wait_stream(side)
+    if branch is not None:
+        main.wait_stream(branch[0])
     return x
 
 
