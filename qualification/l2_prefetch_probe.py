@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gemv_check import problems  # siblings: the script directory is on the path
 from hbm import peak_gbps
-from pdl_probe import captured, replay_ms
+from pdl_probe import captured, layer, replay_ms
 
-from ignition.capture.gemv import CANDIDATES, launch, precompile, tune
+from ignition.capture.gemv import CANDIDATES, precompile, tune
 
 LINE = 128  # bytes per L2 line (a prefetch instruction fetches one)
 
@@ -81,9 +81,6 @@ def prefetch(weights: list[torch.Tensor], programs: int, mode: str, sink: torch.
 def chain(cfg: dict[str, Any], probs: dict[str, Any], x: torch.Tensor, ahead: tuple[str, int] | None) -> torch.Tensor:
     """`pdl_probe.chain` (plain launches), with the next layer's weights read ahead on a side
     stream when `ahead` = (mode, programs)."""
-    heads = cfg["num_attention_heads"]
-    d = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    eps = float(cfg.get("rms_norm_eps", 1e-6))
     main = torch.cuda.current_stream()
     # The side stream and the load variant's sink (nothing the plain chain's graph holds: its
     # graph is `pdl_probe`'s plain one).
@@ -97,10 +94,7 @@ def chain(cfg: dict[str, Any], probs: dict[str, Any], x: torch.Tensor, ahead: tu
                 prefetch(
                     [probs[n].weights[i + 1] for n in ("qkv", "o_proj", "gate_up", "down")], ahead[1], ahead[0], sink
                 )
-        qkv = launch(x, probs["qkv"].weights[i], norm=probs["qkv"].norms[i], eps=eps)
-        x = launch(qkv[:, : heads * d], probs["o_proj"].weights[i], residual=x)
-        gu = launch(x, probs["gate_up"].weights[i], norm=probs["gate_up"].norms[i], eps=eps)
-        x = launch(gu, probs["down"].weights[i], residual=x, glu=True)
+        x = layer(cfg, probs, x, i)
     if branch is not None:
         main.wait_stream(branch[0])
     return x

@@ -37,15 +37,21 @@ from ignition.capture.gemv import CANDIDATES, launch, precompile, tune
 def chain(cfg: dict[str, Any], probs: dict[str, Any], x: torch.Tensor, pdl: int) -> torch.Tensor:
     """One decode step's projections through every layer (no attention): the activations after
     the last layer."""
+    for i in range(cfg["num_hidden_layers"]):
+        x = layer(cfg, probs, x, i, pdl)
+    return x
+
+
+def layer(cfg: dict[str, Any], probs: dict[str, Any], x: torch.Tensor, i: int, pdl: int = 0) -> torch.Tensor:
+    """Layer i's four projections (qkv with its norm, o_proj with the residual, gate_up with its
+    norm, down with the SiLU gate and the residual)."""
     heads = cfg["num_attention_heads"]
     d = cfg.get("head_dim") or cfg["hidden_size"] // heads
     eps = float(cfg.get("rms_norm_eps", 1e-6))
-    for i in range(cfg["num_hidden_layers"]):
-        qkv = launch(x, probs["qkv"].weights[i], norm=probs["qkv"].norms[i], eps=eps, pdl=pdl)
-        x = launch(qkv[:, : heads * d], probs["o_proj"].weights[i], residual=x, pdl=pdl)
-        gu = launch(x, probs["gate_up"].weights[i], norm=probs["gate_up"].norms[i], eps=eps, pdl=pdl)
-        x = launch(gu, probs["down"].weights[i], residual=x, glu=True, pdl=pdl)
-    return x
+    qkv = launch(x, probs["qkv"].weights[i], norm=probs["qkv"].norms[i], eps=eps, pdl=pdl)
+    x = launch(qkv[:, : heads * d], probs["o_proj"].weights[i], residual=x, pdl=pdl)
+    gu = launch(x, probs["gate_up"].weights[i], norm=probs["gate_up"].norms[i], eps=eps, pdl=pdl)
+    return launch(gu, probs["down"].weights[i], residual=x, glu=True, pdl=pdl)
 
 
 def captured(step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
