@@ -332,6 +332,10 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
             with phase("tune the few-row projections"):
                 lanes = max((b * (d + 1) for b, d in caps.speculative), default=0)
                 report["gemv"] = _tune_projections(rec, caps.decode_buckets, lanes)
+        if rec.program.model.write_attend is not None:
+            stage = "tune"
+            with phase("tune the decode attention split"):
+                report["attention_split"] = _tune_attention(rec, caps.decode_buckets)
         stage = "compile_and_capture"
         if o.compile_cache is not None:
             report["compile_cache"] = _load_compile_cache(o.compile_cache)
@@ -468,6 +472,24 @@ def _tune_projections(rec: Any, buckets: list[int], lanes: int) -> dict[str, Any
     rec.timings["gemv_tune_s"] = round(time.time() - t0, 3)
     for name, r in out.items():
         note(f"gemv {name} {r['shape']}: {r['config']}, {r['weight_gb_per_s']} GB/s at {r['rows']} row(s)")
+    return out
+
+
+def _tune_attention(rec: Any, buckets: list[int]) -> dict[str, Any]:
+    """Picks the pages each decode attention program walks (`attention_tune`) on this device,
+    before capture, and prints the choice."""
+    from ignition.capture import attention_tune
+
+    model = rec.program.model
+    g = model.geo
+    t0 = time.time()
+    with _timing_lock():
+        out = attention_tune.tune(
+            g.heads, g.kv_heads, g.head_dim, g.page_tokens, g.pages_per_request, g.kv_layers, buckets,
+            model.rope_in_attention,
+        )  # fmt: skip
+    rec.timings["attention_tune_s"] = round(time.time() - t0, 3)
+    note(f"attention: {out['pages_per_split']} page(s) per decode program ({out['splits']} groups per table)")
     return out
 
 

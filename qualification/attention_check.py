@@ -27,15 +27,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ignition.capture import attention
+from ignition.capture import attention, attention_tune
 from ignition.capture.attention import _launch_attention
 from ignition.capture.gemv import _time_ms
 
 # The prefill kernel's (query rows per program, warps, stages) tried beside the rule's choice.
 CONFIGS = ((64, 8, 2), (64, 8, 1), (32, 8, 2), (32, 4, 2), (64, 4, 2), (32, 8, 1), (16, 8, 1), (16, 4, 1))
 
-# Pages per attention program timed for decode.
+# Pages per attention program timed for decode, over page tables this wide (a 4,608-token limit).
 PPS = (1, 2, 4, 8, 16)
+WIDTH = 72
 # (name, layers with attention, heads, KV heads, head dim, RoPE in the kernel)
 GEOMETRIES = (("llama_1b", 16, 32, 8, 64, True), ("smollm2", 30, 9, 3, 64, True), ("qwen3_5_0p8b", 6, 8, 2, 256, False))
 
@@ -77,40 +78,23 @@ def sweep(args: tuple[Any, ...], reference: torch.Tensor, g: int, d: int) -> lis
 
 
 def decode(name: str, layers: int, h: int, kvh: int, d: int, rope: bool, rows: int, context: int) -> dict[str, Any]:
-    """One decode case: each row its own request at position `context - 1`, writing its K/V;
-    every `PPS` setting timed over all layers."""
-    dev = torch.device("cuda")
-    width = 72
-    kv = torch.randn(rows * width + 1, layers, 2, 64, kvh, d, device=dev, dtype=torch.bfloat16)
-    table = torch.randperm(rows * width + 1, device=dev)[: rows * width].int().view(rows, width)
-    table[:, (context - 1) // 64 + 1 :] = -1
-    req = torch.arange(rows, dtype=torch.int32, device=dev)
-    pos = torch.full((rows,), context - 1, dtype=torch.int32, device=dev)
-    slots = (table[:, (context - 1) // 64].long() * 64 + (context - 1) % 64).contiguous()
-    q, k, v = (torch.randn(rows, n_, d, device=dev, dtype=torch.bfloat16) for n_ in (h, kvh, kvh))
-    cos = sin = None
-    if rope:
-        ang = pos.float()[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2, device=dev).float() / d))[None, :]
-        cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    """One decode case as preparation's tuner times it (`attention_tune.time_decode`, 72-page
+    tables): every `PPS` setting over all layers, with the relative error against the current one."""
 
-    def step(pps: int) -> torch.Tensor:
-        out = q
-        for layer in range(layers):
-            out = _launch_attention(q, kv, table, req, pos, layer, d**-0.5, pps, cos=cos, sin=sin, tokens="decode",
-                                    write=(k, v, slots))  # fmt: skip
-        return out
+    def timed(pps: int) -> tuple[float, torch.Tensor]:
+        return attention_tune.time_decode(h, kvh, d, 64, WIDTH, layers, rows, context, pps, rope)
 
-    now, was = attention.PAGES_PER_SPLIT, attention.PAGES_AHEAD
+    was = attention.PAGES_AHEAD
     attention.PAGES_AHEAD = False
-    want = step(now).float()
+    want = timed(attention.PAGES_PER_SPLIT)[1].float()
     case: dict[str, Any] = {"geometry": name, "layers": layers, "rows": rows, "context": context, "pps": {}}
     for ahead in (False, True) if d <= 64 else (False,):
         attention.PAGES_AHEAD = ahead
         for pps in PPS:
-            got = step(pps).float()
+            ms, got = timed(pps)
             case["pps"][f"{pps}{'+ahead' if ahead else ''}"] = {
-                "us_per_layer": round(_time_ms(functools.partial(step, pps), 50) * 1e3 / layers, 2),
-                "rel_l2": float((got - want).norm() / want.norm()),
+                "us_per_layer": round(ms * 1e3 / layers, 2),
+                "rel_l2": float((got.float() - want).norm() / want.norm()),
             }
     attention.PAGES_AHEAD = was
     case["fastest"] = min(case["pps"], key=lambda key: case["pps"][key]["us_per_layer"])

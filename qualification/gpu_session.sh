@@ -369,12 +369,12 @@ case "$STAGE" in
   r1b-spec|r1b-spec-bw)  # issue 21 (bg; carry .dev/b2): the ~1B with speculative programs (gemv, the fused sampler) and
                          # every check, then the copy and decode benches at depth 4 and 0 as smol-spec; r1b-spec-bw
                          # (issues 19 + 21) first measures the same core as r1b-bw's gemv half (breakdown, floor, bench)
-                         # at depth 0, so one prepare serves both issues
+                         # at depth 0, so one prepare serves both issues (SPEC_BENCH=0 skips the copy and decode benches)
     random_model llama_1b_random /tmp/r1b
     SPECULATIVE_DEPTH=7 DECODE_PROJECTIONS=${DECODE_PROJECTIONS:-gemv} SAMPLER=${SAMPLER:-kernel} \
       prepare /tmp/r1b /tmp/r1bspec llama-1b-random "${PREPARE_TIMEOUT:-900}" spec
     [ "$STAGE" = r1b-spec-bw ] && RUN_ARG=--speculative-depth=0 bw_measure /tmp/r1b /tmp/r1bspec gemv
-    spec_bench /tmp/r1bspec ;;
+    [ "${SPEC_BENCH:-1}" = 0 ] || spec_bench /tmp/r1bspec ;;
   q35-spec-bw)  # issues 18 + 19 + 21 (bg; carry .dev/b2): one Qwen3.5 prepare with gemv, the chunked GDN prefill, the
                 # fused sampler and speculative programs (every check), the GDN components, the breakdown, floor and
                 # bench at depth 0 (8 agent turns), then the copy and decode benches at depth 4 and 0 (SPEC_BENCH=0

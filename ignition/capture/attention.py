@@ -55,7 +55,9 @@ def attend_gather(
 
 # Pages one attention program walks: a request's pages are split into groups of this many, each
 # group reduced by its own program and the partial softmax states combined afterwards, so a long
-# context is read by many SMs at once instead of one program per (token, KV head).
+# context is read by many SMs at once instead of one program per (token, KV head). Preparation
+# sets it for the device and geometry (`ignition.capture.attention_tune`) before capture; 4 is the
+# value for runs that do not tune (CPU, the qualification scripts).
 PAGES_PER_SPLIT = 4
 # From this many query tokens on (prefill chunks), (token, KV head) programs already fill the GPU:
 # one program walks all pages and stores the normalized output, with no partials and no combine.
@@ -267,8 +269,9 @@ def _launch_attention(
     )
     if splits > 1:
         _combine_kernel()[(n, h)](
-            part_acc, part_m, part_l, out, H=h, D=d, SPLITS=splits, SP=max(2, 1 << (splits - 1).bit_length())
-        )
+            part_acc, part_m, part_l, out, pos, H=h, D=d, T=t, PPS=pps, SPLITS=splits,
+            SP=max(2, 1 << (splits - 1).bit_length()),
+        )  # fmt: skip
     return out
 
 

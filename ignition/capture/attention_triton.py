@@ -254,15 +254,20 @@ def paged_prefill_attention_kernel(
 
 @triton.jit
 def paged_attention_combine(
-    PACC, PM, PL, OUT, H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr
-):
+    PACC, PM, PL, OUT, POS, H: tl.constexpr, D: tl.constexpr, T: tl.constexpr, PPS: tl.constexpr,
+    SPLITS: tl.constexpr, SP: tl.constexpr,
+):  # fmt: skip
     """One (token, head): the page groups' states rescaled to their common max and normalized.
-    Group 0 always holds the token's first page, so the max is finite."""
+    Group 0 always holds the token's first page, so the max is finite. Only the groups up to
+    the token's last page are read (one page per group over a long table leaves most groups
+    empty); the others enter the reduction as the empty state they hold (m -inf, l and acc 0),
+    so the arithmetic is what reading them gave."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     si = tl.arange(0, SP)
     di = tl.arange(0, D)
-    smask = si < SPLITS
+    pos = tl.load(POS + n)
+    smask = (si < SPLITS) & (si <= (pos // T) // PPS)
     at = (n * SPLITS + si) * H + h
     m = tl.load(PM + at, mask=smask, other=float("-inf"))
     lsum = tl.load(PL + at, mask=smask, other=0.0)

@@ -139,6 +139,8 @@ class PagedQwen35(PagedLlama):
     (decode, prefill, resume, maintenance) with this `hidden` and these continuation rows."""
 
     geo: HybridGeometry
+    # q and k reach `flare::write_attend` rotated (partial rotary, after the gate split).
+    rope_in_attention = False
 
     def __init__(
         self,

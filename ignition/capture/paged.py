@@ -218,6 +218,10 @@ class PagedLlama:
     prefill: [T, H]; resume: [1, H]).
     """
 
+    # Whether `flare::write_attend` rotates q and k itself (cos/sin given), which the attention
+    # tuner times the same way (`ignition.capture.attention_tune`).
+    rope_in_attention = True
+
     def __init__(
         self,
         geo: Geometry,

@@ -719,13 +719,15 @@ def test_triton_kernels_match_the_reference_under_the_interpreter() -> None:
     reference, on CPU through Triton's interpreter; the prefill block kernel also against the
     per-token kernel, a row's result independent of the block that holds it; and over a recycled
     page holding NaN past the positions read, the same bits as over a clean one; and pages loaded
-    one ahead of the arithmetic, the same bits as one page at a time."""
+    one ahead of the arithmetic, the same bits as one page at a time; and page groups past a
+    token's last page neither written nor read."""
     report = _interpreted("triton_kernels_interpreted.py", 300)
     assert report["poisoned_pages_bitwise"], report
     assert report["kv_write_exact"] and report["attention_max_abs_err"] < 1e-5, report
     assert report["prefill_block_max_abs_err"] < 1e-5 and report["prefill_block_invariant"], report
     assert report["decode_fused_write_bitwise"], report
     assert report["pages_ahead_bitwise"], report
+    assert report["idle_groups_unread"], report
 
 
 def test_write_attend_compiles_without_copying_the_cache() -> None:

@@ -143,7 +143,28 @@ no_nan_leak = all(
 got_block = _launch_attention(q3, poisoned_past(1, int(pos3.max())), tables, req3, pos3, 2, scale, cos=cos3, sin=sin3,
                               tokens="prefill")  # fmt: skip
 no_nan_leak &= torch.equal(got_block, block)
+# The combine reads only the page groups up to each token's last page: with NaN in every group
+# past it, its outputs are the same bits as with the empty state there (m -inf, l and acc 0), and
+# match the softmax states combined in torch.
+splits, cpos = 5, torch.tensor([0, 70, 130, 300]).int()
+cm = torch.randn(len(cpos), splits, h, generator=g)
+cl = torch.rand(len(cpos), splits, h, generator=g) + 0.5
+cacc = torch.randn(len(cpos), splits, h, d, generator=g)
+held = torch.arange(splits)[None, :] <= (cpos.long() // t)[:, None]  # one page per group
+cm[~held], cl[~held], cacc[~held] = float("-inf"), 0.0, 0.0
+want_c = (cacc * torch.exp(cm - cm.amax(1, keepdim=True))[..., None]).sum(1)
+want_c = want_c / (cl * torch.exp(cm - cm.amax(1, keepdim=True))).sum(1)[..., None]
+combined = []
+for fill in (False, True):
+    pm, pl, pacc = cm.clone(), cl.clone(), cacc.clone()
+    if fill:
+        pm[~held], pl[~held], pacc[~held] = float("nan"), float("nan"), float("nan")
+    got_c = torch.empty(len(cpos), h, d)
+    attention._combine_kernel()[(len(cpos), h)](pacc, pm, pl, got_c, cpos, H=h, D=d, T=t, PPS=1, SPLITS=splits, SP=8)
+    combined.append(got_c)
+idle_groups_unread = torch.equal(combined[0], combined[1]) and (combined[0] - want_c).abs().max().item() < 1e-5
 report = {
+    "idle_groups_unread": idle_groups_unread,
     "decode_fused_write_bitwise": fused_bitwise,
     "pages_ahead_bitwise": ahead_bitwise,
     "poisoned_pages_bitwise": no_nan_leak,
@@ -158,5 +179,5 @@ report = {
 print(json.dumps(report))
 ok = attn_err < 1e-5 and kv_write_exact and rope_write_err < 1e-5 and rope_attn_err < 1e-5
 ok = ok and prefill_err < 1e-5 and prefill_vs_per_token < 1e-5 and prefill_block_invariant and fused_bitwise
-ok = ok and no_nan_leak and ahead_bitwise
+ok = ok and no_nan_leak and ahead_bitwise and idle_groups_unread
 sys.exit(0 if ok else 1)
