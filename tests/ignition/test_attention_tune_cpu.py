@@ -4,6 +4,7 @@ it keeps, with the device timing replaced by a cost model (the timing itself run
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -69,3 +70,32 @@ def test_short_limits_and_wide_tables(timed: list[tuple[int, int, int]]) -> None
     assert out["pages_per_split"] == 16
     assert {p for _, _, p in timed} == {16}
     assert out["splits"] == attention_tune.MAX_SPLITS
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_preparation_tunes_with_the_models_geometry(timed: list[tuple[int, int, int]], hybrid: bool) -> None:
+    """`prepare._tune_attention` reads the geometry of either recipe's model (the hybrid's K/V
+    layers are its attention layers only) and reports the choice with its time."""
+    from types import SimpleNamespace
+
+    from ignition import prepare
+    from ignition.capture.hybrid import HybridGeometry, PagedQwen35
+    from ignition.capture.paged import Geometry, PagedLlama
+
+    dims: dict[str, Any] = {
+        "layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "ffn": 128, "vocab": 256,
+        "eps": 1e-6, "tie_embeddings": True, "attention_bias": False, "mlp_bias": False, "qk_norm": False,
+        "eos_token_ids": (2,), "context_limit": 2048,
+    }  # fmt: skip
+    if hybrid:
+        kinds = ("linear_attention", "linear_attention", "linear_attention", "full_attention")
+        geo: Geometry = HybridGeometry(**dims, layer_kinds=kinds)
+    else:
+        geo = Geometry(**dims)
+    model = SimpleNamespace(geo=geo, rope_in_attention=(PagedQwen35 if hybrid else PagedLlama).rope_in_attention)
+    rec = SimpleNamespace(program=SimpleNamespace(model=model), timings={})
+    out = prepare._tune_attention(rec, [1, 2, 4, 8])
+    assert out["pages_per_split"] == attention.PAGES_PER_SPLIT
+    assert out["layers_timed"] == (1 if hybrid else 4)
+    assert {c for _, c, _ in timed} == {256, 1024}  # within the 2,048-token limit
+    assert "attention_tune_s" in rec.timings
