@@ -88,18 +88,27 @@ def tune(heads: int, kv_heads: int, head_dim: int, page_tokens: int, table_pages
     if not candidates:  # a table this wide: the fewest groups the largest candidate gives
         candidates = [-(-table_pages // MAX_SPLITS)]
     timed: dict[int, dict[str, float]] = {}
+    skipped: dict[str, str] = {}
     for pps in candidates:
-        timed[pps] = {}
-        for r in rows:
-            for c in contexts:
-                ms, _ = time_decode(heads, kv_heads, head_dim, page_tokens, table_pages, layers, r, c, pps, rope)
-                timed[pps][f"rows{r}_ctx{c}"] = round(ms * 1e3 / layers, 2)
-    best = min(candidates, key=lambda p: sum(timed[p].values()))
+        try:
+            points = {}
+            for r in rows:
+                for c in contexts:
+                    ms, _ = time_decode(heads, kv_heads, head_dim, page_tokens, table_pages, layers, r, c, pps, rope)
+                    points[f"rows{r}_ctx{c}"] = round(ms * 1e3 / layers, 2)
+        except Exception as e:  # a group size the compiler cannot fit: reported, never chosen
+            skipped[str(pps)] = f"{type(e).__name__}: {str(e)[:200]}"
+            continue
+        timed[pps] = points
+    if not timed:
+        raise RuntimeError(f"attention tuning: no pages-per-program candidate ran: {skipped}")
+    best = min(timed, key=lambda p: sum(timed[p].values()))
     attention.PAGES_PER_SPLIT = best
     torch.cuda.empty_cache()
     return {
         "pages_per_split": best,
         "splits": -(-table_pages // best),
         "us_per_layer": {str(p): t for p, t in timed.items()},
+        "skipped": skipped,
         "layers_timed": layers,
     }

@@ -99,3 +99,25 @@ def test_preparation_tunes_with_the_models_geometry(timed: list[tuple[int, int, 
     assert out["layers_timed"] == (1 if hybrid else 4)
     assert {c for _, c, _ in timed} == {256, 1024}  # within the 2,048-token limit
     assert "attention_tune_s" in rec.timings
+
+
+def test_a_candidate_that_fails_is_skipped(timed: list[tuple[int, int, int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group size that cannot launch is reported and passed over; none launching is an error."""
+    fake = attention_tune.time_decode
+
+    def failing(*args: Any) -> tuple[float, torch.Tensor]:
+        if args[8] == 1:
+            raise RuntimeError("out of resources")
+        return fake(*args)
+
+    monkeypatch.setattr(attention_tune, "time_decode", failing)
+    out = attention_tune.tune(9, 3, 64, 64, 72, 30, [1], rope=True)
+    assert "1" in out["skipped"] and "1" not in out["us_per_layer"]
+    assert out["pages_per_split"] != 1
+
+    def broken(*args: Any) -> tuple[float, torch.Tensor]:
+        raise RuntimeError("no device")
+
+    monkeypatch.setattr(attention_tune, "time_decode", broken)
+    with pytest.raises(RuntimeError, match="no pages-per-program candidate ran"):
+        attention_tune.tune(9, 3, 64, 64, 72, 30, [1], rope=True)
