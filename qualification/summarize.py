@@ -136,7 +136,8 @@ def prepare_section(report: Any) -> dict[str, Any]:
     if report is None:
         return {}
     t = report.get("timings", {})
-    out: dict[str, Any] = {k: t[k] for k in ("compile_s", "prepare_total_s", "gemv_tune_s") if k in t}
+    timers = ("compile_s", "prepare_total_s", "gemv_tune_s", "attention_tune_s")
+    out: dict[str, Any] = {k: t[k] for k in timers if k in t}
     peak = report.get("peak_memory", {})
     if "torch_max_reserved_bytes" in peak:
         out["peak_torch_reserved_gb"] = round(peak["torch_max_reserved_bytes"] / 1e9, 2)
@@ -151,6 +152,9 @@ def prepare_section(report: Any) -> dict[str, Any]:
     for key in ("decode_projections", "device_fed_identical", "exactness", "failed_stage", "error"):
         if key in report:
             out[key] = report[key]
+    split = report.get("attention_split")
+    if isinstance(split, dict):  # the pages per decode attention program preparation chose
+        out["attention_pages_per_split"] = split.get("pages_per_split")
     spec = report.get("speculative")
     if isinstance(spec, dict):  # speculative generation against decoding through the torch replay
         out["speculative_identical_to_decoding"] = spec.get("identical")

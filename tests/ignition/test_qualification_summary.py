@@ -46,6 +46,13 @@ def test_tagged_files_win_over_untagged(tmp_path: Path) -> None:
     assert summarize.summarize(tmp_path, "other")["prepare"]["compile_s"] == 1.0
 
 
+def test_the_attention_split_preparation_chose_is_reported() -> None:
+    report = {"timings": {"attention_tune_s": 12.5}, "attention_split": {"pages_per_split": 2, "splits": 36}}
+    out = summarize.prepare_section(report)
+    assert out["attention_pages_per_split"] == 2 and out["attention_tune_s"] == 12.5
+    assert "attention_pages_per_split" not in summarize.prepare_section({"timings": {}})
+
+
 def test_an_agent_turn_cached_short_of_the_previous_prompt_is_reported() -> None:
     fed = {
         "bench": {
