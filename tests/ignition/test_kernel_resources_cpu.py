@@ -126,6 +126,24 @@ def test_decode_attention_fits_sm90(name: str, heads: int, kv_heads: int, d: int
         assert res["stack"] <= (0 if d <= 64 else 512) and res["shared"] <= SM90_SHARED, (name, ahead, res)
 
 
+@pytest.mark.parametrize(("name", "heads", "kv_heads", "d", "rope"), ATTENTION)
+def test_attention_combine_does_not_spill_at_the_widest_split(
+    name: str, heads: int, kv_heads: int, d: int, rope: bool
+) -> None:
+    """The combine over the most page groups preparation's tuner allows (`MAX_SPLITS`, one page
+    per group): each (token, head) holds every group's partial output. At head dim 64 that must
+    not spill; at 256 (128 x 256 floats over 128 threads) this compiler spills 64 bytes, no more
+    (on the H100 one page per group over 72-page tables, the same 128-wide tile, was still the
+    fastest setting at Qwen3.5's geometry for one request, 2026-12-06)."""
+    from ignition.capture import attention_triton, attention_tune
+
+    splits = attention_tune.MAX_SPLITS
+    sig = signature({"PACC": "fp32", "PM": "fp32", "PL": "fp32", "OUT": "bf16", "POS": "i32"}, [])
+    consts = {"H": heads, "D": d, "T": 64, "PPS": 1, "SPLITS": splits, "SP": 1 << (splits - 1).bit_length()}
+    res = compile_sm90(attention_triton.paged_attention_combine, sig, consts, num_warps=4)
+    assert res["stack"] <= (0 if d <= 64 else 64), (name, res)
+
+
 def test_fused_sampler_kernels_do_not_spill() -> None:
     """`flare::sample`'s four kernels at the widths `sampling.launch` uses: the chunked passes
     and the one program per row (wide blocks, a cumulative sum and histograms per block) keep
