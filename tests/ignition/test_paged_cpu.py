@@ -730,6 +730,13 @@ def test_triton_kernels_match_the_reference_under_the_interpreter() -> None:
     assert report["idle_groups_unread"], report
 
 
+def test_persistent_layer_probe_kernel_matches_torch_under_the_interpreter() -> None:
+    """The persistent step kernel that `qualification/persistent_layer_probe.py` times on the
+    device: every layer's projections against torch, one barrier arrival per projection."""
+    report = _interpreted("persistent_layer_interpreted.py", 120)
+    assert all(r["max_abs_err"] < 1e-4 and r["arrivals"] == 8 for r in report.values()), report
+
+
 def test_write_attend_compiles_without_copying_the_cache() -> None:
     """`flare::write_attend` inside a compiled layer loop (CPU, Triton's interpreter): the cache is
     written in place, nothing reorders the write and the read, and Inductor allocates no

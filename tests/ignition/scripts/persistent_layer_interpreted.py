@@ -1,0 +1,69 @@
+"""`qualification/persistent_layer_probe.py`'s step kernel under Triton's CPU interpreter, as one
+program (the interpreter runs programs one after another, so a grid barrier over several would
+wait forever): every layer's four projections against the torch forward they stand for, float32
+(the interpreter has no bfloat16), and the ticket counter at one arrival per barrier. Prints one
+JSON line; exit 1 on mismatch. Needs TRITON_INTERPRET=1 before Triton is imported."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "qualification"))
+
+import persistent_layer_probe as probe  # qualification/ is not a package: found through sys.path
+
+torch.manual_seed(0)
+layers, h, heads, kvh, d, f = 2, 48, 3, 1, 16, 80
+nqkv = (heads + 2 * kvh) * d
+
+
+def weights(*shape: int) -> torch.Tensor:
+    out: torch.Tensor = torch.randn(*shape) / shape[-1] ** 0.5
+    return out
+
+
+stacked = {
+    "qkv": weights(layers, nqkv, h),
+    "o_proj": weights(layers, h, heads * d),
+    "gate_up": weights(layers, 2 * f, h),
+    "down": weights(layers, h, f),
+    "qkv_norm": torch.rand(layers, h) + 0.5,
+    "gate_up_norm": torch.rand(layers, h) + 0.5,
+}
+cfg = {"num_attention_heads": heads, "head_dim": d, "intermediate_size": f, "rms_norm_eps": 1e-6}
+
+
+def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * w
+    return out
+
+
+report = {}
+ok = True
+for rows, bn, bk in ((1, 8, 32), (3, 16, 64)):  # partial row and column blocks either way
+    x0 = torch.randn(rows, h)
+    want = x0.clone()
+    for i in range(layers):
+        qkv = rms(want, stacked["qkv_norm"][i]) @ stacked["qkv"][i].T
+        x2 = want + qkv[:, : heads * d] @ stacked["o_proj"][i].T
+        gu = rms(x2, stacked["gate_up_norm"][i]) @ stacked["gate_up"][i].T
+        want = x2 + (F.silu(gu[:, :f]) * gu[:, f:]) @ stacked["down"][i].T
+    scratch = {
+        "x2": torch.empty(rows, h),
+        "qkv": torch.empty(rows, nqkv),
+        "gu": torch.empty(rows, 2 * f),
+        "cnt": torch.zeros(1, dtype=torch.int64),
+        "fail": torch.zeros(1, dtype=torch.int32),
+    }
+    got = probe.persistent_step(cfg, stacked, x0.clone(), scratch, 1, bn, bk, 4)
+    err = (got - want).abs().max().item()
+    arrivals = int(scratch["cnt"].item())
+    report[f"rows{rows}"] = {"max_abs_err": err, "arrivals": arrivals, "gave_up": bool(scratch["fail"].item())}
+    ok &= err < 1e-4 and arrivals == 4 * layers and not scratch["fail"].item()
+print(json.dumps(report))
+sys.exit(0 if ok else 1)
