@@ -37,7 +37,7 @@
 #   graph-probe                          issue 19: a graph replay's cost beyond its kernels, per replay and per kernel
 #   prefetch-probe                       issue 19: gemv chains with the next layer's weights read into L2 on a graph branch
 #   persistent-probe                     issue 19: a projection chain as one persistent kernel against a kernel per link
-#   persistent-layer-probe               issue 19: every layer's projections as one persistent kernel per step (real geometry)
+#   persistent-layer-probe               issue 19: a decode step as one persistent kernel (projections; then with attention)
 #   r1b-spec     (carry .dev/b2)         issue 21: the ~1B with speculative programs, checks, copy/decode benches (bg)
 #   r1b-spec-bw  (carry .dev/b2)         issues 19 + 21: one ~1B prepare (gemv, fused sampler, speculative programs): the
 #                                        breakdown, floor and bench at depth 0, then the copy/decode benches (bg)
@@ -428,8 +428,10 @@ case "$STAGE" in
     timeout 200 python3 qualification/persistent_probe.py "$OUT/persistent_probe.json" > "$OUT/persistent_probe.log" 2>&1
     echo "persistent_probe rc=$?"; tail -3 "$OUT/persistent_probe.log" | cut -c1-600 ;;
   persistent-layer-probe)  # issue 19: every layer's four projections as one persistent kernel for the whole step
-                           # (a grid barrier between projections, no memset) against tuned flare::gemv kernels;
-                           # SmolLM2 and ~1B geometries, 1 and 4 rows (~3 min)
+                           # (a grid barrier between projections, no memset) against tuned flare::gemv kernels,
+                           # then the whole decode step with attention (K/V write, page groups, combine) against
+                           # the decode graphs' six kernels per layer; SmolLM2 and ~1B geometries, 1 and 4 rows
+                           # (~4 min)
     timing_lock
     for c in smollm2_135m_random llama_1b_random; do
       timeout 280 python3 qualification/persistent_layer_probe.py qualification/configs/$c.json \

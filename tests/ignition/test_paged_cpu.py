@@ -731,10 +731,13 @@ def test_triton_kernels_match_the_reference_under_the_interpreter() -> None:
 
 
 def test_persistent_layer_probe_kernel_matches_torch_under_the_interpreter() -> None:
-    """The persistent step kernel that `qualification/persistent_layer_probe.py` times on the
-    device: every layer's projections against torch, one barrier arrival per projection."""
+    """The persistent kernels that `qualification/persistent_layer_probe.py` times on the device:
+    every layer's projections, and the whole decode step with attention and its K/V writes,
+    against torch; one barrier arrival per stage."""
     report = _interpreted("persistent_layer_interpreted.py", 120)
+    step = report.pop("decode_step")
     assert all(r["max_abs_err"] < 1e-4 and r["arrivals"] == 8 for r in report.values()), report
+    assert step["max_abs_err"] < 1e-4 and step["kv_max_abs_err"] < 1e-5 and step["arrivals"] == 12, step
 
 
 def test_write_attend_compiles_without_copying_the_cache() -> None:

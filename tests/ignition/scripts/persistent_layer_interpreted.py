@@ -17,6 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "qualification"))
 
 import persistent_layer_probe as probe  # qualification/ is not a package: found through sys.path
 
+from ignition.capture.attention import attend_gather, rotate
+
 torch.manual_seed(0)
 layers, h, heads, kvh, d, f = 2, 48, 3, 1, 16, 80
 nqkv = (heads + 2 * kvh) * d
@@ -65,5 +67,48 @@ for rows, bn, bk in ((1, 8, 32), (3, 16, 64)):  # partial row and column blocks 
     arrivals = int(scratch["cnt"].item())
     report[f"rows{rows}"] = {"max_abs_err": err, "arrivals": arrivals, "gave_up": bool(scratch["fail"].item())}
     ok &= err < 1e-4 and arrivals == 4 * layers and not scratch["fail"].item()
+
+# The whole decode step with attention (`_decode_kernel`): two requests at positions 39 and 20
+# of 16-token pages (4-page tables, one page per group), K/V written by the step, against the
+# gather reference with the K/V written in torch.
+t, width, pos = 16, 4, torch.tensor([39, 20], dtype=torch.int32)
+rows = len(pos)
+kv0 = torch.randn(2 * width + 1, layers, 2, t, kvh, d)
+table = torch.randperm(2 * width + 1)[: 2 * width].int().view(rows, width)
+table[1, 2:] = -1  # the second request holds two pages
+inv = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+ang = pos.float()[:, None] * inv[None, :]
+cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+x0 = torch.randn(rows, h)
+want, kv_ref = x0.clone(), kv0.clone()
+page, off = table.long()[torch.arange(rows), pos.long() // t], pos.long() % t
+for i in range(layers):
+    qkv = rms(want, stacked["qkv_norm"][i]) @ stacked["qkv"][i].T
+    q = rotate(qkv[:, : heads * d].view(rows, heads, d), cos, sin)
+    kv_ref[page, i, 0, off] = rotate(qkv[:, heads * d : (heads + kvh) * d].view(rows, kvh, d), cos, sin)
+    kv_ref[page, i, 1, off] = qkv[:, (heads + kvh) * d :].view(rows, kvh, d)
+    o = attend_gather(q, kv_ref, i, table.long().clamp(min=0), torch.arange(rows), pos, d**-0.5)
+    x2 = want + o @ stacked["o_proj"][i].T
+    gu = rms(x2, stacked["gate_up_norm"][i]) @ stacked["gate_up"][i].T
+    want = x2 + (F.silu(gu[:, :f]) * gu[:, f:]) @ stacked["down"][i].T
+kv = kv0.clone()
+att: dict[str, object] = {
+    "kv": kv, "table": table, "pos": pos, "pps": 1, "cos": cos, "sin": sin,
+    "out": torch.empty(rows, heads * d), "pm": torch.empty(rows, width, heads),
+    "pl": torch.empty(rows, width, heads), "pacc": torch.empty(rows, width, heads, d),
+}  # fmt: skip
+scratch = {
+    "x2": torch.empty(rows, h),
+    "qkv": torch.empty(rows, nqkv),
+    "gu": torch.empty(rows, 2 * f),
+    "cnt": torch.zeros(1, dtype=torch.int64),
+    "fail": torch.zeros(1, dtype=torch.int32),
+}
+got = probe.persistent_decode(cfg | {"num_key_value_heads": kvh}, stacked, x0.clone(), att, scratch, 1, 8, 32, 4)
+err = (got - want).abs().max().item()
+kv_err = (kv - kv_ref).abs().max().item()
+arrivals = int(scratch["cnt"].item())
+report["decode_step"] = {"max_abs_err": err, "kv_max_abs_err": kv_err, "arrivals": arrivals}
+ok &= err < 1e-4 and kv_err < 1e-5 and arrivals == 6 * layers and not scratch["fail"].item()
 print(json.dumps(report))
 sys.exit(0 if ok else 1)
