@@ -64,9 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     prepare.add_argument(
         "--decode-projections",
-        choices=["gemv", "gemm"],
+        choices=["gemv", "gemm", "persistent"],
         default="gemm",
-        help="decode projections as Inductor GEMM templates or as the tuned few-row kernel (flare::gemv)",
+        help="decode projections as Inductor GEMM templates, as the tuned few-row kernel (flare::gemv), or every "
+        "decode layer as one persistent kernel (flare::decode_layers; dense recipes, no speculative programs)",
     )
     prepare.add_argument(
         "--sampler",

@@ -197,7 +197,9 @@ class PrepareOptions:
     card: str = "auto"
     # Paged attention as the Triton kernels (False: gather + reduce, for comparisons).
     attention_kernel: bool = True
-    # Decode projections: "gemv" (`flare::gemv`, tuned here) or "gemm" (Inductor's templates).
+    # Decode projections: "gemv" (`flare::gemv`, tuned here), "gemm" (Inductor's templates) or
+    # "persistent" (every decode layer in one kernel, `flare::decode_layers`; the vocabulary
+    # projection through `flare::gemv`; dense recipes; not yet measured inside a core).
     # GEMM stays the default until a whole core with gemv has been qualified on the device.
     decode_projections: str = "gemm"
     # Hybrid recipes' Gated DeltaNet prefill: "scan" (token by token) or "chunked" (matrix
@@ -228,8 +230,13 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
     o = options or PrepareOptions()
     compile_graphs, check, core_replay = o.compile_graphs, o.check, o.core_replay
     served_name, reference_prompts, dump_io = o.served_name, o.reference_prompts, o.dump_io
-    if o.decode_projections not in ("gemv", "gemm"):
-        raise CapacityError("--decode-projections", f"{o.decode_projections!r} is neither gemv nor gemm")
+    if o.decode_projections not in ("gemv", "gemm", "persistent"):
+        raise CapacityError("--decode-projections", f"{o.decode_projections!r} is none of gemv, gemm, persistent")
+    if o.decode_projections == "persistent" and o.speculative_depth:
+        raise CapacityError(
+            "--decode-projections",
+            "persistent decode layers serve no speculative programs yet (their lanes must compute what decode does)",
+        )
     if o.sampler not in ("kernel", "torch"):
         raise CapacityError("--sampler", f"{o.sampler!r} is neither kernel nor torch")
     if o.gdn_prefill not in ("scan", "chunked"):
@@ -320,12 +327,13 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
             rec.prepare()
             note(f"arena at {rec.report['arena']['base']} ({rec.arena.mapped / 2**30:.2f} GiB mapped)")
         gemv = bool(rec.program.model.gemv)
-        report["decode_projections"] = "gemv" if gemv else "gemm"
+        persistent = rec.program.model.decode_layers is not None
+        report["decode_projections"] = "persistent" if persistent else "gemv" if gemv else "gemm"
         report["gdn_prefill"] = o.gdn_prefill
         report["sampler"] = "kernel" if rec.program.model.sampler.op is not None else "torch"
         if o.sampler == "kernel" and rec.program.model.sampler.op is None:
             note("sampling as torch ops: the fused sampler needs the kernels' device")
-        if o.decode_projections == "gemv" and not gemv:
+        if o.decode_projections in ("gemv", "persistent") and not gemv:
             note("decode projections as GEMM templates: a bucket exceeds the few-row kernel or attention is gathered")
         if gemv:
             stage = "tune"

@@ -1,21 +1,17 @@
-"""GPU machine, issue 19: a decode step's projections as one persistent kernel, at a model's real
-geometry. `persistent_probe.py` measured a square chain: a grid barrier cost ~0.6 us less than a
-kernel boundary per link at SmolLM2's width and ~1.4 us less at the ~1B's (H100, 2026-12-06).
-This measures the case a recipe would build: every layer's four projections as `pdl_probe.layer`
-runs them (qkv with its RMSNorm, o_proj over the query part with the residual, gate_up with its
-RMSNorm, down with the SiLU gate and the residual; random bf16 weights, no attention), once as
-tuned `flare::gemv` kernels and once as one kernel for the whole step:
-- one program per SM, each owning a strided set of row blocks of every projection;
-- four grid barriers per layer, on a 64-bit ticket counter that is never reset: a program's
-  arrival returns a ticket t, and it waits until the counter reaches (t // P + 1) * P. Every
-  program arrives once at every barrier, so each barrier's P arrivals end on a multiple of P
-  and a graph replays the kernel with no memset node before it (a core can carry it as is);
-- activations read past L1 (`.cg`) after each barrier, weights read plainly.
-Then the whole decode step, attention included (`_decode_kernel`: qkv, the token's K/V write and
-the page groups as work items, the combine, o_proj, gate_up, down; six barriers per layer), against
-the six kernels per layer the decode graphs run (`flare::gemv` and `flare::write_attend`'s decode
-launch), at 288 and 4,096 tokens of context over 72-page tables.
-Reports per row count both graphs' time per layer and the relative error between them.
+"""GPU machine, issue 19: a decode step as one persistent kernel (`flare::decode_layers`, see
+`ignition.capture.persistent`), at a model's real geometry, before any core carries it.
+`persistent_probe.py` measured a square chain: a grid barrier cost ~0.6 us less than a kernel
+boundary per link at SmolLM2's width and ~1.4 us less at the ~1B's (H100, 2026-12-06).
+- First every layer's four projections as `pdl_probe.layer` runs them (qkv with its RMSNorm,
+  o_proj over the query part with the residual, gate_up with its RMSNorm, down with the SiLU gate
+  and the residual; random bf16 weights, no attention), as tuned `flare::gemv` kernels and as one
+  kernel of the op's projection stages with a grid barrier after each (`_step_kernel`).
+- Then the whole decode step, attention included, as the op launches it (qkv, the token's K/V
+  write and the page groups as work items, the combine, o_proj, gate_up, down; six barriers per
+  layer), against the six kernels per layer the decode graphs run (`flare::gemv` and
+  `flare::write_attend`'s decode launch), at 288 and 4,096 tokens over 72-page tables.
+One program per SM; the barrier's 64-bit ticket counter is never reset, so the graphs hold no
+memset. Reports per row count both graphs' time per layer and the relative error between them.
 
     python3 qualification/persistent_layer_probe.py CONFIG.json OUT.json [--rows 1,4]
 """
@@ -43,217 +39,44 @@ from hbm import peak_gbps
 from pdl_probe import captured, chain, replay_ms
 
 from ignition.capture.attention import _launch_attention
-from ignition.capture.attention_triton import _page_step
 from ignition.capture.gemv import CANDIDATES, launch, precompile, tune
-
-# Spins at one barrier before a program gives up and flags the run (programs that are not all
-# resident would wait for each other forever).
-SPIN_LIMIT = 1 << 20
+from ignition.capture.persistent import PAGES_PER_GROUP, SPIN_LIMIT, _launch
+from ignition.capture.persistent_triton import grid_barrier, projection_stage
 
 
 @triton.jit
-def _barrier(CNT, FAIL, P: tl.constexpr, LIMIT: tl.constexpr):
-    tl.debug_barrier()  # every thread's stores issued before the arrival's release
-    ticket = tl.atomic_add(CNT, 1, sem="acq_rel")
-    target = (ticket // P + 1) * P
-    spins = 0
-    while (tl.atomic_add(CNT, 0, sem="acquire") < target) & (spins < LIMIT):
-        spins += 1
-    if spins >= LIMIT:
-        tl.store(FAIL, 1)
-
-
-@triton.jit
-def _chunk(X, x_stride, NORM, inv, k0, eps, K: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, B: tl.constexpr,
-           IS_NORM: tl.constexpr, GLU: tl.constexpr):  # fmt: skip
-    """Columns k0..k0+BK of the stage's input rows as fp32 [BP, BK]: RMS-normed (cast to bf16,
-    then scaled by the norm weight, as Transformers' LlamaRMSNorm), or SiLU(gate) * up from
-    [gate | up] halves (each product rounded to bf16 as the eager MLP does), or as stored."""
-    bs = tl.arange(0, BP)
-    ks = k0 + tl.arange(0, BK)
-    m = (bs < B)[:, None] & (ks < K)[None, :]
-    at = bs[:, None] * x_stride + ks[None, :]
-    x = tl.load(X + at, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-    if GLU:
-        u = tl.load(X + at + K, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-        g = (x / (1.0 + tl.exp(-x))).to(X.dtype.element_ty).to(tl.float32)
-        x = (g * u).to(X.dtype.element_ty).to(tl.float32)
-    if IS_NORM:
-        w = tl.load(NORM + ks, mask=ks < K, other=0.0).to(tl.float32)
-        x = (x * inv[:, None]).to(X.dtype.element_ty).to(tl.float32) * w[None, :]
-        x = x.to(X.dtype.element_ty).to(tl.float32)
-    return x
-
-
-@triton.jit
-def _stage(X, x_stride, W, NORM, RES, Y, B: tl.constexpr, eps, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
-           BK: tl.constexpr, BP: tl.constexpr, P: tl.constexpr, IS_NORM: tl.constexpr, GLU: tl.constexpr,
-           HAS_RES: tl.constexpr):  # fmt: skip
-    """Y[b, n] = (RES[b, n] +) W[n, :] . input(b) for this program's row blocks n (every P-th
-    block from the program's own), all B rows at once so each weight tile is read once."""
-    pid = tl.program_id(0)
-    bs = tl.arange(0, BP)
-    inv = tl.zeros([BP], tl.float32)
-    if IS_NORM:  # each row's 1 / rms over all K first (from L2: the rows were just written)
-        sq = tl.zeros([BP], tl.float32)
-        for k0 in range(0, K, BK):
-            ks = k0 + tl.arange(0, BK)
-            m = (bs < B)[:, None] & (ks < K)[None, :]
-            x = tl.load(X + bs[:, None] * x_stride + ks[None, :], mask=m, other=0.0, cache_modifier=".cg")
-            sq += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
-        inv = 1.0 / tl.sqrt(sq / K + eps)
-    for n0 in range(pid * BN, N, P * BN):
-        ns = n0 + tl.arange(0, BN)
-        nm = ns < N
-        acc = tl.zeros([BN, BP], tl.float32)
-        for k0 in range(0, K, BK):
-            ks = k0 + tl.arange(0, BK)
-            w = tl.load(W + ns[:, None].to(tl.int64) * K + ks[None, :], mask=nm[:, None] & (ks < K)[None, :], other=0.0)
-            x = _chunk(X, x_stride, NORM, inv, k0, eps, K, BP, BK, B, IS_NORM, GLU)
-            acc += tl.sum(w.to(tl.float32)[:, None, :] * x[None, :, :], 2)
-        out_at = bs[None, :] * N + ns[:, None]
-        om = nm[:, None] & (bs < B)[None, :]
-        if HAS_RES:
-            acc += tl.load(RES + out_at, mask=om, other=0.0, cache_modifier=".cg").to(tl.float32)
-        tl.store(Y + out_at, acc.to(Y.dtype.element_ty), mask=om)
-
-
-@triton.jit
-def _step_kernel(X, X2, QKV, GU, WQKV, WO, WGU, WD, NQ, NP, CNT, FAIL, eps, L, B: tl.constexpr, BP: tl.constexpr,
-                 H: tl.constexpr, HQ: tl.constexpr, NQKV: tl.constexpr, F: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, P: tl.constexpr, LIMIT: tl.constexpr):  # fmt: skip
-    """Every layer of `pdl_probe.layer` for B rows: X [B, H] in (and out), scratch X2 [B, H],
-    QKV [B, NQKV], GU [B, 2F]; weights stacked per layer."""
+def _step_kernel(X, X2, QKV, GU, WQKV, WO, WGU, WD, NQ, NP, CNT, FAIL, eps, L, B: tl.constexpr, H: tl.constexpr,
+                 HQ: tl.constexpr, NQKV: tl.constexpr, F: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 P: tl.constexpr, LIMIT: tl.constexpr):  # fmt: skip
+    """`pdl_probe.layer`'s four projections for every layer, from `flare::decode_layers`' stages:
+    X [B, H] in (and out), scratch X2 [B, H], QKV [B, NQKV], GU [B, 2F]; weights stacked per layer."""
     for i in range(L):
         li = i + tl.zeros([], tl.int64)  # 64-bit offsets (a loop index is i32)
-        _stage(X, H, WQKV + li * NQKV * H, NQ + li * H, X, QKV, B, eps, NQKV, H, BN, BK, BP, P, True, False, False)
-        _barrier(CNT, FAIL, P, LIMIT)
-        _stage(QKV, NQKV, WO + li * H * HQ, NQ, X, X2, B, eps, H, HQ, BN, BK, BP, P, False, False, True)
-        _barrier(CNT, FAIL, P, LIMIT)
-        _stage(X2, H, WGU + li * 2 * F * H, NP + li * H, X2, GU, B, eps, 2 * F, H, BN, BK, BP, P, True, False, False)
-        _barrier(CNT, FAIL, P, LIMIT)
-        _stage(GU, 2 * F, WD + li * H * F, NQ, X2, X, B, eps, H, F, BN, BK, BP, P, False, True, True)
-        _barrier(CNT, FAIL, P, LIMIT)
-
-
-@triton.jit
-def _attend_stage(QKV, KV, PT, POS, COS, SIN, PM, PL, PACC, layer, s_page, s_layer, s_sel, s_tok, s_head, pt_stride,
-                  B: tl.constexpr, HEADS: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
-                  PPS: tl.constexpr, S: tl.constexpr, GP: tl.constexpr, NQKV: tl.constexpr, SCALE: tl.constexpr,
-                  P: tl.constexpr):  # fmt: skip
-    """Decode attention's page groups as work items (row, KV head, group) spread over the
-    programs, as `paged_attention_kernel` computes each (RoPE on q and k, the token's K/V written
-    by the group holding its position); q and k/v read past L1 (other programs wrote them)."""
-    pid = tl.program_id(0)
-    g: tl.constexpr = HEADS // KVH
-    gi = tl.arange(0, GP)
-    di = tl.arange(0, D)
-    ti = tl.arange(0, T)
-    rot = (di + D // 2) % D
-    sign = tl.where(di < D // 2, -1.0, 1.0)
-    for item in range(pid, B * KVH * S, P):
-        b = item // (KVH * S)
-        kh = (item // S) % KVH
-        sp = item % S
-        pos = tl.load(POS + b).to(tl.int64)
-        first = sp.to(tl.int64) * PPS
-        last = tl.minimum(first + PPS, pos // T + 1)
-        if first < last:
-            c = tl.load(COS + b * D + di).to(tl.float32)
-            s_ = tl.load(SIN + b * D + di).to(tl.float32)
-            if sp == (pos // T) // PPS:  # this group holds the token: its K/V first
-                kp = QKV + b * NQKV + HEADS * D + kh * D
-                k = tl.load(kp + di, cache_modifier=".cg").to(tl.float32)
-                k = k * c + sign * tl.load(kp + rot, cache_modifier=".cg").to(tl.float32) * s_
-                vv = tl.load(QKV + b * NQKV + (HEADS + KVH) * D + kh * D + di, cache_modifier=".cg")
-                page = tl.load(PT + b * pt_stride + pos // T).to(tl.int64)
-                dst = KV + page * s_page + layer * s_layer + (pos % T) * s_tok + kh * s_head + di
-                tl.store(dst, k.to(KV.dtype.element_ty))
-                tl.store(dst + s_sel, vv)
-                tl.debug_barrier()
-            qmask = gi < g
-            qp = QKV + b * NQKV + (kh * g + gi)[:, None] * D
-            q = tl.load(qp + di[None, :], mask=qmask[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-            qr = tl.load(qp + rot[None, :], mask=qmask[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-            q = (q * c[None, :] + sign[None, :] * qr * s_[None, :]).to(KV.dtype.element_ty)
-            m = tl.full([GP], float("-inf"), tl.float32)
-            lsum = tl.zeros([GP], tl.float32)
-            acc = tl.zeros([GP, D], tl.float32)
-            base = KV + layer * s_layer + kh * s_head
-            for j in range(first, last):
-                page = tl.load(PT + b * pt_stride + j).to(tl.int64)
-                kpage = base + page * s_page + ti[:, None] * s_tok + di[None, :]
-                m, lsum, acc = _page_step(q, kpage, s_sel, j * T, ti, pos, pos, m, lsum, acc, SCALE)
-            at = (b * S + sp) * HEADS + kh * g + gi
-            tl.store(PM + at, m, mask=qmask)
-            tl.store(PL + at, lsum, mask=qmask)
-            tl.store(PACC + at[:, None] * D + di[None, :], acc, mask=qmask[:, None])
-
-
-@triton.jit
-def _combine_stage(PM, PL, PACC, POS, OUT, B: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
-                   PPS: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, P: tl.constexpr):  # fmt: skip
-    """`paged_attention_combine` for work items (row, head), partials read past L1, into OUT
-    [B, HEADS * D]."""
-    pid = tl.program_id(0)
-    si = tl.arange(0, SP)
-    di = tl.arange(0, D)
-    for item in range(pid, B * HEADS, P):
-        b = item // HEADS
-        hd = item % HEADS
-        pos = tl.load(POS + b)
-        smask = (si < S) & (si <= (pos // T) // PPS)
-        at = (b * S + si) * HEADS + hd
-        m = tl.load(PM + at, mask=smask, other=float("-inf"), cache_modifier=".cg")
-        lsum = tl.load(PL + at, mask=smask, other=0.0, cache_modifier=".cg")
-        mx = tl.max(m, 0)
-        w = tl.where(smask, tl.exp(m - mx), 0.0)
-        acc = tl.load(PACC + at[:, None] * D + di[None, :], mask=smask[:, None], other=0.0, cache_modifier=".cg")
-        out = tl.sum(acc * w[:, None], 0) / tl.sum(lsum * w, 0)
-        tl.store(OUT + b * HEADS * D + hd * D + di, out.to(OUT.dtype.element_ty))
-
-
-@triton.jit
-def _decode_kernel(X, X2, QKV, GU, ATT, PM, PL, PACC, KV, PT, POS, COS, SIN, WQKV, WO, WGU, WD, NQ, NP, CNT, FAIL, eps,
-                   L, s_page, s_layer, s_sel, s_tok, s_head, pt_stride, B: tl.constexpr, BP: tl.constexpr,
-                   H: tl.constexpr, HEADS: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
-                   PPS: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, GP: tl.constexpr, NQKV: tl.constexpr,
-                   F: tl.constexpr, SCALE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P: tl.constexpr,
-                   LIMIT: tl.constexpr):  # fmt: skip
-    """Every layer of a dense Llama decode step for B rows (each its own request), as one
-    kernel: qkv, attention (K/V write, page groups), combine, o_proj, gate_up, down, with a
-    grid barrier after each; what the decode graphs run as six kernels per layer."""
-    HQ: tl.constexpr = HEADS * D
-    for i in range(L):
-        li = i + tl.zeros([], tl.int64)  # 64-bit offsets (a loop index is i32)
-        _stage(X, H, WQKV + li * NQKV * H, NQ + li * H, X, QKV, B, eps, NQKV, H, BN, BK, BP, P, True, False, False)
-        _barrier(CNT, FAIL, P, LIMIT)
-        _attend_stage(QKV, KV, PT, POS, COS, SIN, PM, PL, PACC, li, s_page, s_layer, s_sel, s_tok, s_head, pt_stride,
-                      B, HEADS, KVH, D, T, PPS, S, GP, NQKV, SCALE, P)  # fmt: skip
-        _barrier(CNT, FAIL, P, LIMIT)
-        _combine_stage(PM, PL, PACC, POS, ATT, B, HEADS, D, T, PPS, S, SP, P)
-        _barrier(CNT, FAIL, P, LIMIT)
-        _stage(ATT, HQ, WO + li * H * HQ, NQ, X, X2, B, eps, H, HQ, BN, BK, BP, P, False, False, True)
-        _barrier(CNT, FAIL, P, LIMIT)
-        _stage(X2, H, WGU + li * 2 * F * H, NP + li * H, X2, GU, B, eps, 2 * F, H, BN, BK, BP, P, True, False, False)
-        _barrier(CNT, FAIL, P, LIMIT)
-        _stage(GU, 2 * F, WD + li * H * F, NQ, X2, X, B, eps, H, F, BN, BK, BP, P, False, True, True)
-        _barrier(CNT, FAIL, P, LIMIT)
+        projection_stage(X, H, WQKV + li * NQKV * H, NQ + li * H, X, QKV, B, eps, NQKV, H, BN, BK, P, True, False,
+                         False)  # fmt: skip
+        grid_barrier(CNT, FAIL, P, LIMIT)
+        projection_stage(QKV, NQKV, WO + li * H * HQ, NQ, X, X2, B, eps, H, HQ, BN, BK, P, False, False, True)
+        grid_barrier(CNT, FAIL, P, LIMIT)
+        projection_stage(X2, H, WGU + li * 2 * F * H, NP + li * H, X2, GU, B, eps, 2 * F, H, BN, BK, P, True, False,
+                         False)  # fmt: skip
+        grid_barrier(CNT, FAIL, P, LIMIT)
+        projection_stage(GU, 2 * F, WD + li * H * F, NQ, X2, X, B, eps, H, F, BN, BK, P, False, True, True)
+        grid_barrier(CNT, FAIL, P, LIMIT)
 
 
 def persistent_step(cfg: dict[str, Any], stacked: dict[str, torch.Tensor], x: torch.Tensor, scratch: dict[str, Any],
                     programs: int, bn: int, bk: int, warps: int) -> torch.Tensor:  # fmt: skip
-    """The whole step as one launch of `_step_kernel` (x is updated in place and returned)."""
+    """The projections of every layer as one launch of `_step_kernel` (x updated in place)."""
     b, h = x.shape
     heads = cfg["num_attention_heads"]
     d = cfg.get("head_dim") or h // heads
-    nqkv, f = stacked["qkv"].shape[1], cfg["intermediate_size"]
+    cnt = scratch["counter"]
     _step_kernel[(programs,)](
         x, scratch["x2"], scratch["qkv"], scratch["gu"], stacked["qkv"], stacked["o_proj"], stacked["gate_up"],
-        stacked["down"], stacked["qkv_norm"], stacked["gate_up_norm"], scratch["cnt"], scratch["fail"],
-        float(cfg.get("rms_norm_eps", 1e-6)), stacked["qkv"].shape[0],
-        B=b, BP=triton.next_power_of_2(b), H=h, HQ=heads * d, NQKV=nqkv, F=f, BN=bn, BK=bk, P=programs,
-        LIMIT=SPIN_LIMIT, num_warps=warps,
+        stacked["down"], stacked["qkv_norm"], stacked["gate_up_norm"], cnt, cnt[1:],
+        float(cfg.get("rms_norm_eps", 1e-6)), stacked["qkv"].shape[0], B=b, H=h, HQ=heads * d,
+        NQKV=stacked["qkv"].shape[1], F=cfg["intermediate_size"], BN=bn, BK=bk, P=programs, LIMIT=SPIN_LIMIT,
+        num_warps=warps,
     )  # fmt: skip
     return x
 
@@ -261,25 +84,17 @@ def persistent_step(cfg: dict[str, Any], stacked: dict[str, torch.Tensor], x: to
 def persistent_decode(cfg: dict[str, Any], stacked: dict[str, torch.Tensor], x: torch.Tensor,
                       att: dict[str, Any], scratch: dict[str, Any], programs: int, bn: int, bk: int,
                       warps: int) -> torch.Tensor:  # fmt: skip
-    """A whole decode step's layers as one launch of `_decode_kernel` (x updated in place).
-    `att`: kv, table, pos, cos, sin, pps and the partial buffers of the attention stages."""
-    b, h = x.shape
+    """A whole decode step's layers as `flare::decode_layers` launches it (a new tensor)."""
     heads, kvh = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    d = cfg.get("head_dim") or h // heads
-    kv, table, pps = att["kv"], att["table"], att["pps"]
-    splits = -(-table.shape[1] // pps)
-    st = kv.stride()
-    _decode_kernel[(programs,)](
-        x, scratch["x2"], scratch["qkv"], scratch["gu"], att["out"], att["pm"], att["pl"], att["pacc"], kv, table,
-        att["pos"], att["cos"], att["sin"], stacked["qkv"], stacked["o_proj"], stacked["gate_up"], stacked["down"],
-        stacked["qkv_norm"], stacked["gate_up_norm"], scratch["cnt"], scratch["fail"],
-        float(cfg.get("rms_norm_eps", 1e-6)), stacked["qkv"].shape[0], st[0], st[1], st[2], st[3], st[4],
-        table.stride(0), B=b, BP=triton.next_power_of_2(b), H=h, HEADS=heads, KVH=kvh, D=d, T=kv.shape[3], PPS=pps,
-        S=splits, SP=max(2, triton.next_power_of_2(splits)), GP=max(16, triton.next_power_of_2(heads // kvh)),
-        NQKV=stacked["qkv"].shape[1], F=cfg["intermediate_size"], SCALE=d**-0.5, BN=bn, BK=bk, P=programs,
-        LIMIT=SPIN_LIMIT, num_warps=warps,
-    )  # fmt: skip
-    return x
+    d = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    roles = ("qkv", "o_proj", "gate_up", "down", "qkv_norm", "gate_up_norm")
+    weights = [stacked[r][0] for r in roles]
+    strides = [stacked[r][0].numel() for r in roles[:5]]
+    req = torch.arange(x.shape[0], dtype=torch.int32, device=x.device)
+    dims = (stacked["qkv"].shape[0], heads, kvh, d, cfg["intermediate_size"])
+    eps = float(cfg.get("rms_norm_eps", 1e-6))
+    return _launch(x, att["cos"], att["sin"], att["kv"], att["slots"], att["table"], req, att["pos"], weights, strides,
+                   scratch["counter"], dims, eps, (bn, bk, warps), programs)  # fmt: skip
 
 
 def decode_chain(cfg: dict[str, Any], probs: dict[str, Any], x: torch.Tensor, att: dict[str, Any]) -> torch.Tensor:
@@ -317,21 +132,17 @@ def attention_operands(cfg: dict[str, Any], rows: int, context: int, pps: int, g
     pos = torch.full((rows,), context - 1, dtype=torch.int32, device=dev)
     inv = 1.0 / 10000 ** (torch.arange(0, d, 2, device=dev).float() / d)
     ang = pos.float()[:, None] * inv[None, :]
-    splits = -(-width // pps)
     return {
         "kv": kv.bfloat16(), "table": table, "pos": pos, "pps": pps,
         "slots": (table[:, used - 1].long() * t + (context - 1) % t).contiguous(),
         "cos": torch.cat([ang, ang], -1).cos(), "sin": torch.cat([ang, ang], -1).sin(),
-        "out": torch.empty(rows, heads * d, dtype=torch.bfloat16, device=dev),
-        "pm": torch.empty(rows, splits, heads, device=dev), "pl": torch.empty(rows, splits, heads, device=dev),
-        "pacc": torch.empty(rows, splits, heads, d, device=dev),
     }  # fmt: skip
 
 
 # (rows per program block, columns per tile, warps) of the persistent kernels.
 CONFIGS = ((8, 128, 4), (16, 256, 8), (32, 256, 8), (32, 512, 8))
 # Pages per attention group and contexts of the whole-step variant (with attention).
-DECODE_PPS = 1
+DECODE_PPS = PAGES_PER_GROUP
 DECODE_CONTEXTS = (288, 4096)
 
 
@@ -341,8 +152,7 @@ def _scratch(cfg: dict[str, Any], stacked: dict[str, torch.Tensor], m: int) -> d
         "x2": torch.empty(m, cfg["hidden_size"], dtype=bf, device=dev),
         "qkv": torch.empty(m, stacked["qkv"].shape[1], dtype=bf, device=dev),
         "gu": torch.empty(m, 2 * cfg["intermediate_size"], dtype=bf, device=dev),
-        "cnt": torch.zeros(1, dtype=torch.int64, device=dev),
-        "fail": torch.zeros(1, dtype=torch.int32, device=dev),
+        "counter": torch.zeros(2, dtype=torch.int64, device=dev),
     }
 
 
@@ -359,8 +169,8 @@ def _timed(run: Any, want: torch.Tensor, base_us: float, layers: int, hbm_bound_
         "over_per_kernel": round(us / base_us, 3),
         "fraction_of_hbm_bound": round(hbm_bound_us / us, 3),
         "rel_l2_vs_per_kernel": float((got.float() - want.float()).norm() / want.float().norm()),
-        "barrier_gave_up": bool(scratch["fail"].item()),
-        "counter_multiple_of_programs": int(scratch["cnt"].item()) % programs == 0,
+        "barrier_gave_up": bool(scratch["counter"][1].item()),
+        "counter_multiple_of_programs": int(scratch["counter"][0].item()) % programs == 0,
     }
 
 

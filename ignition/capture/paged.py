@@ -231,10 +231,13 @@ class PagedLlama:
         attention_kernel: bool,
         gemv: bool = False,
         sampler_kernel: bool = False,
+        persistent: bool = False,
     ) -> None:
         """`gemv`: decode projections and the sampled rows' vocabulary projection through
         `flare::gemv` (needs the attention kernels' device; the caller checks the buckets fit
-        `GEMV_MAX_ROWS`). `sampler_kernel`: sampling through `flare::sample` (same device)."""
+        `GEMV_MAX_ROWS`). `sampler_kernel`: sampling through `flare::sample` (same device).
+        `persistent`: decode steps run every layer as one kernel (`flare::decode_layers`; raises
+        `PersistentError` for a geometry or weight layout it does not compute)."""
         self.geo = geo
         self.w = weights
         self.inv_freq = inv_freq
@@ -246,11 +249,30 @@ class PagedLlama:
         self.gemv = gemv and attention_kernel
         self.proj = Projections(self.gemv)
         self.sampler = Sampler(sampler_kernel and attention_kernel)
+        # `flare::decode_layers` with its layer strides and barrier counter (in the pool the
+        # caller builds the model under: the state pool when preparing), or None.
+        self.decode_layers: Any = None
+        if persistent:
+            self._persistent_setup()
+
+    def _persistent_setup(self) -> None:
+        from ignition.capture.persistent import PersistentError, decode_layers_op, layer_strides, new_counter
+
+        g = self.geo
+        if not self.kernel or g.attention_bias or g.mlp_bias or g.qk_norm:
+            raise PersistentError(
+                "flare::decode_layers computes layers without biases or q/k norms, with the attention kernel"
+            )
+        self.layer_strides = layer_strides(self.w, g.layers)
+        self.counter = new_counter(self.w["layers.0.qkv"].device)
+        self.decode_layers = decode_layers_op()
 
     def projection_problems(self) -> list[Problem]:
         """Each projection role with its per-layer weights, for `gemv.tune` (before capture)."""
         g, w = self.geo, self.w
         layers = range(g.layers)
+        if self.decode_layers is not None:  # the layers' projections run inside that op
+            return [Problem("lm_head", [self.head()], Variant())]
 
         def each(name: str) -> list[torch.Tensor]:
             return [w[f"layers.{i}.{name}"] for i in layers]
@@ -330,6 +352,13 @@ class PagedLlama:
         hq, hk = g.heads * g.head_dim, g.kv_heads * g.head_dim
         scale = g.head_dim**-0.5
         tokens = attention_tokens(length, lanes, few_rows)
+        if self.decode_layers is not None and tokens == "decode":
+            names = ("qkv", "o_proj", "gate_up", "down", "input_norm", "post_attention_norm")
+            x = self.decode_layers(
+                x, cos, sin, kv, slots, tables, req, pos, [w[f"layers.0.{r}"] for r in names],
+                list(self.layer_strides), self.counter, [g.layers, g.heads, g.kv_heads, g.head_dim, g.ffn], g.eps,
+            )  # fmt: skip
+            return proj.norm(x, w["final_norm"], g.eps, few_rows=few_rows)
         for i in range(g.layers):
             p = f"layers.{i}."
             qkv = proj(

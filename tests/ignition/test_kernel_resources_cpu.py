@@ -185,3 +185,36 @@ def test_fused_sampler_kernels_do_not_spill() -> None:
     }
     for name, res in results.items():
         assert res["stack"] == 0 and res["shared"] <= SM90_SHARED, (name, res)
+
+
+@pytest.mark.parametrize(
+    ("name", "hidden", "heads", "kv_heads", "ffn"), [("smollm2", 576, 9, 3, 1536), ("llama_1b", 2048, 32, 8, 8192)]
+)
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_decode_layers_kernel_does_not_spill(
+    name: str, hidden: int, heads: int, kv_heads: int, ffn: int, rows: int
+) -> None:
+    """`flare::decode_layers` at its configuration (`persistent.CONFIG`) over 128-page tables, one
+    page per group: every stage of the layer in one kernel must stay in registers (the combine
+    once held all 128 groups' outputs at once and spilled ~330 bytes)."""
+    from ignition.capture import persistent, persistent_triton
+
+    pointers = {
+        **dict.fromkeys(
+            ("X", "X2", "QKV", "GU", "ATT", "KV", "COS", "SIN", "WQKV", "WO", "WGU", "WD", "NQ", "NP"), "bf16"
+        ),
+        **dict.fromkeys(("PM", "PL", "PACC"), "fp32"),
+        **dict.fromkeys(("PT", "REQ", "POS"), "i32"),
+        **dict.fromkeys(("SLOT", "CNT", "FAIL"), "i64"),
+    }
+    order = ("X", "X2", "QKV", "GU", "ATT", "PM", "PL", "PACC", "KV", "PT", "REQ", "POS", "SLOT", "COS", "SIN", "WQKV",
+             "WO", "WGU", "WD", "NQ", "NP", "CNT", "FAIL")  # fmt: skip
+    ints = ["L", "lq", "lo", "lg", "ld", "ln", "s_page", "s_layer", "s_sel", "s_tok", "s_head", "pt_stride"]
+    sig = {**{k: "*" + pointers[k] for k in order}, "eps": "fp32", **dict.fromkeys(ints, "i32")}
+    bn, bk, warps = persistent.CONFIG
+    d, splits = 64, 128
+    consts = {"B": rows, "H": hidden, "HEADS": heads, "KVH": kv_heads, "D": d, "T": 64, "PPS": 1, "S": splits}
+    consts |= {"SP": splits, "GP": 16, "NQKV": (heads + 2 * kv_heads) * d, "F": ffn, "SCALE": d**-0.5}
+    consts |= {"BN": bn, "BK": bk, "CB": persistent.COMBINE_GROUPS, "P": 132, "LIMIT": persistent.SPIN_LIMIT}
+    res = compile_sm90(persistent_triton.decode_layers_kernel, sig, consts, num_warps=warps)
+    assert res["stack"] == 0, (name, rows, res)

@@ -740,6 +740,19 @@ def test_persistent_layer_probe_kernel_matches_torch_under_the_interpreter() -> 
     assert step["max_abs_err"] < 1e-4 and step["kv_max_abs_err"] < 1e-5 and step["arrivals"] == 12, step
 
 
+def test_decode_layers_op_matches_the_six_kernel_layers_under_the_interpreter() -> None:
+    """`flare::decode_layers` inside `PagedLlama.hidden` (one program): a decode step's hidden
+    vectors and K/V writes equal the six-kernel layers' within float32 rounding, a padding lane
+    writes nothing, each row alone equals the rows batched, the combine reading its groups in
+    rounds agrees, the barrier counter advances by six arrivals per layer per step, and
+    geometries or layouts the kernel does not compute are refused."""
+    report = _interpreted("decode_layers_interpreted.py", 120)
+    assert report["max_abs_err"] < 1e-4 and report["kv_max_abs_err"] < 1e-5, report
+    assert report["rows_alone_equal_batched"] and report["counter"] == [60, 0], report
+    assert report["combine_in_rounds_max_abs_err"] < 1e-4, report
+    assert report["refused"] == ["attention_bias", "mlp_bias", "qk_norm", "uneven"], report
+
+
 def test_write_attend_compiles_without_copying_the_cache() -> None:
     """`flare::write_attend` inside a compiled layer loop (CPU, Triton's interpreter): the cache is
     written in place, nothing reorders the write and the read, and Inductor allocates no
@@ -887,3 +900,19 @@ def test_snapshot_and_restore_check_the_stamp_before_writing(tmp_path: Path) -> 
     # Initialize stamps (0, 0); a decode after the restore advances the consumed count only.
     _run(prog, "decode_b1", [Row(3, [0, 1], 40, [7], (5, 1))])
     assert prog.model.stamps(prog.rows)[3].tolist() == [41, 7]
+
+
+def test_persistent_decode_layers_are_refused_where_they_do_not_apply(tmp_path: Path) -> None:
+    """`--decode-projections persistent` with speculative programs, or for a hybrid recipe, is a
+    typed error before any weight is read; an unknown value names the three it accepts."""
+    require_torch()
+    from ignition.capture.hybrid import build_model
+    from ignition.capture.persistent import PersistentError
+    from ignition.prepare import CapacityError, PrepareOptions, prepare
+
+    with pytest.raises(CapacityError, match="speculative"):
+        prepare(tmp_path, tmp_path / "core", PrepareOptions(decode_projections="persistent", speculative_depth=4))
+    with pytest.raises(CapacityError, match="gemv, gemm, persistent"):
+        prepare(tmp_path, tmp_path / "core", PrepareOptions(decode_projections="fused"))
+    with pytest.raises(PersistentError, match="GDN"):
+        build_model(None, None, 1, {}, "cpu", PrepareOptions(decode_projections="persistent"))  # type: ignore[arg-type]
