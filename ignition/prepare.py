@@ -357,6 +357,7 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
             unlisted = rec.report["memory_map"]["unlisted"]
             if unlisted:
                 note(f"WARNING: {len(unlisted)} arena segments torch does not list, kept as scratch: {unlisted[:4]}")
+        _barriers_held(rec)
         stage = "export"
         with phase(f"export the core to {out}"):
             if out.exists():
@@ -375,6 +376,7 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
         if check:
             stage = "check"
             _check(rec, model, out, work, core_replay, report, reference_prompts, dump_io)
+            _barriers_held(rec)
     except Exception as e:
         report["failed_stage"] = stage
         report["error"] = f"{type(e).__name__}: {e}"
@@ -481,6 +483,15 @@ def _tune_projections(rec: Any, buckets: list[int], lanes: int) -> dict[str, Any
     for name, r in out.items():
         note(f"gemv {name} {r['shape']}: {r['config']}, {r['weight_gb_per_s']} GB/s at {r['rows']} row(s)")
     return out
+
+
+def _barriers_held(rec: Any) -> None:
+    """Raises `DeviceError` if a `flare::decode_layers` launch so far had a grid barrier give up
+    (its programs were not all resident, so its results are wrong): the failure word beside the
+    barrier's counter, which the core would otherwise carry as it is."""
+    counter = getattr(rec.program.model, "counter", None)
+    if counter is not None and int(counter[1].item()) != 0:
+        raise DeviceError("flare::decode_layers: a grid barrier gave up waiting (not every program was resident)")
 
 
 def _tune_attention(rec: Any, buckets: list[int]) -> dict[str, Any]:

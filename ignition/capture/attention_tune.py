@@ -16,13 +16,15 @@ into (the lifecycle checks compare batched requests with their solo runs bitwise
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ignition.capture import attention
 from ignition.capture.attention import _launch_attention
-from ignition.capture.gemv import _time_ms
+from ignition.capture.gemv import COLD_BYTES
 
 # Pages per program tried; a candidate that would split a page table into more than `MAX_SPLITS`
 # groups is skipped (each group is a program and a partial state, even past the request's end).
@@ -33,17 +35,19 @@ MAX_SPLITS = 128
 CONTEXTS = (256, 1024, 4096)
 # Requests per step timed: the decode buckets up to this many (an agent's concurrency).
 MAX_ROWS = 4
-# Attention layers per timed graph, at most: enough K/V that a step's reads do not sit in L2.
+# Attention layers per timed graph, at most; copies of the K/V replays cycle through, at most.
 MAX_LAYERS = 8
+MAX_COPIES = 32
 REPS = 20
 
 
 def time_decode(heads: int, kv_heads: int, head_dim: int, page_tokens: int, table_pages: int, layers: int,
                 rows: int, context: int, pps: int, rope: bool) -> tuple[float, torch.Tensor]:  # fmt: skip
-    """Milliseconds of one decode step's attention over `layers` layers (a CUDA graph, as a core
-    replays it): `rows` requests, each at position `context - 1` of its own `table_pages`-wide
-    page table, writing its token's K/V inside the attention as decode programs do; and the
-    output of the last layer (the operands are seeded: calls with other `pps` compare)."""
+    """Milliseconds of one decode step's attention over `layers` layers (CUDA graphs, as a core
+    replays them, over K/V that is not in L2): `rows` requests, each at position `context - 1`
+    of its own `table_pages`-wide page table, writing its token's K/V inside the attention as
+    decode programs do; and the output of the last layer (the operands are seeded: calls with
+    other `pps` compare)."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     used = -(-context // page_tokens)
@@ -64,15 +68,42 @@ def time_decode(heads: int, kv_heads: int, head_dim: int, page_tokens: int, tabl
         ang = pos.float()[:, None] * inv[None, :]
         cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
 
-    def step() -> torch.Tensor:
+    def step(pool: torch.Tensor) -> torch.Tensor:
         out = q
         for layer in range(layers):
-            out = _launch_attention(q, kv, table, req, pos, layer, head_dim**-0.5, pps, cos=cos, sin=sin,
+            out = _launch_attention(q, pool, table, req, pos, layer, head_dim**-0.5, pps, cos=cos, sin=sin,
                                     tokens="decode", write=(k, v, slots))  # fmt: skip
         return out
 
-    out = step()
-    return _time_ms(step, REPS), out
+    # In a step the K/V arrives from HBM (the weights stream through L2 between attention layers),
+    # so replays cycle through copies of it that together pass `COLD_BYTES`, as the gemv tuner
+    # does with weights: one replay's K/V is not in L2 when the next copy's turn comes.
+    copies = max(1, min(MAX_COPIES, -(-COLD_BYTES // (kv.numel() * kv.element_size()))))
+    pools = [kv] + [kv.clone() for _ in range(copies - 1)]
+    out = step(kv)
+    return _time_cycled([functools.partial(step, p) for p in pools], REPS), out
+
+
+def _time_cycled(steps: list[Callable[[], torch.Tensor]], reps: int) -> float:
+    """Milliseconds per replay of one CUDA graph per step, replayed in turn `reps` times each."""
+    graphs = []
+    for fn in steps:
+        fn()  # compile and load outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graphs.append(graph)
+    for graph in graphs:
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        for graph in graphs:
+            graph.replay()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) / (reps * len(graphs))
 
 
 def tune(heads: int, kv_heads: int, head_dim: int, page_tokens: int, table_pages: int, layers: int,
@@ -97,6 +128,8 @@ def tune(heads: int, kv_heads: int, head_dim: int, page_tokens: int, table_pages
                     ms, _ = time_decode(heads, kv_heads, head_dim, page_tokens, table_pages, layers, r, c, pps, rope)
                     points[f"rows{r}_ctx{c}"] = round(ms * 1e3 / layers, 2)
         except Exception as e:  # a group size the compiler cannot fit: reported, never chosen
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # a fault that broke the context raises here, not skipped
             skipped[str(pps)] = f"{type(e).__name__}: {str(e)[:200]}"
             continue
         timed[pps] = points

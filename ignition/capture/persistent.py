@@ -40,8 +40,10 @@ if TYPE_CHECKING:
 # Rows per weight tile, columns per tile, warps. Not yet measured on a device: the probe's
 # configurations (`persistent_layer_probe.CONFIGS`) decide it.
 CONFIG = (16, 256, 8)
-# Pages per attention group inside the kernel, and groups the combine reads at once.
+# Pages per attention group inside the kernel (more where a table would make over MAX_GROUPS
+# groups: each is a work item and a partial state per head), and groups the combine reads at once.
 PAGES_PER_GROUP = 1
+MAX_GROUPS = 128
 COMBINE_GROUPS = 16
 # Spins at one barrier before a program gives up and sets the failure word (~1 s).
 SPIN_LIMIT = 1 << 20
@@ -60,6 +62,8 @@ def layer_strides(weights: dict[str, torch.Tensor], layers: int) -> tuple[int, .
     for role in ROLES:
         first = weights[f"layers.0.{role}"]
         size = first.element_size()
+        if not first.is_contiguous():
+            raise PersistentError(f"layers.0.{role} is not contiguous")
         step = None
         for i in range(1, layers):
             w = weights[f"layers.{i}.{role}"]
@@ -111,7 +115,8 @@ def _launch(
     # it runs programs one after another, so only a single program passes a barrier there).
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
     p = programs or sms
-    splits = -(-pages.shape[1] // PAGES_PER_GROUP)
+    pps = max(PAGES_PER_GROUP, -(-pages.shape[1] // MAX_GROUPS))
+    splits = -(-pages.shape[1] // pps)
     nqkv = weights[0].shape[0]
     dev, dt = x.device, x.dtype
     out = x.clone()
@@ -130,7 +135,7 @@ def _launch(
     decode_layers_kernel[(p,)](
         out, x2, qkv, gu, att, pm, pl, pacc, kv, pages, req, pos, slots, cos, sin, wq, wo, wg, wd, nq, np_,
         counter, counter[1:], eps, layers, lq, lo, lg, ld, ln, st[0], st[1], st[2], st[3], st[4], pages.stride(0),
-        B=b, H=h, HEADS=heads, KVH=kvh, D=d, T=kv.shape[3], PPS=PAGES_PER_GROUP, S=splits,
+        B=b, H=h, HEADS=heads, KVH=kvh, D=d, T=kv.shape[3], PPS=pps, S=splits,
         SP=max(2, triton.next_power_of_2(splits)), GP=max(16, triton.next_power_of_2(heads // kvh)), NQKV=nqkv,
         F=ffn, SCALE=d**-0.5, BN=bn, BK=bk, CB=COMBINE_GROUPS, P=p, LIMIT=SPIN_LIMIT, num_warps=warps,
     )  # fmt: skip

@@ -744,12 +744,14 @@ def test_decode_layers_op_matches_the_six_kernel_layers_under_the_interpreter() 
     """`flare::decode_layers` inside `PagedLlama.hidden` (one program): a decode step's hidden
     vectors and K/V writes equal the six-kernel layers' within float32 rounding, a padding lane
     writes nothing, each row alone equals the rows batched, the combine reading its groups in
-    rounds agrees, the barrier counter advances by six arrivals per layer per step, and
+    rounds agrees, each stage alone over three programs matches torch (the work split), the
+    barrier counter advances by six arrivals per layer per step, and
     geometries or layouts the kernel does not compute are refused."""
     report = _interpreted("decode_layers_interpreted.py", 120)
     assert report["max_abs_err"] < 1e-4 and report["kv_max_abs_err"] < 1e-5, report
     assert report["rows_alone_equal_batched"] and report["counter"] == [60, 0], report
     assert report["combine_in_rounds_max_abs_err"] < 1e-4, report
+    assert report["stages_over_three_programs_max_abs_err"] < 1e-4, report
     assert report["refused"] == ["attention_bias", "mlp_bias", "qk_norm", "uneven"], report
 
 
@@ -916,3 +918,23 @@ def test_persistent_decode_layers_are_refused_where_they_do_not_apply(tmp_path: 
         prepare(tmp_path, tmp_path / "core", PrepareOptions(decode_projections="fused"))
     with pytest.raises(PersistentError, match="GDN"):
         build_model(None, None, 1, {}, "cpu", PrepareOptions(decode_projections="persistent"))  # type: ignore[arg-type]
+
+
+def test_a_barrier_that_gave_up_fails_the_prepare() -> None:
+    """The failure word beside `flare::decode_layers`' barrier counter: set, the prepare stops
+    before export and after the checks (the core would carry wrong results); clear, or a model
+    without the op, it goes on."""
+    require_torch()
+    from types import SimpleNamespace
+
+    import torch
+
+    from ignition.prepare import DeviceError, _barriers_held
+
+    def rec(model: object) -> Any:
+        return SimpleNamespace(program=SimpleNamespace(model=model))
+
+    _barriers_held(rec(SimpleNamespace(counter=torch.tensor([792, 0]))))
+    _barriers_held(rec(SimpleNamespace()))
+    with pytest.raises(DeviceError, match="grid barrier gave up"):
+        _barriers_held(rec(SimpleNamespace(counter=torch.tensor([792, 1]))))

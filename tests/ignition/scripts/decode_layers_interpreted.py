@@ -1,19 +1,27 @@
 """`flare::decode_layers` inside `PagedLlama.hidden` under Triton's CPU interpreter (one program:
 the interpreter runs programs one after another), float32 (it has no bfloat16): a decode step's
 hidden vectors and K/V writes against the same model's six-kernel layers (`flare::write_attend`
-and torch projections); each row alone against the rows batched; and the recipe's refusals.
+and torch projections); each row alone against the rows batched; each stage alone over three
+programs against torch; and the recipe's refusals.
 Prints one JSON line; exit 1 on mismatch. Needs TRITON_INTERPRET=1 before Triton is imported."""
 
+# mypy: disable-error-code="no-untyped-def"
+# Triton reads a kernel's parameter annotations to specialize it: the test kernels' pointer and
+# scalar parameters stay unannotated (as in ignition's kernel modules).
 from __future__ import annotations
 
 import json
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 from ignition.capture import persistent as persistent_mod
+from ignition.capture.attention import attend_gather, rotate
 from ignition.capture.paged import Geometry, PagedLlama
 from ignition.capture.persistent import PersistentError, layer_strides
+from ignition.capture.persistent_triton import attention_stage, combine_stage, projection_stage
 
 torch.manual_seed(0)
 geo = Geometry(
@@ -77,6 +85,55 @@ invariant = bool(torch.equal(alone, got))
 report |= {"max_abs_err": err, "kv_max_abs_err": kv_err, "rows_alone_equal_batched": invariant}
 report["counter"] = persistent.counter.tolist()
 
+# Each stage alone over three programs (no barrier inside one stage), so the work split over
+# programs (`range(pid, ..., P)`) is exercised: the projection stage with a norm over rows whose
+# blocks do not divide evenly, then the attention stage's groups and the combine's (row, head)
+# items as two launches, against torch and the gather reference.
+
+
+@triton.jit
+def _projection(X, W, NORM, Y, eps, B: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr, P: tl.constexpr):  # fmt: skip
+    projection_stage(X, K, W, NORM, X, Y, B, eps, N, K, BN, BK, P, True, False, False)
+
+
+@triton.jit
+def _attention(QKV, KV, PT, REQ, POS, SLOT, COS, SIN, PM, PL, PACC, OUT, s_page, s_layer, s_sel, s_tok, s_head,
+               pt_stride, B: tl.constexpr, HEADS: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
+               S: tl.constexpr, GP: tl.constexpr, NQKV: tl.constexpr, SCALE: tl.constexpr, P: tl.constexpr,
+               COMBINE: tl.constexpr):  # fmt: skip
+    if COMBINE:
+        combine_stage(PM, PL, PACC, POS, OUT, B, HEADS, D, T, 1, S, 4, 2, P)
+    else:
+        attention_stage(QKV, KV, PT, REQ, POS, SLOT, COS, SIN, PM, PL, PACC, 0, s_page, s_layer, s_sel, s_tok, s_head,
+                        pt_stride, B, HEADS, KVH, D, T, 1, S, GP, NQKV, SCALE, P)  # fmt: skip
+
+
+xs, ws, nw = torch.randn(2, h), torch.randn(72, h) / h**0.5, torch.rand(h) + 0.5
+ys = torch.empty(2, 72)
+_projection[(3,)](xs, ws, nw, ys, 1e-6, B=2, N=72, K=h, BN=16, BK=32, P=3)
+want_ys = (xs * torch.rsqrt((xs * xs).mean(-1, keepdim=True) + 1e-6) * nw) @ ws.T
+stage_errs = [(ys - want_ys).abs().max().item()]
+qkv = torch.randn(3, nqkv)
+kv_stage, kv_want = kv0.clone(), kv0.clone()
+cs, sn = (f(pos.float()[:, None] * inv[None, :]).repeat(1, 2) for f in (torch.cos, torch.sin))
+pm, pl, pacc = torch.empty(3, 4, geo.heads), torch.empty(3, 4, geo.heads), torch.empty(3, 4, geo.heads, d)
+att_out = torch.empty(3, geo.heads * d)
+st = kv_stage.stride()
+for combine in (False, True):
+    _attention[(3,)](qkv, kv_stage, table, torch.arange(3, dtype=torch.int32), pos.int(), slots, cs, sn, pm, pl, pacc,
+                     att_out, st[0], st[1], st[2], st[3], st[4], table.stride(0), B=3, HEADS=geo.heads,
+                     KVH=geo.kv_heads, D=d, T=t, S=4, GP=16, NQKV=nqkv, SCALE=d**-0.5, P=3,
+                     COMBINE=combine)  # fmt: skip
+hq, hk = geo.heads * d, geo.kv_heads * d
+q_ref = rotate(qkv[:, :hq].view(3, geo.heads, d), cs, sn)
+live = slots >= 0
+kv_want[slots[live] // t, 0, 0, slots[live] % t] = rotate(qkv[:, hq : hq + hk].view(3, geo.kv_heads, d), cs, sn)[live]
+kv_want[slots[live] // t, 0, 1, slots[live] % t] = qkv[:, hq + hk :].view(3, geo.kv_heads, d)[live]
+want_att = attend_gather(q_ref, kv_want, 0, table.long().clamp(min=0), torch.arange(3), pos, d**-0.5)
+stage_errs += [(att_out - want_att).abs().max().item(), (kv_stage - kv_want).abs().max().item()]
+report["stages_over_three_programs_max_abs_err"] = max(stage_errs)
+
 refused = []
 for field in ("attention_bias", "mlp_bias", "qk_norm"):
     try:
@@ -95,4 +152,5 @@ layers_x_stages = 6 * geo.layers
 ok = err < 1e-4 and kv_err < 1e-5 and invariant
 ok = ok and persistent.counter.tolist() == [5 * layers_x_stages, 0] and len(refused) == 4
 ok = ok and report["combine_in_rounds_max_abs_err"] < 1e-4  # type: ignore[operator]
+ok = ok and max(stage_errs) < 1e-4
 sys.exit(0 if ok else 1)
