@@ -340,7 +340,7 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
             with phase("tune the few-row projections"):
                 lanes = max((b * (d + 1) for b, d in caps.speculative), default=0)
                 report["gemv"] = _tune_projections(rec, caps.decode_buckets, lanes)
-        if rec.program.model.write_attend is not None:
+        if rec.program.model.write_attend is not None and not persistent:  # its decode splits its own way
             stage = "tune"
             with phase("tune the decode attention split"):
                 report["attention_split"] = _tune_attention(rec, caps.decode_buckets)
@@ -489,7 +489,7 @@ def _barriers_held(rec: Any) -> None:
     """Raises `DeviceError` if a `flare::decode_layers` launch so far had a grid barrier give up
     (its programs were not all resident, so its results are wrong): the failure word beside the
     barrier's counter, which the core would otherwise carry as it is."""
-    counter = getattr(rec.program.model, "counter", None)
+    counter = rec.program.model.counter
     if counter is not None and int(counter[1].item()) != 0:
         raise DeviceError("flare::decode_layers: a grid barrier gave up waiting (not every program was resident)")
 

@@ -14,14 +14,17 @@ import triton.language as tl
 
 
 @triton.jit
-def _query_rows(qp, valid, cs, COS, SIN, di, D: tl.constexpr, ROPE: tl.constexpr, dtype: tl.constexpr):
+def _query_rows(qp, valid, cs, COS, SIN, di, D: tl.constexpr, ROPE: tl.constexpr, dtype: tl.constexpr,
+                CACHE: tl.constexpr):  # fmt: skip
     """Query rows at `qp` (D contiguous elements each), rotated-half with the cos/sin at offsets
-    `cs` when `ROPE`, so no kernel materializes rotated copies first."""
-    q = tl.load(qp + di[None, :], mask=valid[:, None], other=0.0)
+    `cs` when `ROPE`, so no kernel materializes rotated copies first. `CACHE`: the cache
+    modifier of the query loads ("" or ".cg" where another program of the same launch wrote
+    them: `flare::decode_layers`)."""
+    q = tl.load(qp + di[None, :], mask=valid[:, None], other=0.0, cache_modifier=CACHE)
     if ROPE:
         rot = (di + D // 2) % D
         sign = tl.where(di < D // 2, -1.0, 1.0)
-        qr = tl.load(qp + rot[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        qr = tl.load(qp + rot[None, :], mask=valid[:, None], other=0.0, cache_modifier=CACHE).to(tl.float32)
         c = tl.load(COS + cs, mask=valid[:, None], other=0.0).to(tl.float32)
         s_ = tl.load(SIN + cs, mask=valid[:, None], other=0.0).to(tl.float32)
         q = (q.to(tl.float32) * c + sign[None, :] * qr * s_).to(dtype)
@@ -66,20 +69,21 @@ def _page_fold(q, k, v, first, ti, pos, m, lsum, acc, SCALE: tl.constexpr):
 
 @triton.jit
 def _write_token(K, V, COS, SIN, KV, slot, n, h, layer, k_row, k_head, v_row, v_head, s_page, s_layer, s_sel, s_tok,
-                 s_head, D: tl.constexpr, T: tl.constexpr, ROPE: tl.constexpr):  # fmt: skip
-    """Token n's K (rotated when `ROPE`) and V of KV head h into its slot (the slot is >= 0)."""
+                 s_head, D: tl.constexpr, T: tl.constexpr, ROPE: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
+    """Token n's K (rotated when `ROPE`) and V of KV head h into its slot (the slot is >= 0);
+    `CACHE` as for `_query_rows`, for the K and V loads."""
     di = tl.arange(0, D)
     kp = K + n * k_row + h * k_head
-    k = tl.load(kp + di)
+    k = tl.load(kp + di, cache_modifier=CACHE)
     if ROPE:
         rot = (di + D // 2) % D
         sign = tl.where(di < D // 2, -1.0, 1.0)
         c = tl.load(COS + n * D + di).to(tl.float32)
         s_ = tl.load(SIN + n * D + di).to(tl.float32)
-        k = k.to(tl.float32) * c + sign * tl.load(kp + rot).to(tl.float32) * s_
+        k = k.to(tl.float32) * c + sign * tl.load(kp + rot, cache_modifier=CACHE).to(tl.float32) * s_
     dst = KV + (slot // T) * s_page + layer * s_layer + (slot % T) * s_tok + h * s_head + di
     tl.store(dst, k.to(KV.dtype.element_ty))
-    tl.store(dst + s_sel, tl.load(V + n * v_row + h * v_head + di))
+    tl.store(dst + s_sel, tl.load(V + n * v_row + h * v_head + di, cache_modifier=CACHE))
 
 
 @triton.jit
@@ -140,7 +144,7 @@ def paged_attention_kernel(
             slot = tl.load(SLOT + n).to(tl.int64)
             if slot >= 0:
                 _write_token(K, V, COS, SIN, KV, slot, n, kh, layer, k_row, k_head, v_row, v_head, s_page, s_layer,
-                             s_sel, s_tok, s_head, D, T, ROPE)  # fmt: skip
+                             s_sel, s_tok, s_head, D, T, ROPE, "")  # fmt: skip
             tl.debug_barrier()
     gi = tl.arange(0, GP)
     di = tl.arange(0, D)
@@ -148,7 +152,7 @@ def paged_attention_kernel(
     qmask = gi < G
     head = kh * G + gi
     qp = Q + n * q_row + head[:, None] * q_head
-    q = _query_rows(qp, qmask, n * D + di[None, :], COS, SIN, di, D, ROPE, KV.dtype.element_ty)
+    q = _query_rows(qp, qmask, n * D + di[None, :], COS, SIN, di, D, ROPE, KV.dtype.element_ty, "")
     m = tl.full([GP], float("-inf"), tl.float32)
     lsum = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
@@ -234,7 +238,7 @@ def paged_prefill_attention_kernel(
     valid = (n < N) & (g < G)
     head = kh * G + g
     qp = Q + n.to(tl.int64)[:, None] * q_row + head[:, None] * q_head
-    q = _query_rows(qp, valid, n[:, None] * D + di[None, :], COS, SIN, di, D, ROPE, KV.dtype.element_ty)
+    q = _query_rows(qp, valid, n[:, None] * D + di[None, :], COS, SIN, di, D, ROPE, KV.dtype.element_ty, "")
     pos = tl.load(POS + n, mask=valid, other=0).to(tl.int64)
     r = tl.load(REQ + b * BT).to(tl.int64)
     m = tl.full([BT * GP], float("-inf"), tl.float32)
@@ -306,4 +310,4 @@ def kv_write_kernel(
     slot = tl.load(SLOT + n).to(tl.int64)
     if slot >= 0:
         _write_token(K, V, COS, SIN, KV, slot, n, h, layer, k_row, k_head, v_row, v_head, s_page, s_layer, s_sel,
-                     s_tok, s_head, D, T, ROPE)  # fmt: skip
+                     s_tok, s_head, D, T, ROPE, "")  # fmt: skip

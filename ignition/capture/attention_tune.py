@@ -17,14 +17,13 @@ into (the lifecycle checks compare batched requests with their solo runs bitwise
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ignition.capture import attention
 from ignition.capture.attention import _launch_attention
-from ignition.capture.gemv import COLD_BYTES
+from ignition.capture.gemv import COLD_BYTES, time_graphs
 
 # Pages per program tried; a candidate that would split a page table into more than `MAX_SPLITS`
 # groups is skipped (each group is a program and a partial state, even past the request's end).
@@ -81,29 +80,7 @@ def time_decode(heads: int, kv_heads: int, head_dim: int, page_tokens: int, tabl
     copies = max(1, min(MAX_COPIES, -(-COLD_BYTES // (kv.numel() * kv.element_size()))))
     pools = [kv] + [kv.clone() for _ in range(copies - 1)]
     out = step(kv)
-    return _time_cycled([functools.partial(step, p) for p in pools], REPS), out
-
-
-def _time_cycled(steps: list[Callable[[], torch.Tensor]], reps: int) -> float:
-    """Milliseconds per replay of one CUDA graph per step, replayed in turn `reps` times each."""
-    graphs = []
-    for fn in steps:
-        fn()  # compile and load outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        graphs.append(graph)
-    for graph in graphs:
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        for graph in graphs:
-            graph.replay()
-    end.record()
-    end.synchronize()
-    return float(start.elapsed_time(end)) / (reps * len(graphs))
+    return time_graphs([functools.partial(step, p) for p in pools], REPS), out
 
 
 def tune(heads: int, kv_heads: int, head_dim: int, page_tokens: int, table_pages: int, layers: int,

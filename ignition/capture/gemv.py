@@ -367,19 +367,31 @@ def _time_ms(fn: Callable[[], object], reps: int) -> float:
     """Device time of `fn`'s launches, replayed as a CUDA graph (as the core runs them): timing
     Python launches would measure the host's launch cost, not the kernel (a few-row projection
     of the ~1B takes ~10 us, about what one Triton launch costs the host)."""
-    fn()  # compile and load outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    return time_graphs([fn], reps)
+
+
+def time_graphs(steps: Sequence[Callable[[], object]], reps: int) -> float:
+    """Milliseconds per replay of one CUDA graph per step (each run once first, to compile and
+    load outside the capture), the graphs replayed in turn `reps` times each: steps over copies
+    of their operands keep a replay's reads out of L2 when its turn comes again."""
+    graphs = []
+    for fn in steps:
         fn()
-    graph.replay()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graphs.append(graph)
+    for graph in graphs:
+        graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
-        graph.replay()
+        for graph in graphs:
+            graph.replay()
     end.record()
     end.synchronize()
-    return float(start.elapsed_time(end)) / reps
+    return float(start.elapsed_time(end)) / (reps * len(graphs))
 
 
 def _run(p: Problem, x: torch.Tensor, r: torch.Tensor, cfg: GemvConfig, layers: int | None = None) -> torch.Tensor:

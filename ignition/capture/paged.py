@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from ignition.capture.attention import attend_gather, rotate, write_attend_op
 from ignition.capture.gemv import Problem, Projections, Variant
+from ignition.capture.persistent import ROLES
 from ignition.capture.sampling import M32, Sampler
 from ignition.core.stepping import FLAG_EOS, FLAG_GRAMMAR_EXHAUSTED, FLAG_SAMPLED
 
@@ -252,6 +253,8 @@ class PagedLlama:
         # `flare::decode_layers` with its layer strides and barrier counter (in the pool the
         # caller builds the model under: the state pool when preparing), or None.
         self.decode_layers: Any = None
+        self.layer_strides: tuple[int, ...] = ()
+        self.counter: torch.Tensor | None = None
         if persistent:
             self._persistent_setup()
 
@@ -353,9 +356,8 @@ class PagedLlama:
         scale = g.head_dim**-0.5
         tokens = attention_tokens(length, lanes, few_rows)
         if self.decode_layers is not None and tokens == "decode":
-            names = ("qkv", "o_proj", "gate_up", "down", "input_norm", "post_attention_norm")
             x = self.decode_layers(
-                x, cos, sin, kv, slots, tables, req, pos, [w[f"layers.0.{r}"] for r in names],
+                x, cos, sin, kv, slots, tables, req, pos, [w[f"layers.0.{r}"] for r in ROLES],
                 list(self.layer_strides), self.counter, [g.layers, g.heads, g.kv_heads, g.head_dim, g.ffn], g.eps,
             )  # fmt: skip
             return proj.norm(x, w["final_norm"], g.eps, few_rows=few_rows)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ignition.capture.attention_tune import MAX_SPLITS
 from ignition.capture.fallback import declare
 
 if TYPE_CHECKING:
@@ -40,14 +41,14 @@ if TYPE_CHECKING:
 # Rows per weight tile, columns per tile, warps. Not yet measured on a device: the probe's
 # configurations (`persistent_layer_probe.CONFIGS`) decide it.
 CONFIG = (16, 256, 8)
-# Pages per attention group inside the kernel (more where a table would make over MAX_GROUPS
-# groups: each is a work item and a partial state per head), and groups the combine reads at once.
+# Pages per attention group inside the kernel (more where a table would make over the tuner's
+# `MAX_SPLITS` groups: each is a work item and a partial state per head), and groups the combine
+# reads at once.
 PAGES_PER_GROUP = 1
-MAX_GROUPS = 128
 COMBINE_GROUPS = 16
 # Spins at one barrier before a program gives up and sets the failure word (~1 s).
 SPIN_LIMIT = 1 << 20
-# The weight roles the kernel reads, with their stride group: norms share one.
+# The weight roles the kernel reads, in its argument order (the two norms share one stride).
 ROLES = ("qkv", "o_proj", "gate_up", "down", "input_norm", "post_attention_norm")
 
 
@@ -115,7 +116,7 @@ def _launch(
     # it runs programs one after another, so only a single program passes a barrier there).
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
     p = programs or sms
-    pps = max(PAGES_PER_GROUP, -(-pages.shape[1] // MAX_GROUPS))
+    pps = max(PAGES_PER_GROUP, -(-pages.shape[1] // MAX_SPLITS))
     splits = -(-pages.shape[1] // pps)
     nqkv = weights[0].shape[0]
     dev, dt = x.device, x.dtype

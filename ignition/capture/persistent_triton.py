@@ -12,7 +12,7 @@ functions a kernel calls through the module's globals, and CPU runs never need T
 import triton
 import triton.language as tl
 
-from ignition.capture.attention_triton import _page_step
+from ignition.capture.attention_triton import _page_step, _query_rows, _write_token
 
 
 @triton.jit
@@ -96,16 +96,15 @@ def attention_stage(QKV, KV, PT, REQ, POS, SLOT, COS, SIN, PM, PL, PACC, layer, 
                     T: tl.constexpr, PPS: tl.constexpr, S: tl.constexpr, GP: tl.constexpr, NQKV: tl.constexpr,
                     SCALE: tl.constexpr, P: tl.constexpr):  # fmt: skip
     """Decode attention's page groups as work items (row, KV head, group) over the programs,
-    each as `paged_attention_kernel` computes a group (RoPE on q and k; the group holding the
-    token's position writes its K/V first, unless its slot is negative): partial softmax states
-    into PM/PL/PACC. q, k and v are read past L1 (other programs wrote them)."""
+    each as `paged_attention_kernel` computes a group, with its helpers (RoPE on q and k; the
+    group holding the token's position writes its K/V first, unless its slot is negative):
+    partial softmax states into PM/PL/PACC. q, k and v are read past L1 (other programs wrote
+    them)."""
     pid = tl.program_id(0)
     g: tl.constexpr = HEADS // KVH
     gi = tl.arange(0, GP)
     di = tl.arange(0, D)
     ti = tl.arange(0, T)
-    rot = (di + D // 2) % D
-    sign = tl.where(di < D // 2, -1.0, 1.0)
     qmask = gi < g
     for item in range(pid, B * KVH * S, P):
         b = item // (KVH * S)
@@ -116,23 +115,14 @@ def attention_stage(QKV, KV, PT, REQ, POS, SLOT, COS, SIN, PM, PL, PACC, layer, 
         first = sp.to(tl.int64) * PPS
         last = tl.minimum(first + PPS, pos // T + 1)
         if first < last:
-            c = tl.load(COS + b * D + di).to(tl.float32)
-            s_ = tl.load(SIN + b * D + di).to(tl.float32)
             if sp == (pos // T) // PPS:  # the group holding the token writes its K/V first
                 slot = tl.load(SLOT + b).to(tl.int64)
                 if slot >= 0:
-                    kp = QKV + b * NQKV + HEADS * D + kh * D
-                    k = tl.load(kp + di, cache_modifier=".cg").to(tl.float32)
-                    k = k * c + sign * tl.load(kp + rot, cache_modifier=".cg").to(tl.float32) * s_
-                    v = tl.load(QKV + b * NQKV + (HEADS + KVH) * D + kh * D + di, cache_modifier=".cg")
-                    dst = KV + (slot // T) * s_page + layer * s_layer + (slot % T) * s_tok + kh * s_head + di
-                    tl.store(dst, k.to(KV.dtype.element_ty))
-                    tl.store(dst + s_sel, v)
+                    _write_token(QKV + HEADS * D, QKV + (HEADS + KVH) * D, COS, SIN, KV, slot, b, kh, layer, NQKV, D,
+                                 NQKV, D, s_page, s_layer, s_sel, s_tok, s_head, D, T, True, ".cg")  # fmt: skip
                 tl.debug_barrier()
             qp = QKV + b * NQKV + (kh * g + gi)[:, None] * D
-            q = tl.load(qp + di[None, :], mask=qmask[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-            qr = tl.load(qp + rot[None, :], mask=qmask[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-            q = (q * c[None, :] + sign[None, :] * qr * s_[None, :]).to(KV.dtype.element_ty)
+            q = _query_rows(qp, qmask, b * D + di[None, :], COS, SIN, di, D, True, KV.dtype.element_ty, ".cg")
             m = tl.full([GP], float("-inf"), tl.float32)
             lsum = tl.zeros([GP], tl.float32)
             acc = tl.zeros([GP, D], tl.float32)

@@ -935,6 +935,6 @@ def test_a_barrier_that_gave_up_fails_the_prepare() -> None:
         return SimpleNamespace(program=SimpleNamespace(model=model))
 
     _barriers_held(rec(SimpleNamespace(counter=torch.tensor([792, 0]))))
-    _barriers_held(rec(SimpleNamespace()))
+    _barriers_held(rec(SimpleNamespace(counter=None)))
     with pytest.raises(DeviceError, match="grid barrier gave up"):
         _barriers_held(rec(SimpleNamespace(counter=torch.tensor([792, 1]))))
