@@ -276,6 +276,7 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
         card = recipe.sampling_card(config, o.card)
         note(f"{config.architecture} ({recipe.name} recipe): {len(ckpt.tensors)} tensors, {mapping.summary()}")
         plan = recipe.plan_program(config, tuple(eos), caps)
+        plan.check_options(o)
         caps = plan.capacities  # the recipe may size its snapshot rows to its row bytes
         note(f"capacities {caps}")
         device = check_device()

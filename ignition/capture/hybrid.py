@@ -440,9 +440,9 @@ def build_model(
     through `flare::sample` when asked."""
     kernels = bool(options is not None and options.attention_kernel)
     if options is not None and options.decode_projections == "persistent":
-        from ignition.capture.persistent import PersistentError
+        from ignition.capture.persistent import PersistentError, refusal
 
-        raise PersistentError("flare::decode_layers computes dense attention layers; this recipe has GDN layers")
+        raise PersistentError(f"flare::decode_layers: {refusal(geo)}")
     gemv = kernels and options.decode_projections == "gemv" and largest_bucket <= GEMV_MAX_ROWS
     sampler = kernels and options.sampler == "kernel"
     gdn.PREFILL_CHUNK = GDN_PREFILL_CHUNK if kernels and options.gdn_prefill == "chunked" else None

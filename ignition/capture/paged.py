@@ -259,13 +259,12 @@ class PagedLlama:
             self._persistent_setup()
 
     def _persistent_setup(self) -> None:
-        from ignition.capture.persistent import PersistentError, decode_layers_op, layer_strides, new_counter
+        from ignition.capture.persistent import PersistentError, decode_layers_op, layer_strides, new_counter, refusal
 
         g = self.geo
-        if not self.kernel or g.attention_bias or g.mlp_bias or g.qk_norm:
-            raise PersistentError(
-                "flare::decode_layers computes layers without biases or q/k norms, with the attention kernel"
-            )
+        why = "it runs with the attention kernels" if not self.kernel else refusal(g)
+        if why:
+            raise PersistentError(f"flare::decode_layers: {why}")
         self.layer_strides = layer_strides(self.w, g.layers)
         self.counter = new_counter(self.w["layers.0.qkv"].device)
         self.decode_layers = decode_layers_op()

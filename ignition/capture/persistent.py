@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,6 +54,18 @@ ROLES = ("qkv", "o_proj", "gate_up", "down", "input_norm", "post_attention_norm"
 
 class PersistentError(ValueError):
     """The geometry or weight layout is outside what `flare::decode_layers` computes."""
+
+
+def refusal(geo: Any) -> str | None:
+    """Why `flare::decode_layers` does not compute layers of geometry `geo` (a
+    `ignition.capture.paged.Geometry`), or None. Known from the config alone, so preparation
+    refuses before streaming any weight."""
+    kinds = set(getattr(geo, "layer_kinds", ())) - {"full_attention"}
+    if kinds:
+        return f"it computes dense attention layers; this recipe also has {', '.join(sorted(kinds))} layers"
+    if geo.attention_bias or geo.mlp_bias or geo.qk_norm:
+        return "it computes layers without biases or q/k norms"
+    return None
 
 
 def layer_strides(weights: dict[str, torch.Tensor], layers: int) -> tuple[int, ...]:

@@ -905,19 +905,35 @@ def test_snapshot_and_restore_check_the_stamp_before_writing(tmp_path: Path) -> 
 
 
 def test_persistent_decode_layers_are_refused_where_they_do_not_apply(tmp_path: Path) -> None:
-    """`--decode-projections persistent` with speculative programs, or for a hybrid recipe, is a
-    typed error before any weight is read; an unknown value names the three it accepts."""
+    """`--decode-projections persistent` with speculative programs, for a hybrid recipe or for
+    layers with q/k norms is a typed error before any weight is read (the plan's check, from the
+    config); an unknown value names the three it accepts."""
     require_torch()
     from ignition.capture.hybrid import build_model
     from ignition.capture.persistent import PersistentError
-    from ignition.prepare import CapacityError, PrepareOptions, prepare
+    from ignition.prepare import CapacityError, PrepareOptions, plan_capacities, prepare
+    from ignition.recipes import recipe_for
+    from tests.ignition.test_hybrid_cpu import CFG as QWEN35
 
     with pytest.raises(CapacityError, match="speculative"):
         prepare(tmp_path, tmp_path / "core", PrepareOptions(decode_projections="persistent", speculative_depth=4))
     with pytest.raises(CapacityError, match="gemv, gemm, persistent"):
         prepare(tmp_path, tmp_path / "core", PrepareOptions(decode_projections="fused"))
-    with pytest.raises(PersistentError, match="GDN"):
-        build_model(None, None, 1, {}, "cpu", PrepareOptions(decode_projections="persistent"))  # type: ignore[arg-type]
+    persistent = PrepareOptions(decode_projections="persistent")
+    refusals, plans = {}, {}
+    for name, raw in (("llama", TINY), ("qwen3", QWEN3), ("qwen3_5", QWEN35)):
+        recipe = recipe_for(raw)
+        config = recipe.parse_config(raw)
+        plans[name] = plan = recipe.plan_program(config, (2,), plan_capacities(config, "1,4", 128, 256, None))
+        plan.check_options(PrepareOptions(decode_projections="gemv"))
+        try:
+            plan.check_options(persistent)
+        except PersistentError as e:
+            refusals[name] = str(e)
+    assert set(refusals) == {"qwen3", "qwen3_5"}, refusals
+    assert "q/k norms" in refusals["qwen3"] and "linear_attention" in refusals["qwen3_5"]
+    with pytest.raises(PersistentError, match="linear_attention"):  # the build refuses as well
+        build_model(None, plans["qwen3_5"].geo, 1, {}, "cpu", persistent)  # type: ignore[arg-type]
 
 
 def test_a_barrier_that_gave_up_fails_the_prepare() -> None:

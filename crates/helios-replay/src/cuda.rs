@@ -61,6 +61,8 @@ pub enum CudaError {
     UnknownRead(u64),
     #[error("a host transfer outside the attached host arena, or none is attached")]
     NoHostArena,
+    #[error(transparent)]
+    Device(#[from] helios_contract::DeviceMismatch),
 }
 
 fn error_text(r: cu::CUresult) -> (String, String) {
@@ -135,6 +137,23 @@ pub fn device_identity(ordinal: i32) -> Result<Option<String>, CudaError> {
     // SAFETY: the driver wrote a NUL-terminated string into the buffer.
     let name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
     Ok(Some(format!("{name} sm_{major}{minor} driver {driver}")))
+}
+
+/// The device's compute capability and SM count, which a core's kernels depend on.
+fn device_traits(device: cu::CUdevice) -> Result<((u32, u32), u32), CudaError> {
+    use cu::CUdevice_attribute::{
+        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJOR,
+        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR as MINOR, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS,
+    };
+    let (mut major, mut minor, mut sms) = (0, 0, 0);
+    // SAFETY: out-pointers to live locals; the device handle is valid.
+    unsafe {
+        check("cuDeviceGetAttribute", cu::cuDeviceGetAttribute(&mut major, MAJOR, device))?;
+        check("cuDeviceGetAttribute", cu::cuDeviceGetAttribute(&mut minor, MINOR, device))?;
+        check("cuDeviceGetAttribute", cu::cuDeviceGetAttribute(&mut sms, SMS, device))?;
+    }
+    let nonneg = |v: i32| u32::try_from(v).unwrap_or(0);
+    Ok(((nonneg(major), nonneg(minor)), nonneg(sms)))
 }
 
 /// How to load.
@@ -460,6 +479,11 @@ impl DeviceCore {
         // SAFETY: out-pointers to live locals; the driver is initialized.
         unsafe {
             check("cuDeviceGet", cu::cuDeviceGet(&mut device, options.device_ordinal))?;
+        }
+        let (capability, sms) = device_traits(device)?;
+        manifest.identity.device.check_serving_device(capability, sms)?;
+        // SAFETY: out-pointers to live locals; the device handle is valid.
+        unsafe {
             check("cuDevicePrimaryCtxRetain", cu::cuDevicePrimaryCtxRetain(&mut context, device))?;
             check("cuCtxSetCurrent", cu::cuCtxSetCurrent(context))?;
         }
