@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -83,8 +84,9 @@ def persistent_step(cfg: dict[str, Any], stacked: dict[str, torch.Tensor], x: to
 
 def persistent_decode(cfg: dict[str, Any], stacked: dict[str, torch.Tensor], x: torch.Tensor,
                       att: dict[str, Any], scratch: dict[str, Any], programs: int, bn: int, bk: int,
-                      warps: int) -> torch.Tensor:  # fmt: skip
-    """A whole decode step's layers as `flare::decode_layers` launches it (a new tensor)."""
+                      warps: int, fused: bool) -> torch.Tensor:  # fmt: skip
+    """A whole decode step's layers as `flare::decode_layers` launches it (a new tensor); `fused`:
+    the combine inside the attention stage (five barriers per layer), else its own stage."""
     heads, kvh = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     d = cfg.get("head_dim") or cfg["hidden_size"] // heads
     roles = ("qkv", "o_proj", "gate_up", "down", "qkv_norm", "gate_up_norm")
@@ -94,7 +96,7 @@ def persistent_decode(cfg: dict[str, Any], stacked: dict[str, torch.Tensor], x: 
     dims = (stacked["qkv"].shape[0], heads, kvh, d, cfg["intermediate_size"])
     eps = float(cfg.get("rms_norm_eps", 1e-6))
     return _launch(x, att["cos"], att["sin"], att["kv"], att["slots"], att["table"], req, att["pos"], weights, strides,
-                   scratch["counter"], dims, eps, (bn, bk, warps), programs)  # fmt: skip
+                   scratch["counter"], dims, eps, (bn, bk, warps), programs, fused)  # fmt: skip
 
 
 def decode_chain(cfg: dict[str, Any], probs: dict[str, Any], x: torch.Tensor, att: dict[str, Any]) -> torch.Tensor:
@@ -148,11 +150,13 @@ DECODE_CONTEXTS = (288, 4096)
 
 def _scratch(cfg: dict[str, Any], stacked: dict[str, torch.Tensor], m: int) -> dict[str, Any]:
     dev, bf = torch.device("cuda"), torch.bfloat16
+    kvh = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     return {
         "x2": torch.empty(m, cfg["hidden_size"], dtype=bf, device=dev),
         "qkv": torch.empty(m, stacked["qkv"].shape[1], dtype=bf, device=dev),
         "gu": torch.empty(m, 2 * cfg["intermediate_size"], dtype=bf, device=dev),
-        "counter": torch.zeros(2, dtype=torch.int64, device=dev),
+        # Barrier tickets, the failure word, arrivals per (row, KV head).
+        "counter": torch.zeros(2 + m * kvh, dtype=torch.int64, device=dev),
     }
 
 
@@ -232,13 +236,16 @@ def main() -> int:
             graph, want = captured(lambda: decode_chain(cfg, probs, x0.clone(), att))  # noqa: B023
             base_us = replay_ms(graph, args.reps) * 1e3
             entry = {"per_kernel_us_per_layer": round(base_us / layers, 2), "pps": DECODE_PPS}
-            for bn, bk, warps in CONFIGS[:2]:
+            for (bn, bk, warps), fused in itertools.product(CONFIGS[:2], (True, False)):
                 scratch, x = _scratch(cfg, stacked, m), x0.clone()
                 run = functools.partial(
-                    lambda x, x0, a, s, bn, bk, w: persistent_decode(cfg, stacked, x.copy_(x0), a, s, sms, bn, bk, w),
-                    x, x0, att, scratch, bn, bk, warps,
+                    lambda x, x0, a, s, bn, bk, w, f: persistent_decode(cfg, stacked, x.copy_(x0), a, s, sms, bn, bk,
+                                                                        w, f),
+                    x, x0, att, scratch, bn, bk, warps, fused,
                 )  # fmt: skip
-                entry[f"bn{bn}_bk{bk}_w{warps}"] = _timed(run, want, base_us, layers, bound, args.reps, scratch, sms)
+                key = f"bn{bn}_bk{bk}_w{warps}" + ("" if fused else "_combine_stage")
+                entry[key] = _timed(run, want, base_us, layers, bound, args.reps, scratch, sms)
+                entry[key]["arrivals_zero"] = not bool(scratch["counter"][2:].any().item())
             ok &= _good(entry)
             report["decode_step"][f"rows{m}_ctx{context}"] = entry
             print("decode_step", m, context, json.dumps(entry), flush=True)

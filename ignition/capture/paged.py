@@ -266,7 +266,7 @@ class PagedLlama:
         if why:
             raise PersistentError(f"flare::decode_layers: {why}")
         self.layer_strides = layer_strides(self.w, g.layers)
-        self.counter = new_counter(self.w["layers.0.qkv"].device)
+        self.counter = new_counter(self.w["layers.0.qkv"].device, GEMV_MAX_ROWS, g.kv_heads)
         self.decode_layers = decode_layers_op()
 
     def projection_problems(self) -> list[Problem]:

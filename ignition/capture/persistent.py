@@ -12,9 +12,11 @@ Contract and invariants:
 - one program per SM (`programs`), all resident at once: a grid barrier waits for every
   program, so a grid larger than the device holds would never finish (each barrier gives up
   after `SPIN_LIMIT` spins and sets the failure word instead of hanging);
-- the barrier's counter (word 0 of `counter`, 64-bit, never reset) and the failure word (word 1)
-  live in the state pool, created with the model and exported with the core as a constant.
-  Launches that share it must not overlap (a core's steps run one after another on one stream);
+- the barrier's counter (word 0 of `counter`, 64-bit, never reset), the failure word (word 1)
+  and one arrival count per (row, KV head) (words 2.., zero between launches: the last arrival
+  of a step puts it back) live in the state pool, created with the model and exported with the
+  core as a constant. Launches that share it must not overlap (a core's steps run one after
+  another on one stream);
 - a row's arithmetic does not depend on the bucket it was packed into (the kernel loops over
   rows around one tile shape), so batched requests equal their solo runs bitwise;
 - layer l's weights of each role sit at layer 0's plus l times one stride (the arena streams a
@@ -46,6 +48,9 @@ CONFIG = (16, 256, 8)
 # reads at once.
 PAGES_PER_GROUP = 1
 COMBINE_GROUPS = 16
+# The last page group of a (row, KV head) to finish combines its heads (no combine stage and no
+# barrier before it: five barriers per layer instead of six).
+FUSED_COMBINE = True
 # Spins at one barrier before a program gives up and sets the failure word (~1 s).
 SPIN_LIMIT = 1 << 20
 # The weight roles the kernel reads, in its argument order (the two norms share one stride).
@@ -92,10 +97,10 @@ def layer_strides(weights: dict[str, torch.Tensor], layers: int) -> tuple[int, .
     return tuple(out[:5])
 
 
-def new_counter(device: torch.device) -> torch.Tensor:
-    """The barrier's ticket counter and failure word (zeros); create it under the pool that
-    holds persistent state, before capture."""
-    return torch.zeros(2, dtype=torch.int64, device=device)
+def new_counter(device: torch.device, rows: int, kv_heads: int) -> torch.Tensor:
+    """The barrier's ticket counter, the failure word and the arrival counts for launches of up
+    to `rows` rows (zeros); create it under the pool that holds persistent state, before capture."""
+    return torch.zeros(2 + rows * kv_heads, dtype=torch.int64, device=device)
 
 
 def _launch(
@@ -114,15 +119,20 @@ def _launch(
     eps: float,
     config: tuple[int, int, int] = CONFIG,
     programs: int | None = None,
+    fused: bool | None = None,
 ) -> torch.Tensor:
     """x [B, H] through every layer (a new tensor). weights: layer 0's qkv, o_proj, gate_up,
-    down, input_norm, post_attention_norm; dims: layers, heads, KV heads, head dim, ffn."""
+    down, input_norm, post_attention_norm; dims: layers, heads, KV heads, head dim, ffn;
+    `fused`: the combine inside the attention stage (`FUSED_COMBINE` by default)."""
     import triton
 
     from ignition.capture.persistent_triton import decode_layers_kernel
 
     layers, heads, kvh, d, ffn = dims
     b, h = x.shape
+    fused = FUSED_COMBINE if fused is None else fused
+    if counter.numel() < 2 + b * kvh:
+        raise ValueError(f"the counter holds arrivals for {(counter.numel() - 2) // kvh} rows, not {b}")
     bn, bk, warps = config
     # One program per SM; one program where Triton's interpreter runs the kernel (CPU tensors:
     # it runs programs one after another, so only a single program passes a barrier there).
@@ -147,10 +157,12 @@ def _launch(
     lq, lo, lg, ld, ln = strides
     decode_layers_kernel[(p,)](
         out, x2, qkv, gu, att, pm, pl, pacc, kv, pages, req, pos, slots, cos, sin, wq, wo, wg, wd, nq, np_,
-        counter, counter[1:], eps, layers, lq, lo, lg, ld, ln, st[0], st[1], st[2], st[3], st[4], pages.stride(0),
+        counter, counter[1:], counter[2:], eps, layers, lq, lo, lg, ld, ln, st[0], st[1], st[2], st[3], st[4],
+        pages.stride(0),
         B=b, H=h, HEADS=heads, KVH=kvh, D=d, T=kv.shape[3], PPS=pps, S=splits,
         SP=max(2, triton.next_power_of_2(splits)), GP=max(16, triton.next_power_of_2(heads // kvh)), NQKV=nqkv,
-        F=ffn, SCALE=d**-0.5, BN=bn, BK=bk, CB=COMBINE_GROUPS, P=p, LIMIT=SPIN_LIMIT, num_warps=warps,
+        F=ffn, SCALE=d**-0.5, BN=bn, BK=bk, CB=COMBINE_GROUPS, P=p, LIMIT=SPIN_LIMIT, FUSED=fused,
+        num_warps=warps,
     )  # fmt: skip
     return out
 

@@ -91,15 +91,43 @@ def projection_stage(X, x_stride, W, NORM, RES, Y, B: tl.constexpr, eps, N: tl.c
 
 
 @triton.jit
-def attention_stage(QKV, KV, PT, REQ, POS, SLOT, COS, SIN, PM, PL, PACC, layer, s_page, s_layer, s_sel, s_tok, s_head,
-                    pt_stride, B: tl.constexpr, HEADS: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
-                    T: tl.constexpr, PPS: tl.constexpr, S: tl.constexpr, GP: tl.constexpr, NQKV: tl.constexpr,
-                    SCALE: tl.constexpr, P: tl.constexpr):  # fmt: skip
+def _combine_head(PM, PL, PACC, OUT, b, hd, groups, HEADS: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
+                  SP: tl.constexpr, CB: tl.constexpr):  # fmt: skip
+    """Head hd of row b: its first `groups` page groups' states rescaled to their common max and
+    normalized, into OUT [B, HEADS * D]; partials read past L1. CB groups at a time (one page
+    per group over a long table would otherwise hold every group's D floats at once and spill)."""
+    si = tl.arange(0, SP)
+    ci = tl.arange(0, CB)
+    di = tl.arange(0, D)
+    m_all = tl.load(PM + (b * S + si) * HEADS + hd, mask=si < groups, other=float("-inf"), cache_modifier=".cg")
+    mx = tl.max(m_all, 0)
+    acc = tl.zeros([D], tl.float32)
+    den = tl.zeros([CB], tl.float32)
+    for c0 in range(0, groups, CB):
+        gm = (c0 + ci) < groups
+        at = (b * S + c0 + ci) * HEADS + hd
+        m = tl.load(PM + at, mask=gm, other=float("-inf"), cache_modifier=".cg")
+        w = tl.where(gm, tl.exp(m - mx), 0.0)
+        den += tl.load(PL + at, mask=gm, other=0.0, cache_modifier=".cg") * w
+        part = tl.load(PACC + at[:, None] * D + di[None, :], mask=gm[:, None], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(part * w[:, None], 0)
+    out = acc / tl.sum(den, 0)
+    tl.store(OUT + b * HEADS * D + hd * D + di, out.to(OUT.dtype.element_ty))
+
+
+@triton.jit
+def attention_stage(QKV, KV, PT, REQ, POS, SLOT, COS, SIN, PM, PL, PACC, ARR, OUT, layer, s_page, s_layer, s_sel,
+                    s_tok, s_head, pt_stride, B: tl.constexpr, HEADS: tl.constexpr, KVH: tl.constexpr,
+                    D: tl.constexpr, T: tl.constexpr, PPS: tl.constexpr, S: tl.constexpr, GP: tl.constexpr,
+                    NQKV: tl.constexpr, SCALE: tl.constexpr, P: tl.constexpr, FUSED: tl.constexpr,
+                    SP: tl.constexpr, CB: tl.constexpr):  # fmt: skip
     """Decode attention's page groups as work items (row, KV head, group) over the programs,
     each as `paged_attention_kernel` computes a group, with its helpers (RoPE on q and k; the
     group holding the token's position writes its K/V first, unless its slot is negative):
     partial softmax states into PM/PL/PACC. q, k and v are read past L1 (other programs wrote
-    them)."""
+    them). FUSED: each item then counts itself in ARR [B * KVH] (zeros between launches), and
+    the last of a (row, KV head)'s groups to arrive combines its heads into OUT and puts the
+    count back to zero, so no barrier and combine stage follow."""
     pid = tl.program_id(0)
     g: tl.constexpr = HEADS // KVH
     gi = tl.arange(0, GP)
@@ -135,61 +163,53 @@ def attention_stage(QKV, KV, PT, REQ, POS, SLOT, COS, SIN, PM, PL, PACC, layer, 
             tl.store(PM + at, m, mask=qmask)
             tl.store(PL + at, lsum, mask=qmask)
             tl.store(PACC + at[:, None] * D + di[None, :], acc, mask=qmask[:, None])
+            if FUSED:
+                tl.debug_barrier()  # every thread's partials issued before the arrival's release
+                groups = tl.minimum((pos // T) // PPS + 1, S)
+                if tl.atomic_add(ARR + b * KVH + kh, 1, sem="acq_rel") == groups - 1:
+                    tl.atomic_xchg(ARR + b * KVH + kh, 0, sem="relaxed")  # the next use is past a barrier
+                    for hq in range(g):
+                        _combine_head(PM, PL, PACC, OUT, b, kh * g + hq, groups, HEADS, D, S, SP, CB)
 
 
 @triton.jit
 def combine_stage(PM, PL, PACC, POS, OUT, B: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
                   PPS: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, CB: tl.constexpr, P: tl.constexpr):  # fmt: skip
-    """The page groups' states of each work item (row, head) rescaled to their common max and
-    normalized, into OUT [B, HEADS * D]; partials read past L1. Only the groups up to the row's
-    last page are read, CB at a time (one page per group over a long table would otherwise hold
-    every group's D floats at once and spill)."""
+    """Every (row, head)'s page groups up to the row's last page combined (`_combine_head`), the
+    items spread over the programs."""
     pid = tl.program_id(0)
-    si = tl.arange(0, SP)
-    ci = tl.arange(0, CB)
-    di = tl.arange(0, D)
     for item in range(pid, B * HEADS, P):
         b = item // HEADS
-        hd = item % HEADS
         groups = tl.minimum((tl.load(POS + b) // T) // PPS + 1, S)
-        m_all = tl.load(PM + (b * S + si) * HEADS + hd, mask=si < groups, other=float("-inf"), cache_modifier=".cg")
-        mx = tl.max(m_all, 0)
-        acc = tl.zeros([D], tl.float32)
-        den = tl.zeros([CB], tl.float32)
-        for c0 in range(0, groups, CB):
-            gm = (c0 + ci) < groups
-            at = (b * S + c0 + ci) * HEADS + hd
-            m = tl.load(PM + at, mask=gm, other=float("-inf"), cache_modifier=".cg")
-            w = tl.where(gm, tl.exp(m - mx), 0.0)
-            den += tl.load(PL + at, mask=gm, other=0.0, cache_modifier=".cg") * w
-            part = tl.load(PACC + at[:, None] * D + di[None, :], mask=gm[:, None], other=0.0, cache_modifier=".cg")
-            acc += tl.sum(part * w[:, None], 0)
-        out = acc / tl.sum(den, 0)
-        tl.store(OUT + b * HEADS * D + hd * D + di, out.to(OUT.dtype.element_ty))
+        _combine_head(PM, PL, PACC, OUT, b, item % HEADS, groups, HEADS, D, S, SP, CB)
 
 
 @triton.jit
 def decode_layers_kernel(X, X2, QKV, GU, ATT, PM, PL, PACC, KV, PT, REQ, POS, SLOT, COS, SIN, WQKV, WO, WGU, WD, NQ,
-                         NP, CNT, FAIL, eps, L, lq, lo, lg, ld, ln, s_page, s_layer, s_sel, s_tok, s_head, pt_stride,
+                         NP, CNT, FAIL, ARR, eps, L, lq, lo, lg, ld, ln, s_page, s_layer, s_sel, s_tok, s_head,
+                         pt_stride,
                          B: tl.constexpr, H: tl.constexpr, HEADS: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
                          T: tl.constexpr, PPS: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, GP: tl.constexpr,
                          NQKV: tl.constexpr, F: tl.constexpr, SCALE: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr, CB: tl.constexpr, P: tl.constexpr, LIMIT: tl.constexpr):  # fmt: skip
+                         BK: tl.constexpr, CB: tl.constexpr, P: tl.constexpr, LIMIT: tl.constexpr,
+                         FUSED: tl.constexpr):  # fmt: skip
     """Every layer of a dense Llama decode step for B rows (each its own request): qkv (input
-    norm), attention (K/V write, page groups), combine, o_proj (residual), gate_up (post-attention
-    norm), down (SiLU gate, residual), a grid barrier after each. X [B, H] in and out; X2, QKV,
-    GU, ATT and the partials are scratch. Layer l's weights sit at layer 0's plus l times
-    lq/lo/lg/ld elements (ln for the norms)."""
+    norm), attention (K/V write, page groups), combine (inside the attention stage when FUSED),
+    o_proj (residual), gate_up (post-attention norm), down (SiLU gate, residual), a grid barrier
+    after each. X [B, H] in and out; X2, QKV, GU, ATT and the partials are scratch. Layer l's
+    weights sit at layer 0's plus l times lq/lo/lg/ld elements (ln for the norms)."""
     HQ: tl.constexpr = HEADS * D
     for i in range(L):
         li = i + tl.zeros([], tl.int64)  # 64-bit offsets (a loop index is i32)
         projection_stage(X, H, WQKV + li * lq, NQ + li * ln, X, QKV, B, eps, NQKV, H, BN, BK, P, True, False, False)
         grid_barrier(CNT, FAIL, P, LIMIT)
-        attention_stage(QKV, KV, PT, REQ, POS, SLOT, COS, SIN, PM, PL, PACC, li, s_page, s_layer, s_sel, s_tok, s_head,
-                        pt_stride, B, HEADS, KVH, D, T, PPS, S, GP, NQKV, SCALE, P)  # fmt: skip
+        attention_stage(QKV, KV, PT, REQ, POS, SLOT, COS, SIN, PM, PL, PACC, ARR, ATT, li, s_page, s_layer, s_sel,
+                        s_tok, s_head, pt_stride, B, HEADS, KVH, D, T, PPS, S, GP, NQKV, SCALE, P, FUSED, SP,
+                        CB)  # fmt: skip
         grid_barrier(CNT, FAIL, P, LIMIT)
-        combine_stage(PM, PL, PACC, POS, ATT, B, HEADS, D, T, PPS, S, SP, CB, P)
-        grid_barrier(CNT, FAIL, P, LIMIT)
+        if not FUSED:
+            combine_stage(PM, PL, PACC, POS, ATT, B, HEADS, D, T, PPS, S, SP, CB, P)
+            grid_barrier(CNT, FAIL, P, LIMIT)
         projection_stage(ATT, HQ, WO + li * lo, NQ, X, X2, B, eps, H, HQ, BN, BK, P, False, False, True)
         grid_barrier(CNT, FAIL, P, LIMIT)
         projection_stage(X2, H, WGU + li * lg, NP + li * ln, X2, GU, B, eps, 2 * F, H, BN, BK, P, True, False, False)

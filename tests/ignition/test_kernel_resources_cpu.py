@@ -191,8 +191,9 @@ def test_fused_sampler_kernels_do_not_spill() -> None:
     ("name", "hidden", "heads", "kv_heads", "ffn"), [("smollm2", 576, 9, 3, 1536), ("llama_1b", 2048, 32, 8, 8192)]
 )
 @pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("fused", [True, False])
 def test_decode_layers_kernel_does_not_spill(
-    name: str, hidden: int, heads: int, kv_heads: int, ffn: int, rows: int
+    name: str, hidden: int, heads: int, kv_heads: int, ffn: int, rows: int, fused: bool
 ) -> None:
     """`flare::decode_layers` at its configuration (`persistent.CONFIG`) over 128-page tables, one
     page per group: every stage of the layer in one kernel must stay in registers (the combine
@@ -205,10 +206,10 @@ def test_decode_layers_kernel_does_not_spill(
         ),
         **dict.fromkeys(("PM", "PL", "PACC"), "fp32"),
         **dict.fromkeys(("PT", "REQ", "POS"), "i32"),
-        **dict.fromkeys(("SLOT", "CNT", "FAIL"), "i64"),
+        **dict.fromkeys(("SLOT", "CNT", "FAIL", "ARR"), "i64"),
     }
     order = ("X", "X2", "QKV", "GU", "ATT", "PM", "PL", "PACC", "KV", "PT", "REQ", "POS", "SLOT", "COS", "SIN", "WQKV",
-             "WO", "WGU", "WD", "NQ", "NP", "CNT", "FAIL")  # fmt: skip
+             "WO", "WGU", "WD", "NQ", "NP", "CNT", "FAIL", "ARR")  # fmt: skip
     ints = ["L", "lq", "lo", "lg", "ld", "ln", "s_page", "s_layer", "s_sel", "s_tok", "s_head", "pt_stride"]
     sig = {**{k: "*" + pointers[k] for k in order}, "eps": "fp32", **dict.fromkeys(ints, "i32")}
     bn, bk, warps = persistent.CONFIG
@@ -216,5 +217,6 @@ def test_decode_layers_kernel_does_not_spill(
     consts = {"B": rows, "H": hidden, "HEADS": heads, "KVH": kv_heads, "D": d, "T": 64, "PPS": 1, "S": splits}
     consts |= {"SP": splits, "GP": 16, "NQKV": (heads + 2 * kv_heads) * d, "F": ffn, "SCALE": d**-0.5}
     consts |= {"BN": bn, "BK": bk, "CB": persistent.COMBINE_GROUPS, "P": 132, "LIMIT": persistent.SPIN_LIMIT}
+    consts["FUSED"] = fused
     res = compile_sm90(persistent_triton.decode_layers_kernel, sig, consts, num_warps=warps)
     assert res["stack"] == 0, (name, rows, res)

@@ -733,24 +733,28 @@ def test_triton_kernels_match_the_reference_under_the_interpreter() -> None:
 def test_persistent_layer_probe_kernel_matches_torch_under_the_interpreter() -> None:
     """The persistent kernels that `qualification/persistent_layer_probe.py` times on the device:
     every layer's projections, and the whole decode step with attention and its K/V writes,
-    against torch; one barrier arrival per stage."""
+    against torch (with the combine inside the attention stage, and as its own stage); one
+    barrier arrival per stage."""
     report = _interpreted("persistent_layer_interpreted.py", 120)
-    step = report.pop("decode_step")
+    for fused, tickets in ((True, 10), (False, 12)):
+        step = report.pop(f"decode_step_fused_{fused}")
+        assert step["max_abs_err"] < 1e-4 and step["kv_max_abs_err"] < 1e-5 and step["tickets"] == tickets, step
     assert all(r["max_abs_err"] < 1e-4 and r["arrivals"] == 8 for r in report.values()), report
-    assert step["max_abs_err"] < 1e-4 and step["kv_max_abs_err"] < 1e-5 and step["arrivals"] == 12, step
 
 
 def test_decode_layers_op_matches_the_six_kernel_layers_under_the_interpreter() -> None:
     """`flare::decode_layers` inside `PagedLlama.hidden` (one program): a decode step's hidden
     vectors and K/V writes equal the six-kernel layers' within float32 rounding, a padding lane
     writes nothing, each row alone equals the rows batched, the combine reading its groups in
-    rounds agrees, each stage alone over three programs matches torch (the work split), the
-    barrier counter advances by six arrivals per layer per step, and
-    geometries or layouts the kernel does not compute are refused."""
+    rounds or as its own stage agrees, each stage alone over three programs matches torch (the
+    work split; the attention stage also combining by its last arrivals), the barrier counter
+    advances by five arrivals per layer per step (six with the combine stage), every arrival
+    count is back at zero, and geometries or layouts the kernel does not compute are refused."""
     report = _interpreted("decode_layers_interpreted.py", 120)
     assert report["max_abs_err"] < 1e-4 and report["kv_max_abs_err"] < 1e-5, report
-    assert report["rows_alone_equal_batched"] and report["counter"] == [60, 0], report
-    assert report["combine_in_rounds_max_abs_err"] < 1e-4, report
+    assert report["rows_alone_equal_batched"] and report["arrivals_back_to_zero"], report
+    assert report["counter"][:2] == [(5 * 5 + 6) * 2, 0] and not any(report["counter"][2:]), report
+    assert report["combine_in_rounds_max_abs_err"] < 1e-4 and report["combine_stage_max_abs_err"] < 1e-4, report
     assert report["stages_over_three_programs_max_abs_err"] < 1e-4, report
     assert report["refused"] == ["attention_bias", "mlp_bias", "qk_norm", "uneven"], report
 

@@ -81,6 +81,11 @@ alone = torch.cat([step(persistent, [r])[0] for r in range(3)])
 persistent_mod.COMBINE_GROUPS = 2
 chunked, _ = step(persistent, [0, 1, 2])
 report["combine_in_rounds_max_abs_err"] = (chunked - want).abs().max().item()
+# The combine as its own stage behind a barrier (six barriers per layer).
+persistent_mod.FUSED_COMBINE = False
+unfused, _ = step(persistent, [0, 1, 2])
+persistent_mod.FUSED_COMBINE = True
+report["combine_stage_max_abs_err"] = (unfused - want).abs().max().item()
 invariant = bool(torch.equal(alone, got))
 report |= {"max_abs_err": err, "kv_max_abs_err": kv_err, "rows_alone_equal_batched": invariant}
 counter = persistent.counter
@@ -100,15 +105,15 @@ def _projection(X, W, NORM, Y, eps, B: tl.constexpr, N: tl.constexpr, K: tl.cons
 
 
 @triton.jit
-def _attention(QKV, KV, PT, REQ, POS, SLOT, COS, SIN, PM, PL, PACC, OUT, s_page, s_layer, s_sel, s_tok, s_head,
+def _attention(QKV, KV, PT, REQ, POS, SLOT, COS, SIN, PM, PL, PACC, ARR, OUT, s_page, s_layer, s_sel, s_tok, s_head,
                pt_stride, B: tl.constexpr, HEADS: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
                S: tl.constexpr, GP: tl.constexpr, NQKV: tl.constexpr, SCALE: tl.constexpr, P: tl.constexpr,
-               COMBINE: tl.constexpr):  # fmt: skip
+               COMBINE: tl.constexpr, FUSED: tl.constexpr):  # fmt: skip
     if COMBINE:
         combine_stage(PM, PL, PACC, POS, OUT, B, HEADS, D, T, 1, S, 4, 2, P)
     else:
-        attention_stage(QKV, KV, PT, REQ, POS, SLOT, COS, SIN, PM, PL, PACC, 0, s_page, s_layer, s_sel, s_tok, s_head,
-                        pt_stride, B, HEADS, KVH, D, T, 1, S, GP, NQKV, SCALE, P)  # fmt: skip
+        attention_stage(QKV, KV, PT, REQ, POS, SLOT, COS, SIN, PM, PL, PACC, ARR, OUT, 0, s_page, s_layer, s_sel, s_tok,
+                        s_head, pt_stride, B, HEADS, KVH, D, T, 1, S, GP, NQKV, SCALE, P, FUSED, 4, 2)  # fmt: skip
 
 
 xs, ws, nw = torch.randn(2, h), torch.randn(72, h) / h**0.5, torch.rand(h) + 0.5
@@ -120,13 +125,16 @@ qkv = torch.randn(3, nqkv)
 kv_stage, kv_want = kv0.clone(), kv0.clone()
 cs, sn = (f(pos.float()[:, None] * inv[None, :]).repeat(1, 2) for f in (torch.cos, torch.sin))
 pm, pl, pacc = torch.empty(3, 4, geo.heads), torch.empty(3, 4, geo.heads), torch.empty(3, 4, geo.heads, d)
-att_out = torch.empty(3, geo.heads * d)
+att_out, att_fused = torch.empty(3, geo.heads * d), torch.empty(3, geo.heads * d)
+arrivals = torch.zeros(3 * geo.kv_heads, dtype=torch.int64)
 st = kv_stage.stride()
-for combine in (False, True):
+# Separate stages, then the attention stage combining by its last arrivals (K/V written again,
+# the same values).
+for combine, fused, out in ((False, False, att_out), (True, False, att_out), (False, True, att_fused)):
     _attention[(3,)](qkv, kv_stage, table, torch.arange(3, dtype=torch.int32), pos.int(), slots, cs, sn, pm, pl, pacc,
-                     att_out, st[0], st[1], st[2], st[3], st[4], table.stride(0), B=3, HEADS=geo.heads,
-                     KVH=geo.kv_heads, D=d, T=t, S=4, GP=16, NQKV=nqkv, SCALE=d**-0.5, P=3,
-                     COMBINE=combine)  # fmt: skip
+                     arrivals, out, st[0], st[1], st[2], st[3], st[4], table.stride(0), B=3, HEADS=geo.heads,
+                     KVH=geo.kv_heads, D=d, T=t, S=4, GP=16, NQKV=nqkv, SCALE=d**-0.5, P=3, COMBINE=combine,
+                     FUSED=fused)  # fmt: skip
 hq, hk = geo.heads * d, geo.kv_heads * d
 q_ref = rotate(qkv[:, :hq].view(3, geo.heads, d), cs, sn)
 live = slots >= 0
@@ -134,6 +142,8 @@ kv_want[slots[live] // t, 0, 0, slots[live] % t] = rotate(qkv[:, hq : hq + hk].v
 kv_want[slots[live] // t, 0, 1, slots[live] % t] = qkv[:, hq + hk :].view(3, geo.kv_heads, d)[live]
 want_att = attend_gather(q_ref, kv_want, 0, table.long().clamp(min=0), torch.arange(3), pos, d**-0.5)
 stage_errs += [(att_out - want_att).abs().max().item(), (kv_stage - kv_want).abs().max().item()]
+stage_errs += [(att_fused - want_att).abs().max().item()]
+report["arrivals_back_to_zero"] = arrivals.tolist() == [0] * len(arrivals)
 report["stages_over_three_programs_max_abs_err"] = max(stage_errs)
 
 refused = []
@@ -150,9 +160,10 @@ except PersistentError:
     refused.append("uneven")
 report["refused"] = refused
 print(json.dumps(report))
-layers_x_stages = 6 * geo.layers
-ok = err < 1e-4 and kv_err < 1e-5 and invariant
-ok = ok and counter.tolist() == [5 * layers_x_stages, 0] and len(refused) == 4
+barriers = (5 * 5 + 6) * geo.layers  # five fused launches, one with the combine stage
+ok = err < 1e-4 and kv_err < 1e-5 and invariant and report["arrivals_back_to_zero"]
+ok = ok and counter.tolist() == [barriers, 0] + [0] * (len(counter) - 2) and len(refused) == 4
 ok = ok and report["combine_in_rounds_max_abs_err"] < 1e-4  # type: ignore[operator]
+ok = ok and report["combine_stage_max_abs_err"] < 1e-4  # type: ignore[operator]
 ok = ok and max(stage_errs) < 1e-4
 sys.exit(0 if ok else 1)

@@ -91,14 +91,17 @@ for i in range(layers):
     x2 = want + o @ stacked["o_proj"][i].T
     gu = rms(x2, stacked["gate_up_norm"][i]) @ stacked["gate_up"][i].T
     want = x2 + (F.silu(gu[:, :f]) * gu[:, f:]) @ stacked["down"][i].T
-kv = kv0.clone()
-att: dict[str, object] = {"kv": kv, "table": table, "pos": pos, "pps": 1, "cos": cos, "sin": sin, "slots": slots}
-scratch = {"counter": torch.zeros(2, dtype=torch.int64)}
-got = probe.persistent_decode(cfg | {"num_key_value_heads": kvh}, stacked, x0.clone(), att, scratch, 1, 8, 32, 4)
-err = (got - want).abs().max().item()
-kv_err = (kv - kv_ref).abs().max().item()
-arrivals, gave_up = (int(v) for v in scratch["counter"].tolist())
-report["decode_step"] = {"max_abs_err": err, "kv_max_abs_err": kv_err, "arrivals": arrivals}
-ok &= err < 1e-4 and kv_err < 1e-5 and arrivals == 6 * layers and not gave_up
+for fused, barriers in ((True, 5), (False, 6)):  # the combine by the last arrivals, or its own stage
+    kv = kv0.clone()
+    att: dict[str, object] = {"kv": kv, "table": table, "pos": pos, "pps": 1, "cos": cos, "sin": sin, "slots": slots}
+    scratch = {"counter": torch.zeros(2 + rows * kvh, dtype=torch.int64)}
+    got = probe.persistent_decode(
+        cfg | {"num_key_value_heads": kvh}, stacked, x0.clone(), att, scratch, 1, 8, 32, 4, fused
+    )
+    err = (got - want).abs().max().item()
+    kv_err = (kv - kv_ref).abs().max().item()
+    tickets, gave_up, *left = (int(v) for v in scratch["counter"].tolist())
+    report[f"decode_step_fused_{fused}"] = {"max_abs_err": err, "kv_max_abs_err": kv_err, "tickets": tickets}
+    ok &= err < 1e-4 and kv_err < 1e-5 and tickets == barriers * layers and not gave_up and not any(left)
 print(json.dumps(report))
 sys.exit(0 if ok else 1)
