@@ -924,7 +924,8 @@ def test_persistent_decode_layers_are_refused_where_they_do_not_apply(tmp_path: 
     with pytest.raises(CapacityError, match="gemv, gemm, persistent"):
         prepare(tmp_path, tmp_path / "core", PrepareOptions(decode_projections="fused"))
     persistent = PrepareOptions(decode_projections="persistent")
-    refusals, plans = {}, {}
+    refusals: dict[str, str] = {}
+    plans: dict[str, Any] = {}  # `ignition.capture.program.ProgramPlan`s
     for name, raw in (("llama", TINY), ("qwen3", QWEN3), ("qwen3_5", QWEN35)):
         recipe = recipe_for(raw)
         config = recipe.parse_config(raw)
