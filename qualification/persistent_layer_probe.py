@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import json
 import sys
 from pathlib import Path
@@ -48,25 +47,25 @@ from ignition.capture.persistent_triton import grid_barrier, projection_stage
 @triton.jit
 def _step_kernel(X, X2, QKV, GU, WQKV, WO, WGU, WD, NQ, NP, CNT, FAIL, eps, L, B: tl.constexpr, H: tl.constexpr,
                  HQ: tl.constexpr, NQKV: tl.constexpr, F: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 P: tl.constexpr, LIMIT: tl.constexpr):  # fmt: skip
+                 P: tl.constexpr, LIMIT: tl.constexpr, POLL: tl.constexpr):  # fmt: skip
     """`pdl_probe.layer`'s four projections for every layer, from `flare::decode_layers`' stages:
     X [B, H] in (and out), scratch X2 [B, H], QKV [B, NQKV], GU [B, 2F]; weights stacked per layer."""
     for i in range(L):
         li = i + tl.zeros([], tl.int64)  # 64-bit offsets (a loop index is i32)
         projection_stage(X, H, WQKV + li * NQKV * H, NQ + li * H, X, QKV, B, eps, NQKV, H, BN, BK, P, True, False,
                          False)  # fmt: skip
-        grid_barrier(CNT, FAIL, P, LIMIT)
+        grid_barrier(CNT, FAIL, P, LIMIT, POLL)
         projection_stage(QKV, NQKV, WO + li * H * HQ, NQ, X, X2, B, eps, H, HQ, BN, BK, P, False, False, True)
-        grid_barrier(CNT, FAIL, P, LIMIT)
+        grid_barrier(CNT, FAIL, P, LIMIT, POLL)
         projection_stage(X2, H, WGU + li * 2 * F * H, NP + li * H, X2, GU, B, eps, 2 * F, H, BN, BK, P, True, False,
                          False)  # fmt: skip
-        grid_barrier(CNT, FAIL, P, LIMIT)
+        grid_barrier(CNT, FAIL, P, LIMIT, POLL)
         projection_stage(GU, 2 * F, WD + li * H * F, NQ, X2, X, B, eps, H, F, BN, BK, P, False, True, True)
-        grid_barrier(CNT, FAIL, P, LIMIT)
+        grid_barrier(CNT, FAIL, P, LIMIT, POLL)
 
 
 def persistent_step(cfg: dict[str, Any], stacked: dict[str, torch.Tensor], x: torch.Tensor, scratch: dict[str, Any],
-                    programs: int, bn: int, bk: int, warps: int) -> torch.Tensor:  # fmt: skip
+                    programs: int, bn: int, bk: int, warps: int, poll: bool = False) -> torch.Tensor:  # fmt: skip
     """The projections of every layer as one launch of `_step_kernel` (x updated in place)."""
     b, h = x.shape
     heads = cfg["num_attention_heads"]
@@ -77,16 +76,17 @@ def persistent_step(cfg: dict[str, Any], stacked: dict[str, torch.Tensor], x: to
         stacked["down"], stacked["qkv_norm"], stacked["gate_up_norm"], cnt, cnt[1:],
         float(cfg.get("rms_norm_eps", 1e-6)), stacked["qkv"].shape[0], B=b, H=h, HQ=heads * d,
         NQKV=stacked["qkv"].shape[1], F=cfg["intermediate_size"], BN=bn, BK=bk, P=programs, LIMIT=SPIN_LIMIT,
-        num_warps=warps,
+        POLL=poll, num_warps=warps,
     )  # fmt: skip
     return x
 
 
 def persistent_decode(cfg: dict[str, Any], stacked: dict[str, torch.Tensor], x: torch.Tensor,
                       att: dict[str, Any], scratch: dict[str, Any], programs: int, bn: int, bk: int,
-                      warps: int, fused: bool) -> torch.Tensor:  # fmt: skip
+                      warps: int, fused: bool, poll: bool = False) -> torch.Tensor:  # fmt: skip
     """A whole decode step's layers as `flare::decode_layers` launches it (a new tensor); `fused`:
-    the combine inside the attention stage (five barriers per layer), else its own stage."""
+    the combine inside the attention stage (five barriers per layer), else its own stage; `poll`:
+    barriers wait on volatile loads."""
     heads, kvh = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     d = cfg.get("head_dim") or cfg["hidden_size"] // heads
     roles = ("qkv", "o_proj", "gate_up", "down", "qkv_norm", "gate_up_norm")
@@ -96,7 +96,7 @@ def persistent_decode(cfg: dict[str, Any], stacked: dict[str, torch.Tensor], x: 
     dims = (stacked["qkv"].shape[0], heads, kvh, d, cfg["intermediate_size"])
     eps = float(cfg.get("rms_norm_eps", 1e-6))
     return _launch(x, att["cos"], att["sin"], att["kv"], att["slots"], att["table"], req, att["pos"], weights, strides,
-                   scratch["counter"], dims, eps, (bn, bk, warps), programs, fused)  # fmt: skip
+                   scratch["counter"], dims, eps, (bn, bk, warps), programs, fused, poll)  # fmt: skip
 
 
 def decode_chain(cfg: dict[str, Any], probs: dict[str, Any], x: torch.Tensor, att: dict[str, Any]) -> torch.Tensor:
@@ -143,6 +143,11 @@ def attention_operands(cfg: dict[str, Any], rows: int, context: int, pps: int, g
 
 # (rows per program block, columns per tile, warps) of the persistent kernels.
 CONFIGS = ((8, 128, 4), (16, 256, 8), (32, 256, 8), (32, 512, 8))
+# The whole step's variants: a configuration, the combine fused into the attention stage, and
+# barriers polling with volatile loads (a compile each, per row count).
+DECODE_VARIANTS = (
+    (CONFIGS[0], True, False), (CONFIGS[1], True, False), (CONFIGS[1], True, True), (CONFIGS[1], False, False),
+)  # fmt: skip
 # Pages per attention group and contexts of the whole-step variant (with attention).
 DECODE_PPS = PAGES_PER_GROUP
 DECODE_CONTEXTS = (288, 4096)
@@ -218,14 +223,15 @@ def main() -> int:
         graph, want = captured(functools.partial(chain, cfg, probs, x0.clone(), 0))
         base_us = replay_ms(graph, args.reps) * 1e3
         entry: dict[str, Any] = {"per_kernel_us_per_layer": round(base_us / layers, 2)}
-        for bn, bk, warps in CONFIGS:
+        for (bn, bk, warps), poll in [*((c, False) for c in CONFIGS), (CONFIGS[1], True)]:
             scratch, x = _scratch(cfg, stacked, m), x0.clone()
             # Each replay starts from x0: the graph copies it in, then runs the step.
             run = functools.partial(
-                lambda x, x0, s, bn, bk, w: persistent_step(cfg, stacked, x.copy_(x0), s, sms, bn, bk, w),
-                x, x0, scratch, bn, bk, warps,
+                lambda x, x0, s, bn, bk, w, p: persistent_step(cfg, stacked, x.copy_(x0), s, sms, bn, bk, w, p),
+                x, x0, scratch, bn, bk, warps, poll,
             )  # fmt: skip
-            entry[f"bn{bn}_bk{bk}_w{warps}"] = _timed(run, want, base_us, layers, bound, args.reps, scratch, sms)
+            key = f"bn{bn}_bk{bk}_w{warps}" + ("_poll_load" if poll else "")
+            entry[key] = _timed(run, want, base_us, layers, bound, args.reps, scratch, sms)
         ok &= _good(entry)
         report["projections"][str(m)] = entry
         print("projections", m, json.dumps(entry), flush=True)
@@ -236,14 +242,14 @@ def main() -> int:
             graph, want = captured(lambda: decode_chain(cfg, probs, x0.clone(), att))  # noqa: B023
             base_us = replay_ms(graph, args.reps) * 1e3
             entry = {"per_kernel_us_per_layer": round(base_us / layers, 2), "pps": DECODE_PPS}
-            for (bn, bk, warps), fused in itertools.product(CONFIGS[:2], (True, False)):
+            for (bn, bk, warps), fused, poll in DECODE_VARIANTS:
                 scratch, x = _scratch(cfg, stacked, m), x0.clone()
                 run = functools.partial(
-                    lambda x, x0, a, s, bn, bk, w, f: persistent_decode(cfg, stacked, x.copy_(x0), a, s, sms, bn, bk,
-                                                                        w, f),
-                    x, x0, att, scratch, bn, bk, warps, fused,
+                    lambda x, x0, a, s, bn, bk, w, f, p: persistent_decode(cfg, stacked, x.copy_(x0), a, s, sms, bn,
+                                                                           bk, w, f, p),
+                    x, x0, att, scratch, bn, bk, warps, fused, poll,
                 )  # fmt: skip
-                key = f"bn{bn}_bk{bk}_w{warps}" + ("" if fused else "_combine_stage")
+                key = f"bn{bn}_bk{bk}_w{warps}" + ("" if fused else "_combine_stage") + ("_poll_load" if poll else "")
                 entry[key] = _timed(run, want, base_us, layers, bound, args.reps, scratch, sms)
                 entry[key]["arrivals_zero"] = not bool(scratch["counter"][2:].any().item())
             ok &= _good(entry)

@@ -51,6 +51,9 @@ COMBINE_GROUPS = 16
 # The last page group of a (row, KV head) to finish combines its heads (no combine stage and no
 # barrier before it: five barriers per layer instead of six).
 FUSED_COMBINE = True
+# How a program waits at a barrier (`persistent_triton.grid_barrier`): volatile loads, else
+# acquiring read-modify-writes (measured 1.79 us per projection link at SmolLM2's width, H100).
+POLL_LOAD = False
 # Spins at one barrier before a program gives up and sets the failure word (~1 s).
 SPIN_LIMIT = 1 << 20
 # The weight roles the kernel reads, in its argument order (the two norms share one stride).
@@ -120,10 +123,12 @@ def _launch(
     config: tuple[int, int, int] = CONFIG,
     programs: int | None = None,
     fused: bool | None = None,
+    poll_load: bool | None = None,
 ) -> torch.Tensor:
     """x [B, H] through every layer (a new tensor). weights: layer 0's qkv, o_proj, gate_up,
     down, input_norm, post_attention_norm; dims: layers, heads, KV heads, head dim, ffn;
-    `fused`: the combine inside the attention stage (`FUSED_COMBINE` by default)."""
+    `fused`: the combine inside the attention stage; `poll_load`: how barriers wait (defaults:
+    `FUSED_COMBINE`, `POLL_LOAD`)."""
     import triton
 
     from ignition.capture.persistent_triton import decode_layers_kernel
@@ -131,6 +136,7 @@ def _launch(
     layers, heads, kvh, d, ffn = dims
     b, h = x.shape
     fused = FUSED_COMBINE if fused is None else fused
+    poll_load = POLL_LOAD if poll_load is None else poll_load
     if counter.numel() < 2 + b * kvh:
         raise ValueError(f"the counter holds arrivals for {(counter.numel() - 2) // kvh} rows, not {b}")
     bn, bk, warps = config
@@ -162,7 +168,7 @@ def _launch(
         B=b, H=h, HEADS=heads, KVH=kvh, D=d, T=kv.shape[3], PPS=pps, S=splits,
         SP=max(2, triton.next_power_of_2(splits)), GP=max(16, triton.next_power_of_2(heads // kvh)), NQKV=nqkv,
         F=ffn, SCALE=d**-0.5, BN=bn, BK=bk, CB=COMBINE_GROUPS, P=p, LIMIT=SPIN_LIMIT, FUSED=fused,
-        num_warps=warps,
+        POLL_LOAD=poll_load, num_warps=warps,
     )  # fmt: skip
     return out
 

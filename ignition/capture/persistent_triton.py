@@ -16,18 +16,26 @@ from ignition.capture.attention_triton import _page_step, _query_rows, _write_to
 
 
 @triton.jit
-def grid_barrier(CNT, FAIL, P: tl.constexpr, LIMIT: tl.constexpr):
+def grid_barrier(CNT, FAIL, P: tl.constexpr, LIMIT: tl.constexpr, POLL_LOAD: tl.constexpr):
     """Waits until all P programs arrived. CNT is a 64-bit ticket counter that is never reset:
     an arrival takes ticket t and waits for the counter to reach (t // P + 1) * P. Every
     program arrives once at every barrier, so each barrier's arrivals end on a multiple of P and
     the next launch (a graph replay) needs no memset first. After LIMIT spins a program stops
-    waiting and sets FAIL (programs that are not all resident would otherwise wait forever)."""
+    waiting and sets FAIL (programs that are not all resident would otherwise wait forever).
+    The wait polls with acquiring read-modify-writes, which all programs' polls queue behind at
+    one L2 address; POLL_LOAD polls with volatile loads instead and acquires once after (an
+    acquiring RMW that reads the target or later reads from every arrival's release)."""
     tl.debug_barrier()  # every thread's stores issued before the arrival's release
     ticket = tl.atomic_add(CNT, 1, sem="acq_rel")
     target = (ticket // P + 1) * P
     spins = 0
-    while (tl.atomic_add(CNT, 0, sem="acquire") < target) & (spins < LIMIT):
-        spins += 1
+    if POLL_LOAD:
+        while (tl.load(CNT, volatile=True) < target) & (spins < LIMIT):
+            spins += 1
+        tl.atomic_add(CNT, 0, sem="acquire")
+    else:
+        while (tl.atomic_add(CNT, 0, sem="acquire") < target) & (spins < LIMIT):
+            spins += 1
     if spins >= LIMIT:
         tl.store(FAIL, 1)
 
@@ -192,27 +200,28 @@ def decode_layers_kernel(X, X2, QKV, GU, ATT, PM, PL, PACC, KV, PT, REQ, POS, SL
                          T: tl.constexpr, PPS: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, GP: tl.constexpr,
                          NQKV: tl.constexpr, F: tl.constexpr, SCALE: tl.constexpr, BN: tl.constexpr,
                          BK: tl.constexpr, CB: tl.constexpr, P: tl.constexpr, LIMIT: tl.constexpr,
-                         FUSED: tl.constexpr):  # fmt: skip
+                         FUSED: tl.constexpr, POLL_LOAD: tl.constexpr):  # fmt: skip
     """Every layer of a dense Llama decode step for B rows (each its own request): qkv (input
     norm), attention (K/V write, page groups), combine (inside the attention stage when FUSED),
     o_proj (residual), gate_up (post-attention norm), down (SiLU gate, residual), a grid barrier
-    after each. X [B, H] in and out; X2, QKV, GU, ATT and the partials are scratch. Layer l's
-    weights sit at layer 0's plus l times lq/lo/lg/ld elements (ln for the norms)."""
+    after each (`grid_barrier`, polling as POLL_LOAD says). X [B, H] in and out; X2, QKV, GU,
+    ATT and the partials are scratch. Layer l's weights sit at layer 0's plus l times
+    lq/lo/lg/ld elements (ln for the norms)."""
     HQ: tl.constexpr = HEADS * D
     for i in range(L):
         li = i + tl.zeros([], tl.int64)  # 64-bit offsets (a loop index is i32)
         projection_stage(X, H, WQKV + li * lq, NQ + li * ln, X, QKV, B, eps, NQKV, H, BN, BK, P, True, False, False)
-        grid_barrier(CNT, FAIL, P, LIMIT)
+        grid_barrier(CNT, FAIL, P, LIMIT, POLL_LOAD)
         attention_stage(QKV, KV, PT, REQ, POS, SLOT, COS, SIN, PM, PL, PACC, ARR, ATT, li, s_page, s_layer, s_sel,
                         s_tok, s_head, pt_stride, B, HEADS, KVH, D, T, PPS, S, GP, NQKV, SCALE, P, FUSED, SP,
                         CB)  # fmt: skip
-        grid_barrier(CNT, FAIL, P, LIMIT)
+        grid_barrier(CNT, FAIL, P, LIMIT, POLL_LOAD)
         if not FUSED:
             combine_stage(PM, PL, PACC, POS, ATT, B, HEADS, D, T, PPS, S, SP, CB, P)
-            grid_barrier(CNT, FAIL, P, LIMIT)
+            grid_barrier(CNT, FAIL, P, LIMIT, POLL_LOAD)
         projection_stage(ATT, HQ, WO + li * lo, NQ, X, X2, B, eps, H, HQ, BN, BK, P, False, False, True)
-        grid_barrier(CNT, FAIL, P, LIMIT)
+        grid_barrier(CNT, FAIL, P, LIMIT, POLL_LOAD)
         projection_stage(X2, H, WGU + li * lg, NP + li * ln, X2, GU, B, eps, 2 * F, H, BN, BK, P, True, False, False)
-        grid_barrier(CNT, FAIL, P, LIMIT)
+        grid_barrier(CNT, FAIL, P, LIMIT, POLL_LOAD)
         projection_stage(GU, 2 * F, WD + li * ld, NQ, X2, X, B, eps, H, F, BN, BK, P, False, True, True)
-        grid_barrier(CNT, FAIL, P, LIMIT)
+        grid_barrier(CNT, FAIL, P, LIMIT, POLL_LOAD)

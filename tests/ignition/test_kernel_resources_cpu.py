@@ -217,6 +217,6 @@ def test_decode_layers_kernel_does_not_spill(
     consts = {"B": rows, "H": hidden, "HEADS": heads, "KVH": kv_heads, "D": d, "T": 64, "PPS": 1, "S": splits}
     consts |= {"SP": splits, "GP": 16, "NQKV": (heads + 2 * kv_heads) * d, "F": ffn, "SCALE": d**-0.5}
     consts |= {"BN": bn, "BK": bk, "CB": persistent.COMBINE_GROUPS, "P": 132, "LIMIT": persistent.SPIN_LIMIT}
-    consts["FUSED"] = fused
+    consts |= {"FUSED": fused, "POLL_LOAD": fused}  # the two switches' kernels, each compiled once
     res = compile_sm90(persistent_triton.decode_layers_kernel, sig, consts, num_warps=warps)
     assert res["stack"] == 0, (name, rows, res)

@@ -81,10 +81,11 @@ alone = torch.cat([step(persistent, [r])[0] for r in range(3)])
 persistent_mod.COMBINE_GROUPS = 2
 chunked, _ = step(persistent, [0, 1, 2])
 report["combine_in_rounds_max_abs_err"] = (chunked - want).abs().max().item()
-# The combine as its own stage behind a barrier (six barriers per layer).
-persistent_mod.FUSED_COMBINE = False
+# The combine as its own stage behind a barrier (six barriers per layer), barriers polling with
+# loads.
+persistent_mod.FUSED_COMBINE, persistent_mod.POLL_LOAD = False, True
 unfused, _ = step(persistent, [0, 1, 2])
-persistent_mod.FUSED_COMBINE = True
+persistent_mod.FUSED_COMBINE, persistent_mod.POLL_LOAD = True, False
 report["combine_stage_max_abs_err"] = (unfused - want).abs().max().item()
 invariant = bool(torch.equal(alone, got))
 report |= {"max_abs_err": err, "kv_max_abs_err": kv_err, "rows_alone_equal_batched": invariant}
