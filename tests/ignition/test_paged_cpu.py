@@ -746,8 +746,9 @@ def test_decode_layers_op_matches_the_six_kernel_layers_under_the_interpreter() 
     """`flare::decode_layers` inside `PagedLlama.hidden` (one program): a decode step's hidden
     vectors and K/V writes equal the six-kernel layers' within float32 rounding, a padding lane
     writes nothing, each row alone equals the rows batched, the combine reading its groups in
-    rounds or as its own stage (barriers polling with loads) agrees, each stage alone over three programs matches torch (the
-    work split; the attention stage also combining by its last arrivals), the barrier counter
+    rounds or as its own stage (barriers polling with loads) agrees, each stage alone over three
+    programs matches torch (the work split; the attention stage also combining by its last
+    arrivals), the barrier counter
     advances by five arrivals per layer per step (six with the combine stage), every arrival
     count is back at zero, and geometries or layouts the kernel does not compute are refused."""
     report = _interpreted("decode_layers_interpreted.py", 120)
