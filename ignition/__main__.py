@@ -64,10 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     prepare.add_argument(
         "--decode-projections",
-        choices=["gemv", "gemm", "persistent"],
+        choices=["gemv", "gemm"],
         default="gemm",
-        help="decode projections as Inductor GEMM templates, as the tuned few-row kernel (flare::gemv), or every "
-        "decode layer as one persistent kernel (flare::decode_layers; dense recipes, no speculative programs)",
+        help="decode projections as Inductor GEMM templates or as the tuned few-row kernel (flare::gemv)",
     )
     prepare.add_argument(
         "--sampler",

@@ -197,9 +197,7 @@ class PrepareOptions:
     card: str = "auto"
     # Paged attention as the Triton kernels (False: gather + reduce, for comparisons).
     attention_kernel: bool = True
-    # Decode projections: "gemv" (`flare::gemv`, tuned here), "gemm" (Inductor's templates) or
-    # "persistent" (every decode layer in one kernel, `flare::decode_layers`; the vocabulary
-    # projection through `flare::gemv`; dense recipes; not yet measured inside a core).
+    # Decode projections: "gemv" (`flare::gemv`, tuned here) or "gemm" (Inductor's templates).
     # GEMM stays the default until a whole core with gemv has been qualified on the device.
     decode_projections: str = "gemm"
     # Hybrid recipes' Gated DeltaNet prefill: "scan" (token by token) or "chunked" (matrix
@@ -230,13 +228,8 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
     o = options or PrepareOptions()
     compile_graphs, check, core_replay = o.compile_graphs, o.check, o.core_replay
     served_name, reference_prompts, dump_io = o.served_name, o.reference_prompts, o.dump_io
-    if o.decode_projections not in ("gemv", "gemm", "persistent"):
-        raise CapacityError("--decode-projections", f"{o.decode_projections!r} is none of gemv, gemm, persistent")
-    if o.decode_projections == "persistent" and o.speculative_depth:
-        raise CapacityError(
-            "--decode-projections",
-            "persistent decode layers serve no speculative programs yet (their lanes must compute what decode does)",
-        )
+    if o.decode_projections not in ("gemv", "gemm"):
+        raise CapacityError("--decode-projections", f"{o.decode_projections!r} is neither gemv nor gemm")
     if o.sampler not in ("kernel", "torch"):
         raise CapacityError("--sampler", f"{o.sampler!r} is neither kernel nor torch")
     if o.gdn_prefill not in ("scan", "chunked"):
@@ -276,7 +269,6 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
         card = recipe.sampling_card(config, o.card)
         note(f"{config.architecture} ({recipe.name} recipe): {len(ckpt.tensors)} tensors, {mapping.summary()}")
         plan = recipe.plan_program(config, tuple(eos), caps)
-        plan.check_options(o)
         caps = plan.capacities  # the recipe may size its snapshot rows to its row bytes
         note(f"capacities {caps}")
         device = check_device()
@@ -328,20 +320,19 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
             rec.prepare()
             note(f"arena at {rec.report['arena']['base']} ({rec.arena.mapped / 2**30:.2f} GiB mapped)")
         gemv = bool(rec.program.model.gemv)
-        persistent = rec.program.model.decode_layers is not None
-        report["decode_projections"] = "persistent" if persistent else "gemv" if gemv else "gemm"
+        report["decode_projections"] = "gemv" if gemv else "gemm"
         report["gdn_prefill"] = o.gdn_prefill
         report["sampler"] = "kernel" if rec.program.model.sampler.op is not None else "torch"
         if o.sampler == "kernel" and rec.program.model.sampler.op is None:
             note("sampling as torch ops: the fused sampler needs the kernels' device")
-        if o.decode_projections in ("gemv", "persistent") and not gemv:
+        if o.decode_projections == "gemv" and not gemv:
             note("decode projections as GEMM templates: a bucket exceeds the few-row kernel or attention is gathered")
         if gemv:
             stage = "tune"
             with phase("tune the few-row projections"):
                 lanes = max((b * (d + 1) for b, d in caps.speculative), default=0)
                 report["gemv"] = _tune_projections(rec, caps.decode_buckets, lanes)
-        if rec.program.model.write_attend is not None and not persistent:  # its decode splits its own way
+        if rec.program.model.write_attend is not None:
             stage = "tune"
             with phase("tune the decode attention split"):
                 report["attention_split"] = _tune_attention(rec, caps.decode_buckets)
@@ -358,7 +349,6 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
             unlisted = rec.report["memory_map"]["unlisted"]
             if unlisted:
                 note(f"WARNING: {len(unlisted)} arena segments torch does not list, kept as scratch: {unlisted[:4]}")
-        _barriers_held(rec)
         stage = "export"
         with phase(f"export the core to {out}"):
             if out.exists():
@@ -377,7 +367,6 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
         if check:
             stage = "check"
             _check(rec, model, out, work, core_replay, report, reference_prompts, dump_io)
-            _barriers_held(rec)
     except Exception as e:
         report["failed_stage"] = stage
         report["error"] = f"{type(e).__name__}: {e}"
@@ -437,10 +426,11 @@ def _cache_entries(info: Any) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def _timing_lock() -> Iterator[None]:
+def _timing_lock(timings: dict[str, float]) -> Iterator[None]:
     """Holds the file lock named by `IGNITION_TIMING_LOCK` (if set) while tuning: the
     qualification harness runs one model's prepare beside another's measurements, and a
-    tile chosen under a neighbour's load is the wrong tile."""
+    tile chosen under a neighbour's load is the wrong tile. The wait adds to
+    `timings["timing_lock_wait_s"]` (preparation time spent on the neighbour, not on this core)."""
     path = os.environ.get("IGNITION_TIMING_LOCK")
     if not path:
         yield
@@ -450,7 +440,9 @@ def _timing_lock() -> Iterator[None]:
     with open(path, "a") as lock:
         t0 = time.time()
         fcntl.flock(lock, fcntl.LOCK_EX)
-        note(f"timing lock {path} held after {time.time() - t0:.1f} s")
+        waited = time.time() - t0
+        timings["timing_lock_wait_s"] = round(timings.get("timing_lock_wait_s", 0.0) + waited, 3)
+        note(f"timing lock {path} held after {waited:.1f} s")
         try:
             yield
         finally:
@@ -476,7 +468,7 @@ def _tune_projections(rec: Any, buckets: list[int], lanes: int) -> dict[str, Any
         f"by {pre['workers']} processes ({pre['failed']} failed{error})"
     )
     rec.report["gemv_precompile"] = pre
-    with _timing_lock():
+    with _timing_lock(rec.timings):
         out = tune(problems, buckets, invariant_rows=lanes)
         torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -484,15 +476,6 @@ def _tune_projections(rec: Any, buckets: list[int], lanes: int) -> dict[str, Any
     for name, r in out.items():
         note(f"gemv {name} {r['shape']}: {r['config']}, {r['weight_gb_per_s']} GB/s at {r['rows']} row(s)")
     return out
-
-
-def _barriers_held(rec: Any) -> None:
-    """Raises `DeviceError` if a `flare::decode_layers` launch so far had a grid barrier give up
-    (its programs were not all resident, so its results are wrong): the failure word beside the
-    barrier's counter, which the core would otherwise carry as it is."""
-    counter = rec.program.model.counter
-    if counter is not None and int(counter[1].item()) != 0:
-        raise DeviceError("flare::decode_layers: a grid barrier gave up waiting (not every program was resident)")
 
 
 def _tune_attention(rec: Any, buckets: list[int]) -> dict[str, Any]:
@@ -503,7 +486,7 @@ def _tune_attention(rec: Any, buckets: list[int]) -> dict[str, Any]:
     model = rec.program.model
     g = model.geo
     t0 = time.time()
-    with _timing_lock():
+    with _timing_lock(rec.timings):
         out = attention_tune.tune(
             g.heads, g.kv_heads, g.head_dim, g.page_tokens, g.pages_per_request, g.kv_layers, buckets,
             model.rope_in_attention,

@@ -5,8 +5,7 @@ read once per ~64 query rows) against the per-token kernel it replaces for prefi
 over every layer, as a prefill graph runs it), with the relative error against each other.
 
 Then decode (issue 19): pages per attention program (`pps`, `attention.PAGES_PER_SPLIT` today)
-at 1, 2, 4, 8 and 16, each also with the next page's K/V loaded ahead (`attention.PAGES_AHEAD`,
-head dim 64), for 1 and 4 requests at 256, 1,024 and 4,096 tokens over 72-page tables
+at 1, 2, 4, 8 and 16, for 1 and 4 requests at 256, 1,024 and 4,096 tokens over 72-page tables
 (a 4,608-token context limit), each token's K/V written inside the attention as decode graphs
 do; all layers as one graph, with the relative error against the current setting. (SmolLM2's
 decode step took 88 us longer at 288 tokens of context than at a few: ~3 us per attention layer,
@@ -84,19 +83,14 @@ def decode(name: str, layers: int, h: int, kvh: int, d: int, rope: bool, rows: i
     def timed(pps: int) -> tuple[float, torch.Tensor]:
         return attention_tune.time_decode(h, kvh, d, 64, WIDTH, layers, rows, context, pps, rope)
 
-    was = attention.PAGES_AHEAD
-    attention.PAGES_AHEAD = False
     want = timed(attention.PAGES_PER_SPLIT)[1].float()
     case: dict[str, Any] = {"geometry": name, "layers": layers, "rows": rows, "context": context, "pps": {}}
-    for ahead in (False, True) if d <= 64 else (False,):
-        attention.PAGES_AHEAD = ahead
-        for pps in PPS:
-            ms, got = timed(pps)
-            case["pps"][f"{pps}{'+ahead' if ahead else ''}"] = {
-                "us_per_layer": round(ms * 1e3 / layers, 2),
-                "rel_l2": float((got.float() - want).norm() / want.norm()),
-            }
-    attention.PAGES_AHEAD = was
+    for pps in PPS:
+        ms, got = timed(pps)
+        case["pps"][str(pps)] = {
+            "us_per_layer": round(ms * 1e3 / layers, 2),
+            "rel_l2": float((got.float() - want).norm() / want.norm()),
+        }
     case["fastest"] = min(case["pps"], key=lambda key: case["pps"][key]["us_per_layer"])
     return case
 

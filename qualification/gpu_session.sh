@@ -38,7 +38,6 @@
 #   prefetch-probe                       issue 19: gemv chains with the next layer's weights read into L2 on a graph branch
 #   persistent-probe                     issue 19: a projection chain as one persistent kernel against a kernel per link
 #   persistent-layer-probe               issue 19: a decode step as one persistent kernel (projections; then with attention)
-#   r1b-persistent, smolr-persistent     issue 19 (carry .dev/b2): a core with --decode-projections persistent, measured (bg)
 #   r1b-spec     (carry .dev/b2)         issue 21: the ~1B with speculative programs, checks, copy/decode benches (bg)
 #   r1b-spec-bw  (carry .dev/b2)         issues 19 + 21: one ~1B prepare (gemv, fused sampler, speculative programs): the
 #                                        breakdown, floor and bench at depth 0, then the copy/decode benches (bg)
@@ -107,7 +106,7 @@ random_model() {  # CONFIG DIR: seeded random weights at qualification/configs/C
     --tokenizer-from tests/fixtures/frontend/smollm2 > "$OUT/random.log" 2>&1
 }
 
-prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|gemv|persistent, GDN_PREFILL=scan|chunked, PREFILL_CHUNK (256),
+prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|gemv, GDN_PREFILL=scan|chunked, PREFILL_CHUNK (256),
            # SAMPLER=torch (default)|kernel, TEMPLATE_FUSION=benchmark (default)|heuristic, NO_CHECK=1 skips the checks
   local tag=${5:+_$5}
   # One prepare at a time: two side by side (2026-12-05, 16 cores) each ran 2.5x slower in tuning
@@ -300,13 +299,6 @@ case "$STAGE" in
     bw_measure /tmp/r1b /tmp/r1bcore gemv
     DECODE_PROJECTIONS=gemm NO_CHECK=1 prepare /tmp/r1b /tmp/r1bcore_gemm llama-1b-random 540 gemm
     bw_measure /tmp/r1b /tmp/r1bcore_gemm gemm ;;
-  r1b-persistent|smolr-persistent)  # issue 19 (bg, carry .dev/b2; after persistent-layer-probe says it pays): the ~1B
-                   # (or SmolLM2's geometry, random weights) with every decode layer as one persistent kernel
-                   # (flare::decode_layers) and flare::sample, every check; kernel breakdown, Python floor, flare run bench
-    case "$STAGE" in r1b-*) m=llama_1b_random; name=llama-1b-random ;; *) m=smollm2_135m_random; name=smollm2-random ;; esac
-    random_model $m /tmp/$m
-    DECODE_PROJECTIONS=persistent SAMPLER=${SAMPLER:-kernel} prepare /tmp/$m /tmp/${m}_persistent $name "${PREPARE_TIMEOUT:-900}" persistent
-    bw_measure /tmp/$m /tmp/${m}_persistent persistent ;;
   tiers)  # issue 20 (bg; carry .dev/b3: core_workload.xz and tier_restore.xz)
     random_model llama_1b_random /tmp/r1b
     # The config says 8,192 positions; the random weights serve 33K as well (RoPE, no training).

@@ -1,15 +1,17 @@
-"""GPU machine, issue 19: a decode step as one persistent kernel (`flare::decode_layers`, see
-`ignition.capture.persistent`), at a model's real geometry, before any core carries it.
-`persistent_probe.py` measured a square chain: a grid barrier cost ~0.6 us less than a kernel
-boundary per link at SmolLM2's width and ~1.4 us less at the ~1B's (H100, 2026-12-06).
+"""GPU machine, issue 19: a decode step as one persistent kernel (`persistent_kernels`) at a
+model's real geometry, against the decode graphs' kernels. `persistent_probe.py` measured a
+square chain: a grid barrier cost ~0.6 us less than a kernel boundary per link at SmolLM2's
+width and ~1.4 us less at the ~1B's (H100, 2026-12-06). This probe measured the whole step
+slower at every configuration (H100, 2026-12-06, session 22), so no core carries the kernel.
 - First every layer's four projections as `pdl_probe.layer` runs them (qkv with its RMSNorm,
   o_proj over the query part with the residual, gate_up with its RMSNorm, down with the SiLU gate
   and the residual; random bf16 weights, no attention), as tuned `flare::gemv` kernels and as one
-  kernel of the op's projection stages with a grid barrier after each (`_step_kernel`).
-- Then the whole decode step, attention included, as the op launches it (qkv, the token's K/V
-  write and the page groups as work items, the combine, o_proj, gate_up, down; six barriers per
-  layer), against the six kernels per layer the decode graphs run (`flare::gemv` and
-  `flare::write_attend`'s decode launch), at 288 and 4,096 tokens over 72-page tables.
+  kernel of the projection stages with a grid barrier after each (`_step_kernel`).
+- Then the whole decode step, attention included (qkv, the token's K/V write and the page
+  groups as work items, the combine, o_proj, gate_up, down), against the six kernels per layer
+  the decode graphs run (`flare::gemv` and `flare::write_attend`'s decode launch), at 288 and
+  4,096 tokens over 72-page tables; the combine as its own stage or done by each (row, KV
+  head)'s last page group, barriers polling with RMWs or with loads (`DECODE_VARIANTS`).
 One program per SM; the barrier's 64-bit ticket counter is never reset, so the graphs hold no
 memset. Reports per row count both graphs' time per layer and the relative error between them.
 
@@ -37,11 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gemv_check import problems  # siblings: the script directory is on the path
 from hbm import peak_gbps
 from pdl_probe import captured, chain, replay_ms
+from persistent_kernels import PAGES_PER_GROUP, SPIN_LIMIT, grid_barrier, projection_stage
+from persistent_kernels import launch as persistent_launch
 
 from ignition.capture.attention import _launch_attention
 from ignition.capture.gemv import CANDIDATES, launch, precompile, tune
-from ignition.capture.persistent import PAGES_PER_GROUP, SPIN_LIMIT, _launch
-from ignition.capture.persistent_triton import grid_barrier, projection_stage
 
 
 @triton.jit
@@ -95,8 +97,9 @@ def persistent_decode(cfg: dict[str, Any], stacked: dict[str, torch.Tensor], x: 
     req = torch.arange(x.shape[0], dtype=torch.int32, device=x.device)
     dims = (stacked["qkv"].shape[0], heads, kvh, d, cfg["intermediate_size"])
     eps = float(cfg.get("rms_norm_eps", 1e-6))
-    return _launch(x, att["cos"], att["sin"], att["kv"], att["slots"], att["table"], req, att["pos"], weights, strides,
-                   scratch["counter"], dims, eps, (bn, bk, warps), programs, fused, poll)  # fmt: skip
+    return persistent_launch(x, att["cos"], att["sin"], att["kv"], att["slots"], att["table"], req, att["pos"],
+                             weights, strides, scratch["counter"], dims, eps, (bn, bk, warps), programs, fused,
+                             poll)  # fmt: skip
 
 
 def decode_chain(cfg: dict[str, Any], probs: dict[str, Any], x: torch.Tensor, att: dict[str, Any]) -> torch.Tensor:

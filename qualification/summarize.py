@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -136,7 +137,7 @@ def prepare_section(report: Any) -> dict[str, Any]:
     if report is None:
         return {}
     t = report.get("timings", {})
-    timers = ("compile_s", "prepare_total_s", "gemv_tune_s", "attention_tune_s")
+    timers = ("compile_s", "prepare_total_s", "gemv_tune_s", "attention_tune_s", "timing_lock_wait_s")
     out: dict[str, Any] = {k: t[k] for k in timers if k in t}
     peak = report.get("peak_memory", {})
     if "torch_max_reserved_bytes" in peak:
@@ -328,6 +329,11 @@ def summarize(raw: Path, tags: str | Sequence[str] | None) -> dict[str, Any]:
                 )
                 entry["lifecycle"][key] = {k: run[k] for k in more if k in run}
     prep = prepare_section(load(paths["prepare_report.json"]))
+    log = find(raw, "prepare.log", tags)
+    if prep and "timing_lock_wait_s" not in prep and log is not None:  # reports before the field
+        waits = re.findall(r"timing lock \S+ held after ([0-9.]+) s", log.read_text(errors="replace"))
+        prep["timing_lock_wait_s"] = round(sum(float(w) for w in waits), 1)
+        entry["sources"].append(_rel(log))
     if prep:
         entry["prepare"] = prep
     kern = kernels_section(breakdown)

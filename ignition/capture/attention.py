@@ -93,11 +93,6 @@ TOKENS = ("decode", "prefill", "lanes")
 # separate write kernel / the per-token prefill kernel for every core prepared afterwards.
 FUSED_DECODE_WRITE = True
 PREFILL_BLOCKS = True
-# Whether an attention program loads each page's K/V while folding in the page before it. It
-# holds two pages at once: on sm_90 at head dim 64 that fits 8 warps (209 registers; 4 spill),
-# and at 256 it spills kilobytes, so never there. Same arithmetic in the same order (bitwise
-# under Triton's interpreter). Off until the device measures it (`attention_check.py`).
-PAGES_AHEAD = False
 
 
 def pages_per_split(tokens: int, pages: int) -> int:
@@ -224,7 +219,6 @@ def _launch_attention(
         part_m = torch.empty((n, splits, h), dtype=torch.float32, device=q.device)
         part_l = torch.empty((n, splits, h), dtype=torch.float32, device=q.device)
     st = kv.stride()
-    ahead = PAGES_AHEAD and d <= 64
     _kernel()[(n, kvh, splits)](
         q,
         c,
@@ -264,8 +258,7 @@ def _launch_attention(
         PPSP=max(2, 1 << (pps - 1).bit_length()),
         ROPE=rope,
         WRITE=write is not None,
-        AHEAD=ahead,
-        num_warps=8 if ahead else 4,
+        num_warps=4,
     )
     if splits > 1:
         _combine_kernel()[(n, h)](

@@ -45,16 +45,6 @@ def _page_step(q, kp, s_sel, first, ti, pos, last_pos, m, lsum, acc, SCALE: tl.c
 
 
 @triton.jit
-def _page_load(kp, s_sel, first, ti, last_pos, rows):
-    """`_page_step`'s loads, in the page's first `rows` rows (0: none, for a page past the
-    group's last)."""
-    live = (ti < rows)[:, None]
-    k = tl.load(kp, mask=live, other=0.0)
-    v = tl.load(kp + s_sel, mask=live & ((first + ti) <= last_pos)[:, None], other=0.0)
-    return k, v
-
-
-@triton.jit
 def _page_fold(q, k, v, first, ti, pos, m, lsum, acc, SCALE: tl.constexpr):
     """`_page_step`'s arithmetic on a loaded page."""
     s = tl.dot(q, tl.trans(k)) * SCALE
@@ -126,7 +116,6 @@ def paged_attention_kernel(
     PPSP: tl.constexpr,
     ROPE: tl.constexpr,
     WRITE: tl.constexpr,
-    AHEAD: tl.constexpr,
 ):
     """One (token, KV head, page group): the group's unnormalized softmax state (m, l, acc);
     with a single group, the normalized output itself (into OUT). `ROPE`: q is rotated here
@@ -159,29 +148,16 @@ def paged_attention_kernel(
     base = KV + layer * s_layer + kh * s_head
     first = sp.to(tl.int64) * PPS
     last = tl.minimum(first + PPS, pos // T + 1)
-    # The group's page ids in one load (a page's K/V load no longer waits for its id's), and
-    # with `AHEAD` each page's K/V loaded while the page before it is folded in (on an H100 a
-    # decode program walking 4 pages took ~3 us more than one walking 1, 2026-12-06). The same
-    # arithmetic in the same order either way.
+    # The group's page ids in one load (a page's K/V load no longer waits for its id's).
+    # Loading each page's K/V while folding in the one before measured no faster on an H100
+    # (2026-12-06, sessions 21 and 22) and was removed.
     gi_ = tl.arange(0, PPSP)
     ids = tl.load(PT + r * pt_stride + first + gi_, mask=(first + gi_) < last, other=0).to(tl.int64)
     ids = tl.maximum(ids, 0)
-    if AHEAD:
-        page = tl.sum(tl.where(gi_ == 0, ids, 0), 0)
-        tile = ti[:, None] * s_tok + di[None, :]
-        k, v = _page_load(base + page * s_page + tile, s_sel, first * T, ti, pos, tl.where(first < last, T, 0))
-        for j in range(first, last):
-            nxt = j + 1
-            page = tl.sum(tl.where(gi_ == nxt - first, ids, 0), 0)
-            rows = tl.where(nxt < last, T, 0)
-            k_next, v_next = _page_load(base + page * s_page + tile, s_sel, nxt * T, ti, pos, rows)
-            m, lsum, acc = _page_fold(q, k, v, j * T, ti, pos, m, lsum, acc, SCALE)
-            k, v = k_next, v_next
-    else:
-        for j in range(first, last):
-            page = tl.sum(tl.where(gi_ == j - first, ids, 0), 0)
-            kp = base + page * s_page + ti[:, None] * s_tok + di[None, :]
-            m, lsum, acc = _page_step(q, kp, s_sel, j * T, ti, pos, pos, m, lsum, acc, SCALE)
+    for j in range(first, last):
+        page = tl.sum(tl.where(gi_ == j - first, ids, 0), 0)
+        kp = base + page * s_page + ti[:, None] * s_tok + di[None, :]
+        m, lsum, acc = _page_step(q, kp, s_sel, j * T, ti, pos, pos, m, lsum, acc, SCALE)
     if SPLITS == 1:
         # Page 0 is always walked, so lsum > 0.
         out = acc / lsum[:, None]

@@ -439,10 +439,6 @@ def build_model(
     decode projections through `flare::gemv` when asked and every bucket fits it; sampling
     through `flare::sample` when asked."""
     kernels = bool(options is not None and options.attention_kernel)
-    if options is not None and options.decode_projections == "persistent":
-        from ignition.capture.persistent import PersistentError, refusal
-
-        raise PersistentError(f"flare::decode_layers: {refusal(geo)}")
     gemv = kernels and options.decode_projections == "gemv" and largest_bucket <= GEMV_MAX_ROWS
     sampler = kernels and options.sampler == "kernel"
     gdn.PREFILL_CHUNK = GDN_PREFILL_CHUNK if kernels and options.gdn_prefill == "chunked" else None

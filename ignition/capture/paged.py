@@ -40,7 +40,6 @@ import torch.nn.functional as F
 
 from ignition.capture.attention import attend_gather, rotate, write_attend_op
 from ignition.capture.gemv import Problem, Projections, Variant
-from ignition.capture.persistent import ROLES
 from ignition.capture.sampling import M32, Sampler
 from ignition.core.stepping import FLAG_EOS, FLAG_GRAMMAR_EXHAUSTED, FLAG_SAMPLED
 
@@ -232,13 +231,10 @@ class PagedLlama:
         attention_kernel: bool,
         gemv: bool = False,
         sampler_kernel: bool = False,
-        persistent: bool = False,
     ) -> None:
         """`gemv`: decode projections and the sampled rows' vocabulary projection through
         `flare::gemv` (needs the attention kernels' device; the caller checks the buckets fit
-        `GEMV_MAX_ROWS`). `sampler_kernel`: sampling through `flare::sample` (same device).
-        `persistent`: decode steps run every layer as one kernel (`flare::decode_layers`; raises
-        `PersistentError` for a geometry or weight layout it does not compute)."""
+        `GEMV_MAX_ROWS`). `sampler_kernel`: sampling through `flare::sample` (same device)."""
         self.geo = geo
         self.w = weights
         self.inv_freq = inv_freq
@@ -250,31 +246,11 @@ class PagedLlama:
         self.gemv = gemv and attention_kernel
         self.proj = Projections(self.gemv)
         self.sampler = Sampler(sampler_kernel and attention_kernel)
-        # `flare::decode_layers` with its layer strides and barrier counter (in the pool the
-        # caller builds the model under: the state pool when preparing), or None.
-        self.decode_layers: Any = None
-        self.layer_strides: tuple[int, ...] = ()
-        self.counter: torch.Tensor | None = None
-        if persistent:
-            self._persistent_setup()
-
-    def _persistent_setup(self) -> None:
-        from ignition.capture.persistent import PersistentError, decode_layers_op, layer_strides, new_counter, refusal
-
-        g = self.geo
-        why = "it runs with the attention kernels" if not self.kernel else refusal(g)
-        if why:
-            raise PersistentError(f"flare::decode_layers: {why}")
-        self.layer_strides = layer_strides(self.w, g.layers)
-        self.counter = new_counter(self.w["layers.0.qkv"].device, GEMV_MAX_ROWS, g.kv_heads)
-        self.decode_layers = decode_layers_op()
 
     def projection_problems(self) -> list[Problem]:
         """Each projection role with its per-layer weights, for `gemv.tune` (before capture)."""
         g, w = self.geo, self.w
         layers = range(g.layers)
-        if self.decode_layers is not None:  # the layers' projections run inside that op
-            return [Problem("lm_head", [self.head()], Variant())]
 
         def each(name: str) -> list[torch.Tensor]:
             return [w[f"layers.{i}.{name}"] for i in layers]
@@ -354,12 +330,6 @@ class PagedLlama:
         hq, hk = g.heads * g.head_dim, g.kv_heads * g.head_dim
         scale = g.head_dim**-0.5
         tokens = attention_tokens(length, lanes, few_rows)
-        if self.decode_layers is not None and tokens == "decode":
-            x = self.decode_layers(
-                x, cos, sin, kv, slots, tables, req, pos, [w[f"layers.0.{r}"] for r in ROLES],
-                list(self.layer_strides), self.counter, [g.layers, g.heads, g.kv_heads, g.head_dim, g.ffn], g.eps,
-            )  # fmt: skip
-            return proj.norm(x, w["final_norm"], g.eps, few_rows=few_rows)
         for i in range(g.layers):
             p = f"layers.{i}."
             qkv = proj(

@@ -383,16 +383,6 @@ class ProgramPlan:
     def geometry(self) -> dict[str, Any]:
         return self.geo.as_dict()
 
-    def check_options(self, options: Any) -> None:
-        """Raises the typed error for options this geometry cannot be prepared with, before any
-        weight is streamed (`PersistentError` for `--decode-projections persistent`)."""
-        if getattr(options, "decode_projections", None) == "persistent":
-            from ignition.capture.persistent import PersistentError, refusal
-
-            why = refusal(self.geo)
-            if why:
-                raise PersistentError(f"flare::decode_layers: {why}")
-
     def state_bytes(self) -> int:
         return self.geo.state_bytes()
 

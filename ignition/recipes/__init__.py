@@ -56,11 +56,6 @@ class ProgramPlan(Protocol):
         """Upper bound of one graph's private pool (temporaries of the largest capture)."""
         ...
 
-    def check_options(self, options: Any) -> None:
-        """Raises the typed error for `PrepareOptions` this program cannot be prepared with;
-        needs no weight (preparation calls it before streaming them)."""
-        ...
-
     def build(self, weights: dict[str, Any], device: Any, options: Any) -> Any:
         """The `ignition.capture.program.Program` over `weights` (execution layout, on `device`);
         `options` is the `PrepareOptions` (attention kernel, decode projections)."""

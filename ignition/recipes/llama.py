@@ -223,11 +223,10 @@ def _paged_llama(
     from ignition.capture.paged import GEMV_MAX_ROWS, PagedLlama, rope_parameters
 
     fits = options.attention_kernel and largest_bucket <= GEMV_MAX_ROWS
-    gemv = options.decode_projections in ("gemv", "persistent") and fits
+    gemv = options.decode_projections == "gemv" and fits
     sampler = options.sampler == "kernel"
     inv, scaling = rope_parameters(config.raw, device)
-    persistent = options.decode_projections == "persistent" and fits
-    return PagedLlama(geo, weights, inv.to(device), scaling, options.attention_kernel, gemv, sampler, persistent)
+    return PagedLlama(geo, weights, inv.to(device), scaling, options.attention_kernel, gemv, sampler)
 
 
 class LlamaRecipe:

@@ -139,21 +139,19 @@ pub fn device_identity(ordinal: i32) -> Result<Option<String>, CudaError> {
     Ok(Some(format!("{name} sm_{major}{minor} driver {driver}")))
 }
 
-/// The device's compute capability and SM count, which a core's kernels depend on.
-fn device_traits(device: cu::CUdevice) -> Result<((u32, u32), u32), CudaError> {
+/// The device's compute capability, which a core's kernel images are built for.
+fn compute_capability(device: cu::CUdevice) -> Result<(u32, u32), CudaError> {
     use cu::CUdevice_attribute::{
-        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJOR,
-        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR as MINOR, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS,
+        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJOR, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR as MINOR,
     };
-    let (mut major, mut minor, mut sms) = (0, 0, 0);
+    let (mut major, mut minor) = (0, 0);
     // SAFETY: out-pointers to live locals; the device handle is valid.
     unsafe {
         check("cuDeviceGetAttribute", cu::cuDeviceGetAttribute(&mut major, MAJOR, device))?;
         check("cuDeviceGetAttribute", cu::cuDeviceGetAttribute(&mut minor, MINOR, device))?;
-        check("cuDeviceGetAttribute", cu::cuDeviceGetAttribute(&mut sms, SMS, device))?;
     }
     let nonneg = |v: i32| u32::try_from(v).unwrap_or(0);
-    Ok(((nonneg(major), nonneg(minor)), nonneg(sms)))
+    Ok((nonneg(major), nonneg(minor)))
 }
 
 /// How to load.
@@ -480,8 +478,7 @@ impl DeviceCore {
         unsafe {
             check("cuDeviceGet", cu::cuDeviceGet(&mut device, options.device_ordinal))?;
         }
-        let (capability, sms) = device_traits(device)?;
-        manifest.identity.device.check_serving_device(capability, sms)?;
+        manifest.identity.device.check_serving_device(compute_capability(device)?)?;
         // SAFETY: out-pointers to live locals; the device handle is valid.
         unsafe {
             check("cuDevicePrimaryCtxRetain", cu::cuDevicePrimaryCtxRetain(&mut context, device))?;

@@ -1,18 +1,31 @@
-"""The Triton kernels behind `flare::decode_layers` (see `ignition.capture.persistent`): every
-layer of a dense decode step as one kernel whose programs stay resident and meet at grid barriers
-between stages, instead of six kernels per layer.
+"""Issue 19's persistent decode kernels, as `persistent_layer_probe.py` measured them: every
+layer of a dense decode step as one kernel whose programs stay resident and meet at grid
+barriers between stages (qkv, attention, combine, o_proj, gate_up, down), instead of six
+kernels per layer.
 
-Kept in its own module, imported only when a kernel launches: Triton resolves the helper
-functions a kernel calls through the module's globals, and CPU runs never need Triton.
+Measured on the H100 (2026-12-06, `qualification/device_2026-12-06_s22.md`), this lost to the
+decode graphs' tuned kernels at every configuration: 1.15 to 7.6 times their time per layer at
+the best tile, so it never became a preparation option. Kept here, with the probe, so the
+result can be measured again (a different projection stage, another device).
+
+Contract: one program per SM, all resident (a barrier gives up after LIMIT spins and sets the
+failure word); the barrier's 64-bit ticket counter (word 0 of `counter`) is never reset; words
+2.. count arrivals per (row, KV head) for the fused combine and are zero between launches; a
+row's arithmetic does not depend on the rows beside it; layer l's weights of each role sit at
+layer 0's plus l times one stride.
 """
 
 # mypy: disable-error-code="no-untyped-def"
 # Triton reads a kernel's parameter annotations to specialize it (tl.constexpr, dtype names), so
 # the pointer and stride parameters stay unannotated: the one exemption from typing.
+from collections.abc import Sequence
+
+import torch
 import triton
 import triton.language as tl
 
 from ignition.capture.attention_triton import _page_step, _query_rows, _write_token
+from ignition.capture.attention_tune import MAX_SPLITS
 
 
 @triton.jit
@@ -225,3 +238,69 @@ def decode_layers_kernel(X, X2, QKV, GU, ATT, PM, PL, PACC, KV, PT, REQ, POS, SL
         grid_barrier(CNT, FAIL, P, LIMIT, POLL_LOAD)
         projection_stage(GU, 2 * F, WD + li * ld, NQ, X2, X, B, eps, H, F, BN, BK, P, False, True, True)
         grid_barrier(CNT, FAIL, P, LIMIT, POLL_LOAD)
+
+
+# Pages per attention group (more where a table would make over `MAX_SPLITS` groups) and groups
+# the combine reads at once.
+PAGES_PER_GROUP = 1
+COMBINE_GROUPS = 16
+# Spins at one barrier before a program gives up and sets the failure word (~1 s).
+SPIN_LIMIT = 1 << 20
+
+
+def launch(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv: torch.Tensor,
+    slots: torch.Tensor,
+    pages: torch.Tensor,
+    req: torch.Tensor,
+    pos: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    strides: Sequence[int],
+    counter: torch.Tensor,
+    dims: Sequence[int],
+    eps: float,
+    config: tuple[int, int, int],
+    programs: int,
+    fused: bool,
+    poll_load: bool,
+) -> torch.Tensor:
+    """x [B, H] through every layer (a new tensor). weights: layer 0's qkv, o_proj, gate_up,
+    down, input_norm, post_attention_norm; strides: elements from layer 0's to layer 1's for
+    the first five (the norms share one); dims: layers, heads, KV heads, head dim, ffn;
+    config: rows per weight tile, columns per tile, warps; `fused`: the combine inside the
+    attention stage; `poll_load`: barriers wait on volatile loads."""
+    layers, heads, kvh, d, ffn = dims
+    b, h = x.shape
+    if counter.numel() < 2 + b * kvh:
+        raise ValueError(f"the counter holds arrivals for {(counter.numel() - 2) // kvh} rows, not {b}")
+    bn, bk, warps = config
+    pps = max(PAGES_PER_GROUP, -(-pages.shape[1] // MAX_SPLITS))
+    splits = -(-pages.shape[1] // pps)
+    nqkv = weights[0].shape[0]
+    dev, dt = x.device, x.dtype
+    out = x.clone()
+    x2 = torch.empty(b, h, dtype=dt, device=dev)
+    qkv = torch.empty(b, nqkv, dtype=dt, device=dev)
+    gu = torch.empty(b, 2 * ffn, dtype=dt, device=dev)
+    att = torch.empty(b, heads * d, dtype=dt, device=dev)
+    pm = torch.empty(b, splits, heads, dtype=torch.float32, device=dev)
+    pl = torch.empty(b, splits, heads, dtype=torch.float32, device=dev)
+    pacc = torch.empty(b, splits, heads, d, dtype=torch.float32, device=dev)
+    slots, pages, req, pos = (t.contiguous() for t in (slots, pages, req, pos))
+    cos, sin = cos.contiguous(), sin.contiguous()
+    st = kv.stride()
+    wq, wo, wg, wd, nq, np_ = weights
+    lq, lo, lg, ld, ln = strides
+    decode_layers_kernel[(programs,)](
+        out, x2, qkv, gu, att, pm, pl, pacc, kv, pages, req, pos, slots, cos, sin, wq, wo, wg, wd, nq, np_,
+        counter, counter[1:], counter[2:], eps, layers, lq, lo, lg, ld, ln, st[0], st[1], st[2], st[3], st[4],
+        pages.stride(0),
+        B=b, H=h, HEADS=heads, KVH=kvh, D=d, T=kv.shape[3], PPS=pps, S=splits,
+        SP=max(2, triton.next_power_of_2(splits)), GP=max(16, triton.next_power_of_2(heads // kvh)), NQKV=nqkv,
+        F=ffn, SCALE=d**-0.5, BN=bn, BK=bk, CB=COMBINE_GROUPS, P=programs, LIMIT=SPIN_LIMIT, FUSED=fused,
+        POLL_LOAD=poll_load, num_warps=warps,
+    )  # fmt: skip
+    return out
