@@ -4,9 +4,9 @@ barriers between stages (qkv, attention, combine, o_proj, gate_up, down), instea
 kernels per layer.
 
 Measured on the H100 (2026-12-06, `qualification/device_2026-12-06_s22.md`), this lost to the
-decode graphs' tuned kernels at every configuration: 1.15 to 7.6 times their time per layer at
-the best tile, so it never became a preparation option. Kept here, with the probe, so the
-result can be measured again (a different projection stage, another device).
+decode graphs' tuned kernels at every configuration: 1.18 to 3.4 times their time per layer
+for the best variant of each case, so it never became a preparation option. Kept here, with
+the probe, so the result can be measured again (a different projection stage, another device).
 
 Contract: one program per SM, all resident (a barrier gives up after LIMIT spins and sets the
 failure word); the barrier's 64-bit ticket counter (word 0 of `counter`) is never reset; words

@@ -50,7 +50,7 @@ from ignition.capture.gemv import CANDIDATES, launch, precompile, tune
 def _step_kernel(X, X2, QKV, GU, WQKV, WO, WGU, WD, NQ, NP, CNT, FAIL, eps, L, B: tl.constexpr, H: tl.constexpr,
                  HQ: tl.constexpr, NQKV: tl.constexpr, F: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  P: tl.constexpr, LIMIT: tl.constexpr, POLL: tl.constexpr):  # fmt: skip
-    """`pdl_probe.layer`'s four projections for every layer, from `flare::decode_layers`' stages:
+    """`pdl_probe.layer`'s four projections for every layer, from `persistent_kernels`' stages:
     X [B, H] in (and out), scratch X2 [B, H], QKV [B, NQKV], GU [B, 2F]; weights stacked per layer."""
     for i in range(L):
         li = i + tl.zeros([], tl.int64)  # 64-bit offsets (a loop index is i32)
@@ -86,7 +86,7 @@ def persistent_step(cfg: dict[str, Any], stacked: dict[str, torch.Tensor], x: to
 def persistent_decode(cfg: dict[str, Any], stacked: dict[str, torch.Tensor], x: torch.Tensor,
                       att: dict[str, Any], scratch: dict[str, Any], programs: int, bn: int, bk: int,
                       warps: int, fused: bool, poll: bool = False) -> torch.Tensor:  # fmt: skip
-    """A whole decode step's layers as `flare::decode_layers` launches it (a new tensor); `fused`:
+    """A whole decode step's layers as `persistent_kernels.launch` runs them (a new tensor); `fused`:
     the combine inside the attention stage (five barriers per layer), else its own stage; `poll`:
     barriers wait on volatile loads."""
     heads, kvh = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]

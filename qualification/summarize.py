@@ -332,8 +332,9 @@ def summarize(raw: Path, tags: str | Sequence[str] | None) -> dict[str, Any]:
     log = find(raw, "prepare.log", tags)
     if prep and "timing_lock_wait_s" not in prep and log is not None:  # reports before the field
         waits = re.findall(r"timing lock \S+ held after ([0-9.]+) s", log.read_text(errors="replace"))
-        prep["timing_lock_wait_s"] = round(sum(float(w) for w in waits), 1)
-        entry["sources"].append(_rel(log))
+        if waits:
+            prep["timing_lock_wait_s"] = round(sum(float(w) for w in waits), 1)
+            entry["sources"].append(_rel(log))
     if prep:
         entry["prepare"] = prep
     kern = kernels_section(breakdown)

@@ -19,7 +19,7 @@ def _query_rows(qp, valid, cs, COS, SIN, di, D: tl.constexpr, ROPE: tl.constexpr
     """Query rows at `qp` (D contiguous elements each), rotated-half with the cos/sin at offsets
     `cs` when `ROPE`, so no kernel materializes rotated copies first. `CACHE`: the cache
     modifier of the query loads ("" or ".cg" where another program of the same launch wrote
-    them: `flare::decode_layers`)."""
+    them: `qualification/persistent_kernels.py`)."""
     q = tl.load(qp + di[None, :], mask=valid[:, None], other=0.0, cache_modifier=CACHE)
     if ROPE:
         rot = (di + D // 2) % D

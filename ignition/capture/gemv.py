@@ -590,15 +590,17 @@ def tune(
         if not timings:
             raise RuntimeError(f"gemv tuning: no candidate ran for {p.name} ({n}x{k}): {skipped}")
         timed = len(timings)
-        if cold is not p:  # the finalists over weights that cannot stay in L2
-            finalists = [cfg for _, cfg in sorted(timings, key=lambda t: t[0])[:COLD_FINALISTS]]
-            timings = [
+        ranked = [cfg for _, cfg in sorted(timings, key=lambda t: t[0])]
+        timed_cold = 0
+        if cold is not p:  # the finalists again over weights that cannot stay in L2, the rest after
+            finals = [
                 (sum(_time_ms(functools.partial(_run, cold, xs[m], res[m], cfg), reps) for m in rows), cfg)
-                for cfg in finalists
+                for cfg in ranked[:COLD_FINALISTS]
             ]
+            timed_cold = len(finals)
+            ranked = [cfg for _, cfg in sorted(finals, key=lambda t: t[0])] + ranked[COLD_FINALISTS:]
         # The fastest tile whose grouped rows equal the same rows alone (the bucket invariance);
         # a tile that breaks it is reported and passed over, never used.
-        ranked = [cfg for _, cfg in sorted(timings, key=lambda t: t[0])]
         broken = []
         best = None
         for cfg in ranked:
@@ -616,7 +618,7 @@ def tune(
             "layers": len(p.weights),
             "config": asdict(best),
             "candidates_timed": timed,
-            "timed_cold": len(timings) if cold is not p else 0,
+            "timed_cold": timed_cold,
             "skipped": skipped,
             "rows": min(rows),
             "ms_per_layer": round(one, 5),
