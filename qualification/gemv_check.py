@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +56,14 @@ def main() -> int:
     cfg = json.loads(args.config.read_text())
     rows = [int(x) for x in args.rows.split(",")]
     probs = problems(cfg, cfg["num_hidden_layers"])
+    t0 = time.time()
     precompile(probs, rows)  # the candidates compiled in a process pool first, as prepare does
+    t1 = time.time()
     tuned = tune(probs, rows)
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
+        "precompile_s": round(t1 - t0, 1),
+        "tune_s": round(time.time() - t1, 1),
         "hbm_gbps": args.hbm_gbps,
         "hbm_source": hbm_source,
         "rows": rows,
