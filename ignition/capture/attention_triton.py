@@ -41,12 +41,6 @@ def _page_step(q, kp, s_sel, first, ti, pos, last_pos, m, lsum, acc, SCALE: tl.c
     mask: its scores there are replaced by -inf."""
     k = tl.load(kp)
     v = tl.load(kp + s_sel, mask=((first + ti) <= last_pos)[:, None], other=0.0)
-    return _page_fold(q, k, v, first, ti, pos, m, lsum, acc, SCALE)
-
-
-@triton.jit
-def _page_fold(q, k, v, first, ti, pos, m, lsum, acc, SCALE: tl.constexpr):
-    """`_page_step`'s arithmetic on a loaded page."""
     s = tl.dot(q, tl.trans(k)) * SCALE
     s = tl.where((first + ti)[None, :] <= pos, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))

@@ -561,10 +561,10 @@ def tune(
     """Times every candidate on each problem's real weights (all layers in turn) for each row
     count in `rows`, then the `COLD_FINALISTS` fastest again with copies of the layers up to
     `COLD_BYTES` (so that the stream does not sit in L2, as in a decode step) when the layers
-    alone are smaller; keeps the fastest total and registers it for the problem's shape. Before keeping a
-    configuration it checks that the rows of the largest group (`rows`' largest, or
-    `invariant_rows` if larger: a speculative program's lanes) equal the same rows computed
-    alone, bitwise (the bucket invariance above).
+    alone are smaller; keeps the fastest total and registers it for the problem's shape.
+    Before keeping a configuration it checks that the rows of the largest group (`rows`'
+    largest, or `invariant_rows` if larger: a speculative program's lanes) equal the same rows
+    computed alone, bitwise (the bucket invariance above).
     Returns a report: per problem the chosen tile, its time per layer and achieved bytes/s."""
     report: dict[str, Any] = {}
     gen = torch.Generator(device="cuda").manual_seed(0)

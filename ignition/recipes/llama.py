@@ -222,8 +222,7 @@ def _paged_llama(
     `flare::sample` when asked."""
     from ignition.capture.paged import GEMV_MAX_ROWS, PagedLlama, rope_parameters
 
-    fits = options.attention_kernel and largest_bucket <= GEMV_MAX_ROWS
-    gemv = options.decode_projections == "gemv" and fits
+    gemv = options.decode_projections == "gemv" and options.attention_kernel and largest_bucket <= GEMV_MAX_ROWS
     sampler = options.sampler == "kernel"
     inv, scaling = rope_parameters(config.raw, device)
     return PagedLlama(geo, weights, inv.to(device), scaling, options.attention_kernel, gemv, sampler)
