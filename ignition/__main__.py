@@ -69,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
         help="decode projections as Inductor GEMM templates or as the tuned few-row kernel (flare::gemv)",
     )
     prepare.add_argument(
+        "--pdl",
+        choices=["auto", "off"],
+        default="off",
+        help="programmatic dependent launch in the decode graphs (Hopper): each gemv projection's mode tuned (auto)",
+    )
+    prepare.add_argument(
         "--sampler",
         choices=["kernel", "torch"],
         default="torch",
@@ -117,6 +123,11 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--bench", action="store_true", help="measure the replay floor: every decode bucket, prefill")
     replay.add_argument("--decode-tokens", type=int, default=256, help="decode steps per bucket with --bench")
     replay.add_argument("--relocate", action="store_true", help="map the arena away from its recorded base")
+    replay.add_argument(
+        "--full-edges",
+        action="store_true",
+        help="rebuild programmatic graph edges as full dependencies (to measure what they save)",
+    )
     return parser
 
 
@@ -182,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                 attention_kernel=not args.gather_attention,
                 decode_projections=args.decode_projections,
                 sampler=args.sampler,
+                pdl=args.pdl,
                 gdn_prefill=args.gdn_prefill,
                 speculative_depth=args.speculative_depth,
                 compile_cache=args.compile_cache,
@@ -205,7 +217,15 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             report = run(
-                args.core, args.prompts, args.reference, args.out, args.bench, args.relocate, args.decode_tokens, note
+                args.core,
+                args.prompts,
+                args.reference,
+                args.out,
+                args.bench,
+                args.relocate,
+                args.decode_tokens,
+                note,
+                full_edges=args.full_edges,
             )
         except (CoreReadError, NoDriverError, CudaError, StepError) as e:
             print(f"ignition replay: {e}", file=sys.stderr)

@@ -207,6 +207,11 @@ class PrepareOptions:
     # definition in `ignition.capture.sampling`, ~19 Inductor kernels). Torch stays the default
     # until a core with the kernel has been qualified on the device.
     sampler: str = "torch"
+    # Programmatic dependent launch (Hopper) in the decode graphs: "auto" times each gemv
+    # projection's launch mode after its tile (`gemv.tune_launch`) and launches the decode
+    # attention kernels as dependents when any projection is one; "off" launches plainly. Off
+    # until a core with it has been qualified on the device (it needs ABI 4's edges in Helios).
+    pdl: str = "off"
     served_name: str | None = None
     reference_prompts: Path | None = None
     dump_io: bool = False
@@ -232,6 +237,8 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
         raise CapacityError("--decode-projections", f"{o.decode_projections!r} is neither gemv nor gemm")
     if o.sampler not in ("kernel", "torch"):
         raise CapacityError("--sampler", f"{o.sampler!r} is neither kernel nor torch")
+    if o.pdl not in ("auto", "off"):
+        raise CapacityError("--pdl", f"{o.pdl!r} is neither auto nor off")
     if o.gdn_prefill not in ("scan", "chunked"):
         raise CapacityError("--gdn-prefill", f"{o.gdn_prefill!r} is neither scan nor chunked")
     if not compile_graphs:
@@ -332,6 +339,9 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
             with phase("tune the few-row projections"):
                 lanes = max((b * (d + 1) for b, d in caps.speculative), default=0)
                 report["gemv"] = _tune_projections(rec, caps.decode_buckets, lanes)
+            if o.pdl == "auto":
+                with phase("tune the projections' launch modes"):
+                    report["pdl"] = _tune_launch(rec, min(caps.decode_buckets))
         if rec.program.model.write_attend is not None:
             stage = "tune"
             with phase("tune the decode attention split"):
@@ -475,6 +485,28 @@ def _tune_projections(rec: Any, buckets: list[int], lanes: int) -> dict[str, Any
     rec.timings["gemv_tune_s"] = round(time.time() - t0, 3)
     for name, r in out.items():
         note(f"gemv {name} {r['shape']}: {r['config']}, {r['weight_gb_per_s']} GB/s at {r['rows']} row(s)")
+    return out
+
+
+def _tune_launch(rec: Any, rows: int) -> dict[str, Any]:
+    """Picks each projection's launch mode (`gemv.tune_launch`) at `rows` rows, after the tiles,
+    and launches the decode attention kernels as programmatic dependents too when any
+    projection is one (their wait and early trigger let the next projection prefetch)."""
+    import torch
+
+    from ignition.capture import attention
+    from ignition.capture.gemv import tune_launch
+
+    t0 = time.time()
+    with _timing_lock(rec.timings):
+        out = tune_launch(rec.program.model.projection_problems(), rows)
+        torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    attention.PDL = bool(out["kept"])
+    out["attention_pdl"] = attention.PDL
+    rec.timings["pdl_tune_s"] = round(time.time() - t0, 3)
+    chosen = ", ".join(f"{k} {v['pdl']}/{v['pf_k']}" for k, v in out["chosen"].items()) or "plain launches"
+    note(f"launch modes: {chosen} ({out['chosen_ms']} ms against {out['plain_ms']} ms plain, {rows} row(s))")
     return out
 
 

@@ -38,6 +38,8 @@
 #   prefetch-probe                       issue 19: gemv chains with the next layer's weights read into L2 on a graph branch
 #   persistent-probe                     issue 19: a projection chain as one persistent kernel against a kernel per link
 #   persistent-layer-probe               issue 19: a decode step as one persistent kernel (projections; then with attention)
+#   smolr-pdl, r1b-pdl (carry .dev/b2)   issue 19 item 3: SmolLM2's geometry / the ~1B prepared with --pdl auto (bg);
+#                                        breakdown, floor with and without the programmatic edges, flare bench
 #   r1b-spec     (carry .dev/b2)         issue 21: the ~1B with speculative programs, checks, copy/decode benches (bg)
 #   r1b-spec-bw  (carry .dev/b2)         issues 19 + 21: one ~1B prepare (gemv, fused sampler, speculative programs): the
 #                                        breakdown, floor and bench at depth 0, then the copy/decode benches (bg)
@@ -107,7 +109,7 @@ random_model() {  # CONFIG DIR: seeded random weights at qualification/configs/C
 }
 
 prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|gemv, GDN_PREFILL=scan|chunked, PREFILL_CHUNK (256),
-           # SAMPLER=torch (default)|kernel, TEMPLATE_FUSION=benchmark (default)|heuristic, NO_CHECK=1 skips the checks
+           # SAMPLER=torch (default)|kernel, TEMPLATE_FUSION=benchmark (default)|heuristic, NO_CHECK=1 skips the checks, PDL=auto|off
   local tag=${5:+_$5}
   # One prepare at a time: two side by side (2026-12-05, 16 cores) each ran 2.5x slower in tuning
   # and neither finished its first graph's compile in 12 minutes. Measurements may overlap one; its
@@ -119,7 +121,7 @@ prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|
   IGNITION_TIMING_LOCK=/tmp/gpu_timing.lock IGNITION_STACKS=${IGNITION_STACKS:-1} timeout "$4" python3 -m ignition prepare --model "$1" --out "$2" --decode-buckets 1,2,4 \
     --prefill-chunk-size "${PREFILL_CHUNK:-256}" --context-limit "${CONTEXT_LIMIT:-4608}" --served-name "$3" ${CORE_REPLAY:+--core-replay /tmp/core_replay} ${DUMP_IO:+--dump-io} \
     --decode-projections "${DECODE_PROJECTIONS:-gemm}" ${NO_CHECK:+--no-check} ${GDN_PREFILL:+--gdn-prefill $GDN_PREFILL} \
-    ${SPECULATIVE_DEPTH:+--speculative-depth $SPECULATIVE_DEPTH} ${SAMPLER:+--sampler $SAMPLER} \
+    ${SPECULATIVE_DEPTH:+--speculative-depth $SPECULATIVE_DEPTH} ${SAMPLER:+--sampler $SAMPLER} ${PDL:+--pdl $PDL} \
     --compile-cache "/tmp/cc/$3$tag.bin" --template-fusion "${TEMPLATE_FUSION:-benchmark}" \
     --reference-prompts "$1.prompts.json" > "$OUT/prepare$tag.log" 2>&1
   echo "prepare$tag rc=$?"
@@ -188,12 +190,13 @@ measure() {  # MODEL CORE
 bw_measure() {  # MODEL CORE TAG: kernel breakdown, Python floor, flare run + bench (issue 19)
   [ -f "$2/manifest.pb" ] || { echo "no core at $2"; return; }
   timing_lock
-  need_flare
   timeout 240 python3 qualification/kernel_breakdown.py "$2" "$OUT/kernel_breakdown_$3.json" > "$OUT/kernel_breakdown_$3.log" 2>&1
   echo "kernel_breakdown $3 rc=$?"; head -60 "$OUT/kernel_breakdown_$3.log"
   timeout 150 python3 -m ignition replay "$2" --bench --out "$OUT/ignition_replay_$3.json" > "$OUT/ignition_replay_$3.log" 2>&1
   echo "ignition replay $3 rc=$?"; tail -8 "$OUT/ignition_replay_$3.log"
   local ref=$2.work/reference_generations.json
+  [ -x /tmp/flare ] || [ -f .dev/b2/flare.xz ] || { echo "no flare binary carried: no flare bench"; timing_unlock; return; }
+  need_flare
   timeout 240 python3 qualification/flare_vs_torch_replay.py --flare /tmp/flare --core "$2" --tokenizer "$1/tokenizer.json" \
     $([ -f "$ref" ] && echo --reference "$ref") --out "$OUT/flare_vs_torch_$3.json" --bench --bench-timeout 150 \
     --log "$OUT/flare_run_$3.log" ${RUN_ARG:+--run-arg=$RUN_ARG} ${AGENT_TURNS:+--agent-turns $AGENT_TURNS}
@@ -367,6 +370,21 @@ case "$STAGE" in
     spec_bench /tmp/smolspec
     # Issue 19's SmolLM2 figures from the same core at depth 0 (breakdown, floor, bench), ~3 min.
     RUN_ARG=--speculative-depth=0 bw_measure /tmp/smol /tmp/smolspec gemv ;;
+  smolr-pdl|r1b-pdl)  # issue 19 item 3 (bg; carry .dev/b2 built for ABI 4): SmolLM2's geometry or the ~1B, random weights,
+                      # prepared with gemv, the fused sampler and --pdl auto (every check), then bw_measure and the Python
+                      # floor again with the programmatic edges rebuilt as full ones (the same core, the same run)
+    if [ "$STAGE" = smolr-pdl ]; then m=smolr; cfg=smollm2_135m_random; name=smollm2-135m-random
+    else m=r1b; cfg=llama_1b_random; name=llama-1b-random; fi
+    random_model $cfg /tmp/$m
+    DECODE_PROJECTIONS=gemv SAMPLER=kernel PDL=${PDL:-auto} TEMPLATE_FUSION=heuristic \
+      prepare /tmp/$m /tmp/${m}pdl $name "${PREPARE_TIMEOUT:-900}" pdl
+    python3 -c "import json; r = json.load(open('$OUT/prepare_report_pdl.json')); print(json.dumps(r.get('pdl'))[:1500])"
+    bw_measure /tmp/$m /tmp/${m}pdl pdl
+    timing_lock
+    timeout 150 python3 -m ignition replay /tmp/${m}pdl --bench --full-edges --out "$OUT/ignition_replay_full_edges.json" \
+      > "$OUT/ignition_replay_full_edges.log" 2>&1
+    echo "ignition replay --full-edges rc=$?"; tail -8 "$OUT/ignition_replay_full_edges.log"
+    timing_unlock ;;
   r1b-spec|r1b-spec-bw)  # issue 21 (bg; carry .dev/b2): the ~1B with speculative programs (gemv, the fused sampler) and
                          # every check, then the copy and decode benches at depth 4 and 0 as smol-spec; r1b-spec-bw
                          # (issues 19 + 21) first measures the same core as r1b-bw's gemv half (breakdown, floor, bench)
@@ -441,7 +459,7 @@ case "$STAGE" in
   pdl-probe)  # issue 19 item 3: the decode projections' chain (every layer, flare::gemv) as one graph, plain and with
               # programmatic dependent launch; SmolLM2 and the ~1B geometries (random weights, ~2 min)
     for c in smollm2_135m_random llama_1b_random; do
-      timeout 280 python3 qualification/pdl_probe.py qualification/configs/$c.json "$OUT/pdl_probe_$c.json" \
+      timeout 420 python3 qualification/pdl_probe.py qualification/configs/$c.json "$OUT/pdl_probe_$c.json" \
         > "$OUT/pdl_probe_$c.log" 2>&1
       echo "pdl_probe $c rc=$?"; tail -3 "$OUT/pdl_probe_$c.log"
     done ;;

@@ -3,8 +3,11 @@ decode graphs? Before any ABI or Helios work, this measures it where it can matt
 decode step's chain of `flare::gemv` projections, every layer of a model's geometry (random
 bf16 weights), captured as one CUDA graph three times, the kernels launched plainly, as
 programmatic dependents (`launch_pdl`: each waits for its predecessor before reading anything,
-and lets its successor launch once its loads are done), and as programmatic dependents that
-load their first weight tile before waiting (weights are nobody's output).
+and lets its successor launch once its loads are done), as programmatic dependents that load
+their first weight tile before waiting (weights are nobody's output), and as programmatic
+dependents that let their successor launch right after their own wait ("early"), optionally
+bulk-prefetching the first `pf` columns of their weight rows into L2 before waiting: each
+kernel's prefetch then runs during its predecessor's whole loop, one kernel ahead.
 
 Per layer: qkv (RMSNorm folded in), o_proj over the query part (residual), gate_up (RMSNorm),
 down (SiLU-gate, residual): four kernels, no attention. Reports per row count each graph's replay
@@ -33,25 +36,45 @@ from hbm import peak_gbps
 
 from ignition.capture.gemv import CANDIDATES, launch, precompile, tune
 
+# The chain's projections, in launch order.
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
+# How each projection launches: name -> (PDL mode, L2 prefetch columns); absent: plainly.
+Spec = dict[str, tuple[int, int]]
 
-def chain(cfg: dict[str, Any], probs: dict[str, Any], x: torch.Tensor, pdl: int) -> torch.Tensor:
+
+def uniform(pdl: int, pf: int = 0) -> Spec:
+    return dict.fromkeys(PROJECTIONS, (pdl, pf))
+
+
+def chain(cfg: dict[str, Any], probs: dict[str, Any], x: torch.Tensor, spec: Spec) -> torch.Tensor:
     """One decode step's projections through every layer (no attention): the activations after
     the last layer."""
     for i in range(cfg["num_hidden_layers"]):
-        x = layer(cfg, probs, x, i, pdl)
+        x = layer(cfg, probs, x, i, spec)
     return x
 
 
-def layer(cfg: dict[str, Any], probs: dict[str, Any], x: torch.Tensor, i: int, pdl: int = 0) -> torch.Tensor:
+def layer(
+    cfg: dict[str, Any], probs: dict[str, Any], x: torch.Tensor, i: int, spec: Spec | None = None
+) -> torch.Tensor:
     """Layer i's four projections (qkv with its norm, o_proj with the residual, gate_up with its
-    norm, down with the SiLU gate and the residual)."""
+    norm, down with the SiLU gate and the residual), each launched as `spec` says."""
     heads = cfg["num_attention_heads"]
     d = cfg.get("head_dim") or cfg["hidden_size"] // heads
     eps = float(cfg.get("rms_norm_eps", 1e-6))
-    qkv = launch(x, probs["qkv"].weights[i], norm=probs["qkv"].norms[i], eps=eps, pdl=pdl)
-    x = launch(qkv[:, : heads * d], probs["o_proj"].weights[i], residual=x, pdl=pdl)
-    gu = launch(x, probs["gate_up"].weights[i], norm=probs["gate_up"].norms[i], eps=eps, pdl=pdl)
-    return launch(gu, probs["down"].weights[i], residual=x, glu=True, pdl=pdl)
+
+    m = {name: (spec or {}).get(name, (0, 0)) for name in PROJECTIONS}
+    qkv = launch(x, probs["qkv"].weights[i], norm=probs["qkv"].norms[i], eps=eps, pdl=m["qkv"][0], pf_k=m["qkv"][1])
+    x = launch(qkv[:, : heads * d], probs["o_proj"].weights[i], residual=x, pdl=m["o_proj"][0], pf_k=m["o_proj"][1])
+    gu = launch(
+        x,
+        probs["gate_up"].weights[i],
+        norm=probs["gate_up"].norms[i],
+        eps=eps,
+        pdl=m["gate_up"][0],
+        pf_k=m["gate_up"][1],
+    )
+    return launch(gu, probs["down"].weights[i], residual=x, glu=True, pdl=m["down"][0], pf_k=m["down"][1])
 
 
 def captured(step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -87,6 +110,8 @@ def main() -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--rows", default="1,4")
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--pf", default="8192", help="L2 prefetch columns per weight row, PDL mode 3 (early)")
+    ap.add_argument("--late-pf", default="256,1024,4096", help="the same for PDL mode 4 (late)")
     ap.add_argument("--hbm-gbps", type=float, help="GB/s for the HBM bound (default: the device's datasheet figure)")
     args = ap.parse_args()
     args.hbm_gbps, hbm_source = peak_gbps(args.hbm_gbps)
@@ -110,25 +135,56 @@ def main() -> int:
         "tiles": {name: t["config"] for name, t in tuned.items()},
         "rows": {},
     }
+    pfs = [int(v) for v in args.pf.split(",") if v]
+    late = [int(v) for v in args.late_pf.split(",") if v]
+    modes: list[tuple[str, Spec]] = [("plain", {}), ("pdl", uniform(1)), ("pdl_prefetch", uniform(2))]
+    modes += [("early", uniform(3))] + [(f"early_pf{c}", uniform(3, c)) for c in pfs]
+    modes += [(f"late_pf{c}", uniform(4, c)) for c in late]
+    # Per projection, in launch order: from every projection at PDL mode 1, each one's choice
+    # among these kept where it shortens the whole chain (greedy, one pass).
+    choices = [(3, 0)] + [(3, c) for c in pfs] + [(4, c) for c in late]
     gen = torch.Generator(device="cuda").manual_seed(0)
     for m in rows:
         x0 = torch.randn(m, cfg["hidden_size"], generator=gen, device="cuda").bfloat16()
         entry: dict[str, Any] = {}
-        outs = {}
-        for pdl, key in ((0, "plain"), (1, "pdl"), (2, "pdl_prefetch")):
-            graph, out = captured(functools.partial(chain, cfg, probs, x0.clone(), pdl))
-            outs[pdl] = out.clone()
-            ms = replay_ms(graph, args.reps)
+        outs: dict[str, torch.Tensor] = {}
+
+        def timed(
+            key: str,
+            spec: Spec,
+            x0: torch.Tensor = x0,
+            outs: dict[str, torch.Tensor] = outs,
+            entry: dict[str, Any] = entry,
+        ) -> float:
+            graph, out = captured(functools.partial(chain, cfg, probs, x0.clone(), spec))
+            outs[key] = out.clone()
+            us = replay_ms(graph, args.reps) * 1e3
+            del graph
             entry[key] = {
-                "graph_us": round(ms * 1e3, 1),
-                "us_per_kernel": round(ms * 1e3 / (4 * layers), 2),
-                "fraction_of_hbm_bound": round(report["hbm_bound_us"] / (ms * 1e3), 3),
+                "spec": {k: list(v) for k, v in spec.items()},
+                "graph_us": round(us, 1),
+                "us_per_kernel": round(us / (4 * layers), 2),
+                "fraction_of_hbm_bound": round(report["hbm_bound_us"] / us, 3),
             }
-        for key in ("pdl", "pdl_prefetch"):
-            entry[f"{key}_over_plain"] = round(entry[key]["graph_us"] / entry["plain"]["graph_us"], 3)
-        entry["outputs_bitwise_equal"] = all(bool(torch.equal(outs[0], outs[p])) for p in (1, 2))
+            return us
+
+        for key, spec in modes:
+            timed(key, spec)
+        best, best_us = uniform(1), entry["pdl"]["graph_us"]
+        for name in PROJECTIONS:
+            for pdl, pf in choices:
+                trial = {**best, name: (pdl, pf)}
+                us = timed(f"greedy_{name}_{pdl}_{pf}", trial)
+                if us < best_us:
+                    best, best_us = trial, us
+        timed("greedy_best", best)
+        for key in list(entry):
+            if key != "plain":
+                entry[key]["over_plain"] = round(entry[key]["graph_us"] / entry["plain"]["graph_us"], 3)
+        entry["outputs_bitwise_equal"] = all(bool(torch.equal(outs["plain"], o)) for o in outs.values())
         report["rows"][str(m)] = entry
-        print(m, json.dumps(entry), flush=True)
+        summary = {k: v["graph_us"] for k, v in entry.items() if isinstance(v, dict) and not k.startswith("greedy_")}
+        print(m, json.dumps({**summary, "greedy_best": entry["greedy_best"]}), flush=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     return 0 if all(e["outputs_bitwise_equal"] for e in report["rows"].values()) else 1
 

@@ -223,7 +223,7 @@ def main() -> int:
     ok = True
     for m in rows:  # the projections alone (`pdl_probe.chain`)
         x0 = torch.randn(m, cfg["hidden_size"], generator=gen, device="cuda").bfloat16()
-        graph, want = captured(functools.partial(chain, cfg, probs, x0.clone(), 0))
+        graph, want = captured(functools.partial(chain, cfg, probs, x0.clone(), {}))
         base_us = replay_ms(graph, args.reps) * 1e3
         entry: dict[str, Any] = {"per_kernel_us_per_layer": round(base_us / layers, 2)}
         for (bn, bk, warps), poll in [*((c, False) for c in CONFIGS), (CONFIGS[1], True)]:

@@ -59,6 +59,11 @@ def attend_gather(
 # sets it for the device and geometry (`ignition.capture.attention_tune`) before capture; 4 is the
 # value for runs that do not tune (CPU, the qualification scripts).
 PAGES_PER_SPLIT = 4
+# Whether the page-group kernels launch as programmatic dependents (Hopper PDL): each waits for
+# its predecessor, then lets its successor launch, so a projection after them can prefetch its
+# weights while they run. Preparation sets it with the projections' launch modes
+# (`ignition.capture.gemv.set_launch_mode`) before capture; off for runs that do not tune.
+PDL = False
 # From this many query tokens on (prefill chunks), (token, KV head) programs already fill the GPU:
 # one program walks all pages and stores the normalized output, with no partials and no combine.
 # Measured on the H200 with splits for prefill too: a 256-token chunk took 2.82 ms instead of
@@ -179,6 +184,11 @@ def _launch_write(
     )
 
 
+def _pdl() -> dict[str, bool]:
+    """The launch flags of a page-group kernel under `PDL` (none when off)."""
+    return {"PDL": True, "launch_pdl": True} if PDL else {}
+
+
 def _launch_attention(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -259,11 +269,12 @@ def _launch_attention(
         ROPE=rope,
         WRITE=write is not None,
         num_warps=4,
+        **_pdl(),
     )
     if splits > 1:
         _combine_kernel()[(n, h)](
             part_acc, part_m, part_l, out, pos, H=h, D=d, T=t, PPS=pps, SPLITS=splits,
-            SP=max(2, 1 << (splits - 1).bit_length()),
+            SP=max(2, 1 << (splits - 1).bit_length()), **_pdl(),
         )  # fmt: skip
     return out
 

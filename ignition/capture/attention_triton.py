@@ -12,6 +12,8 @@ functions a kernel calls through the module's globals, and CPU runs never need T
 import triton
 import triton.language as tl
 
+from ignition.capture.gemv_triton import gdc_launch_dependents, gdc_wait
+
 
 @triton.jit
 def _query_rows(qp, valid, cs, COS, SIN, di, D: tl.constexpr, ROPE: tl.constexpr, dtype: tl.constexpr,
@@ -110,13 +112,19 @@ def paged_attention_kernel(
     PPSP: tl.constexpr,
     ROPE: tl.constexpr,
     WRITE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One (token, KV head, page group): the group's unnormalized softmax state (m, l, acc);
     with a single group, the normalized output itself (into OUT). `ROPE`: q is rotated here
     (rotate-half with the token's cos/sin), so no kernel materializes it first.
     `WRITE` (decode: every token of its own request): the group holding the token's position
     first writes the token's K/V into its slot, then reads the page after a barrier; no other
-    program reads that position, so the separate write kernel is not needed."""
+    program reads that position, so the separate write kernel is not needed. `PDL` (launched
+    as a programmatic dependent): waits for the previous kernel before anything else, then lets
+    the next one launch (its own wait covers this kernel's writes)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     n = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -229,13 +237,16 @@ def paged_prefill_attention_kernel(
 @triton.jit
 def paged_attention_combine(
     PACC, PM, PL, OUT, POS, H: tl.constexpr, D: tl.constexpr, T: tl.constexpr, PPS: tl.constexpr,
-    SPLITS: tl.constexpr, SP: tl.constexpr,
+    SPLITS: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One (token, head): the page groups' states rescaled to their common max and normalized.
     Group 0 always holds the token's first page, so the max is finite. Only the groups up to
     the token's last page are read (one page per group over a long table leaves most groups
     empty); the others enter the reduction as the empty state they hold (m -inf, l and acc 0),
-    so the arithmetic is what reading them gave."""
+    so the arithmetic is what reading them gave. `PDL`: as `paged_attention_kernel`'s."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     n = tl.program_id(0)
     h = tl.program_id(1)
     si = tl.arange(0, SP)

@@ -115,18 +115,37 @@ def graph_nodes(graph: int) -> list[int]:
     return [int(x or 0) for x in arr]
 
 
-def graph_edges(graph: int) -> list[tuple[int, int]]:
+class _EdgeData(C.Structure):
+    """CUgraphEdgeData (CUDA 12.3+)."""
+
+    _fields_ = (("from_port", C.c_ubyte), ("to_port", C.c_ubyte), ("type", C.c_ubyte), ("reserved", C.c_ubyte * 5))
+
+
+# (CUgraphDependencyType, from port) -> the manifest's `EdgeDependency` name: a full dependency,
+# or a programmatic one on CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC / _LAUNCH_ORDER.
+EDGE_KINDS = {(0, 0): "full", (1, 1): "programmatic", (1, 2): "launch_order"}
+
+
+def graph_edges(graph: int) -> list[tuple[int, int, str]]:
+    """Every edge of `graph` as (from, to, dependency): what `EDGE_KINDS` names. A driver
+    without edge data (before CUDA 12.3) reports full dependencies only."""
     n = sz(0)
     f = getattr(lib(), "cuGraphGetEdges_v2", None)
-    if f is not None:
-        call("cuGraphGetEdges_v2", vp(graph), None, None, None, C.byref(n))
-        a, b = (vp * n.value)(), (vp * n.value)()
-        call("cuGraphGetEdges_v2", vp(graph), a, b, None, C.byref(n))
-    else:
+    if f is None:
         call("cuGraphGetEdges", vp(graph), None, None, C.byref(n))
         a, b = (vp * n.value)(), (vp * n.value)()
         call("cuGraphGetEdges", vp(graph), a, b, C.byref(n))
-    return [(int(x), int(y)) for x, y in zip(a, b, strict=True)]
+        return [(int(x), int(y), "full") for x, y in zip(a, b, strict=True)]
+    call("cuGraphGetEdges_v2", vp(graph), None, None, None, C.byref(n))
+    a, b, d = (vp * n.value)(), (vp * n.value)(), (_EdgeData * n.value)()
+    call("cuGraphGetEdges_v2", vp(graph), a, b, d, C.byref(n))
+    edges = []
+    for x, y, e in zip(a, b, d, strict=True):
+        kind = EDGE_KINDS.get((e.type, e.from_port)) if e.to_port == 0 else None
+        if kind is None:
+            raise DriverError(f"cuGraphGetEdges_v2: edge type {e.type} ports {e.from_port}->{e.to_port} not exportable")
+        edges.append((int(x), int(y), kind))
+    return edges
 
 
 def node_kind(node: int) -> str:

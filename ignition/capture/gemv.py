@@ -133,6 +133,31 @@ def set_config(n: int, k: int, variant: Variant, config: GemvConfig) -> None:
     _TUNED[(n, k, variant.key())] = config
 
 
+@dataclass(frozen=True)
+class LaunchMode:
+    """How a projection's kernel launches: `pdl` 0 plainly, else as a programmatic dependent
+    (Hopper PDL) in the kernels' mode `pdl` (1: wait first, let the next kernel in after the
+    loop; 3: prefetch, wait, let it in at once; 4: prefetch, wait, let it in after the loop),
+    prefetching the first `pf_k` columns (a power of two, 0: none) of its weight rows into L2
+    before waiting. A split configuration runs mode 0 or 1 only."""
+
+    pdl: int = 0
+    pf_k: int = 0
+
+
+PLAIN = LaunchMode()
+# (N, K, variant key) -> the launch mode prepare chose for that projection shape; absent: plain.
+_MODES: dict[tuple[int, int, str], LaunchMode] = {}
+
+
+def launch_mode_for(n: int, k: int, variant: Variant) -> LaunchMode:
+    return _MODES.get((n, k, variant.key()), PLAIN)
+
+
+def set_launch_mode(n: int, k: int, variant: Variant, mode: LaunchMode) -> None:
+    _MODES[(n, k, variant.key())] = mode
+
+
 # ---------------------------------------------------------------------------------------------
 # The reference: eager torch, the arithmetic the kernel reproduces (and what CPU runs use).
 
@@ -191,13 +216,13 @@ def launch(
     glu: bool = False,
     config: GemvConfig | None = None,
     out: torch.Tensor | None = None,
-    pdl: int = 0,
+    pdl: int | None = None,
     norm_mode: str = "rms",
+    pf_k: int = 0,
 ) -> torch.Tensor:
-    """Runs the kernel (what `flare::gemv` calls); `config` overrides the tuned one. `pdl` > 0:
-    launched as a programmatic dependent (Hopper), 2 with the first weight tile loaded before
-    the wait (`flare_gemv`'s PDL modes; `qualification/pdl_probe.py` measures them; no core
-    carries them: the exporter does not record programmatic graph edges)."""
+    """Runs the kernel (what `flare::gemv` calls); `config` overrides the tuned configuration,
+    `pdl` (with `pf_k`) the launch mode prepare chose (`LaunchMode`; 2, for the probe only:
+    the first weight tile loaded into registers before the wait)."""
     m = x.shape[0]
     n, k = weight.shape
     if x.dim() != 2 or x.shape[1] != (2 * k if glu else k):
@@ -214,8 +239,13 @@ def launch(
     if m == 0:
         return y
     r = residual.contiguous() if residual is not None else x
-    if cfg.split > 1 and pdl:
-        raise ValueError(f"gemv: a split configuration does not run as a PDL launch ({cfg})")
+    if pdl is None:
+        mode = launch_mode_for(n, k, variant)
+        pdl, pf_k = mode.pdl, mode.pf_k
+    if cfg.split > 1 and pdl > 1:
+        raise ValueError(f"gemv: a split configuration runs PDL mode 0 or 1, not {pdl} ({cfg})")
+    if pf_k and (pdl < 3 or pf_k & (pf_k - 1)):
+        raise ValueError(f"gemv: pf_k={pf_k} needs PDL mode 3 or 4 and a power of two")
     partial = torch.empty(cfg.split, m, n, dtype=torch.float32, device=x.device) if cfg.split > 1 else y
     args = (
         x,
@@ -246,6 +276,8 @@ def launch(
         flags["num_stages"] = cfg.stages
     if pdl:
         flags.update(PDL=pdl, launch_pdl=True)
+    if pf_k:
+        flags.update(PF_K=pf_k, ESIZE=weight.element_size())
     if cfg.dot:
         grid = (-(-n // cfg.block_n), -(-m // DOT_ROWS), cfg.split)
         _dot_kernel()[grid](*args, partial, BLOCK_M=DOT_ROWS, SPLIT=cfg.split, **flags)
@@ -257,7 +289,7 @@ def launch(
         block = min(1024, 1 << (n - 1).bit_length())
         _reduce_kernel()[(m, -(-n // block))](
             partial, args[2], r, y, m, n, r.stride(0), y.stride(0), SPLIT=cfg.split, BLOCK=block,
-            BIAS=bias is not None, RESIDUAL=residual is not None,
+            BIAS=bias is not None, RESIDUAL=residual is not None, **({"PDL": pdl, "launch_pdl": True} if pdl else {}),
         )  # fmt: skip
     return y
 
@@ -628,3 +660,105 @@ def tune(
             "tiles_breaking_invariance": broken,
         }
     return report
+
+
+# Launch modes `tune_launch` tries for each projection, all programmatic (Hopper PDL): waiting
+# first (1), letting the next kernel in at once with or without the whole weight prefetched into
+# L2 (3), and prefetching the first columns with the next kernel let in after the loop (4).
+# Measured on the decode projections' chain (`qualification/pdl_probe.py`, H100, 2026-12-06):
+# SmolLM2's chain at one row took 0.77 of its plain time with mode 3 and whole rows prefetched;
+# the ~1B's took 1.33 with the same mode (its layers overflow L2) and 0.96 with mode 1.
+LAUNCH_CANDIDATES = (
+    LaunchMode(1),
+    LaunchMode(3),
+    LaunchMode(3, 8192),
+    LaunchMode(4, 256),
+    LaunchMode(4, 1024),
+    LaunchMode(4, 4096),
+)
+# A chain of modes must beat plain launches by this fraction to be kept: below it, timing noise.
+LAUNCH_MIN_GAIN = 0.02
+
+
+def _chain(
+    problems: Sequence[Problem], xs: dict[str, torch.Tensor], rs: dict[str, torch.Tensor], modes: dict[str, LaunchMode]
+) -> None:
+    """Every layer's projections in `problems`' order, each on its own operands (no data flows
+    between them: a programmatic dependent waits for its predecessor all the same)."""
+    for i in range(max(len(p.weights) for p in problems)):
+        for p in problems:
+            if i >= len(p.weights):
+                continue
+            mode = modes.get(p.name, PLAIN)
+            launch(
+                xs[p.name],
+                p.weights[i],
+                None if p.biases is None else p.biases[i],
+                None if p.norms is None else p.norms[i],
+                rs[p.name] if p.variant.residual else None,
+                p.eps,
+                p.variant.glu,
+                pdl=mode.pdl,
+                pf_k=mode.pf_k,
+                norm_mode=p.norm_mode,
+            )
+
+
+def tune_launch(
+    problems: Sequence[Problem], rows: int, candidates: Sequence[LaunchMode] = LAUNCH_CANDIDATES, reps: int = 30
+) -> dict[str, Any]:
+    """Picks each projection's launch mode on this device, after `tune` chose its tile: the
+    projections with a weight per layer, layer by layer in `problems`' order (the order a
+    decode step launches them), as one CUDA graph at `rows` rows. From plain launches, every
+    projection at mode 1 first, then each projection's candidates in turn (greedy, one pass,
+    kept when the whole chain gets faster); the result is kept only if it beats plain launches
+    by `LAUNCH_MIN_GAIN`. Registers the modes (`set_launch_mode`); projections outside the chain
+    (one weight: the vocabulary) stay plain. Costs one compile per (projection, mode) and a
+    graph capture and `reps` replays per trial.
+    Returns a report: the chain's time plain and with the chosen modes, each trial's time."""
+    chain = [p for p in problems if len(p.weights) > 1]
+    if not chain:
+        return {"chosen": {}, "kept": False, "reason": "no projection has a weight per layer"}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    xs, rs = {}, {}
+    for p in chain:
+        n, k = p.weights[0].shape
+        w = p.weights[0]
+        xs[p.name] = torch.randn(rows, 2 * k if p.variant.glu else k, generator=gen, device=w.device).to(w.dtype)
+        rs[p.name] = torch.randn(rows, n, generator=gen, device=w.device).to(w.dtype)
+
+    def timed(modes: dict[str, LaunchMode]) -> float:
+        return time_graphs([functools.partial(_chain, chain, xs, rs, modes)], reps)
+
+    def split(p: Problem) -> bool:
+        n, k = p.weights[0].shape
+        return config_for(n, k, p.variant).split > 1
+
+    plain_ms = timed({})
+    trials: list[dict[str, Any]] = []
+    best = {p.name: LaunchMode(1) for p in chain}
+    best_ms = timed(best)
+    trials.append({"modes": "all mode 1", "ms": round(best_ms, 4)})
+    if best_ms >= plain_ms:
+        best, best_ms = {}, plain_ms
+    for p in chain:
+        for mode in candidates:
+            if split(p) and mode.pdl > 1:  # a split configuration's two launches run mode 1 at most
+                continue
+            trial = {**best, p.name: mode}
+            ms = timed(trial)
+            trials.append({"projection": p.name, "mode": asdict(mode), "ms": round(ms, 4)})
+            if ms < best_ms:
+                best, best_ms = trial, ms
+    kept = best_ms < plain_ms * (1 - LAUNCH_MIN_GAIN)
+    for p in chain:
+        n, k = p.weights[0].shape
+        set_launch_mode(n, k, p.variant, best.get(p.name, PLAIN) if kept else PLAIN)
+    return {
+        "rows": rows,
+        "plain_ms": round(plain_ms, 4),
+        "chosen_ms": round(best_ms, 4),
+        "kept": kept,
+        "chosen": {name: asdict(m) for name, m in best.items()} if kept else {},
+        "trials": trials,
+    }

@@ -23,6 +23,35 @@ except ImportError:  # a Triton without grid dependency control: PDL launches do
         pass
 
 
+# Bytes one bulk L2 prefetch covers at most (PDL mode 3).
+PF_SEG = tl.constexpr(1024)
+
+
+@triton.jit
+def _prefetch_l2(W, row0, N, K, stride_w, BLOCK_N: tl.constexpr, PF_K: tl.constexpr, ESIZE: tl.constexpr):
+    """Bulk-prefetches into L2 the first PF_K columns (a power of two) of weight rows
+    [row0, +BLOCK_N), in segments of at most PF_SEG bytes, one `cp.async.bulk.prefetch.L2` each
+    (sm_90; a hint: it writes nothing and faults on nothing). Segments past a row's end repeat
+    its first; rows past N repeat row N-1. Sizes stay multiples of 16 bytes."""
+    SEG: tl.constexpr = PF_SEG if PF_K * ESIZE >= PF_SEG else PF_K * ESIZE
+    SEGS: tl.constexpr = PF_K * ESIZE // SEG
+    rows = tl.minimum(row0 + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+    row_bytes = K * ESIZE
+    off = tl.arange(0, SEGS) * SEG
+    past = off >= row_bytes
+    off = tl.where(past, 0, off)
+    size = (tl.minimum(SEG, row_bytes - off) // 16) * 16
+    ptr = W + rows[:, None] * stride_w + (off // ESIZE)[None, :]
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;",
+        "=r,l,r",
+        [ptr, tl.broadcast_to(size[None, :], [BLOCK_N, SEGS])],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
 @triton.jit
 def _row_input(X, NW, row, ks, kmask, stride_x, K, rstd, NORM: tl.constexpr, GLU: tl.constexpr):
     """One activation row's projection input over the K block `ks`, in the activation dtype."""
@@ -134,10 +163,16 @@ def flare_gemv_reduce(
     BLOCK: tl.constexpr,
     BIAS: tl.constexpr,
     RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
     """Program (m, c): row m's columns [c*BLOCK, +BLOCK) of a split projection: the SPLIT partial
     sums added in slice order (fixed: a row's result does not depend on the other rows), then
-    `_store`'s epilogue (bias in float32, one rounding, the residual added and rounded)."""
+    `_store`'s epilogue (bias in float32, one rounding, the residual added and rounded).
+    PDL > 0: launched as a programmatic dependent of the partial sums' kernel; it waits for
+    them, then lets the next kernel launch at once."""
+    if PDL > 0:
+        gdc_wait()
+        gdc_launch_dependents()
     m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     nmask = cols < N
@@ -180,6 +215,8 @@ def flare_gemv(
     WIDE: tl.constexpr,
     PDL: tl.constexpr = 0,
     SPLIT: tl.constexpr = 1,
+    PF_K: tl.constexpr = 0,
+    ESIZE: tl.constexpr = 2,
 ):
     """Program (n, g, s): weight rows [n*BLOCK_N, +BLOCK_N) against activation rows
     [g*ROWS, +ROWS), over K slice s of SPLIT (BLOCK_K-aligned). With SPLIT > 1 each slice's
@@ -189,8 +226,11 @@ def flare_gemv(
     recompute the last row and store nothing), so a row's arithmetic is the same whatever ROWS
     is. PDL (launched as a programmatic dependent): 1 waits for the previous kernel before
     anything else, 2 first loads its first weight tile (weights are nobody's output) and then
-    waits; both let the next kernel launch once their loads are done. The arithmetic is the
-    same in every mode (the first tile accumulated first either way)."""
+    waits; both let the next kernel launch once their loads are done. 3 prefetches the first
+    PF_K columns of its weight rows into L2 (`_prefetch_l2`), waits, and lets the next kernel
+    launch at once: the next kernel's prefetch then overlaps this one's whole loop; 4 prefetches
+    as 3 does and lets the next kernel launch after its loop, as 1 does. The
+    arithmetic is the same in every mode (the first tile accumulated first either way)."""
     pid_n = tl.program_id(0)
     m0 = tl.program_id(1) * ROWS
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -201,8 +241,12 @@ def flare_gemv(
         ks0 = tl.arange(0, BLOCK_K)
         w0 = tl.load(W + wrow[:, None] * stride_w + ks0[None, :], mask=(ks0 < K)[None, :], other=0.0).to(tl.float32)
         k_first = BLOCK_K
+    if PDL >= 3 and PF_K > 0:
+        _prefetch_l2(W, pid_n * BLOCK_N, N, K, stride_w, BLOCK_N, PF_K, ESIZE)
     if PDL > 0:
         gdc_wait()
+    if PDL == 3:
+        gdc_launch_dependents()
     r0 = tl.minimum(m0 + 0, M - 1)
     r1 = tl.minimum(m0 + 1, M - 1)
     r2 = tl.minimum(m0 + 2, M - 1)
@@ -283,7 +327,7 @@ def flare_gemv(
             a6 = _accumulate(a6, w, X, NW, r6, ks, kmask, stride_x, K, s6, NORM, GLU, WIDE)
         if ROWS > 7:
             a7 = _accumulate(a7, w, X, NW, r7, ks, kmask, stride_x, K, s7, NORM, GLU, WIDE)
-    if PDL > 0:
+    if PDL == 1 or PDL == 2 or PDL == 4:
         gdc_launch_dependents()
     if SPLIT > 1:
         # Partial sums of slice s: P[s, m, cols] (float32; rows past M store nothing).
@@ -347,18 +391,26 @@ def flare_gemv_dot(
     RESIDUAL: tl.constexpr,
     PDL: tl.constexpr = 0,
     SPLIT: tl.constexpr = 1,
+    PF_K: tl.constexpr = 0,
+    ESIZE: tl.constexpr = 2,
 ):
     """The tensor-core variant: program (n, g) multiplies activation rows [g*BLOCK_M, +BLOCK_M)
     (rows past M are zeros) by weight rows [n*BLOCK_N, +BLOCK_N) with `tl.dot`. A row's result
     does not depend on the other rows' values (an MMA reduces each output element on its own)
     and every bucket launches the same BLOCK_M, so buckets agree bitwise here too. PDL > 0:
-    waits for the previous kernel first (no prefetch here) and lets the next launch after the
-    loop. SPLIT > 1: program (n, g, s) covers K slice s only (BLOCK_K-aligned, as `flare_gemv`'s)
-    and stores its float32 sums to P [SPLIT, M, N] for `flare_gemv_reduce`: a weight with few
-    rows then still has a program per SM, and its loop is the pipelined tensor-core one."""
+    waits for the previous kernel first and lets the next launch after the loop (1), or
+    prefetches its weight rows into L2 first and lets the next launch right after the wait (3)
+    or after the loop (4), as `flare_gemv`'s. SPLIT > 1: program (n, g, s) covers K slice s only
+    (BLOCK_K-aligned, as `flare_gemv`'s) and stores its float32 sums to P [SPLIT, M, N] for
+    `flare_gemv_reduce`: a weight with few rows then still has a program per SM, and its loop
+    is the pipelined tensor-core one."""
+    pid_n = tl.program_id(0)
+    if PDL >= 3 and PF_K > 0:
+        _prefetch_l2(W, pid_n * BLOCK_N, N, K, stride_w, BLOCK_N, PF_K, ESIZE)
     if PDL > 0:
         gdc_wait()
-    pid_n = tl.program_id(0)
+    if PDL == 3:
+        gdc_launch_dependents()
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -398,7 +450,7 @@ def flare_gemv_dot(
                 h = nw[None, :] * (h.to(tl.float32) * rstd[:, None]).to(h.dtype)
         w = tl.load(W + wrow[:, None] * stride_w + ks[None, :], mask=(ks < K)[None, :], other=0.0)
         acc = tl.dot(h.to(w.dtype), tl.trans(w), acc)
-    if PDL > 0:
+    if PDL == 1 or PDL == 2 or PDL == 4:
         gdc_launch_dependents()
     if SPLIT > 1:  # slice s's sums: P[s, rows, cols] (rows past M store nothing)
         P += tl.program_id(2).to(tl.int64) * M * N

@@ -495,7 +495,14 @@ class Recorder:
                     rec_nodes.append({"id": nid, "empty": {}})
                 else:
                     rec_nodes.append({"id": nid, "unsupported": kind})
-            edges = [[ids[a], ids[b]] for a, b in D.graph_edges(raw)]
+            # Full dependencies as [from, to]; programmatic ones (PDL launches) name their kind.
+            # The manifest allows them between kernel nodes only; any other is recorded as the
+            # full dependency it is equivalent to (the dependent waits for completion anyway).
+            kernel_nodes = {ids[n] for n in nodes if D.node_kind(n) == "kernel"}
+            edges = []
+            for a, b, kind in D.graph_edges(raw):
+                pdl = kind != "full" and ids[a] in kernel_nodes and ids[b] in kernel_nodes
+                edges.append([ids[a], ids[b], kind] if pdl else [ids[a], ids[b]])
             bindings = []
             for value, t in g.inputs.items():
                 bindings.append(
@@ -554,6 +561,7 @@ class Recorder:
                 "nodes": len(nodes),
                 "kinds": kinds,
                 "edges": len(edges),
+                "programmatic_edges": sum(len(e) == 3 for e in edges),
                 "library_kernels": sorted(set(library)),
             }
         return graphs

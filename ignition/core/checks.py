@@ -16,6 +16,8 @@ from ignition.core.manifest import (
     Buffer,
     BufferRole,
     Direction,
+    EdgeDependency,
+    Graph,
     GraphKind,
     KernelImage,
     KernelNode,
@@ -100,6 +102,7 @@ def check_core(core: RuntimeCore) -> None:
     kernels = {k.id: k for k in core.kernels}
     for g in core.graphs:
         _check_graph_kernels(core, g.name, [n.op for n in g.nodes if isinstance(n.op, KernelNode)], kernels, by_id)
+        _check_edges(core, g)
         bound = set()
         for bnd in g.bindings:
             f = f"graphs[{g.name}].bindings[{bnd.value.name}]"
@@ -149,6 +152,19 @@ def check_core(core: RuntimeCore) -> None:
         raise ManifestError("frontend.sampling.temperature", "must stay positive over its whole range")
     if fe.sampling.max_output_tokens <= 0:
         raise ManifestError("frontend.sampling.max_output_tokens", "must be positive")
+
+
+def _check_edges(core: RuntimeCore, g: Graph) -> None:
+    """Programmatic edges (ABI 4) join two kernel nodes; a core of an earlier ABI has none."""
+    kinds = {n.id: isinstance(n.op, KernelNode) for n in g.nodes}
+    for i, e in enumerate(g.edges):
+        if e.dependency is EdgeDependency.FULL:
+            continue
+        f = f"graphs[{g.name}].edges[{i}]"
+        if core.identity.abi_version < 4:
+            raise ManifestError(f, f"programmatic edges need ABI 4 (core: {core.identity.abi_version})")
+        if not (kinds.get(e.src) and kinds.get(e.dst)):
+            raise ManifestError(f, f"a {e.dependency.name} edge joins kernel nodes only ({e.src} -> {e.dst})")
 
 
 def _check_speculative(core: RuntimeCore) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 from ignition.core.schema import load_schema
 
 # 3: speculative programs (GraphKind.SPECULATIVE). Helios reads every earlier ABI.
-ABI_VERSION = 3
+ABI_VERSION = 4
 MANIFEST_FILE = "manifest.pb"
 
 
@@ -99,6 +99,14 @@ class GraphKind(IntEnum):
     SPECULATIVE = 7
 
 
+class EdgeDependency(IntEnum):
+    """How an edge's `dst` waits for its `src` (ABI 4; the proto's `EdgeDependency`)."""
+
+    FULL = 0  # `dst` starts after `src` completes (UNSPECIFIED in the proto)
+    PROGRAMMATIC = 1  # kernels only: `dst` may launch once every block of `src` has triggered
+    LAUNCH_ORDER = 2  # kernels only: `dst` may launch once every block of `src` has started
+
+
 class MaintenanceOp(IntEnum):
     INITIALIZE = 1
     RESTORE = 2
@@ -176,6 +184,7 @@ PROTO_ENUMS: dict[type[IntEnum], str] = {
     Dtype: "Dtype",
     ImageFormat: "ImageFormat",
     GraphKind: "GraphKind",
+    EdgeDependency: "EdgeDependency",
     MaintenanceOp: "MaintenanceOp",
     ValueKind: "ValueKind",
     Direction: "Direction",
@@ -406,6 +415,7 @@ class Node:
 class Edge:
     src: int
     dst: int
+    dependency: EdgeDependency = EdgeDependency.FULL
 
 
 @dataclass(frozen=True)
@@ -663,6 +673,7 @@ def _encode_graph(msg: Any, g: Graph) -> None:
         edge = msg.edges.add()
         setattr(edge, "from", e.src)
         edge.to = e.dst
+        edge.dependency = int(e.dependency)
     for b in g.bindings:
         m = msg.bindings.add()
         m.value, m.direction, m.dtype = int(b.value), int(b.direction), int(b.dtype)

@@ -34,6 +34,7 @@ from ignition.core.manifest import (
     Direction,
     Dtype,
     Edge,
+    EdgeDependency,
     EmptyNode,
     EventRecordNode,
     EventWaitNode,
@@ -103,6 +104,14 @@ def _enum(enum: Any, v: Any, field: str) -> Any:
         return enum[str(v).upper()]
     except KeyError:
         raise RecordingError(field, f"unknown {enum.__name__} {v!r}") from None
+
+
+def _edge(e: Any, field: str) -> Edge:
+    """A recorded edge: [from, to] (a full dependency) or [from, to, dependency name]."""
+    if not isinstance(e, (list, tuple)) or len(e) not in (2, 3):
+        raise RecordingError(field, f"an edge is [from, to] or [from, to, dependency], not {e!r}")
+    dep = _enum(EdgeDependency, e[2], f"{field}[2]") if len(e) == 3 else EdgeDependency.FULL
+    return Edge(_int(e[0], field), _int(e[1], field), dep)
 
 
 def _get(d: dict[str, Any], key: str, field: str) -> Any:
@@ -380,7 +389,7 @@ class RecordingExporter:
                 )
             ),
             nodes=tuple(nodes),
-            edges=tuple(Edge(_int(a, f), _int(b, f)) for a, b in g.get("edges", [])),
+            edges=tuple(_edge(e, f"{f}.edges[{i}]") for i, e in enumerate(g.get("edges", []))),
             bindings=tuple(bindings),
             maintenance_op=_enum(MaintenanceOp, op_name, f"{f}.maintenance_op") if op_name else None,
             event_count=_int(g.get("event_count", 0), f"{f}.event_count"),

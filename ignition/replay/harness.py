@@ -228,15 +228,18 @@ def run(
     relocate: bool,
     decode_tokens: int,
     note: Any = print,
+    full_edges: bool = False,
 ) -> dict[str, Any]:
-    """Loads the core, replays the prompts (and the floor with `bench`), writes the report."""
+    """Loads the core, replays the prompts (and the floor with `bench`), writes the report;
+    `full_edges`: programmatic edges replayed as full dependencies (`DeviceCore`)."""
     t0 = time.perf_counter()
     core = CoreFiles(core_dir)
-    dev = DeviceCore(core, relocate=relocate, progress=lambda m: note(f"load: {m}"))
+    dev = DeviceCore(core, relocate=relocate, progress=lambda m: note(f"load: {m}"), full_edges=full_edges)
     report: dict[str, Any] = {
         "core": str(core_dir),
         "load": {**asdict(dev.report), "fixed_address_honoured": dev.report.fixed_address_honoured},
         "load_s": round(time.perf_counter() - t0, 3),
+        "full_edges": full_edges,
     }
     note(
         f"loaded in {report['load_s']} s: {dev.report.graphs} graphs, {dev.report.nodes} nodes, "

@@ -8,16 +8,18 @@ import shutil
 import struct
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ignition.core.checks import ManifestError
+from ignition.core.checks import ManifestError, check_core
 from ignition.core.manifest import (
     BufferRole,
     Direction,
     Dtype,
+    EdgeDependency,
     KernelNode,
     MemcpyNode,
     MemsetNode,
@@ -323,3 +325,53 @@ def test_a_hybrid_row_layout_exports_and_loads_in_rust(tmp_path: Path, flare_bin
     assert kinds == ["CONVOLUTION_HISTORY", "RECURRENT_STATE", "HIDDEN_VECTOR", "POSITION_METADATA"]
     proc = flare_check(flare_bin, out)
     assert proc.returncode == 0, proc.stderr + proc.stdout
+
+
+def _decode_edges(rec: dict[str, Any]) -> list[list[Any]]:
+    edges: list[list[Any]] = next(g for g in rec["graphs"] if g["name"] == "decode_b1")["edges"]
+    return edges
+
+
+def test_programmatic_edges_export_and_load_in_rust(tmp_path: Path, flare_bin: Path) -> None:
+    """A recorded programmatic edge (a PDL launch, ABI 4) between two kernel nodes reaches the
+    manifest with its kind, and the Rust loader accepts it."""
+    rec = copy.deepcopy(load())
+    edges = _decode_edges(rec)
+    edges[edges.index([2, 3])] = [2, 3, "programmatic"]
+    out = tmp_path / "core"
+    core = RecordingExporter(rec, FIXTURES).export(out)
+    decode = next(g for g in core.graphs if g.name == "decode_b1")
+    kinds = {(e.src, e.dst): e.dependency for e in decode.edges}
+    assert kinds[(2, 3)] is EdgeDependency.PROGRAMMATIC and kinds[(3, 4)] is EdgeDependency.FULL
+    proc = flare_check(flare_bin, out)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("edge", "error", "needle"),
+    [
+        ([3, 4, "programmatic"], ManifestError, "joins kernel nodes only"),  # kernel -> memcpy
+        ([2, 3, "sideways"], RecordingError, "unknown EdgeDependency 'sideways'"),
+        ([2, 3, "programmatic", 1], RecordingError, "an edge is [from, to]"),
+    ],
+)
+def test_bad_programmatic_edges_are_rejected(tmp_path: Path, edge: list[Any], error: type, needle: str) -> None:
+    rec = copy.deepcopy(load())
+    edges = _decode_edges(rec)
+    edges[edges.index(edge[:2])] = edge
+    with pytest.raises(error) as e:
+        export(rec, tmp_path / "core")
+    assert needle in str(e.value)
+
+
+def test_programmatic_edges_need_abi_4(tmp_path: Path) -> None:
+    """The exporter writes the current ABI; a core that says it is older may not carry them."""
+    built = export_recording(RECORDING, tmp_path / "core")
+    decode = next(g for g in built.graphs if g.name == "decode_b1")
+    edges = tuple(
+        replace(e, dependency=EdgeDependency.PROGRAMMATIC) if (e.src, e.dst) == (2, 3) else e for e in decode.edges
+    )
+    graphs = tuple(replace(g, edges=edges) if g is decode else g for g in built.graphs)
+    check_core(replace(built, graphs=graphs))
+    with pytest.raises(ManifestError, match="need ABI 4"):
+        check_core(replace(built, identity=replace(built.identity, abi_version=3), graphs=graphs))

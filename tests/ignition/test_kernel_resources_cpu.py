@@ -117,7 +117,7 @@ def test_decode_attention_fits_sm90(name: str, heads: int, kv_heads: int, d: int
     )
     consts = {"SCALE": d**-0.5, "H": heads, "G": g, "GP": max(16, 1 << (g - 1).bit_length()), "D": d, "T": 64}
     consts |= {"SPLITS": -(-72 // pps), "PPS": pps, "PPSP": max(2, 1 << (pps - 1).bit_length())}
-    consts |= {"ROPE": rope, "WRITE": True}
+    consts |= {"ROPE": rope, "WRITE": True, "PDL": False}
     res = compile_sm90(attention_triton.paged_attention_kernel, sig, consts, num_warps=4)
     assert res["stack"] <= (0 if d <= 64 else 512) and res["shared"] <= SM90_SHARED, (name, res)
 
@@ -135,7 +135,15 @@ def test_attention_combine_does_not_spill_at_the_widest_split(
 
     splits = attention_tune.MAX_SPLITS
     sig = signature({"PACC": "fp32", "PM": "fp32", "PL": "fp32", "OUT": "bf16", "POS": "i32"}, [])
-    consts = {"H": heads, "D": d, "T": 64, "PPS": 1, "SPLITS": splits, "SP": 1 << (splits - 1).bit_length()}
+    consts = {
+        "H": heads,
+        "D": d,
+        "T": 64,
+        "PPS": 1,
+        "SPLITS": splits,
+        "SP": 1 << (splits - 1).bit_length(),
+        "PDL": False,
+    }
     res = compile_sm90(attention_triton.paged_attention_combine, sig, consts, num_warps=4)
     assert res["stack"] <= (0 if d <= 64 else 64), (name, res)
 
@@ -181,3 +189,26 @@ def test_fused_sampler_kernels_do_not_spill() -> None:
     }
     for name, res in results.items():
         assert res["stack"] == 0 and res["shared"] <= SM90_SHARED, (name, res)
+
+
+@pytest.mark.parametrize("dot", [False, True])
+def test_gemv_l2_prefetch_mode_compiles_for_sm90(dot: bool) -> None:
+    """`flare::gemv`'s PDL mode 3 (`qualification/pdl_probe.py`): the bulk L2 prefetch before the
+    grid-dependency wait assembles for sm_90 in both kernels, and its pointer tile adds no stack."""
+    from ignition.capture import gemv_triton
+
+    ptrs = {"X": "bf16", "W": "bf16", "B": "bf16", "NW": "bf16", "R": "bf16", "Y": "bf16", "P": "fp32"}
+    ints = ["M", "N", "K", "stride_x", "stride_w", "stride_r", "stride_y"]
+    sig = {**signature(ptrs, ints), "eps": "fp32"}
+    flags = {"BLOCK_K": 256, "NORM": 1, "GLU": False, "BIAS": False, "RESIDUAL": False, "PDL": 3}
+    flags |= {"SPLIT": 1, "PF_K": 2048, "ESIZE": 2}
+    if dot:
+        fn = gemv_triton.flare_gemv_dot
+        consts = {"BLOCK_M": 16, "BLOCK_N": 64, **flags}
+    else:
+        fn = gemv_triton.flare_gemv
+        consts = {"ROWS": 1, "BLOCK_N": 16, "WIDE": False, **flags}
+    # The kernels' parameter order (`sig` gives types by name).
+    order = [a for a in fn.arg_names if a not in consts]
+    res = compile_sm90(fn, {a: sig[a] for a in order}, consts, num_warps=4)
+    assert res["stack"] == 0, res

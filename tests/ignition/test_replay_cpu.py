@@ -228,6 +228,7 @@ class _FakeDriver:
         self.next_handle = 0x1000
         self.nodes: dict[int, tuple[Any, ...]] = {}
         self.host: list[object] = []
+        self.edges: list[tuple[int, int, bytes]] = []  # programmatic edges added after their nodes
 
     def _handle(self) -> int:
         self.next_handle += 1
@@ -263,6 +264,9 @@ class _FakeDriver:
                 buf = C.create_string_buffer(args[1].value)
                 self.host.append(buf)
                 self._out(args[0], C.addressof(buf))
+            elif name == "cuGraphAddDependencies_v2":  # (graph, from[], to[], edge data, count)
+                data = bytes((C.c_ubyte * 8).from_buffer(args[3]))
+                self.edges.append((int(args[1][0]), int(args[2][0]), data))
             elif name.startswith("cuGraphAdd"):
                 h = self._handle()
                 self._out(args[0], h)
@@ -437,4 +441,34 @@ def test_run_compares_device_fed_decode_where_the_core_reads_pending_tokens(
     dev = cuda.DeviceCore(core)
     with pytest.raises(ReplayError, match="do not read pending tokens"):
         CoreReplay(core, dev).generate([3, 4], 1, Sampling(), 2, device_fed=True)
+    dev.close()
+
+
+@pytest.mark.parametrize("full_edges", [False, True])
+def test_programmatic_edges_join_after_their_nodes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, full_edges: bool
+) -> None:
+    """A programmatic edge (ABI 4) is added once both kernel nodes exist, with the driver's edge
+    data (from the programmatic port, type programmatic), not as a node dependency; with
+    `full_edges` it is an ordinary dependency of its node instead."""
+    import json
+
+    import ignition.replay.cuda as cuda
+
+    rec = json.loads((FIXTURES / "recorded_graph.json").read_text())
+    decode = next(g for g in rec["graphs"] if g["name"] == "decode_b1")
+    decode["edges"] = [[2, 3, "programmatic"] if e == [2, 3] else e for e in decode["edges"]]
+    RecordingExporter(rec, FIXTURES).export(tmp_path / "core")
+    fake = _FakeDriver()
+    monkeypatch.setattr(cuda, "_driver", lambda: fake)
+    dev = cuda.DeviceCore(CoreFiles(tmp_path / "core"), relocate=True, full_edges=full_edges)
+    node_deps = sum(len(v[1]) for v in fake.nodes.values())
+    total = sum(len(g["edges"]) for g in rec["graphs"])
+    if full_edges:
+        assert fake.edges == [] and node_deps == total and dev.report.programmatic_edges == 0
+    else:
+        assert node_deps == total - 1 and dev.report.programmatic_edges == 1
+        [(src, dst, data)] = fake.edges
+        assert fake.nodes[src][0] == fake.nodes[dst][0] == "cuGraphAddKernelNode_v2"
+        assert data == bytes([1, 0, 1, 0, 0, 0, 0, 0])
     dev.close()

@@ -524,6 +524,7 @@ fn start_cuda(
             kernels = r.kernels,
             graphs = r.graphs,
             nodes = r.nodes,
+            programmatic_edges = r.programmatic_edges,
             upload_path = ?r.upload_path,
             upload_s = r.upload_seconds,
             upload_gib_per_s = r.uploaded_bytes as f64 / (1u64 << 30) as f64 / r.upload_seconds.max(1e-9),

@@ -182,6 +182,10 @@ impl fmt::Display for RangeOwner {
 /// [`crate::model::STAMP_BYTES`]; `DuplicateRowRegion` a second region of a kind a row holds
 /// once; `NotBindable` a value the graph's kind may not bind (the epoch outside restore and
 /// snapshot); `MissingRowRegion` a binding that needs a row region the scheme lacks.
+///
+/// Programmatic edges (ABI 4): `NeedsAbi` an older core's edge that is not a full dependency;
+/// `ProgrammaticEdgeNotBetweenKernels` a programmatic or launch-order edge with an end (`node`,
+/// the end the field names) that is not a kernel node.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum InvalidReason {
     MustBePositive,
@@ -217,6 +221,7 @@ pub enum InvalidReason {
     DuplicateRowRegion(&'static str),
     NotBindable(&'static str),
     MissingRowRegion(&'static str),
+    ProgrammaticEdgeNotBetweenKernels { node: u32 },
 }
 
 impl fmt::Display for InvalidReason {
@@ -282,6 +287,9 @@ impl fmt::Display for InvalidReason {
             InvalidReason::DuplicateRowRegion(kind) => write!(f, "a second {kind} region in one row"),
             InvalidReason::NotBindable(v) => write!(f, "graphs of this kind cannot bind {v}"),
             InvalidReason::MissingRowRegion(kind) => write!(f, "needs a {kind} row region, which the scheme lacks"),
+            InvalidReason::ProgrammaticEdgeNotBetweenKernels { node } => {
+                write!(f, "a programmatic edge joins two kernel nodes; node {node} is not a kernel")
+            }
         }
     }
 }

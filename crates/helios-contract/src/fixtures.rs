@@ -4,7 +4,10 @@
 //! result to a directory. The cores are structurally complete (every graph kind the lifecycle
 //! needs, relocated kernel parameters, memcpy/memset/event nodes, bindings for every required
 //! value) but their kernel images are placeholders: they load everywhere except on a GPU.
-//! Speculative graphs (execution ABI 3) are added for the programs a spec lists.
+//! Speculative graphs (execution ABI 3) are added for the programs a spec lists. From ABI 4 on,
+//! every graph with two kernel nodes also joins them with a programmatic edge (beside the full
+//! path through the memset between them, so replaying it changes no result); older ABIs carry
+//! none.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -72,6 +75,12 @@ impl FixtureSpec {
     /// The ABI 2 layout: no speculative programs.
     pub fn abi2() -> Self {
         FixtureSpec { abi: 2, ..FixtureSpec::default() }
+    }
+
+    /// The ABI 3 layout: every edge a full dependency (speculative programs and checkpoint
+    /// stamps only where a spec asks for them, as for any ABI).
+    pub fn abi3() -> Self {
+        FixtureSpec { abi: 3, ..FixtureSpec::default() }
     }
 
     /// The current ABI with speculative programs for 1 and 2 requests at depth 3 (W = 4) and
@@ -177,6 +186,7 @@ impl Fixture {
     /// Builds the fixture described by `spec`.
     pub fn build(spec: &FixtureSpec) -> Fixture {
         let abi2 = spec.abi >= 2;
+        let abi4 = spec.abi >= 4;
         let completion_tokens: u32 = if abi2 { 8 } else { 0 };
         let record_words = u64::from(COMPLETION_HEADER_WORDS) + 8;
         let pages_per_request = u64::from(spec.context_limit).div_ceil(u64::from(spec.page_tokens));
@@ -510,7 +520,7 @@ impl Fixture {
                         pitch: 512,
                     })),
                 });
-                edges.push(pb::Edge { from: 10, to: 11 });
+                edges.push(pb::Edge { from: 10, to: 11, ..Default::default() });
                 let mut last = 11;
                 // A maintenance op writes its own status record (emulated), never a sample.
                 let sampling_record = record_offset.filter(|_| g.kind != pb::GraphKind::StateMaintenance);
@@ -545,7 +555,13 @@ impl Fixture {
                             launch_attributes: vec![],
                         })),
                     });
-                    edges.push(pb::Edge { from: 11, to: 12 });
+                    edges.push(pb::Edge { from: 11, to: 12, ..Default::default() });
+                    if abi4 {
+                        // The sampler may launch as the embedding kernel's blocks trigger; the
+                        // full path through the memset still orders it, so results stay exact
+                        // on a device whose kernels never wait (the PTX of the device fixture).
+                        edges.push(pb::Edge { from: 10, to: 12, dependency: pb::EdgeDependency::Programmatic as i32 });
+                    }
                     last = 12;
                 }
                 // State maintenance copies a row; other graphs record and wait on an event.
@@ -559,7 +575,7 @@ impl Fixture {
                                 byte_count: spec.continuation_row_bytes,
                             })),
                         });
-                        edges.push(pb::Edge { from: last, to: 13 });
+                        edges.push(pb::Edge { from: last, to: 13, ..Default::default() });
                     }
                 } else {
                     nodes.push(pb::Node {
@@ -568,9 +584,9 @@ impl Fixture {
                     });
                     nodes.push(pb::Node { id: 14, op: Some(pb::node::Op::EventWait(pb::EventWaitNode { event: 0 })) });
                     nodes.push(pb::Node { id: 15, op: Some(pb::node::Op::Empty(pb::EmptyNode {})) });
-                    edges.push(pb::Edge { from: last, to: 13 });
-                    edges.push(pb::Edge { from: 13, to: 14 });
-                    edges.push(pb::Edge { from: 14, to: 15 });
+                    edges.push(pb::Edge { from: last, to: 13, ..Default::default() });
+                    edges.push(pb::Edge { from: 13, to: 14, ..Default::default() });
+                    edges.push(pb::Edge { from: 14, to: 15, ..Default::default() });
                 }
                 pb::Graph {
                     id,

@@ -6,9 +6,9 @@
 use std::collections::BTreeMap;
 
 /// Execution ABI numbers this engine reads. The newest is what Ignition writes.
-pub const ABI_VERSIONS: &[u32] = &[1, 2, 3];
+pub const ABI_VERSIONS: &[u32] = &[1, 2, 3, 4];
 /// The ABI Ignition exports today.
-pub const CURRENT_ABI: u32 = 3;
+pub const CURRENT_ABI: u32 = 4;
 /// Completion token slots for a graph that declares none (ABI 1, or an explicit zero).
 pub const DEFAULT_COMPLETION_TOKEN_CAPACITY: u32 = 8;
 
@@ -483,8 +483,9 @@ pub struct Graph {
     /// Present exactly for state-maintenance graphs.
     pub maintenance_op: Option<MaintenanceOp>,
     pub nodes: Vec<Node>,
-    /// `(from, to)` node indices into `nodes`; acyclic.
-    pub edges: Vec<(usize, usize)>,
+    /// Acyclic over all edges, whatever their dependency; no edge joins a node to itself; a
+    /// programmatic or launch-order edge joins two kernel nodes (ABI 4 and later only).
+    pub edges: Vec<Edge>,
     /// At most one binding per value kind.
     pub bindings: Vec<ValueBinding>,
     pub event_count: u32,
@@ -497,6 +498,49 @@ pub struct Graph {
 impl Graph {
     pub fn binding(&self, value: ValueKind) -> Option<&ValueBinding> {
         self.bindings.iter().find(|b| b.value == value)
+    }
+
+    /// Edges whose dependency is programmatic or launch-order.
+    pub fn programmatic_edges(&self) -> impl Iterator<Item = &Edge> {
+        self.edges.iter().filter(|e| e.dependency.is_programmatic())
+    }
+}
+
+/// A graph edge: `to` runs after `from`, as `dependency` says.
+///
+/// Invariants: `from` and `to` index the graph's `nodes` and differ; for a programmatic or
+/// launch-order dependency both are kernel nodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Edge {
+    pub from: usize,
+    pub to: usize,
+    pub dependency: Dependency,
+}
+
+/// When an edge's `to` node may launch relative to its `from` node (the driver's
+/// `CUgraphEdgeData`, as captured).
+///
+/// The programmatic kinds (Hopper programmatic dependent launch, execution ABI 4) join kernel
+/// nodes only, and `to`'s kernel waits for `from`'s completion and memory with
+/// `griddepcontrol.wait` before it reads anything `from` writes: replaying a programmatic edge
+/// as a full one is therefore always correct, only slower (`to` no longer overlaps `from`'s
+/// tail).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Dependency {
+    /// `to` launches after `from` has completed and its memory is visible.
+    Full,
+    /// `to` may launch once every block of `from` has triggered
+    /// (`griddepcontrol.launch_dependents`) or exited (`CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC`).
+    Programmatic,
+    /// `to` may launch once every block of `from` has started
+    /// (`CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER`).
+    LaunchOrder,
+}
+
+impl Dependency {
+    /// Whether `to` may launch before `from` completes (the kinds that join kernel nodes only).
+    pub fn is_programmatic(self) -> bool {
+        matches!(self, Dependency::Programmatic | Dependency::LaunchOrder)
     }
 }
 

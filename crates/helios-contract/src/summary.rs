@@ -76,7 +76,12 @@ impl fmt::Display for Summary<'_> {
                     format!("B={} D={} P={}", c.request_count, c.proposal_depth, c.token_capacity)
                 }
             };
-            by_kind.entry(g.kind).or_default().push(format!("{label} ({} nodes)", g.nodes.len()));
+            let programmatic = g.programmatic_edges().count();
+            let shape = match programmatic {
+                0 => format!("{} nodes", g.nodes.len()),
+                n => format!("{} nodes, {n} programmatic edges", g.nodes.len()),
+            };
+            by_kind.entry(g.kind).or_default().push(format!("{label} ({shape})"));
         }
         writeln!(f, "graphs  {} in all", m.graphs.len())?;
         for (kind, labels) in by_kind {

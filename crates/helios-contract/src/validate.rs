@@ -647,7 +647,17 @@ fn graph(raw: &pb::Graph, ctx: &GraphContext<'_>, kinds: &BTreeMap<u32, i32>, pa
         if from == to {
             return Err(invalid(&p, InvalidReason::SelfEdge));
         }
-        edges.push((from, to));
+        let dependency = dependency(e.dependency, ctx.abi, &p.field("dependency"))?;
+        if dependency.is_programmatic() {
+            // The driver joins kernel nodes only; a kernel waits with griddepcontrol.wait.
+            for (end, index) in [("from", from), ("to", to)] {
+                if !matches!(nodes[index].op, NodeOp::Kernel(_)) {
+                    let node = nodes[index].id;
+                    return Err(invalid(&p.field(end), InvalidReason::ProgrammaticEdgeNotBetweenKernels { node }));
+                }
+            }
+        }
+        edges.push(Edge { from, to, dependency });
     }
     if let Some(node) = find_cycle(nodes.len(), &edges) {
         return Err(CoreError::GraphCycle { field: path.field("edges"), node: nodes[node].id });
@@ -901,11 +911,27 @@ fn kernel_node(raw: &pb::KernelNode, ctx: &GraphContext<'_>, path: &FieldPath) -
     })
 }
 
-/// Kahn's algorithm; returns a node on a cycle when one exists.
-fn find_cycle(node_count: usize, edges: &[(usize, usize)]) -> Option<usize> {
+/// An edge's dependency. Unspecified is a full dependency in every ABI; the programmatic kinds
+/// arrived with ABI 4.
+fn dependency(raw: i32, abi: AbiReader, field: &FieldPath) -> Result<Dependency> {
+    let dependency = match pb::EdgeDependency::try_from(raw) {
+        Ok(pb::EdgeDependency::Unspecified) => Dependency::Full,
+        Ok(pb::EdgeDependency::Programmatic) => Dependency::Programmatic,
+        Ok(pb::EdgeDependency::LaunchOrder) => Dependency::LaunchOrder,
+        Err(_) => return Err(CoreError::UnknownEnum { field: field.clone(), value: raw }),
+    };
+    if dependency.is_programmatic() && !abi.has_programmatic_edges() {
+        return Err(invalid(field, InvalidReason::NeedsAbi { abi: 4, found: abi.version() }));
+    }
+    Ok(dependency)
+}
+
+/// Kahn's algorithm over every edge, whatever its dependency; returns a node on a cycle when
+/// one exists.
+fn find_cycle(node_count: usize, edges: &[Edge]) -> Option<usize> {
     let mut indegree = vec![0usize; node_count];
     let mut out: Vec<Vec<usize>> = vec![Vec::new(); node_count];
-    for &(from, to) in edges {
+    for &Edge { from, to, .. } in edges {
         indegree[to] += 1;
         out[from].push(to);
     }

@@ -41,7 +41,12 @@ fn mutate(m: &mut pb::RuntimeCore, which: usize, v: u64) {
         13 => m.graphs[g].maintenance_op = (v % 7) as i32,
         14 => m.graphs[g].capacity.as_mut().unwrap().request_count = small,
         15 => m.graphs[g].capacity.as_mut().unwrap().token_capacity = small,
-        16 => m.graphs[g].edges.push(pb::Edge { from: 10 + small, to: 10 + (v as u32 % 5) }),
+        16 => m.graphs[g].edges.push(pb::Edge {
+            from: 10 + small,
+            to: 10 + (v as u32 % 5),
+            // Full, programmatic, launch order, or unknown.
+            dependency: (v % 4) as i32,
+        }),
         17 => {
             if let Some(pb::node::Op::Kernel(k)) = m.graphs[g].nodes[0].op.as_mut() {
                 let i = (v as usize) % k.relocations.len().max(1);
@@ -105,10 +110,11 @@ proptest! {
 
     /// Structural mutations of a decoded manifest: validation returns Ok or a named error.
     #[test]
-    fn field_mutations_are_named(abi in 1u32..4, edits in prop::collection::vec((0usize..32, any::<u64>()), 1..4)) {
+    fn field_mutations_are_named(abi in 1u32..5, edits in prop::collection::vec((0usize..32, any::<u64>()), 1..4)) {
         let spec = match abi {
             1 => FixtureSpec::abi1(),
             2 => FixtureSpec::abi2(),
+            3 => FixtureSpec { abi: 3, ..FixtureSpec::speculative() },
             _ => FixtureSpec::speculative(),
         };
         let mut f = Fixture::build(&spec);

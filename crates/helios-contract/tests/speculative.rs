@@ -42,9 +42,12 @@ fn abi3_core_derives_its_speculative_programs() {
     f.write_to(dir.path()).unwrap();
     let core = RuntimeCore::open(dir.path()).unwrap();
     let m = core.manifest();
-    assert_eq!(m.identity.abi_version, 3);
+    assert_eq!(m.identity.abi_version, helios_contract::CURRENT_ABI);
     let rect = SpeculativeProgram::rectangular;
     assert_eq!(m.capacities.speculative_programs, vec![rect(1, 3), rect(2, 3), rect(4, 1)]);
+    // The ABI that introduced them derives the same programs.
+    let abi3 = validate(&Fixture::build(&FixtureSpec { abi: 3, ..FixtureSpec::speculative() }).manifest).unwrap();
+    assert_eq!(abi3.capacities.speculative_programs, m.capacities.speculative_programs);
     assert_eq!(m.graphs_of(GraphKind::Speculative).len(), 3);
     // What the scheduler asks of the derived list.
     assert_eq!(m.capacities.speculative_program_for(2, 2), Some(rect(2, 3)));

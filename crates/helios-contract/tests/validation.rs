@@ -3,8 +3,8 @@
 
 use helios_contract::fixtures::{Fixture, FixtureSpec};
 use helios_contract::{
-    BoundContract, CapacityError, CoreError, GraphKind, InvalidReason, MaintenanceOp, RuntimeCore, ValueKind, pb,
-    validate,
+    BoundContract, CapacityError, CoreError, Dependency, Edge, GraphKind, InvalidReason, MaintenanceOp, NodeOp,
+    RuntimeCore, ValueKind, pb, validate,
 };
 
 fn fixture() -> Fixture {
@@ -162,7 +162,7 @@ fn overlapping_buffers() {
 #[test]
 fn graph_cycle() {
     let mut f = fixture();
-    f.manifest.graphs[0].edges.push(pb::Edge { from: 15, to: 10 });
+    f.manifest.graphs[0].edges.push(pb::Edge { from: 15, to: 10, ..Default::default() });
     let (err, field) = field_of(validate(&f.manifest));
     assert!(matches!(err, CoreError::GraphCycle { .. }), "{err}");
     assert_eq!(field, "core.graphs[0].edges");
@@ -366,4 +366,130 @@ fn pending_tokens_are_request_state_read_only_by_decode() {
     bad.manifest.graphs[decode].bindings[i].view = Some(pb::BufferRange { buffer_id: staging, offset: 0 });
     let (err, _) = field_of(validate(&bad.manifest));
     assert!(matches!(err, CoreError::InvalidValue { reason: InvalidReason::WrongRole { .. }, .. }), "{err}");
+}
+
+/// Index of graph `g`'s first edge from node id `from` to node id `to`.
+fn edge_index(m: &pb::RuntimeCore, g: usize, from: u32, to: u32) -> usize {
+    m.graphs[g].edges.iter().position(|e| e.from == from && e.to == to).unwrap()
+}
+
+#[test]
+fn abi4_fixture_carries_programmatic_edges_between_kernels() {
+    let f = fixture();
+    let m = validate(&f.manifest).unwrap();
+    assert_eq!(m.identity.abi_version, 4);
+    let decode = m.graphs_of(GraphKind::Decode)[0];
+    let programmatic: Vec<&Edge> = decode.programmatic_edges().collect();
+    assert_eq!(programmatic.len(), 1);
+    let e = programmatic[0];
+    assert_eq!(e.dependency, Dependency::Programmatic);
+    assert!(matches!(decode.nodes[e.from].op, NodeOp::Kernel(_)) && matches!(decode.nodes[e.to].op, NodeOp::Kernel(_)));
+    // Every other edge stays a full dependency.
+    assert_eq!(decode.edges.iter().filter(|e| e.dependency == Dependency::Full).count(), decode.edges.len() - 1);
+    let summary = helios_contract::Summary(&m).to_string();
+    assert!(summary.contains("1 programmatic edges"), "{summary}");
+    // Older ABIs carry none.
+    for spec in [FixtureSpec::abi1(), FixtureSpec::abi2(), FixtureSpec::abi3()] {
+        let m = validate(&Fixture::build(&spec).manifest).unwrap();
+        assert!(m.graphs.iter().all(|g| g.edges.iter().all(|e| e.dependency == Dependency::Full)), "{}", spec.abi);
+    }
+}
+
+#[test]
+fn launch_order_edges_load_in_abi4() {
+    let mut f = fixture();
+    let i = edge_index(&f.manifest, 0, 10, 12);
+    f.manifest.graphs[0].edges[i].dependency = pb::EdgeDependency::LaunchOrder as i32;
+    let m = validate(&f.manifest).unwrap();
+    assert_eq!(m.graphs[0].edges[i].dependency, Dependency::LaunchOrder);
+    assert_eq!(m.graphs[0].programmatic_edges().count(), 1);
+}
+
+#[test]
+fn older_abis_reject_programmatic_edges() {
+    for spec in [FixtureSpec::abi1(), FixtureSpec::abi2(), FixtureSpec::abi3()] {
+        for dependency in [pb::EdgeDependency::Programmatic, pb::EdgeDependency::LaunchOrder] {
+            let mut f = Fixture::build(&spec);
+            // Between the decode graph's two kernels: valid in ABI 4.
+            f.manifest.graphs[0].edges.push(pb::Edge { from: 10, to: 12, dependency: dependency as i32 });
+            let i = f.manifest.graphs[0].edges.len() - 1;
+            let (err, field) = field_of(validate(&f.manifest));
+            assert!(
+                matches!(
+                    err,
+                    CoreError::InvalidValue { reason: InvalidReason::NeedsAbi { abi: 4, found }, .. } if found == spec.abi
+                ),
+                "ABI {}: {err}",
+                spec.abi
+            );
+            assert_eq!(field, format!("core.graphs[0].edges[{i}].dependency"));
+        }
+    }
+}
+
+#[test]
+fn programmatic_edges_join_kernel_nodes_only() {
+    // Kernel → memset.
+    let mut f = fixture();
+    let i = edge_index(&f.manifest, 0, 10, 11);
+    f.manifest.graphs[0].edges[i].dependency = pb::EdgeDependency::Programmatic as i32;
+    let (err, field) = field_of(validate(&f.manifest));
+    assert!(
+        matches!(
+            err,
+            CoreError::InvalidValue { reason: InvalidReason::ProgrammaticEdgeNotBetweenKernels { node: 11 }, .. }
+        ),
+        "{err}"
+    );
+    assert_eq!(field, format!("core.graphs[0].edges[{i}].to"));
+
+    // Memset → kernel.
+    let mut f = fixture();
+    let i = edge_index(&f.manifest, 0, 11, 12);
+    f.manifest.graphs[0].edges[i].dependency = pb::EdgeDependency::LaunchOrder as i32;
+    let (err, field) = field_of(validate(&f.manifest));
+    assert!(
+        matches!(
+            err,
+            CoreError::InvalidValue { reason: InvalidReason::ProgrammaticEdgeNotBetweenKernels { node: 11 }, .. }
+        ),
+        "{err}"
+    );
+    assert_eq!(field, format!("core.graphs[0].edges[{i}].from"));
+
+    // Memcpy → kernel (a maintenance graph's row copy).
+    let mut f = fixture();
+    let g = graph_index(&f.manifest, pb::GraphKind::StateMaintenance);
+    assert!(matches!(f.manifest.graphs[g].nodes.last().unwrap().op, Some(pb::node::Op::Memcpy(_))));
+    f.manifest.graphs[g].edges.push(pb::Edge { from: 13, to: 10, dependency: pb::EdgeDependency::Programmatic as i32 });
+    let i = f.manifest.graphs[g].edges.len() - 1;
+    let (err, field) = field_of(validate(&f.manifest));
+    assert!(
+        matches!(
+            err,
+            CoreError::InvalidValue { reason: InvalidReason::ProgrammaticEdgeNotBetweenKernels { node: 13 }, .. }
+        ),
+        "{err}"
+    );
+    assert_eq!(field, format!("core.graphs[{g}].edges[{i}].from"));
+}
+
+#[test]
+fn unknown_edge_dependency_is_rejected() {
+    for spec in [FixtureSpec::abi1(), FixtureSpec::default()] {
+        let mut f = Fixture::build(&spec);
+        f.manifest.graphs[0].edges[0].dependency = 7;
+        let (err, field) = field_of(validate(&f.manifest));
+        assert!(matches!(err, CoreError::UnknownEnum { value: 7, .. }), "ABI {}: {err}", spec.abi);
+        assert_eq!(field, "core.graphs[0].edges[0].dependency");
+    }
+}
+
+#[test]
+fn a_cycle_through_a_programmatic_edge_is_rejected() {
+    let mut f = fixture();
+    f.manifest.graphs[0].edges.push(pb::Edge { from: 12, to: 10, dependency: pb::EdgeDependency::Programmatic as i32 });
+    let (err, field) = field_of(validate(&f.manifest));
+    assert!(matches!(err, CoreError::GraphCycle { .. }), "{err}");
+    assert_eq!(field, "core.graphs[0].edges");
 }

@@ -80,7 +80,7 @@ fn run(a: &Args) -> Result<serde_json::Value, String> {
     Ok(
         json!({"core": a.core, "graph": a.graph, "base": format!("{:#x}", r.base), "recorded_base": format!("{:#x}", r.recorded_base),
         "at_recorded_base": r.base == r.recorded_base, "relocated_words": r.relocated_words, "kernels": r.kernels,
-        "graphs": r.graphs, "nodes": r.nodes, "uploaded_bytes": r.uploaded_bytes, "load_seconds": load_s,
+        "graphs": r.graphs, "nodes": r.nodes, "programmatic_edges": r.programmatic_edges, "uploaded_bytes": r.uploaded_bytes, "load_seconds": load_s,
         "replays_timed": a.repeat, "replay_us": per}),
     )
 }

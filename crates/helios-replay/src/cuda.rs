@@ -6,7 +6,8 @@
 //! load-time plan says ([`crate::memory`]: the whole arena, or all of it but a KV-page tail when
 //! free memory is short, serving fewer pages), uploads payloads, loads each kernel from its exact recorded image, rebuilds every graph
 //! node by node (kernel, memcpy, memset, empty, event record/wait) with its launch
-//! attributes, instantiates and uploads them. After `load` returns, replay allocates
+//! attributes and its edges (programmatic ones, execution ABI 4, as the driver's programmatic
+//! kernel-node ports), instantiates and uploads them. After `load` returns, replay allocates
 //! nothing.
 //!
 //! Invariants: graphs, modules, events and the arena live together and are destroyed only
@@ -22,7 +23,8 @@ use std::time::Instant;
 use cudarc::driver::sys as cu;
 use helios_contract::RuntimeCore;
 use helios_contract::model::{
-    BufferId, BufferRole, Graph, GraphId, ImageFormat, KernelId, LaunchAttribute, Manifest, NodeOp, Payload,
+    BufferId, BufferRole, Dependency, Edge, Graph, GraphId, ImageFormat, KernelId, LaunchAttribute, Manifest, NodeOp,
+    Payload,
 };
 
 use crate::memory::plan_memory;
@@ -45,6 +47,11 @@ pub enum CudaError {
     Call { op: &'static str, code: u32, name: String, description: String },
     #[error("graph {graph} node {node}: {reason}")]
     Node { graph: u32, node: u32, reason: &'static str },
+    /// The driver predates programmatic graph edges (CUDA 12.3); cudarc would panic calling it.
+    #[error(
+        "graph {graph} has programmatic edges, and this CUDA driver lacks cuGraphAddDependencies_v2 (CUDA 12.3 or later has it)"
+    )]
+    ProgrammaticEdgesUnsupported { graph: u32 },
     #[error("kernel {kernel}: {reason}")]
     Kernel { kernel: u32, reason: &'static str },
     #[error("buffer {0} is not in the core")]
@@ -370,6 +377,8 @@ pub struct LoadReport {
     pub kernels: usize,
     pub graphs: usize,
     pub nodes: usize,
+    /// Programmatic and launch-order edges rebuilt as such (execution ABI 4).
+    pub programmatic_edges: usize,
     /// The path the payload took (never [`UploadPath::Auto`]).
     pub upload_path: UploadPath,
     pub upload_seconds: f64,
@@ -729,6 +738,7 @@ impl DeviceCore {
         check("cuGraphUpload", r)?;
         self.report.graphs += 1;
         self.report.nodes += g.nodes.len();
+        self.report.programmatic_edges += g.programmatic_edges().count();
         Ok(())
     }
 
@@ -748,8 +758,13 @@ impl DeviceCore {
         let mut handles: Vec<cu::CUgraphNode> = vec![std::ptr::null_mut(); g.nodes.len()];
         for i in order {
             let node = &g.nodes[i];
-            let deps: Vec<cu::CUgraphNode> =
-                g.edges.iter().filter(|&&(_, to)| to == i).map(|&(from, _)| handles[from]).collect();
+            // A node is added with its full dependencies; programmatic edges join afterwards.
+            let deps: Vec<cu::CUgraphNode> = g
+                .edges
+                .iter()
+                .filter(|e| e.to == i && e.dependency == Dependency::Full)
+                .map(|e| handles[e.from])
+                .collect();
             let mut h = std::ptr::null_mut();
             let bad = |reason| CudaError::Node { graph: g.id.0, node: node.id, reason };
             match &node.op {
@@ -856,7 +871,7 @@ impl DeviceCore {
             }
             handles[i] = h;
         }
-        Ok(())
+        add_programmatic_edges(g, dg.graph, &handles)
     }
 
     /// The load report.
@@ -1307,6 +1322,50 @@ fn set_launch_attribute(node: cu::CUgraphNode, a: &LaunchAttribute) -> Result<()
     check("cuGraphKernelNodeSetAttribute", unsafe { cu::cuGraphKernelNodeSetAttribute(node, id, &v) })
 }
 
+/// The driver's data for an edge of `dependency`: a programmatic edge leaves `from` at its
+/// programmatic or launch-order port; every edge enters `to` at its default port.
+fn edge_data(dependency: Dependency) -> cu::CUgraphEdgeData {
+    use cu::CUgraphDependencyType::{CU_GRAPH_DEPENDENCY_TYPE_DEFAULT, CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC};
+    let (from_port, type_) = match dependency {
+        Dependency::Full => (cu::CU_GRAPH_KERNEL_NODE_PORT_DEFAULT, CU_GRAPH_DEPENDENCY_TYPE_DEFAULT),
+        Dependency::Programmatic => (cu::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC, CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC),
+        Dependency::LaunchOrder => (cu::CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER, CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC),
+    };
+    cu::CUgraphEdgeData {
+        from_port: from_port as u8,
+        to_port: cu::CU_GRAPH_KERNEL_NODE_PORT_DEFAULT as u8,
+        type_: type_ as u8,
+        reserved: [0; 5],
+    }
+}
+
+/// Whether the loaded driver exports `cuGraphAddDependencies_v2` (CUDA 12.3 and later). cudarc
+/// resolves a symbol on first call and panics when it is missing, so look before calling.
+fn has_edge_data_api() -> bool {
+    // SAFETY: the driver library is loaded (init_driver ran before any graph is built); looking
+    // a symbol up calls nothing.
+    unsafe { cu::culib().get::<unsafe extern "C" fn()>(c"cuGraphAddDependencies_v2").is_ok() }
+}
+
+/// Adds `g`'s programmatic and launch-order edges between the nodes built in `handles`.
+fn add_programmatic_edges(g: &Graph, graph: cu::CUgraph, handles: &[cu::CUgraphNode]) -> Result<(), CudaError> {
+    let mut edges = g.programmatic_edges().peekable();
+    if edges.peek().is_none() {
+        return Ok(());
+    }
+    if !has_edge_data_api() {
+        return Err(CudaError::ProgrammaticEdgesUnsupported { graph: g.id.0 });
+    }
+    for &Edge { from, to, dependency } in edges {
+        let (from, to) = (handles[from], handles[to]);
+        let data = edge_data(dependency);
+        // SAFETY: both nodes are live kernel nodes of `graph` (validated); one edge, whose data
+        // outlives the call.
+        check("cuGraphAddDependencies_v2", unsafe { cu::cuGraphAddDependencies_v2(graph, &from, &to, &data, 1) })?;
+    }
+    Ok(())
+}
+
 fn destroy_graph(g: &DeviceGraph) {
     // SAFETY: handles are live or null; destroy functions accept each once.
     unsafe {
@@ -1322,23 +1381,22 @@ fn destroy_graph(g: &DeviceGraph) {
     }
 }
 
-/// Node indices in dependency order; `None` for a cycle.
+/// Node indices in dependency order over every edge (programmatic ones included); `None` for a
+/// cycle.
 fn topological(g: &Graph) -> Option<Vec<usize>> {
     let n = g.nodes.len();
     let mut indegree = vec![0usize; n];
-    for &(_, to) in &g.edges {
-        *indegree.get_mut(to)? += 1;
+    for e in &g.edges {
+        *indegree.get_mut(e.to)? += 1;
     }
     let mut ready: Vec<usize> = (0..n).filter(|&i| indegree[i] == 0).collect();
     let mut out = Vec::with_capacity(n);
     while let Some(i) = ready.pop() {
         out.push(i);
-        for &(from, to) in &g.edges {
-            if from == i {
-                indegree[to] -= 1;
-                if indegree[to] == 0 {
-                    ready.push(to);
-                }
+        for e in g.edges.iter().filter(|e| e.from == i) {
+            indegree[e.to] -= 1;
+            if indegree[e.to] == 0 {
+                ready.push(e.to);
             }
         }
     }
@@ -1472,9 +1530,27 @@ mod tests {
         for g in &m.graphs {
             let order = topological(g).expect("acyclic");
             let pos: HashMap<usize, usize> = order.iter().enumerate().map(|(p, &i)| (i, p)).collect();
-            for &(a, b) in &g.edges {
-                assert!(pos[&a] < pos[&b]);
+            for e in &g.edges {
+                assert!(pos[&e.from] < pos[&e.to]);
             }
         }
+        // The default fixture's programmatic edges count: they order nodes too.
+        assert!(m.graphs.iter().any(|g| g.programmatic_edges().count() > 0));
+    }
+
+    #[test]
+    fn programmatic_edges_leave_from_their_port() {
+        let programmatic = edge_data(Dependency::Programmatic);
+        assert_eq!(u32::from(programmatic.from_port), cu::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC);
+        let launch_order = edge_data(Dependency::LaunchOrder);
+        assert_eq!(u32::from(launch_order.from_port), cu::CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER);
+        for data in [programmatic, launch_order] {
+            assert_eq!(u32::from(data.to_port), cu::CU_GRAPH_KERNEL_NODE_PORT_DEFAULT);
+            assert_eq!(data.type_, cu::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8);
+            assert_eq!(data.reserved, [0; 5]);
+        }
+        // A full dependency is the driver's default edge: all zero.
+        let full = edge_data(Dependency::Full);
+        assert_eq!((full.from_port, full.to_port, full.type_, full.reserved), (0, 0, 0, [0; 5]));
     }
 }

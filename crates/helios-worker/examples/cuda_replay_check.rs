@@ -107,7 +107,7 @@ fn run(core: &RuntimeCore, force_relocation: bool) -> serde_json::Value {
     json!({"force_relocation": force_relocation, "recorded_base": format!("{:#x}", r.recorded_base), "base": format!("{base:#x}"),
         "at_recorded_base": base == r.recorded_base, "relocated_words": r.relocated_words, "driver_version": r.driver_version,
         "arena_bytes": r.arena_bytes, "uploaded_bytes": r.uploaded_bytes, "kernels": r.kernels, "graphs": r.graphs, "nodes": r.nodes,
-        "load_seconds": load_s, "upload_seconds": r.upload_seconds, "build_seconds": r.build_seconds,
+        "programmatic_edges": r.programmatic_edges, "load_seconds": load_s, "upload_seconds": r.upload_seconds, "build_seconds": r.build_seconds,
         "all_graphs_bitwise_equal": all_equal, "per_graph": results})
 }
 

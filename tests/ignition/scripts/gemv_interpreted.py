@@ -4,6 +4,8 @@ one row group, and shapes that are not multiples of the tile. Also checks that a
 the same bitwise whatever rows share its launch, and in every PDL mode. Prints one JSON line; exit 1 on a mismatch.
 Needs TRITON_INTERPRET=1 in the environment before Triton is imported."""
 
+# mypy: disable-error-code="no-untyped-def"
+# Triton reads a jit function's parameter annotations, so the stubs' pointers stay unannotated.
 from __future__ import annotations
 
 import json
@@ -11,7 +13,7 @@ import sys
 
 import torch
 import triton
-import triton.language as tl  # noqa: F401 (a jit function needs it visible)
+import triton.language as tl
 
 from ignition.capture import gemv_triton
 from ignition.capture.gemv import DOT_ROWS, MAX_GROUP_ROWS, GemvConfig, launch, reference
@@ -22,10 +24,19 @@ def _no_grid_dependency() -> None:
     pass
 
 
-# The interpreter has no grid dependency control: its waits are no-ops here, so the PDL modes'
-# arithmetic (the first weight tile prefetched and accumulated first) is what is checked.
+@triton.jit
+def _no_prefetch(W, row0, N, K, stride_w, BLOCK_N: tl.constexpr, PF_K: tl.constexpr, ESIZE: tl.constexpr) -> None:
+    pass
+
+
+# The interpreter has no grid dependency control and no inline assembly: its waits and L2
+# prefetches are no-ops here, so the PDL modes' arithmetic (the first weight tile prefetched and
+# accumulated first, the reduce of a split launch waiting) is what is checked.
 gemv_triton.gdc_wait = _no_grid_dependency
 gemv_triton.gdc_launch_dependents = _no_grid_dependency
+gemv_triton._prefetch_l2 = _no_prefetch
+# (PDL mode, L2 prefetch columns) per configuration: a split one runs mode 1 at most.
+MODES = ((1, 0), (2, 0), (3, 0), (3, 256), (4, 64))
 
 gen = torch.Generator().manual_seed(0)
 n, k = 37, 300  # neither a multiple of any tile
@@ -81,17 +92,30 @@ for cfg, variants, counts in (
                 ]
             )
             invariant = invariant and torch.equal(alone, got)
-            for pdl in (1, 2) if cfg.split == 1 else ():
-                same = torch.equal(launch(x, w, bias, norm, r, 1e-6, glu, config=cfg, pdl=pdl, norm_mode=mode), got)
-                pdl_bitwise = pdl_bitwise and same
+            for pdl, pf in MODES if cfg.split == 1 else MODES[:1]:
+                y = launch(x, w, bias, norm, r, 1e-6, glu, config=cfg, pdl=pdl, pf_k=pf, norm_mode=mode)
+                pdl_bitwise = pdl_bitwise and torch.equal(y, got)
             cases += 1
 # A strided activation (a view of a wider buffer) and an empty batch.
 x = torch.randn(4, 2 * k, generator=gen)[:, :k]
 w = torch.randn(n, k, generator=gen)
 strided_ok = torch.allclose(launch(x, w), reference(x, w), rtol=1e-4, atol=1e-4)
 empty_ok = launch(torch.zeros(0, k), w).shape == (0, n)
-ok = worst < 1e-5 and invariant and strided_ok and empty_ok and pdl_bitwise
+# Modes a launch refuses: a split configuration past mode 1, a prefetch outside modes 3 and 4 or
+# of a width that is not a power of two.
+refused = 0
+for cfg, pdl, pf in (
+    (GemvConfig(8, 64, 4, split=3), 3, 0),
+    (GemvConfig(8, 64, 4), 1, 256),
+    (GemvConfig(8, 64, 4), 3, 96),
+):
+    try:
+        launch(x.contiguous(), w, config=cfg, pdl=pdl, pf_k=pf)
+    except ValueError:
+        refused += 1
+ok = worst < 1e-5 and invariant and strided_ok and empty_ok and pdl_bitwise and refused == 3
 report = {"cases": cases, "max_rel_err": worst, "row_invariant": invariant, "strided": strided_ok, "empty": empty_ok}
 report["pdl_modes_bitwise"] = pdl_bitwise
+report["bad_modes_refused"] = refused
 print(json.dumps(report))
 sys.exit(0 if ok else 1)

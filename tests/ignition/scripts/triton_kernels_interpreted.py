@@ -9,8 +9,10 @@ import json
 import sys
 
 import torch
+import triton
+import triton.language as tl  # noqa: F401 (a jit function needs it visible)
 
-from ignition.capture import attention
+from ignition.capture import attention, attention_triton
 from ignition.capture.attention import (
     PAGES_PER_SPLIT,
     SPLIT_MAX_TOKENS,
@@ -152,7 +154,30 @@ for fill in (False, True):
     attention._combine_kernel()[(len(cpos), h)](pacc, pm, pl, got_c, cpos, H=h, D=d, T=t, PPS=1, SPLITS=splits, SP=8)
     combined.append(got_c)
 idle_groups_unread = torch.equal(combined[0], combined[1]) and (combined[0] - want_c).abs().max().item() < 1e-5
+
+
+@triton.jit
+def _no_grid_dependency() -> None:
+    pass
+
+
+# Launched as programmatic dependents (`attention.PDL`): the interpreter has no grid dependency
+# control, so its waits are no-ops and what is checked is that the flags leave the arithmetic
+# alone (the fused write, groups combined), bitwise.
+attention_triton.gdc_wait = _no_grid_dependency
+attention_triton.gdc_launch_dependents = _no_grid_dependency
+pdl_bitwise = True
+for pps in (1, 4):
+    plain_kv, pdl_kv = kv4.clone(), kv4.clone()
+    plain = _launch_attention(rq, plain_kv, tables4, req4, pos4, 1, scale, pps, tokens="decode", write=(rk, rv, slots4))
+    attention.PDL = True
+    try:
+        pdl = _launch_attention(rq, pdl_kv, tables4, req4, pos4, 1, scale, pps, tokens="decode", write=(rk, rv, slots4))
+    finally:
+        attention.PDL = False
+    pdl_bitwise &= torch.equal(plain, pdl) and torch.equal(plain_kv, pdl_kv)
 report = {
+    "pdl_bitwise": pdl_bitwise,
     "idle_groups_unread": idle_groups_unread,
     "decode_fused_write_bitwise": fused_bitwise,
     "poisoned_pages_bitwise": no_nan_leak,
@@ -167,5 +192,5 @@ report = {
 print(json.dumps(report))
 ok = attn_err < 1e-5 and kv_write_exact and rope_write_err < 1e-5 and rope_attn_err < 1e-5
 ok = ok and prefill_err < 1e-5 and prefill_vs_per_token < 1e-5 and prefill_block_invariant and fused_bitwise
-ok = ok and no_nan_leak and idle_groups_unread
+ok = ok and no_nan_leak and idle_groups_unread and pdl_bitwise
 sys.exit(0 if ok else 1)
