@@ -207,10 +207,11 @@ class PrepareOptions:
     # definition in `ignition.capture.sampling`, ~19 Inductor kernels). Torch stays the default
     # until a core with the kernel has been qualified on the device.
     sampler: str = "torch"
-    # Programmatic dependent launch (Hopper) in the decode graphs: "auto" times each gemv
-    # projection's launch mode after its tile (`gemv.tune_launch`) and launches the decode
-    # attention kernels as dependents when any projection is one; "off" launches plainly. Off
-    # until a core with it has been qualified on the device (it needs ABI 4's edges in Helios).
+    # Programmatic dependent launch (Hopper) in the decode graphs: "auto" picks each gemv
+    # projection's launch mode and whether the decode attention kernels launch as dependents by
+    # timing the compiled decode step between compile and capture (`_tune_launch`); "off"
+    # launches plainly. Off until a core with it has been qualified against a plain one on the
+    # device (it needs ABI 4's programmatic edges in Helios).
     pdl: str = "off"
     served_name: str | None = None
     reference_prompts: Path | None = None
@@ -339,9 +340,6 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
             with phase("tune the few-row projections"):
                 lanes = max((b * (d + 1) for b, d in caps.speculative), default=0)
                 report["gemv"] = _tune_projections(rec, caps.decode_buckets, lanes)
-            if o.pdl == "auto":
-                with phase("tune the projections' launch modes"):
-                    report["pdl"] = _tune_launch(rec, min(caps.decode_buckets))
         if rec.program.model.write_attend is not None:
             stage = "tune"
             with phase("tune the decode attention split"):
@@ -349,8 +347,17 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
         stage = "compile_and_capture"
         if o.compile_cache is not None:
             report["compile_cache"] = _load_compile_cache(o.compile_cache)
+        tune_launch = None
+        if o.pdl == "auto" and not gemv:
+            note("launches stay plain: --pdl auto tunes the gemv decode projections, and this core has none")
+        if gemv and o.pdl == "auto":
+
+            def tune_launch() -> None:
+                with phase("tune the launch modes on the compiled decode step"):
+                    report["pdl"] = _tune_launch(rec)
+
         with phase(f"compile and capture {len(rec.graphs)} graphs"):
-            rec.compile_and_capture(progress=note)
+            rec.compile_and_capture(progress=note, before_capture=tune_launch)
         if o.compile_cache is not None:
             report["compile_cache"] |= _save_compile_cache(o.compile_cache)
         stage = "record"
@@ -488,25 +495,45 @@ def _tune_projections(rec: Any, buckets: list[int], lanes: int) -> dict[str, Any
     return out
 
 
-def _tune_launch(rec: Any, rows: int) -> dict[str, Any]:
-    """Picks each projection's launch mode (`gemv.tune_launch`) at `rows` rows, after the tiles,
-    and launches the decode attention kernels as programmatic dependents too when any
-    projection is one (their wait and early trigger let the next projection prefetch)."""
+def _tune_launch(rec: Any) -> dict[str, Any]:
+    """Picks each projection's launch mode (`gemv.tune_launch`) by timing the compiled decode
+    step of the smallest bucket (`Recorder.time_graph`) with the decode attention kernels as
+    programmatic dependents (their wait and early trigger let the next projection prefetch).
+    Then keeps attention so only if the step is faster so, and keeps any of it only if the step
+    beats plain launches by `LAUNCH_MIN_GAIN`."""
     import torch
 
     from ignition.capture import attention
-    from ignition.capture.gemv import tune_launch
+    from ignition.capture.gemv import LAUNCH_MIN_GAIN, clear_launch_modes, tune_launch
 
+    step = min((g for g in rec.graphs if g.kind == "decode"), key=lambda g: g.request_count)
     t0 = time.time()
     with _timing_lock(rec.timings):
-        out = tune_launch(rec.program.model.projection_problems(), rows)
-        torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    attention.PDL = bool(out["kept"])
-    out["attention_pdl"] = attention.PDL
+        clear_launch_modes()
+        attention.PDL = False
+        plain_ms = rec.time_graph(step.name)
+        attention.PDL = True
+        problems = rec.program.model.projection_problems()
+        out = tune_launch(problems, step.request_count, step_ms=lambda: rec.time_graph(step.name))
+        with_attention = rec.time_graph(step.name)  # the modes it chose stay registered
+        attention.PDL = False
+        without = rec.time_graph(step.name)
+        attention.PDL = with_attention < without
+        best = min(with_attention, without)
+        if best >= plain_ms * (1 - LAUNCH_MIN_GAIN):  # nothing pays: every launch plain
+            clear_launch_modes()
+            attention.PDL = False
+            out |= {"kept": False, "chosen": {}}
+    torch.cuda.empty_cache()  # the trial graphs' pools (`time_graph` synchronized each)
+    out |= {"graph": step.name, "step_plain_ms": round(plain_ms, 4), "step_chosen_ms": round(best, 4)}
+    out |= {"attention_pdl": attention.PDL, "step_with_attention_pdl_ms": round(with_attention, 4)}
+    out["step_without_attention_pdl_ms"] = round(without, 4)
     rec.timings["pdl_tune_s"] = round(time.time() - t0, 3)
     chosen = ", ".join(f"{k} {v['pdl']}/{v['pf_k']}" for k, v in out["chosen"].items()) or "plain launches"
-    note(f"launch modes: {chosen} ({out['chosen_ms']} ms against {out['plain_ms']} ms plain, {rows} row(s))")
+    note(
+        f"launch modes: {chosen}, attention PDL {attention.PDL} ({step.name}: {best:.4f} ms against "
+        f"{plain_ms:.4f} ms plain, {len(out.get('trials', []))} trials)"
+    )
     return out
 
 

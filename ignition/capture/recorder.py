@@ -264,7 +264,32 @@ class Recorder:
         return self.program.call(g, fn)
 
     # -- compile and capture -------------------------------------------------------------
-    def compile_and_capture(self, progress: Any = print) -> None:
+    def time_graph(self, name: str, reps: int = 50) -> float:
+        """Milliseconds per replay of graph `name` (compiled) captured now as a throwaway graph
+        outside the arena: settings its ops read at launch (gemv's launch modes, attention's
+        PDL flag) take effect. A first call outside the capture compiles the kernel variants
+        they need. Replays run on the inputs `set_inputs` gives and mutate the state as a
+        step does (the checks set their own inputs later)."""
+        g = next(x for x in self.graphs if x.name == name)
+        self.program.set_inputs(g, 0)
+        self._call(g, g.fn)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._call(g, g.fn)
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        del graph
+        return float(start.elapsed_time(end)) / reps
+
+    def compile_and_capture(self, progress: Any = print, before_capture: Callable[[], None] | None = None) -> None:
+        """Compiles every graph, runs `before_capture` (tuning that times compiled graphs with
+        `time_graph`), then captures every graph in its arena pool."""
         t0 = time.time()
         self.report["compile_breakdown"] = {}
         with fallback.watch_lowerings() as implicit:
@@ -292,6 +317,8 @@ class Recorder:
         self.report["implicit_fallbacks"] = implicit
         if implicit:
             progress(f"ops Inductor lowered implicitly (no declared lowering): {implicit}")
+        if before_capture is not None:
+            before_capture()
         t0 = time.time()
         for g in self.graphs:
             g.pool = self.arena.pool()

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
+
+import pytest
 
 from tests.ignition.conftest import require_torch
 
@@ -274,3 +277,95 @@ def test_the_gemv_tuner_streams_more_weights_than_l2_holds(monkeypatch: Any) -> 
     )
     monkeypatch.setattr(gemv, "COLD_BYTES", 4096)
     assert gemv._cold(p) is p
+
+
+def test_the_launch_tuner_revisits_a_projection_once_its_successor_has_chosen(monkeypatch: Any) -> None:
+    """`gemv.tune_launch` over a timing model where o_proj's early trigger (mode 3) pays only
+    once gate_up prefetches (mode 3 with a prefetch): a single greedy pass keeps o_proj at mode
+    1, a second finds the pair. The modes are registered per shape; a problem with one weight
+    stays out of the chain and plain."""
+    require_torch()
+    import torch
+
+    from ignition.capture import gemv
+
+    def model(modes: dict[str, gemv.LaunchMode]) -> float:
+        if not modes:
+            return 10.0
+        t = 9.0
+        gate_up = modes.get("gate_up", gemv.PLAIN)
+        if gate_up.pdl == 3 and gate_up.pf_k:
+            t -= 1.0
+            if modes.get("o_proj", gemv.PLAIN).pdl == 3:
+                t -= 2.0
+        if modes.get("o_proj", gemv.PLAIN).pdl == 3 and not (gate_up.pdl == 3 and gate_up.pf_k):
+            t += 0.5  # an early trigger with nothing to prefetch behind it costs slots
+        return t
+
+    monkeypatch.setattr(gemv, "time_graphs", lambda steps, reps: model(steps[0].args[3]))
+    monkeypatch.setattr(gemv, "launch", lambda *a, **k: None)
+    monkeypatch.setattr(gemv, "_MODES", {})
+
+    def problem(name: str, n: int, k: int, layers: int, variant: Any) -> Any:
+        return gemv.Problem(name, [torch.zeros(n, k) for _ in range(layers)], variant)
+
+    problems = [
+        problem("o_proj", 8, 16, 2, gemv.Variant(residual=True)),
+        problem("gate_up", 32, 16, 2, gemv.Variant()),
+        problem("lm_head", 64, 16, 1, gemv.Variant()),
+    ]
+    candidates = (gemv.LaunchMode(1), gemv.LaunchMode(3), gemv.LaunchMode(3, 8192))
+    monkeypatch.setattr(gemv, "LAUNCH_PASSES", 1)
+    one = gemv.tune_launch(problems, 1, candidates)
+    assert one["chosen"]["o_proj"]["pdl"] == 1 and one["chosen_ms"] == 8.0
+    monkeypatch.setattr(gemv, "LAUNCH_PASSES", 3)
+    full = gemv.tune_launch(problems, 1, candidates)
+    assert full["chosen"] == {"o_proj": {"pdl": 3, "pf_k": 0}, "gate_up": {"pdl": 3, "pf_k": 8192}}
+    assert full["chosen_ms"] == 6.0 and full["passes"] == 3 and full["kept"]
+    assert gemv.launch_mode_for(8, 16, gemv.Variant(residual=True)) == gemv.LaunchMode(3)
+    assert gemv.launch_mode_for(64, 16, gemv.Variant()) == gemv.PLAIN
+
+
+@pytest.mark.parametrize(
+    ("attention_gain", "mode_gain", "kept", "attention_pdl"),
+    [(0.5, 2.0, True, True), (-0.5, 2.0, True, False), (0.0, 0.05, False, False)],
+)
+def test_prepare_times_launch_modes_on_the_compiled_step(
+    monkeypatch: Any, attention_gain: float, mode_gain: float, kept: bool, attention_pdl: bool
+) -> None:
+    """`prepare._tune_launch` times the smallest decode graph (not the projections alone): the
+    projections' modes with attention as programmatic dependents, then attention both ways; it
+    keeps attention's flag only where the step is faster so, and every launch plain when the
+    best step does not beat plain launches by `LAUNCH_MIN_GAIN`."""
+    require_torch()
+    import torch
+
+    from ignition import prepare
+    from ignition.capture import attention, gemv
+
+    weights = [torch.zeros(8, 16) for _ in range(2)]
+    problem = gemv.Problem("o_proj", weights, gemv.Variant(residual=True))
+
+    class Rec:
+        def __init__(self) -> None:
+            self.timings: dict[str, float] = {}
+            graph = ("decode", 2, "decode_b2"), ("decode", 1, "decode_b1"), ("prefill", 1, "prefill_t8")
+            self.graphs = [SimpleNamespace(kind=k, request_count=b, name=n) for k, b, n in graph]
+            self.program = SimpleNamespace(model=SimpleNamespace(projection_problems=lambda: [problem]))
+            self.timed: list[str] = []
+
+        def time_graph(self, name: str) -> float:
+            self.timed.append(name)
+            t = 10.0 - (mode_gain if gemv.launch_mode_for(8, 16, problem.variant).pdl == 3 else 0.0)
+            return t - (attention_gain if attention.PDL else 0.0)
+
+    monkeypatch.setattr(gemv, "_MODES", {})
+    monkeypatch.setattr(gemv, "LAUNCH_CANDIDATES", (gemv.LaunchMode(3),))
+    monkeypatch.setattr(attention, "PDL", False)
+    rec = Rec()
+    out = prepare._tune_launch(rec)
+    assert set(rec.timed) == {"decode_b1"}
+    assert out["kept"] is kept and attention.PDL is attention_pdl and out["attention_pdl"] is attention_pdl
+    assert (gemv.launch_mode_for(8, 16, problem.variant) == gemv.LaunchMode(3)) is kept
+    assert out["step_plain_ms"] == 10.0
+    assert out["step_chosen_ms"] == (10.0 - mode_gain - max(attention_gain, 0.0) if kept else 10.0)

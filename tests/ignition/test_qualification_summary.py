@@ -135,3 +135,17 @@ def test_headline_figures_carry_the_decode_bandwidth_issue_names() -> None:
     assert entry["prepare_s"] == entry["prepare"]["prepare_total_s"]
     assert entry["decode_tok_s"]["c4"] > 0 and entry["prefill_tok_s_4096"] > 0
     assert summarize.figures({}, None) == {}
+
+
+def test_exposed_time_counts_overlap_once() -> None:
+    """`kernel_breakdown.exposed`: kernels one after another keep their durations; a dependent
+    that started early (a programmatic edge) counts only its time past its predecessors' ends,
+    and one that ends inside a predecessor counts nothing; the sum is the busy time."""
+    pytest.importorskip("torch")
+    import kernel_breakdown
+
+    serial = [("a", 0.0, 2.0), ("b", 3.0, 1.0), ("c", 4.5, 2.0)]
+    assert kernel_breakdown.exposed(serial) == [2.0, 1.0, 2.0]
+    overlapped = [("a", 0.0, 4.0), ("b", 1.0, 5.0), ("c", 2.0, 1.0), ("d", 5.5, 1.0)]
+    assert kernel_breakdown.exposed(overlapped) == [4.0, 2.0, 0.0, 0.5]
+    assert sum(kernel_breakdown.exposed(overlapped)) == 6.5  # the union [0, 6.5)
