@@ -328,6 +328,7 @@ def prepare(model: Path, out: Path, options: PrepareOptions | None = None) -> di
             rec.prepare()
             note(f"arena at {rec.report['arena']['base']} ({rec.arena.mapped / 2**30:.2f} GiB mapped)")
         gemv = bool(rec.program.model.gemv)
+        _reset_launch_settings()
         report["decode_projections"] = "gemv" if gemv else "gemm"
         report["gdn_prefill"] = o.gdn_prefill
         report["sampler"] = "kernel" if rec.program.model.sampler.op is not None else "torch"
@@ -495,6 +496,16 @@ def _tune_projections(rec: Any, buckets: list[int], lanes: int) -> dict[str, Any
     return out
 
 
+def _reset_launch_settings() -> None:
+    """Plain launches everywhere (module state a previous prepare in this process may have
+    set): only `--pdl auto`'s tuning changes them."""
+    from ignition.capture import attention
+    from ignition.capture.gemv import clear_launch_modes
+
+    clear_launch_modes()
+    attention.PDL = False
+
+
 def _tune_launch(rec: Any) -> dict[str, Any]:
     """Picks each projection's launch mode (`gemv.tune_launch`) by timing the compiled decode
     step of the smallest bucket (`Recorder.time_graph`) with the decode attention kernels as
@@ -523,7 +534,8 @@ def _tune_launch(rec: Any) -> dict[str, Any]:
         if best >= plain_ms * (1 - LAUNCH_MIN_GAIN):  # nothing pays: every launch plain
             clear_launch_modes()
             attention.PDL = False
-            out |= {"kept": False, "chosen": {}}
+            out["chosen"] = {}
+        out["kept"] = bool(out["chosen"]) or attention.PDL
     torch.cuda.empty_cache()  # the trial graphs' pools (`time_graph` synchronized each)
     out |= {"graph": step.name, "step_plain_ms": round(plain_ms, 4), "step_chosen_ms": round(best, 4)}
     out |= {"attention_pdl": attention.PDL, "step_with_attention_pdl_ms": round(with_attention, 4)}

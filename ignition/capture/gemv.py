@@ -251,6 +251,9 @@ def launch(
         raise ValueError(f"gemv: a split configuration runs PDL mode 0 or 1, not {pdl} ({cfg})")
     if pf_k and (pdl < 3 or pf_k & (pf_k - 1)):
         raise ValueError(f"gemv: pf_k={pf_k} needs PDL mode 3 or 4 and a power of two")
+    esize = weight.element_size()
+    if pf_k and (weight.data_ptr() % 16 or weight.stride(0) * esize % 16 or pf_k * esize < 16):
+        pf_k = 0  # a bulk prefetch needs 16-byte aligned rows and sizes; the arithmetic is the same without
     partial = torch.empty(cfg.split, m, n, dtype=torch.float32, device=x.device) if cfg.split > 1 else y
     args = (
         x,
@@ -282,7 +285,7 @@ def launch(
     if pdl:
         flags.update(PDL=pdl, launch_pdl=True)
     if pf_k:
-        flags.update(PF_K=pf_k, ESIZE=weight.element_size())
+        flags.update(PF_K=pf_k, ESIZE=esize)
     if cfg.dot:
         grid = (-(-n // cfg.block_n), -(-m // DOT_ROWS), cfg.split)
         _dot_kernel()[grid](*args, partial, BLOCK_M=DOT_ROWS, SPLIT=cfg.split, **flags)
@@ -438,7 +441,7 @@ def _run(p: Problem, x: torch.Tensor, r: torch.Tensor, cfg: GemvConfig, layers: 
         bias = None if p.biases is None else p.biases[i]
         norm = None if p.norms is None else p.norms[i]
         y = launch(
-            x, w, bias, norm, r if p.variant.residual else None, p.eps, p.variant.glu, cfg, norm_mode=p.norm_mode
+            x, w, bias, norm, r if p.variant.residual else None, p.eps, p.variant.glu, cfg, pdl=0, norm_mode=p.norm_mode
         )
     return y
 
@@ -544,7 +547,7 @@ def _compile_one(t: CompileTask) -> bool:
     norm = torch.zeros(t.k, dtype=t.norm_dtype or t.dtype, device=dev) if v.norm else None
     res = torch.zeros(t.m, t.n, dtype=t.dtype, device=dev) if v.residual else None
     try:
-        launch(x, w, bias, norm, res, 1e-6, v.glu, t.config, norm_mode=t.norm_mode)
+        launch(x, w, bias, norm, res, 1e-6, v.glu, t.config, pdl=0, norm_mode=t.norm_mode)
         if dev.type == "cuda":
             torch.cuda.synchronize()
     except Exception:  # reported by the tuner, which meets the same failure
@@ -717,17 +720,20 @@ def _chain(
 def tune_launch(
     problems: Sequence[Problem],
     rows: int,
-    candidates: Sequence[LaunchMode] = LAUNCH_CANDIDATES,
+    candidates: Sequence[LaunchMode] | None = None,
     reps: int = 30,
     step_ms: Callable[[], float] | None = None,
 ) -> dict[str, Any]:
     """Picks each projection's launch mode on this device, after `tune` chose its tile. A trial
     registers its modes and times `step_ms` (a decode step captured anew: the modes are read at
     launch), or without it the projections that have a weight per layer, layer by layer in
-    `problems`' order (a decode step's order), as one CUDA graph at `rows` rows. The chain is a
-    poor proxy: in session 23 it took 0.69 of its plain time where the step took 0.99.
-    From plain launches: every projection at mode 1, then each projection's candidates in
-    turn, each kept when the time drops (greedy, passes until one changes nothing, at most
+    `problems`' order (a decode step's order), as one CUDA graph at `rows` rows: a poor proxy,
+    since in session 23 the modes that took that chain to 0.69 of its plain time saved 1% of
+    the step (against the same kernels without programmatic edges).
+    Projections sharing a shape and variant share a registered mode, so they are tuned as one
+    unit named after its members (Qwen3.5's out_proj and o_proj). From plain launches: every
+    unit at mode 1, then each unit's `candidates` (default `LAUNCH_CANDIDATES`) in turn, each
+    kept when the time drops (greedy, passes until one changes nothing, at most
     `LAUNCH_PASSES`); the result is kept only if it beats plain launches by
     `LAUNCH_MIN_GAIN`. Registers the modes (`set_launch_mode`); projections outside the chain
     (one weight: the vocabulary) stay plain. Costs a compile per (projection, mode) and, per
@@ -736,6 +742,12 @@ def tune_launch(
     chain = [p for p in problems if len(p.weights) > 1]
     if not chain:
         return {"chosen": {}, "kept": False, "reason": "no projection has a weight per layer"}
+    candidates = LAUNCH_CANDIDATES if candidates is None else candidates
+    units: dict[tuple[int, int, str], list[Problem]] = {}
+    for p in chain:
+        n, k = p.weights[0].shape
+        units.setdefault((n, k, p.variant.key()), []).append(p)
+    members = {"+".join(p.name for p in ps): ps for ps in units.values()}
     gen = torch.Generator(device=chain[0].weights[0].device).manual_seed(0)
     xs, rs = {}, {}
     for p in chain:
@@ -745,23 +757,24 @@ def tune_launch(
         rs[p.name] = torch.randn(rows, n, generator=gen, device=w.device).to(w.dtype)
 
     def register(modes: dict[str, LaunchMode]) -> None:
-        for p in chain:
-            n, k = p.weights[0].shape
-            set_launch_mode(n, k, p.variant, modes.get(p.name, PLAIN))
+        for unit, ps in members.items():
+            n, k = ps[0].weights[0].shape
+            set_launch_mode(n, k, ps[0].variant, modes.get(unit, PLAIN))
 
     def timed(modes: dict[str, LaunchMode]) -> float:
         if step_ms is not None:
             register(modes)
             return step_ms()
-        return time_graphs([functools.partial(_chain, chain, xs, rs, modes)], reps)
+        each = {p.name: modes.get(unit, PLAIN) for unit, ps in members.items() for p in ps}
+        return time_graphs([functools.partial(_chain, chain, xs, rs, each)], reps)
 
-    def split(p: Problem) -> bool:
-        n, k = p.weights[0].shape
-        return config_for(n, k, p.variant).split > 1
+    def split(ps: list[Problem]) -> bool:
+        n, k = ps[0].weights[0].shape
+        return config_for(n, k, ps[0].variant).split > 1
 
     plain_ms = timed({})
     trials: list[dict[str, Any]] = []
-    best = {p.name: LaunchMode(1) for p in chain}
+    best = dict.fromkeys(members, LaunchMode(1))
     best_ms = timed(best)
     trials.append({"modes": "all mode 1", "ms": round(best_ms, 4)})
     if best_ms >= plain_ms:
@@ -769,15 +782,15 @@ def tune_launch(
     passes = 0
     for passes in range(1, LAUNCH_PASSES + 1):
         changed = False
-        for p in chain:
+        for unit, ps in members.items():
             for mode in candidates:
-                if split(p) and mode.pdl > 1:  # a split configuration's two launches run mode 1 at most
+                if split(ps) and mode.pdl > 1:  # a split configuration's two launches run mode 1 at most
                     continue
-                if best.get(p.name) == mode:
+                if best.get(unit) == mode:
                     continue
-                trial = {**best, p.name: mode}
+                trial = {**best, unit: mode}
                 ms = timed(trial)
-                trials.append({"pass": passes, "projection": p.name, "mode": asdict(mode), "ms": round(ms, 4)})
+                trials.append({"pass": passes, "projection": unit, "mode": asdict(mode), "ms": round(ms, 4)})
                 if ms < best_ms:
                     best, best_ms, changed = trial, ms, True
         if not changed:
@@ -791,6 +804,6 @@ def tune_launch(
         "chosen_ms": round(best_ms, 4),
         "kept": kept,
         "passes": passes,
-        "chosen": {name: asdict(m) for name, m in best.items()} if kept else {},
+        "chosen": {unit: asdict(m) for unit, m in best.items()} if kept else {},
         "trials": trials,
     }

@@ -304,7 +304,7 @@ def flare_gemv(
         if ROWS > 7:
             a7 = _accumulate(a7, w0, X, NW, r7, ks, kmask, stride_x, K, s7, NORM, GLU, WIDE)
     k_end = K
-    if SPLIT > 1:  # PDL is 0 here (the launch refuses both): k_first is 0
+    if SPLIT > 1:  # PDL is 0 or 1 here (the launch refuses the rest): k_first is 0
         span = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
         k_first = tl.program_id(2) * span
         k_end = tl.minimum(K, k_first + span)

@@ -289,7 +289,8 @@ class Recorder:
 
     def compile_and_capture(self, progress: Any = print, before_capture: Callable[[], None] | None = None) -> None:
         """Compiles every graph, runs `before_capture` (tuning that times compiled graphs with
-        `time_graph`), then captures every graph in its arena pool."""
+        `time_graph`) and every graph once more after it, then captures every graph in its
+        arena pool."""
         t0 = time.time()
         self.report["compile_breakdown"] = {}
         with fallback.watch_lowerings() as implicit:
@@ -319,6 +320,16 @@ class Recorder:
             progress(f"ops Inductor lowered implicitly (no declared lowering): {implicit}")
         if before_capture is not None:
             before_capture()
+            # Tuning may have changed what the ops launch (kernel variants of other row counts
+            # never warmed): every graph runs once more so nothing compiles inside a capture.
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for g in self.graphs:
+                    self.program.set_inputs(g, 0)
+                    self._call(g, g.fn)
+            torch.cuda.current_stream().wait_stream(s)
+            torch.cuda.synchronize()
         t0 = time.time()
         for g in self.graphs:
             g.pool = self.arena.pool()
@@ -523,8 +534,9 @@ class Recorder:
                 else:
                     rec_nodes.append({"id": nid, "unsupported": kind})
             # Full dependencies as [from, to]; programmatic ones (PDL launches) name their kind.
-            # The manifest allows them between kernel nodes only; any other is recorded as the
-            # full dependency it is equivalent to (the dependent waits for completion anyway).
+            # The manifest allows them between kernel nodes only. Capture has made none other;
+            # one would be recorded as a full dependency, which orders the same nodes at least
+            # as strictly (a dependent kernel waits for its predecessor's completion anyway).
             kernel_nodes = {ids[n] for n in nodes if D.node_kind(n) == "kernel"}
             edges = []
             for a, b, kind in D.graph_edges(raw):

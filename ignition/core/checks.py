@@ -169,7 +169,7 @@ def _check_edges(core: RuntimeCore, g: Graph) -> None:
 
 def _check_speculative(core: RuntimeCore) -> None:
     """A speculative program of B requests and D proposals has W = D + 1 lanes per request,
-    P = B * W lanes and W record tokens; no two share (B, D); only ABI 3 cores carry them."""
+    P = B * W lanes and W record tokens; no two share (B, D); only cores of ABI 3 or later carry them."""
     seen: set[tuple[int, int]] = set()
     for g in core.graphs:
         if g.kind is not GraphKind.SPECULATIVE:

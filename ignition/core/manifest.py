@@ -15,7 +15,8 @@ from typing import Any
 
 from ignition.core.schema import load_schema
 
-# 3: speculative programs (GraphKind.SPECULATIVE). Helios reads every earlier ABI.
+# 4: programmatic graph edges (Edge.dependency); 3 added speculative programs. Helios reads
+# every earlier ABI.
 ABI_VERSION = 4
 MANIFEST_FILE = "manifest.pb"
 

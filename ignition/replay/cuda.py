@@ -23,7 +23,7 @@ from ignition.capture.driver import (
     Memcpy3D,
     MemsetNodeParams,
 )
-from ignition.replay.core import CoreFiles, GraphInfo, topological
+from ignition.replay.core import CoreFiles, CoreReadError, GraphInfo, topological
 
 GIB = 1 << 30
 u32, u64, sz, vp = C.c_uint, C.c_uint64, C.c_size_t, C.c_void_p
@@ -249,6 +249,8 @@ class DeviceCore:
         programmatic: list[tuple[int, int, int]] = []
         for e in msg.edges:
             src, dst = index[getattr(e, "from")], index[e.to]
+            if e.dependency not in (0, 1, 2):  # full, programmatic, launch order (the kernel node port)
+                raise CoreReadError(f"graph {g.name}", f"edge {src}->{dst}: unknown dependency {e.dependency}")
             if e.dependency and not self.full_edges:
                 programmatic.append((src, dst, e.dependency))
             else:

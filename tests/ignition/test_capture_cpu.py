@@ -290,7 +290,7 @@ def test_the_launch_tuner_revisits_a_projection_once_its_successor_has_chosen(mo
     from ignition.capture import gemv
 
     def model(modes: dict[str, gemv.LaunchMode]) -> float:
-        if not modes:
+        if all(m == gemv.PLAIN for m in modes.values()):
             return 10.0
         t = 9.0
         gate_up = modes.get("gate_up", gemv.PLAIN)
@@ -369,3 +369,28 @@ def test_prepare_times_launch_modes_on_the_compiled_step(
     assert (gemv.launch_mode_for(8, 16, problem.variant) == gemv.LaunchMode(3)) is kept
     assert out["step_plain_ms"] == 10.0
     assert out["step_chosen_ms"] == (10.0 - mode_gain - max(attention_gain, 0.0) if kept else 10.0)
+
+
+def test_projections_sharing_a_launch_mode_slot_are_tuned_as_one_unit(monkeypatch: Any) -> None:
+    """Modes are registered per (shape, variant): two projections with the same key (Qwen3.5's
+    out_proj and o_proj) are one unit, so no trial times a mode the other one overwrote."""
+    require_torch()
+    import torch
+
+    from ignition.capture import gemv
+
+    seen: list[dict[str, gemv.LaunchMode]] = []
+
+    def model(modes: dict[str, gemv.LaunchMode]) -> float:
+        seen.append(dict(modes))
+        return 10.0 - (2.0 if modes.get("out_proj", gemv.PLAIN).pdl == 3 else 0.0)
+
+    monkeypatch.setattr(gemv, "time_graphs", lambda steps, reps: model(steps[0].args[3]))
+    monkeypatch.setattr(gemv, "launch", lambda *a, **k: None)
+    monkeypatch.setattr(gemv, "_MODES", {})
+    variant = gemv.Variant(residual=True)
+    problems = [gemv.Problem(name, [torch.zeros(8, 16) for _ in range(2)], variant) for name in ("out_proj", "o_proj")]
+    out = gemv.tune_launch(problems, 1, (gemv.LaunchMode(1), gemv.LaunchMode(3)))
+    assert out["chosen"] == {"out_proj+o_proj": {"pdl": 3, "pf_k": 0}}
+    assert all(m["out_proj"] == m["o_proj"] for m in seen)  # one mode for both in every trial
+    assert gemv.launch_mode_for(8, 16, variant) == gemv.LaunchMode(3)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ignition.core.manifest import PROTO_ENUMS
+from ignition.core.manifest import PROTO_ENUMS, EdgeDependency
 from ignition.core.schema import SchemaError, load_schema, parse_proto
 
 
@@ -18,9 +18,11 @@ def test_python_enums_match_the_proto() -> None:
         values = schema.enum_values(proto_name)
         prefix = "".join("_" + c if c.isupper() else c.upper() for c in proto_name).lstrip("_")
         proto = {name.removeprefix(prefix + "_"): n for name, n in values.items() if n != 0}
-        # Value 0 is the proto's UNSPECIFIED; a Python enum may name what it means instead
-        # (`EdgeDependency.FULL`: an edge without a dependency kind is a full dependency).
-        ours = {m.name: int(m) for m in py_enum if int(m) != 0}
+        # Value 0 is the proto's UNSPECIFIED; `EdgeDependency` alone names what it means there
+        # (FULL: an edge without a dependency kind is a full dependency).
+        ours = {m.name: int(m) for m in py_enum if int(m) != 0 or py_enum is not EdgeDependency}
+        if py_enum is EdgeDependency:
+            assert int(EdgeDependency.FULL) == values.get("EDGE_DEPENDENCY_UNSPECIFIED") == 0
         assert ours == proto, proto_name
     assert set(PROTO_ENUMS.values()) == set(schema.enum_names())
 
