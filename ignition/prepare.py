@@ -534,7 +534,7 @@ def _tune_launch(rec: Any) -> dict[str, Any]:
         if best >= plain_ms * (1 - LAUNCH_MIN_GAIN):  # nothing pays: every launch plain
             clear_launch_modes()
             attention.PDL = False
-            out["chosen"] = {}
+            out["chosen"], best = {}, plain_ms
         out["kept"] = bool(out["chosen"]) or attention.PDL
     torch.cuda.empty_cache()  # the trial graphs' pools (`time_graph` synchronized each)
     out |= {"graph": step.name, "step_plain_ms": round(plain_ms, 4), "step_chosen_ms": round(best, 4)}

@@ -429,49 +429,37 @@ fn older_abis_reject_programmatic_edges() {
 
 #[test]
 fn programmatic_edges_join_kernel_nodes_only() {
-    // Kernel → memset.
-    let mut f = fixture();
-    let i = edge_index(&f.manifest, 0, 10, 11);
-    f.manifest.graphs[0].edges[i].dependency = pb::EdgeDependency::Programmatic as i32;
-    let (err, field) = field_of(validate(&f.manifest));
-    assert!(
-        matches!(
-            err,
-            CoreError::InvalidValue { reason: InvalidReason::ProgrammaticEdgeNotBetweenKernels { node: 11 }, .. }
-        ),
-        "{err}"
-    );
-    assert_eq!(field, format!("core.graphs[0].edges[{i}].to"));
-
-    // Memset → kernel.
-    let mut f = fixture();
-    let i = edge_index(&f.manifest, 0, 11, 12);
-    f.manifest.graphs[0].edges[i].dependency = pb::EdgeDependency::LaunchOrder as i32;
-    let (err, field) = field_of(validate(&f.manifest));
-    assert!(
-        matches!(
-            err,
-            CoreError::InvalidValue { reason: InvalidReason::ProgrammaticEdgeNotBetweenKernels { node: 11 }, .. }
-        ),
-        "{err}"
-    );
-    assert_eq!(field, format!("core.graphs[0].edges[{i}].from"));
-
-    // Memcpy → kernel (a maintenance graph's row copy).
-    let mut f = fixture();
-    let g = graph_index(&f.manifest, pb::GraphKind::StateMaintenance);
-    assert!(matches!(f.manifest.graphs[g].nodes.last().unwrap().op, Some(pb::node::Op::Memcpy(_))));
-    f.manifest.graphs[g].edges.push(pb::Edge { from: 13, to: 10, dependency: pb::EdgeDependency::Programmatic as i32 });
-    let i = f.manifest.graphs[g].edges.len() - 1;
-    let (err, field) = field_of(validate(&f.manifest));
-    assert!(
-        matches!(
-            err,
-            CoreError::InvalidValue { reason: InvalidReason::ProgrammaticEdgeNotBetweenKernels { node: 13 }, .. }
-        ),
-        "{err}"
-    );
-    assert_eq!(field, format!("core.graphs[{g}].edges[{i}].from"));
+    let decode = graph_index(&fixture().manifest, pb::GraphKind::Decode);
+    let maintenance = graph_index(&fixture().manifest, pb::GraphKind::StateMaintenance);
+    // (graph, from, to, dependency, the non-kernel node, the end that names it): kernel →
+    // memset, memset → kernel, and memcpy → kernel (a maintenance graph's row copy, node 13).
+    let cases = [
+        (decode, 10, 11, pb::EdgeDependency::Programmatic, 11, "to"),
+        (decode, 11, 12, pb::EdgeDependency::LaunchOrder, 11, "from"),
+        (maintenance, 13, 10, pb::EdgeDependency::Programmatic, 13, "from"),
+    ];
+    for (g, from, to, dependency, bad, end) in cases {
+        let mut f = fixture();
+        let edges = &mut f.manifest.graphs[g].edges;
+        let i = match edges.iter().position(|e| e.from == from && e.to == to) {
+            Some(i) => i,
+            None => {
+                edges.push(pb::Edge { from, to, ..Default::default() });
+                edges.len() - 1
+            }
+        };
+        edges[i].dependency = dependency as i32;
+        let (err, field) = field_of(validate(&f.manifest));
+        assert!(
+            matches!(
+                err,
+                CoreError::InvalidValue { reason: InvalidReason::ProgrammaticEdgeNotBetweenKernels { node }, .. }
+                    if node == bad
+            ),
+            "{from} -> {to}: {err}"
+        );
+        assert_eq!(field, format!("core.graphs[{g}].edges[{i}].{end}"));
+    }
 }
 
 #[test]
