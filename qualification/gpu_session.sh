@@ -39,7 +39,8 @@
 #   persistent-probe                     issue 19: a projection chain as one persistent kernel against a kernel per link
 #   persistent-layer-probe               issue 19: a decode step as one persistent kernel (projections; then with attention)
 #   smolr-pdl, r1b-pdl (carry .dev/b2)   issue 19 item 3: SmolLM2's geometry / the ~1B prepared with --pdl auto (bg);
-#                                        breakdown, floor with and without the programmatic edges, flare bench
+#                                        breakdown, floor with and without the programmatic edges, flare bench;
+#                                        smolr-pdl-ab, r1b-pdl-ab first do the same for a --pdl off core (the baseline)
 #   r1b-spec     (carry .dev/b2)         issue 21: the ~1B with speculative programs, checks, copy/decode benches (bg)
 #   r1b-spec-bw  (carry .dev/b2)         issues 19 + 21: one ~1B prepare (gemv, fused sampler, speculative programs): the
 #                                        breakdown, floor and bench at depth 0, then the copy/decode benches (bg)
@@ -109,7 +110,8 @@ random_model() {  # CONFIG DIR: seeded random weights at qualification/configs/C
 }
 
 prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|gemv, GDN_PREFILL=scan|chunked, PREFILL_CHUNK (256),
-           # SAMPLER=torch (default)|kernel, TEMPLATE_FUSION=benchmark (default)|heuristic, NO_CHECK=1 skips the checks, PDL=auto|off
+           # SAMPLER=torch (default)|kernel, TEMPLATE_FUSION=benchmark (default)|heuristic, NO_CHECK=1 skips the checks, PDL=auto|off,
+           # CACHE_TAG: the compile cache's suffix (default TAG's; prepares that trace the same graphs can share one)
   local tag=${5:+_$5}
   # One prepare at a time: two side by side (2026-12-05, 16 cores) each ran 2.5x slower in tuning
   # and neither finished its first graph's compile in 12 minutes. Measurements may overlap one; its
@@ -122,7 +124,7 @@ prepare() {  # MODEL CORE NAME TIMEOUT [TAG]: DECODE_PROJECTIONS=gemm (default)|
     --prefill-chunk-size "${PREFILL_CHUNK:-256}" --context-limit "${CONTEXT_LIMIT:-4608}" --served-name "$3" ${CORE_REPLAY:+--core-replay /tmp/core_replay} ${DUMP_IO:+--dump-io} \
     --decode-projections "${DECODE_PROJECTIONS:-gemm}" ${NO_CHECK:+--no-check} ${GDN_PREFILL:+--gdn-prefill $GDN_PREFILL} \
     ${SPECULATIVE_DEPTH:+--speculative-depth $SPECULATIVE_DEPTH} ${SAMPLER:+--sampler $SAMPLER} ${PDL:+--pdl $PDL} \
-    --compile-cache "/tmp/cc/$3$tag.bin" --template-fusion "${TEMPLATE_FUSION:-benchmark}" \
+    --compile-cache "/tmp/cc/$3${CACHE_TAG-$tag}.bin" --template-fusion "${TEMPLATE_FUSION:-benchmark}" \
     --reference-prompts "$1.prompts.json" > "$OUT/prepare$tag.log" 2>&1
   echo "prepare$tag rc=$?"
   touch "$OUT/prepare.done"
@@ -370,13 +372,20 @@ case "$STAGE" in
     spec_bench /tmp/smolspec
     # Issue 19's SmolLM2 figures from the same core at depth 0 (breakdown, floor, bench), ~3 min.
     RUN_ARG=--speculative-depth=0 bw_measure /tmp/smol /tmp/smolspec gemv ;;
-  smolr-pdl|r1b-pdl)  # issue 19 item 3 (bg; carry .dev/b2 built for ABI 4): SmolLM2's geometry or the ~1B, random weights,
-                      # prepared with gemv, the fused sampler and --pdl auto (every check), then bw_measure and the Python
-                      # floor again with the programmatic edges rebuilt as full ones (the same core, the same run)
-    if [ "$STAGE" = smolr-pdl ]; then m=smolr; cfg=smollm2_135m_random; name=smollm2-135m-random
-    else m=r1b; cfg=llama_1b_random; name=llama-1b-random; fi
+  smolr-pdl|r1b-pdl|smolr-pdl-ab|r1b-pdl-ab)  # issue 19 item 3 (bg; carry .dev/b2 built for ABI 4): SmolLM2's geometry
+                      # or the ~1B, random weights, prepared with gemv, the fused sampler and --pdl auto (every check), then
+                      # bw_measure and the Python floor again with the programmatic edges rebuilt as full ones (the same
+                      # core, the same run); the -ab stages first prepare (no checks) and measure the same model with
+                      # --pdl off, the plain baseline of the same machine (the second prepare reuses its compile cache)
+    case $STAGE in smolr-*) m=smolr; cfg=smollm2_135m_random; name=smollm2-135m-random ;;
+                   *) m=r1b; cfg=llama_1b_random; name=llama-1b-random ;; esac
     random_model $cfg /tmp/$m
-    DECODE_PROJECTIONS=gemv SAMPLER=kernel PDL=${PDL:-auto} TEMPLATE_FUSION=heuristic \
+    if [ "${STAGE%-ab}" != "$STAGE" ]; then
+      NO_CHECK=1 DECODE_PROJECTIONS=gemv SAMPLER=kernel PDL=off TEMPLATE_FUSION=heuristic CACHE_TAG=_pdlab \
+        prepare /tmp/$m /tmp/${m}off $name "${PREPARE_TIMEOUT:-900}" off
+      bw_measure /tmp/$m /tmp/${m}off off
+    fi
+    DECODE_PROJECTIONS=gemv SAMPLER=kernel PDL=${PDL:-auto} TEMPLATE_FUSION=heuristic CACHE_TAG=_pdlab \
       prepare /tmp/$m /tmp/${m}pdl $name "${PREPARE_TIMEOUT:-900}" pdl
     python3 -c "import json; r = json.load(open('$OUT/prepare_report_pdl.json')); print(json.dumps(r.get('pdl'))[:1500])"
     bw_measure /tmp/$m /tmp/${m}pdl pdl
