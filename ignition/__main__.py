@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
         "--pdl",
         choices=["auto", "off"],
         default="off",
-        help="programmatic dependent launch in the decode graphs (Hopper): each gemv projection's mode tuned (auto)",
+        help="programmatic dependent launch in the decode graphs (Hopper): modes timed on the decode step (auto)",
     )
     prepare.add_argument(
         "--sampler",

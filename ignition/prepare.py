@@ -515,13 +515,12 @@ def _tune_launch(rec: Any) -> dict[str, Any]:
     import torch
 
     from ignition.capture import attention
-    from ignition.capture.gemv import LAUNCH_MIN_GAIN, clear_launch_modes, tune_launch
+    from ignition.capture.gemv import LAUNCH_MIN_GAIN, tune_launch
 
     step = min((g for g in rec.graphs if g.kind == "decode"), key=lambda g: g.request_count)
     t0 = time.time()
     with _timing_lock(rec.timings):
-        clear_launch_modes()
-        attention.PDL = False
+        _reset_launch_settings()
         plain_ms = rec.time_graph(step.name)
         attention.PDL = True
         problems = rec.program.model.projection_problems()
@@ -532,8 +531,7 @@ def _tune_launch(rec: Any) -> dict[str, Any]:
         attention.PDL = with_attention < without
         best = min(with_attention, without)
         if best >= plain_ms * (1 - LAUNCH_MIN_GAIN):  # nothing pays: every launch plain
-            clear_launch_modes()
-            attention.PDL = False
+            _reset_launch_settings()
             out["chosen"], best = {}, plain_ms
         out["kept"] = bool(out["chosen"]) or attention.PDL
     torch.cuda.empty_cache()  # the trial graphs' pools (`time_graph` synchronized each)

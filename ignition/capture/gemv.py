@@ -434,15 +434,31 @@ def time_graphs(steps: Sequence[Callable[[], object]], reps: int) -> float:
     return float(start.elapsed_time(end)) / (reps * len(graphs))
 
 
+def _layer(
+    p: Problem, i: int, x: torch.Tensor, r: torch.Tensor, cfg: GemvConfig | None = None, mode: LaunchMode = PLAIN
+) -> torch.Tensor:
+    """The problem's projection through layer i's weight (its bias and norm), launched as `mode`."""
+    return launch(
+        x,
+        p.weights[i],
+        None if p.biases is None else p.biases[i],
+        None if p.norms is None else p.norms[i],
+        r if p.variant.residual else None,
+        p.eps,
+        p.variant.glu,
+        cfg,
+        pdl=mode.pdl,
+        pf_k=mode.pf_k,
+        norm_mode=p.norm_mode,
+    )
+
+
 def _run(p: Problem, x: torch.Tensor, r: torch.Tensor, cfg: GemvConfig, layers: int | None = None) -> torch.Tensor:
-    """The problem's projection over its first `layers` weights (all by default); the last output."""
+    """The problem's projection over its first `layers` weights (all by default), plainly; the
+    last output."""
     y = x
-    for i, w in enumerate(p.weights[:layers]):
-        bias = None if p.biases is None else p.biases[i]
-        norm = None if p.norms is None else p.norms[i]
-        y = launch(
-            x, w, bias, norm, r if p.variant.residual else None, p.eps, p.variant.glu, cfg, pdl=0, norm_mode=p.norm_mode
-        )
+    for i in range(len(p.weights[:layers])):
+        y = _layer(p, i, x, r, cfg)
     return y
 
 
@@ -700,21 +716,8 @@ def _chain(
     between them: a programmatic dependent waits for its predecessor all the same)."""
     for i in range(max(len(p.weights) for p in problems)):
         for p in problems:
-            if i >= len(p.weights):
-                continue
-            mode = modes.get(p.name, PLAIN)
-            launch(
-                xs[p.name],
-                p.weights[i],
-                None if p.biases is None else p.biases[i],
-                None if p.norms is None else p.norms[i],
-                rs[p.name] if p.variant.residual else None,
-                p.eps,
-                p.variant.glu,
-                pdl=mode.pdl,
-                pf_k=mode.pf_k,
-                norm_mode=p.norm_mode,
-            )
+            if i < len(p.weights):
+                _layer(p, i, xs[p.name], rs[p.name], mode=modes.get(p.name, PLAIN))
 
 
 def tune_launch(
@@ -748,9 +751,9 @@ def tune_launch(
         n, k = p.weights[0].shape
         units.setdefault((n, k, p.variant.key()), []).append(p)
     members = {"+".join(p.name for p in ps): ps for ps in units.values()}
+    xs, rs = {}, {}  # the chain's operands (none when the step itself is timed)
     gen = torch.Generator(device=chain[0].weights[0].device).manual_seed(0)
-    xs, rs = {}, {}
-    for p in chain:
+    for p in chain if step_ms is None else ():
         n, k = p.weights[0].shape
         w = p.weights[0]
         xs[p.name] = torch.randn(rows, 2 * k if p.variant.glu else k, generator=gen, device=w.device).to(w.dtype)

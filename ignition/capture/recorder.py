@@ -29,6 +29,7 @@ import torch
 from ignition.capture import driver as D
 from ignition.capture import fallback
 from ignition.capture.arena import DEFAULT_BASE, FixedArena, Segment, build_allocator
+from ignition.capture.gemv import time_graphs
 from ignition.capture.paged import HEADER_WORDS
 from ignition.capture.program import VALUE_DTYPES, GraphSpec, Program
 from ignition.core import safetensors_io as st
@@ -272,20 +273,19 @@ class Recorder:
         step does (the checks set their own inputs later)."""
         g = next(x for x in self.graphs if x.name == name)
         self.program.set_inputs(g, 0)
-        self._call(g, g.fn)
+        return time_graphs([lambda: self._call(g, g.fn)], reps)
+
+    def _warm(self, graphs: list[GraphSpec], runs: int) -> None:
+        """Each of `graphs` run `runs` times on a side stream (compiles, loads kernels)."""
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for g in graphs:
+                for _ in range(runs):
+                    self.program.set_inputs(g, 0)
+                    self._call(g, g.fn)
+        torch.cuda.current_stream().wait_stream(s)
         torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._call(g, g.fn)
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        del graph
-        return float(start.elapsed_time(end)) / reps
 
     def compile_and_capture(self, progress: Any = print, before_capture: Callable[[], None] | None = None) -> None:
         """Compiles every graph, runs `before_capture` (tuning that times compiled graphs with
@@ -298,14 +298,7 @@ class Recorder:
                 t1 = time.time()
                 before = _compile_metrics()
                 g.fn = torch.compile(self.program.method(g), fullgraph=True, dynamic=False)
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    for _ in range(3):
-                        self.program.set_inputs(g, 0)
-                        self._call(g, g.fn)
-                torch.cuda.current_stream().wait_stream(s)
-                torch.cuda.synchronize()
+                self._warm([g], 3)
                 wall = time.time() - t1
                 # Where this graph's compile went (torch's own timers; the rest of the wall time is
                 # the warm-up runs, Ignition's Triton kernels compiling on first launch included).
@@ -322,14 +315,7 @@ class Recorder:
             before_capture()
             # Tuning may have changed what the ops launch (kernel variants of other row counts
             # never warmed): every graph runs once more so nothing compiles inside a capture.
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for g in self.graphs:
-                    self.program.set_inputs(g, 0)
-                    self._call(g, g.fn)
-            torch.cuda.current_stream().wait_stream(s)
-            torch.cuda.synchronize()
+            self._warm(self.graphs, 1)
         t0 = time.time()
         for g in self.graphs:
             g.pool = self.arena.pool()
@@ -488,10 +474,13 @@ class Recorder:
             rec_nodes: list[dict[str, Any]] = []
             kinds: dict[str, int] = {}
             library: list[str] = []
+            kernel_nodes: set[int] = set()
             for n in nodes:
                 kind = D.node_kind(n)
                 kinds[kind] = kinds.get(kind, 0) + 1
                 nid = ids[n]
+                if kind == "kernel":
+                    kernel_nodes.add(nid)
                 if kind == "kernel":
                     k = D.kernel_launch(n)
                     key = self._kernel_entry(k, kernels, images_dir)
@@ -537,7 +526,6 @@ class Recorder:
             # The manifest allows them between kernel nodes only. Capture has made none other;
             # one would be recorded as a full dependency, which orders the same nodes at least
             # as strictly (a dependent kernel waits for its predecessor's completion anyway).
-            kernel_nodes = {ids[n] for n in nodes if D.node_kind(n) == "kernel"}
             edges = []
             for a, b, kind in D.graph_edges(raw):
                 pdl = kind != "full" and ids[a] in kernel_nodes and ids[b] in kernel_nodes
