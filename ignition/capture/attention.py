@@ -98,6 +98,10 @@ TOKENS = ("decode", "prefill", "lanes")
 # separate write kernel / the per-token prefill kernel for every core prepared afterwards.
 FUSED_DECODE_WRITE = True
 PREFILL_BLOCKS = True
+# Decode attention reads its first page's K tile before waiting on the previous kernel (`EARLY`
+# in `paged_attention_kernel`) up to this head dim. At 256 the tile held across the wait spills
+# (sm_90 compile, one page per group: 200 bytes of stack where there were none).
+EARLY_MAX_HEAD_DIM = 128
 
 
 def pages_per_split(tokens: int, pages: int) -> int:
@@ -268,6 +272,7 @@ def _launch_attention(
         PPSP=max(2, 1 << (pps - 1).bit_length()),
         ROPE=rope,
         WRITE=write is not None,
+        EARLY=write is not None and d <= EARLY_MAX_HEAD_DIM,
         num_warps=4,
         **_pdl(),
     )

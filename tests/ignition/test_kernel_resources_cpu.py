@@ -117,7 +117,7 @@ def test_decode_attention_fits_sm90(name: str, heads: int, kv_heads: int, d: int
     )
     consts = {"SCALE": d**-0.5, "H": heads, "G": g, "GP": max(16, 1 << (g - 1).bit_length()), "D": d, "T": 64}
     consts |= {"SPLITS": -(-72 // pps), "PPS": pps, "PPSP": max(2, 1 << (pps - 1).bit_length())}
-    consts |= {"ROPE": rope, "WRITE": True, "PDL": False}
+    consts |= {"ROPE": rope, "WRITE": True, "PDL": False, "EARLY": d <= attention.EARLY_MAX_HEAD_DIM}
     res = compile_sm90(attention_triton.paged_attention_kernel, sig, consts, num_warps=4)
     assert res["stack"] <= (0 if d <= 64 else 512) and res["shared"] <= SM90_SHARED, (name, res)
 
