@@ -11,9 +11,10 @@ do; all layers as one graph, with the relative error against the current setting
 decode step took 88 us longer at 288 tokens of context than at a few: ~3 us per attention layer,
 with 4 pages walked one after another by each program.)
 
-Then the decode kernel's early read (`attention.EARLY_MAX_HEAD_DIM`: the first page's K tile read
-before the wait on the previous kernel) on and off, with plain launches and as programmatic
-dependents (`attention.PDL`), one page per program, bitwise against each other.
+With `--early-only`, only this instead: the decode kernel's early read (`attention.EARLY_MAX_HEAD_DIM`:
+the first page's K tile read before the wait on the previous kernel) on and off, with plain
+launches and as programmatic dependents (`attention.PDL`), one page per program, the last
+layer's outputs bitwise against each other.
 
     python3 qualification/attention_check.py OUT.json [--early-only]
 """
@@ -125,15 +126,15 @@ def main() -> int:
     dev = torch.device("cuda")
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "cases": [], "decode": [], "early": []}
     worst = 0.0
-    ok = True
-    for name, layers, h, kvh, d, rope in GEOMETRIES:
-        for rows in (1, 4):
-            for context in (256, 1024, 4096):
-                case = early(name, layers, h, kvh, d, rope, rows, context)
-                ok &= case["bitwise"]
-                report["early"].append(case)
-                print(json.dumps(case), flush=True)
     if "--early-only" in sys.argv[2:]:
+        ok = True
+        for name, layers, h, kvh, d, rope in GEOMETRIES:
+            for rows in (1, 4):
+                for context in (256, 1024, 4096):
+                    case = early(name, layers, h, kvh, d, rope, rows, context)
+                    ok &= case["bitwise"]
+                    report["early"].append(case)
+                    print(json.dumps(case), flush=True)
         Path(sys.argv[1]).write_text(json.dumps(report, indent=1))
         return 0 if ok else 1
     for name, layers, h, kvh, d, rope in GEOMETRIES:
@@ -175,7 +176,7 @@ def main() -> int:
                 print(json.dumps(timed), flush=True)
     report["worst_rel_l2"] = worst
     Path(sys.argv[1]).write_text(json.dumps(report, indent=1))
-    return 0 if worst < 1e-2 and ok else 1
+    return 0 if worst < 1e-2 else 1
 
 
 if __name__ == "__main__":

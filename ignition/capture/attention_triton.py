@@ -89,6 +89,7 @@ def _token_kv(K, V, COS, SIN, n, h, k_row, k_head, v_row, v_head, dtype: tl.cons
 @triton.jit
 def _store_token(KV, k, v, slot, h, layer, s_page, s_layer, s_sel, s_tok, s_head, D: tl.constexpr,
                  T: tl.constexpr):  # fmt: skip
+    """K and V rows of KV head h into the slot (>= 0)."""
     di = tl.arange(0, D)
     dst = KV + (slot // T) * s_page + layer * s_layer + (slot % T) * s_tok + h * s_head + di
     tl.store(dst, k)
@@ -144,14 +145,17 @@ def paged_attention_kernel(
     `WRITE` (decode: every token of its own request): the group holding the token's position
     writes the token's K/V into its slot; no other program reads that position, so the separate
     write kernel is not needed. `EARLY` (with `WRITE`): the K tile of the group's first page is
-    read before anything this launch depends on, with the positions, page ids and slot (inputs of
-    the step, written before the previous kernel started: every kernel of the chain waits for its
-    own predecessor before letting the next launch). Its positions before the token's were
-    written by earlier steps, and the token's own row is replaced in registers by the values
-    written: the same bits a read after the write gives. V, and the group's later pages, are
-    read after the holder's write and barrier. `PDL` (launched as a programmatic dependent):
-    then it waits for the previous kernel and lets the next one launch (its own wait covers
+    read before waiting on the previous kernel, with the positions, request rows and page ids.
+    None of them is that kernel's output: the recorder refuses a programmatic edge into this
+    kernel from anything but a projection or combine kernel (`PDL_SAFE_PREDECESSORS`), and
+    every kernel before that one finished before it let this one launch. The page's positions
+    before the token's were written by earlier steps; the token's own row (its slot is always
+    PT[r, pos // T] * T + pos % T in decode) is replaced in registers by the values written,
+    the same bits a read after the write gives. V, and the group's later pages, are read after
+    the holder's write and barrier. `PDL` (launched as a programmatic dependent): waits for the
+    previous kernel (after `EARLY`'s reads), then lets the next one launch (its own wait covers
     this kernel's writes)."""
+    tl.static_assert(WRITE or not EARLY)
     if PDL and not EARLY:
         gdc_wait()
         gdc_launch_dependents()
@@ -173,7 +177,6 @@ def paged_attention_kernel(
     ids = tl.load(PT + r * pt_stride + first + gi_, mask=(first + gi_) < last, other=0).to(tl.int64)
     ids = tl.maximum(ids, 0)
     if WRITE and EARLY:
-        slot = tl.load(SLOT + n).to(tl.int64)
         live = first < last
         live_t = (first + ti * 0) < last  # per row: a mask needs a tensor of the tile's rank
         kp0 = base + tl.sum(tl.where(gi_ == 0, ids, 0), 0) * s_page + ti[:, None] * s_tok + di[None, :]
@@ -181,6 +184,7 @@ def paged_attention_kernel(
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
+        slot = tl.load(SLOT + n).to(tl.int64)  # computed in the graph: read after the wait
         kn = tl.zeros([D], KV.dtype.element_ty)
         vn = tl.zeros([D], KV.dtype.element_ty)
         if (sp == (pos // T) // PPS) & (slot >= 0):

@@ -193,7 +193,8 @@ def _no_grid_dependency() -> None:
 attention_triton.gdc_wait = _no_grid_dependency
 attention_triton.gdc_launch_dependents = _no_grid_dependency
 pdl_bitwise = True
-for pps in (1, 4):
+for early, pps in ((True, 1), (True, 4), (False, 1), (False, 4)):
+    attention.EARLY_MAX_HEAD_DIM = early_max if early else 0
     plain_kv, pdl_kv = kv4.clone(), kv4.clone()
     plain = _launch_attention(rq, plain_kv, tables4, req4, pos4, 1, scale, pps, tokens="decode", write=(rk, rv, slots4))
     attention.PDL = True
@@ -202,6 +203,7 @@ for pps in (1, 4):
     finally:
         attention.PDL = False
     pdl_bitwise &= torch.equal(plain, pdl) and torch.equal(plain_kv, pdl_kv)
+attention.EARLY_MAX_HEAD_DIM = early_max
 report = {
     "pdl_bitwise": pdl_bitwise,
     "idle_groups_unread": idle_groups_unread,
