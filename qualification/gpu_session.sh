@@ -35,6 +35,7 @@
 #   attention-check                      issue 19: prefill attention, block kernel against per-token, three geometries
 #   attention-early                      issue 19: decode attention reading its first K page before the wait, on/off
 #   pdl-probe                            issue 19: gemv chains as one graph, plain and with programmatic dependent launch
+#   pdl-rebuild                          issue 19: that chain with programmatic edges, torch's graph against it rebuilt node by node
 #   graph-probe                          issue 19: a graph replay's cost beyond its kernels, per replay and per kernel
 #   prefetch-probe                       issue 19: gemv chains with the next layer's weights read into L2 on a graph branch
 #   persistent-probe                     issue 19: a projection chain as one persistent kernel against a kernel per link
@@ -466,6 +467,15 @@ case "$STAGE" in
         "$OUT/persistent_layer_probe_$c.json" > "$OUT/persistent_layer_probe_$c.log" 2>&1
       echo "persistent_layer_probe $c rc=$?"; tail -2 "$OUT/persistent_layer_probe_$c.log" | cut -c1-900
     done ;;
+  pdl-rebuild)  # issue 19 item 3: SmolLM2's projection chain with programmatic edges, torch's graph against the
+                # same graph cloned and rebuilt node by node as a core loader does (~1 min)
+    timing_lock
+    for mode in 3,8192 1,0; do
+      timeout 240 python3 qualification/pdl_rebuild_probe.py qualification/configs/smollm2_135m_random.json \
+        "$OUT/pdl_rebuild_${mode/,/_}.json" --mode $mode > "$OUT/pdl_rebuild_${mode/,/_}.log" 2>&1
+      echo "pdl_rebuild_probe $mode rc=$?"; tail -5 "$OUT/pdl_rebuild_${mode/,/_}.log" | cut -c1-700
+    done
+    timing_unlock ;;
   pdl-probe)  # issue 19 item 3: the decode projections' chain (every layer, flare::gemv) as one graph, plain and with
               # programmatic dependent launch; SmolLM2 and the ~1B geometries (random weights, ~2 min)
     for c in smollm2_135m_random llama_1b_random; do

@@ -102,7 +102,7 @@ PREFILL_BLOCKS = True
 # in `paged_attention_kernel`) up to this head dim. At 256 the tile held across the wait spills
 # (sm_90 compile, one page per group: 216 bytes of stack where there were none). Checked bitwise
 # under the interpreter; its time on the device is `qualification/attention_check.py --early-only`.
-EARLY_MAX_HEAD_DIM = 128
+EARLY_MAX_HEAD_DIM = 0
 # The kernels that may precede an `EARLY` decode attention kernel launched as a programmatic
 # dependent: they write none of the step inputs it reads before its wait, and each lets its
 # dependents launch only after its own wait, or, launched plainly, once it finished, so every
