@@ -11,12 +11,7 @@ do; all layers as one graph, with the relative error against the current setting
 decode step took 88 us longer at 288 tokens of context than at a few: ~3 us per attention layer,
 with 4 pages walked one after another by each program.)
 
-With `--early-only`, only this instead: the decode kernel's early read (`attention.EARLY_MAX_HEAD_DIM`:
-the first page's K tile read before the wait on the previous kernel) on and off, with plain
-launches and as programmatic dependents (`attention.PDL`), one page per program, the last
-layer's outputs bitwise against each other.
-
-    python3 qualification/attention_check.py OUT.json [--early-only]
+    python3 qualification/attention_check.py OUT.json
 """
 
 from __future__ import annotations
@@ -100,43 +95,10 @@ def decode(name: str, layers: int, h: int, kvh: int, d: int, rope: bool, rows: i
     return case
 
 
-def early(name: str, layers: int, h: int, kvh: int, d: int, rope: bool, rows: int, context: int) -> dict[str, Any]:
-    """One decode case at one page per program: µs per layer with the early read on and off,
-    with plain launches and as programmatic dependents, and whether all four agree bitwise."""
-    case: dict[str, Any] = {"geometry": name, "layers": layers, "rows": rows, "context": context, "us_per_layer": {}}
-    outs = []
-    keep = attention.EARLY_MAX_HEAD_DIM, attention.PDL
-    try:
-        for pdl in (False, True):
-            for on in (True, False):
-                attention.PDL = pdl
-                attention.EARLY_MAX_HEAD_DIM = keep[0] if on else 0
-                ms, out = attention_tune.time_decode(h, kvh, d, 64, WIDTH, layers, rows, context, 1, rope)
-                key = f"{'pdl' if pdl else 'plain'}_early_{'on' if on else 'off'}"
-                case["us_per_layer"][key] = round(ms * 1e3 / layers, 2)
-                outs.append(out)
-    finally:
-        attention.EARLY_MAX_HEAD_DIM, attention.PDL = keep
-    case["early_applies"] = d <= keep[0]
-    case["bitwise"] = all(torch.equal(outs[0], o) for o in outs[1:])
-    return case
-
-
 def main() -> int:
     dev = torch.device("cuda")
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "cases": [], "decode": [], "early": []}
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "cases": [], "decode": []}
     worst = 0.0
-    if "--early-only" in sys.argv[2:]:
-        ok = True
-        for name, layers, h, kvh, d, rope in GEOMETRIES:
-            for rows in (1, 4):
-                for context in (256, 1024, 4096):
-                    case = early(name, layers, h, kvh, d, rope, rows, context)
-                    ok &= case["bitwise"]
-                    report["early"].append(case)
-                    print(json.dumps(case), flush=True)
-        Path(sys.argv[1]).write_text(json.dumps(report, indent=1))
-        return 0 if ok else 1
     for name, layers, h, kvh, d, rope in GEOMETRIES:
         for context in (1024, 4096):
             chunk = 256

@@ -33,7 +33,6 @@
 #   sampler-check                        issue 19: flare::sample against the torch sampler, tokens and graph time (no core)
 #   gdn-check                            issue 18: GDN components vs Transformers' torch functions, times (chunked prefill)
 #   attention-check                      issue 19: prefill attention, block kernel against per-token, three geometries
-#   attention-early                      issue 19: decode attention reading its first K page before the wait, on/off
 #   pdl-probe                            issue 19: gemv chains as one graph, plain and with programmatic dependent launch
 #   pdl-rebuild                          issue 19: that chain with programmatic edges, torch's graph against it rebuilt node by node
 #   graph-probe                          issue 19: a graph replay's cost beyond its kernels, per replay and per kernel
@@ -495,12 +494,6 @@ case "$STAGE" in
     timing_lock
     timeout 300 python3 qualification/attention_check.py "$OUT/attention_check.json" > "$OUT/attention_check.log" 2>&1
     echo "attention_check rc=$?"; tail -8 "$OUT/attention_check.log" | cut -c1-300 ;;
-  attention-early)  # issue 19: decode attention's early K read on and off, plain and PDL launches (~1 min)
-    timing_lock
-    timeout 200 python3 qualification/attention_check.py "$OUT/attention_early.json" --early-only \
-      > "$OUT/attention_early.log" 2>&1
-    echo "attention_check --early-only rc=$?"; cut -c1-260 "$OUT/attention_early.log" | tail -20
-    timing_unlock ;;
   spec-diag|spec-diag-hybrid)  # issue 21: speculative lanes against decode on a tiny model (kernels, compile, gemv,
               # precision casts); spec-diag-hybrid (CASES=hybrid): first the GDN lane kernels at the 0.8B geometry and
               # far row offsets (gdn_verify_check.py), then the tiny Qwen3.5 cases

@@ -98,26 +98,6 @@ TOKENS = ("decode", "prefill", "lanes")
 # separate write kernel / the per-token prefill kernel for every core prepared afterwards.
 FUSED_DECODE_WRITE = True
 PREFILL_BLOCKS = True
-# Decode attention reads its first page's K tile before waiting on the previous kernel (`EARLY`
-# in `paged_attention_kernel`) up to this head dim. At 256 the tile held across the wait spills
-# (sm_90 compile, one page per group: 216 bytes of stack where there were none). Checked bitwise
-# under the interpreter; its time on the device is `qualification/attention_check.py --early-only`.
-EARLY_MAX_HEAD_DIM = 0
-# The kernels that may precede an `EARLY` decode attention kernel launched as a programmatic
-# dependent: they write none of the step inputs it reads before its wait, and each lets its
-# dependents launch only after its own wait, or, launched plainly, once it finished, so every
-# kernel before it has finished too. An Inductor kernel there could be the one that computed the
-# request rows or page table those reads use.
-PDL_SAFE_PREDECESSORS = frozenset({"flare_gemv", "flare_gemv_dot", "flare_gemv_reduce", "paged_attention_combine"})
-# CUfunction handles of the decode attention kernels launched with `EARLY` and `PDL`: the recorder
-# checks what precedes them in each captured graph (`unsafe_early_edges`).
-EARLY_FUNCTIONS: set[int] = set()
-
-
-def unsafe_early_edges(edges: list[tuple[str, int]]) -> list[str]:
-    """Given a graph's programmatic edges as (predecessor kernel name, dependent CUfunction), the
-    predecessors outside `PDL_SAFE_PREDECESSORS` of a kernel in `EARLY_FUNCTIONS`."""
-    return sorted({a for a, f in edges if f in EARLY_FUNCTIONS and a not in PDL_SAFE_PREDECESSORS})
 
 
 def pages_per_split(tokens: int, pages: int) -> int:
@@ -249,8 +229,7 @@ def _launch_attention(
         part_m = torch.empty((n, splits, h), dtype=torch.float32, device=q.device)
         part_l = torch.empty((n, splits, h), dtype=torch.float32, device=q.device)
     st = kv.stride()
-    early = write is not None and d <= EARLY_MAX_HEAD_DIM
-    compiled = _kernel()[(n, kvh, splits)](
+    _kernel()[(n, kvh, splits)](
         q,
         c,
         s,
@@ -289,12 +268,9 @@ def _launch_attention(
         PPSP=max(2, 1 << (pps - 1).bit_length()),
         ROPE=rope,
         WRITE=write is not None,
-        EARLY=early,
         num_warps=4,
         **_pdl(),
     )
-    if early and PDL and getattr(compiled, "function", None) is not None:  # (the interpreter returns none)
-        EARLY_FUNCTIONS.add(int(compiled.function))
     if splits > 1:
         _combine_kernel()[(n, h)](
             part_acc, part_m, part_l, out, pos, H=h, D=d, T=t, PPS=pps, SPLITS=splits,

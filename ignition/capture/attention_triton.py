@@ -43,12 +43,6 @@ def _page_step(q, kp, s_sel, first, ti, pos, last_pos, m, lsum, acc, SCALE: tl.c
     mask: its scores there are replaced by -inf."""
     k = tl.load(kp)
     v = tl.load(kp + s_sel, mask=((first + ti) <= last_pos)[:, None], other=0.0)
-    return _fold(q, k, v, first, ti, pos, m, lsum, acc, SCALE)
-
-
-@triton.jit
-def _fold(q, k, v, first, ti, pos, m, lsum, acc, SCALE: tl.constexpr):
-    """`_page_step` over a page's K and V tiles already loaded."""
     s = tl.dot(q, tl.trans(k)) * SCALE
     s = tl.where((first + ti)[None, :] <= pos, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
@@ -64,15 +58,6 @@ def _write_token(K, V, COS, SIN, KV, slot, n, h, layer, k_row, k_head, v_row, v_
                  s_head, D: tl.constexpr, T: tl.constexpr, ROPE: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
     """Token n's K (rotated when `ROPE`) and V of KV head h into its slot (the slot is >= 0);
     `CACHE` as for `_query_rows`, for the K and V loads."""
-    k, v = _token_kv(K, V, COS, SIN, n, h, k_row, k_head, v_row, v_head, KV.dtype.element_ty, D, ROPE, CACHE)
-    _store_token(KV, k, v, slot, h, layer, s_page, s_layer, s_sel, s_tok, s_head, D, T)
-
-
-@triton.jit
-def _token_kv(K, V, COS, SIN, n, h, k_row, k_head, v_row, v_head, dtype: tl.constexpr, D: tl.constexpr,
-              ROPE: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
-    """Token n's K row (rotated when `ROPE`) and V row of KV head h, in the cache's dtype: the
-    values `_store_token` writes, bit for bit."""
     di = tl.arange(0, D)
     kp = K + n * k_row + h * k_head
     k = tl.load(kp + di, cache_modifier=CACHE)
@@ -82,18 +67,9 @@ def _token_kv(K, V, COS, SIN, n, h, k_row, k_head, v_row, v_head, dtype: tl.cons
         c = tl.load(COS + n * D + di).to(tl.float32)
         s_ = tl.load(SIN + n * D + di).to(tl.float32)
         k = k.to(tl.float32) * c + sign * tl.load(kp + rot, cache_modifier=CACHE).to(tl.float32) * s_
-    v = tl.load(V + n * v_row + h * v_head + di, cache_modifier=CACHE)
-    return k.to(dtype), v.to(dtype)
-
-
-@triton.jit
-def _store_token(KV, k, v, slot, h, layer, s_page, s_layer, s_sel, s_tok, s_head, D: tl.constexpr,
-                 T: tl.constexpr):  # fmt: skip
-    """K and V rows of KV head h into the slot (>= 0)."""
-    di = tl.arange(0, D)
     dst = KV + (slot // T) * s_page + layer * s_layer + (slot % T) * s_tok + h * s_head + di
-    tl.store(dst, k)
-    tl.store(dst + s_sel, v)
+    tl.store(dst, k.to(KV.dtype.element_ty))
+    tl.store(dst + s_sel, tl.load(V + n * v_row + h * v_head + di, cache_modifier=CACHE))
 
 
 @triton.jit
@@ -137,26 +113,16 @@ def paged_attention_kernel(
     ROPE: tl.constexpr,
     WRITE: tl.constexpr,
     PDL: tl.constexpr = False,
-    EARLY: tl.constexpr = False,
 ):
     """One (token, KV head, page group): the group's unnormalized softmax state (m, l, acc);
     with a single group, the normalized output itself (into OUT). `ROPE`: q is rotated here
     (rotate-half with the token's cos/sin), so no kernel materializes it first.
     `WRITE` (decode: every token of its own request): the group holding the token's position
-    writes the token's K/V into its slot; no other program reads that position, so the separate
-    write kernel is not needed. `EARLY` (with `WRITE`): the K tile of the group's first page is
-    read before waiting on the previous kernel, with the positions, request rows and page ids.
-    None of them is that kernel's output: the recorder refuses a programmatic edge into this
-    kernel from anything but a projection or combine kernel (`PDL_SAFE_PREDECESSORS`), and
-    every kernel before that one finished before it let this one launch. The page's positions
-    before the token's were written by earlier steps; the token's own row (its slot is always
-    PT[r, pos // T] * T + pos % T in decode) is replaced in registers by the values written,
-    the same bits a read after the write gives. V, and the group's later pages, are read after
-    the holder's write and barrier. `PDL` (launched as a programmatic dependent): waits for the
-    previous kernel (after `EARLY`'s reads), then lets the next one launch (its own wait covers
-    this kernel's writes)."""
-    tl.static_assert(WRITE or not EARLY)
-    if PDL and not EARLY:
+    first writes the token's K/V into its slot, then reads the page after a barrier; no other
+    program reads that position, so the separate write kernel is not needed. `PDL` (launched
+    as a programmatic dependent): waits for the previous kernel before anything else, then lets
+    the next one launch (its own wait covers this kernel's writes)."""
+    if PDL:
         gdc_wait()
         gdc_launch_dependents()
     n = tl.program_id(0)
@@ -164,9 +130,23 @@ def paged_attention_kernel(
     sp = tl.program_id(2)
     pos = tl.load(POS + n).to(tl.int64)
     r = tl.load(REQ + n).to(tl.int64)
+    if WRITE:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if sp == (pos // T) // PPS:
+            slot = tl.load(SLOT + n).to(tl.int64)
+            if slot >= 0:
+                _write_token(K, V, COS, SIN, KV, slot, n, kh, layer, k_row, k_head, v_row, v_head, s_page, s_layer,
+                             s_sel, s_tok, s_head, D, T, ROPE, "")  # fmt: skip
+            tl.debug_barrier()
     gi = tl.arange(0, GP)
     di = tl.arange(0, D)
     ti = tl.arange(0, T)
+    qmask = gi < G
+    head = kh * G + gi
+    qp = Q + n * q_row + head[:, None] * q_head
+    q = _query_rows(qp, qmask, n * D + di[None, :], COS, SIN, di, D, ROPE, KV.dtype.element_ty, "")
+    m = tl.full([GP], float("-inf"), tl.float32)
+    lsum = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
     base = KV + layer * s_layer + kh * s_head
     first = sp.to(tl.int64) * PPS
     last = tl.minimum(first + PPS, pos // T + 1)
@@ -176,43 +156,7 @@ def paged_attention_kernel(
     gi_ = tl.arange(0, PPSP)
     ids = tl.load(PT + r * pt_stride + first + gi_, mask=(first + gi_) < last, other=0).to(tl.int64)
     ids = tl.maximum(ids, 0)
-    if WRITE and EARLY:
-        live = first < last
-        live_t = (first + ti * 0) < last  # per row: a mask needs a tensor of the tile's rank
-        kp0 = base + tl.sum(tl.where(gi_ == 0, ids, 0), 0) * s_page + ti[:, None] * s_tok + di[None, :]
-        k0 = tl.load(kp0, mask=live_t[:, None], other=0.0)
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
-        slot = tl.load(SLOT + n).to(tl.int64)  # computed in the graph: read after the wait
-        kn = tl.zeros([D], KV.dtype.element_ty)
-        vn = tl.zeros([D], KV.dtype.element_ty)
-        if (sp == (pos // T) // PPS) & (slot >= 0):
-            kn, vn = _token_kv(K, V, COS, SIN, n, kh, k_row, k_head, v_row, v_head, KV.dtype.element_ty, D, ROPE, "")
-            _store_token(KV, kn, vn, slot, kh, layer, s_page, s_layer, s_sel, s_tok, s_head, D, T)
-            tl.debug_barrier()
-        k0 = tl.where((((first * T + ti) == pos) & (slot >= 0))[:, None], kn[None, :], k0)
-        v0 = tl.load(kp0 + s_sel, mask=(live_t & ((first * T + ti) <= pos))[:, None], other=0.0)
-    elif WRITE:  # noqa: SIM102 (a compile-time branch around a run-time one)
-        if sp == (pos // T) // PPS:
-            slot = tl.load(SLOT + n).to(tl.int64)
-            if slot >= 0:
-                _write_token(K, V, COS, SIN, KV, slot, n, kh, layer, k_row, k_head, v_row, v_head, s_page, s_layer,
-                             s_sel, s_tok, s_head, D, T, ROPE, "")  # fmt: skip
-            tl.debug_barrier()
-    qmask = gi < G
-    head = kh * G + gi
-    qp = Q + n * q_row + head[:, None] * q_head
-    q = _query_rows(qp, qmask, n * D + di[None, :], COS, SIN, di, D, ROPE, KV.dtype.element_ty, "")
-    m = tl.full([GP], float("-inf"), tl.float32)
-    lsum = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
-    later = first
-    if WRITE and EARLY:
-        if live:
-            m, lsum, acc = _fold(q, k0, v0, first * T, ti, pos, m, lsum, acc, SCALE)
-        later = first + 1
-    for j in range(later, last):
+    for j in range(first, last):
         page = tl.sum(tl.where(gi_ == j - first, ids, 0), 0)
         kp = base + page * s_page + ti[:, None] * s_tok + di[None, :]
         m, lsum, acc = _page_step(q, kp, s_sel, j * T, ti, pos, pos, m, lsum, acc, SCALE)

@@ -29,7 +29,6 @@ import torch
 from ignition.capture import driver as D
 from ignition.capture import fallback
 from ignition.capture.arena import DEFAULT_BASE, FixedArena, Segment, build_allocator
-from ignition.capture.attention import EARLY_FUNCTIONS, unsafe_early_edges
 from ignition.capture.gemv import time_graphs
 from ignition.capture.paged import HEADER_WORDS
 from ignition.capture.program import VALUE_DTYPES, GraphSpec, Program
@@ -475,15 +474,15 @@ class Recorder:
             rec_nodes: list[dict[str, Any]] = []
             kinds: dict[str, int] = {}
             library: list[str] = []
-            kernel_names: dict[int, str] = {}
-            kernel_functions: dict[int, int] = {}
+            kernel_nodes: set[int] = set()
             for n in nodes:
                 kind = D.node_kind(n)
                 kinds[kind] = kinds.get(kind, 0) + 1
                 nid = ids[n]
                 if kind == "kernel":
+                    kernel_nodes.add(nid)
+                if kind == "kernel":
                     k = D.kernel_launch(n)
-                    kernel_names[nid], kernel_functions[nid] = k.name, k.function
                     key = self._kernel_entry(k, kernels, images_dir)
                     if kernels[k.function]["origin"] != "triton":
                         library.append(k.name)
@@ -527,20 +526,10 @@ class Recorder:
             # The manifest allows them between kernel nodes only. Capture has made none other;
             # one would be recorded as a full dependency, which orders the same nodes at least
             # as strictly (a dependent kernel waits for its predecessor's completion anyway).
-            edges: list[list[Any]] = []
-            programmatic: list[tuple[str, int]] = []
+            edges = []
             for a, b, kind in D.graph_edges(raw):
-                pdl = kind != "full" and ids[a] in kernel_names and ids[b] in kernel_names
+                pdl = kind != "full" and ids[a] in kernel_nodes and ids[b] in kernel_nodes
                 edges.append([ids[a], ids[b], kind] if pdl else [ids[a], ids[b]])
-                if pdl:
-                    programmatic.append((kernel_names[ids[a]], kernel_functions[ids[b]]))
-            unsafe = unsafe_early_edges(programmatic)
-            if unsafe:
-                raise RuntimeError(
-                    f"graph {g.name}: a decode attention kernel that reads before its grid-dependency "
-                    f"wait follows {unsafe} programmatically, which may write what it reads; prepare "
-                    "with --pdl off"
-                )
             bindings = []
             for value, t in g.inputs.items():
                 bindings.append(
@@ -600,8 +589,6 @@ class Recorder:
                 "kinds": kinds,
                 "edges": len(edges),
                 "programmatic_edges": sum(len(e) == 3 for e in edges),
-                # Kernels reading before their wait (`attention.EARLY_FUNCTIONS`), each checked above.
-                "early_read_kernels": sum(f in EARLY_FUNCTIONS for f in kernel_functions.values()),
                 "library_kernels": sorted(set(library)),
             }
         return graphs

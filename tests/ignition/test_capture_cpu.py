@@ -371,21 +371,6 @@ def test_prepare_times_launch_modes_on_the_compiled_step(
     assert out["step_chosen_ms"] == (10.0 - mode_gain - max(attention_gain, 0.0) if kept else 10.0)
 
 
-def test_an_early_reading_attention_kernel_follows_only_safe_kernels(monkeypatch: Any) -> None:
-    """A decode attention kernel launched with `EARLY` and `PDL` reads the step's positions,
-    request rows and page table before its wait: a programmatic edge into it from a kernel that
-    could have written them (an Inductor kernel) is reported; projection and combine kernels, and
-    edges into kernels launched otherwise, are not."""
-    require_torch()
-    from ignition.capture import attention
-
-    monkeypatch.setattr(attention, "EARLY_FUNCTIONS", {0xA1})
-    edges = [("flare_gemv", 0xA1), ("flare_gemv_dot", 0xA1), ("paged_attention_combine", 0xA1), ("triton_poi_x", 0xB2)]
-    assert attention.unsafe_early_edges(edges) == []
-    edges += [("triton_poi_fused_arange_0", 0xA1), ("triton_poi_fused_arange_0", 0xA1), ("flare_sample", 0xA1)]
-    assert attention.unsafe_early_edges(edges) == ["flare_sample", "triton_poi_fused_arange_0"]
-
-
 def test_projections_sharing_a_launch_mode_slot_are_tuned_as_one_unit(monkeypatch: Any) -> None:
     """Modes are registered per (shape, variant): two projections with the same key (Qwen3.5's
     out_proj and o_proj) are one unit, so no trial times a mode the other one overwrote."""

@@ -107,7 +107,7 @@ def test_decode_attention_fits_sm90(name: str, heads: int, kv_heads: int, d: int
     tables in groups of `PAGES_PER_SPLIT`, plainly and as a programmatic dependent): at head dim
     64 no stack; above it no more than 512 bytes (at 256 the ~480 bytes it spilled before the
     page ids were loaded per group, where a page-offset tile held across the loop once took
-    4,960; at 128, with `EARLY`'s tile held across the wait, ~350)."""
+    4,960)."""
     from ignition.capture import attention, attention_triton
 
     g = heads // kv_heads
@@ -119,7 +119,7 @@ def test_decode_attention_fits_sm90(name: str, heads: int, kv_heads: int, d: int
     )
     consts = {"SCALE": d**-0.5, "H": heads, "G": g, "GP": max(16, 1 << (g - 1).bit_length()), "D": d, "T": 64}
     consts |= {"SPLITS": -(-72 // pps), "PPS": pps, "PPSP": max(2, 1 << (pps - 1).bit_length())}
-    consts |= {"ROPE": rope, "WRITE": True, "PDL": pdl, "EARLY": d <= attention.EARLY_MAX_HEAD_DIM}
+    consts |= {"ROPE": rope, "WRITE": True, "PDL": pdl}
     res = compile_sm90(attention_triton.paged_attention_kernel, sig, consts, num_warps=4)
     assert res["stack"] <= (0 if d <= 64 else 512) and res["shared"] <= SM90_SHARED, (name, res)
 
