@@ -8,7 +8,8 @@ tiles without K splits) captured by torch with every kernel a programmatic depen
 (`--mode`, default 3 with whole rows prefetched), then, in the same process over the same
 buffers:
 - `captured`: torch's graph, replayed back to back;
-- `clone`: `cuGraphClone` of it, instantiated by the driver;
+- `clone`: `cuGraphClone` of it, instantiated by the driver (`clone_node_priority`: with node
+  priorities honoured);
 - `rebuilt`: every kernel node added again from what the recorder reads (function, grid,
   block, shared memory, the parameter bytes), full edges with their node and programmatic ones
   after every node (`ignition.replay.cuda`'s order);
@@ -47,6 +48,7 @@ from ignition.capture.gemv import CANDIDATES, precompile, tune
 sz, vp, u64 = C.c_size_t, C.c_void_p, C.c_uint64
 LAUNCH_PARAM_END, LAUNCH_PARAM_BUFFER_POINTER, LAUNCH_PARAM_BUFFER_SIZE = 0, 1, 2
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+USE_NODE_PRIORITY = 8  # CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY
 
 
 def back_to_back_ms(launch: Callable[[], None], reps: int) -> float:
@@ -61,9 +63,9 @@ def back_to_back_ms(launch: Callable[[], None], reps: int) -> float:
     return float(start.elapsed_time(end)) / reps
 
 
-def instantiate(graph: int) -> int:
+def instantiate(graph: int, flags: int = 0) -> int:
     exe = vp()
-    D.call("cuGraphInstantiateWithFlags", C.byref(exe), vp(graph), u64(0))
+    D.call("cuGraphInstantiateWithFlags", C.byref(exe), vp(graph), u64(flags))
     return exe.value or 0
 
 
@@ -199,6 +201,8 @@ def main() -> int:
     for key, build in variants.items():
         try:
             execs[key] = instantiate(build())
+            if key == "clone":  # the node priorities honoured, as torch may instantiate
+                execs["clone_node_priority"] = instantiate(build(), USE_NODE_PRIORITY)
         except D.DriverError as e:  # reported; the other variants still run
             report["failed"][key] = str(e)
     outputs = {}
