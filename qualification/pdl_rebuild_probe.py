@@ -1,8 +1,9 @@
 """GPU machine, issue 19 item 3: is a graph with programmatic edges as fast once rebuilt node by
 node (as a core's loader does) as when torch captured it?
 
-Session 24 (H100) saw the launch-mode tuner time SmolLM2's captured decode step at 0.77 of its
-plain time, while the exported core's replay took 0.97 of a plain core's. This isolates the
+Session 24 (H100): preparation's torch replay of a `--pdl auto` SmolLM2 core's `decode_b1` took
+558 us, the exported core's replay 639 us (session 23's core: 550 against 607); without
+programmatic edges the two agreed within about 5% at one row. This isolates the
 rebuild: `pdl_probe.py`'s projection chain (every layer of a geometry, random weights, tuned
 tiles without K splits) captured by torch with every kernel a programmatic dependent
 (`--mode`, default 3 with whole rows prefetched), then, in the same process over the same
@@ -16,9 +17,14 @@ buffers:
 - `rebuilt_attrs`: the same with each captured node's launch attributes copied over
   (`cuGraphKernelNodeCopyAttributes`);
 - `rebuilt_pss`: the same with only the programmatic-stream-serialization attribute (id 6) set to
-  1 on every kernel a programmatic edge ends at;
+  1 on every kernel a programmatic edge ends at (the driver documents it for launches: a refusal
+  is reported, not fatal);
 - `rebuilt_full`: the programmatic edges rebuilt as full ones;
-- `plain`: the chain captured without PDL.
+- `captured_plain` and `rebuilt_plain`: the chain captured without PDL, and that graph rebuilt
+  (what rebuilding costs any graph).
+Limits: the rebuild reuses Triton's function handles and torch's stream, without `cuGraphUpload`,
+and the chain holds programmatic edges only (a decode step has full ones beside them), so a
+rebuild as fast as the capture here would not clear the loader.
 Also lists the launch attributes the captured kernel nodes carry (ids 1-20 that answer, with
 their first word), and whether every variant's output equals the plain chain's bitwise.
 
@@ -165,7 +171,9 @@ def main() -> int:
     x0 = torch.randn(args.rows, cfg["hidden_size"], generator=gen, device="cuda").bfloat16()
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "config": str(args.config), "rows": args.rows,
                               "mode": [pdl, pf], "kernels": 4 * layers, "us": {}}  # fmt: skip
-    graphs: dict[str, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+    # Each graph with its input and output: the input must outlive the capture (a freed input's
+    # memory would be reused by the next capture's activations).
+    graphs: dict[str, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
     for key, spec in (("plain", {}), ("pdl", uniform(pdl, pf))):
         x = x0.clone()
         for _ in range(2):
@@ -175,8 +183,9 @@ def main() -> int:
         with torch.cuda.graph(g):
             out = chain(cfg, probs, x, spec)
         g.instantiate()
-        graphs[key] = (g, out)
+        graphs[key] = (g, x, out)
     raw = int(graphs["pdl"][0].raw_cuda_graph())
+    raw_plain = int(graphs["plain"][0].raw_cuda_graph())
     nodes = D.graph_nodes(raw)
     kinds: dict[str, int] = {}
     for _, _, kind in D.graph_edges(raw):
@@ -187,35 +196,39 @@ def main() -> int:
         for a, v in attributes(n).items():
             seen[f"{a}={v}"] = seen.get(f"{a}={v}", 0) + 1
     report["captured_node_attributes"] = seen
-    cloned = vp()
-    D.call("cuGraphClone", C.byref(cloned), vp(raw))
-    variants: dict[str, Callable[[], int]] = {
-        "clone": lambda: cloned.value or 0,
-        "rebuilt": lambda: rebuild(raw, "after", False),
-        "rebuilt_attrs": lambda: rebuild(raw, "after", True),
-        "rebuilt_pss": lambda: rebuild(raw, "after", False, pss=True),
-        "rebuilt_full": lambda: rebuild(raw, "full", False),
+
+    def clone() -> int:
+        cloned = vp()
+        D.call("cuGraphClone", C.byref(cloned), vp(raw))
+        return cloned.value or 0
+
+    # name -> (graph builder, instantiate flags, the captured graph whose buffers it uses)
+    variants: dict[str, tuple[Callable[[], int], int, str]] = {
+        "clone": (clone, 0, "pdl"),
+        "clone_node_priority": (clone, USE_NODE_PRIORITY, "pdl"),
+        "rebuilt": (lambda: rebuild(raw, "after", False), 0, "pdl"),
+        "rebuilt_attrs": (lambda: rebuild(raw, "after", True), 0, "pdl"),
+        "rebuilt_pss": (lambda: rebuild(raw, "after", False, pss=True), 0, "pdl"),
+        "rebuilt_full": (lambda: rebuild(raw, "full", False), 0, "pdl"),
+        "rebuilt_plain": (lambda: rebuild(raw_plain, "after", False), 0, "plain"),
     }
-    execs = {}
+    execs: dict[str, tuple[int, str]] = {}
     report["failed"] = {}
-    for key, build in variants.items():
+    for key, (build, flags, source) in variants.items():
         try:
-            execs[key] = instantiate(build())
-            if key == "clone":  # the node priorities honoured, as torch may instantiate
-                execs["clone_node_priority"] = instantiate(build(), USE_NODE_PRIORITY)
-        except D.DriverError as e:  # reported; the other variants still run
+            execs[key] = (instantiate(build(), flags), source)
+        except D.DriverError as e:  # reported; the other variants still run (attribute 6 may be launch-only)
             report["failed"][key] = str(e)
     outputs = {}
-    want = None
     for rnd in range(3):  # alternating rounds: a drifting clock shows as spread, not as a ratio
         for key in ("plain", "pdl"):
-            g, out = graphs[key]
+            g, _, out = graphs[key]
             name = "captured_plain" if key == "plain" else "captured"
             report["us"].setdefault(name, []).append(round(back_to_back_ms(g.replay, args.reps) * 1e3, 1))
             if rnd == 0:
                 outputs[name] = out.clone()
-        for key, exe in execs.items():
-            out = graphs["pdl"][1]
+        for key, (exe, source) in execs.items():
+            out = graphs[source][2]
             out.zero_()
             report["us"].setdefault(key, []).append(round(back_to_back_ms(launcher(exe), args.reps) * 1e3, 1))
             if rnd == 0:
