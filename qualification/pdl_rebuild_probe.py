@@ -14,7 +14,9 @@ buffers:
 - `rebuilt`: every kernel node added again from what the recorder reads (function, grid,
   block, shared memory, the parameter bytes), full edges with their node and programmatic ones
   after every node (`ignition.replay.cuda`'s order);
-- `rebuilt_attrs`: the same with each captured node's launch attributes copied over
+- `rebuilt_inline`: each node's programmatic edges added right after the node, in creation
+  order, as stream capture builds the graph;
+- `rebuilt_attrs`: the `rebuilt` graph with each captured node's launch attributes copied over
   (`cuGraphKernelNodeCopyAttributes`);
 - `rebuilt_pss`: the same with only the programmatic-stream-serialization attribute (id 6) set to
   1 on every kernel a programmatic edge ends at (the driver documents it for launches: a refusal
@@ -97,25 +99,30 @@ def attributes(node: int) -> dict[int, int]:
 
 def rebuild(graph: int, programmatic: str, copy_attrs: bool, pss: bool = False) -> int:
     """A new graph with `graph`'s kernel nodes added one by one. `programmatic`: "after" (as the
-    core loader: programmatic edges once every node exists) or "full" (as full dependencies)."""
+    core loader: programmatic edges once every node exists), "inline" (each node's programmatic
+    edges added right after it, nodes in the order of every edge: as stream capture builds it)
+    or "full" (as full dependencies)."""
     nodes = D.graph_nodes(graph)
     edges = D.graph_edges(graph)
     new = vp()
     D.call("cuGraphCreate", C.byref(new), C.c_uint(0))
     preds: dict[int, list[int]] = {}
+    order: dict[int, list[int]] = {}  # every predecessor, for the creation order
     late: list[tuple[int, int, str]] = []
     for a, b, kind in edges:
         if kind == "full" or programmatic == "full":
             preds.setdefault(b, []).append(a)
         else:
             late.append((a, b, kind))
+        if kind == "full" or programmatic != "after":
+            order.setdefault(b, []).append(a)
     made: dict[int, int] = {}
     keep: list[Any] = []
     pending = list(nodes)
-    while pending:  # topological over the full edges
+    while pending:  # topological over the edges that order creation
         rest = []
         for n in pending:
-            if any(p not in made for p in preds.get(n, [])):
+            if any(p not in made for p in order.get(n, [])):
                 rest.append(n)
                 continue
             if D.node_kind(n) != "kernel":
@@ -139,17 +146,24 @@ def rebuild(graph: int, programmatic: str, copy_attrs: bool, pss: bool = False) 
             made[n] = h.value or 0
             if copy_attrs:
                 D.call("cuGraphKernelNodeCopyAttributes", vp(made[n]), vp(n))
+            if programmatic == "inline":
+                add_programmatic(new, made, [e for e in late if e[1] == n], pss)
         if len(rest) == len(pending):
-            raise RuntimeError("cycle in the full edges")
+            raise RuntimeError("cycle in the edges")
         pending = rest
-    for a, b, kind in late:
+    if programmatic == "after":
+        add_programmatic(new, made, late, pss)
+    return new.value or 0
+
+
+def add_programmatic(graph: Any, made: dict[int, int], edges: list[tuple[int, int, str]], pss: bool) -> None:
+    for a, b, kind in edges:
         port = 1 if kind == "programmatic" else 2
         data = (C.c_ubyte * 8)(port, 0, 1)
-        D.call("cuGraphAddDependencies_v2", new, (vp * 1)(made[a]), (vp * 1)(made[b]), data, sz(1))
+        D.call("cuGraphAddDependencies_v2", graph, (vp * 1)(made[a]), (vp * 1)(made[b]), data, sz(1))
         if pss:
             value = (C.c_ubyte * 64)(1)
             D.call("cuGraphKernelNodeSetAttribute", vp(made[b]), C.c_int(PROGRAMMATIC_STREAM_SERIALIZATION), value)
-    return new.value or 0
 
 
 def main() -> int:
@@ -207,6 +221,7 @@ def main() -> int:
         "clone": (clone, 0, "pdl"),
         "clone_node_priority": (clone, USE_NODE_PRIORITY, "pdl"),
         "rebuilt": (lambda: rebuild(raw, "after", False), 0, "pdl"),
+        "rebuilt_inline": (lambda: rebuild(raw, "inline", False), 0, "pdl"),
         "rebuilt_attrs": (lambda: rebuild(raw, "after", True), 0, "pdl"),
         "rebuilt_pss": (lambda: rebuild(raw, "after", False, pss=True), 0, "pdl"),
         "rebuilt_full": (lambda: rebuild(raw, "full", False), 0, "pdl"),
