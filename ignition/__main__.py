@@ -123,10 +123,16 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--bench", action="store_true", help="measure the replay floor: every decode bucket, prefill")
     replay.add_argument("--decode-tokens", type=int, default=256, help="decode steps per bucket with --bench")
     replay.add_argument("--relocate", action="store_true", help="map the arena away from its recorded base")
-    replay.add_argument(
+    edges = replay.add_mutually_exclusive_group()
+    edges.add_argument(
         "--full-edges",
         action="store_true",
         help="rebuild programmatic graph edges as full dependencies (to measure what they save)",
+    )
+    edges.add_argument(
+        "--inline-edges",
+        action="store_true",
+        help="add each node's programmatic edges right after it, as stream capture does (to compare the orders)",
     )
     return parser
 
@@ -226,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.decode_tokens,
                 note,
                 full_edges=args.full_edges,
+                inline_edges=args.inline_edges,
             )
         except (CoreReadError, NoDriverError, CudaError, StepError) as e:
             print(f"ignition replay: {e}", file=sys.stderr)

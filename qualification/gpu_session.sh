@@ -40,7 +40,8 @@
 #   persistent-probe                     issue 19: a projection chain as one persistent kernel against a kernel per link
 #   persistent-layer-probe               issue 19: a decode step as one persistent kernel (projections; then with attention)
 #   smolr-pdl, r1b-pdl (carry .dev/b2)   issue 19 item 3: SmolLM2's geometry / the ~1B prepared with --pdl auto (bg);
-#                                        breakdown, floor with and without the programmatic edges, flare bench;
+#                                        breakdown, floor with and without the programmatic edges (and with them
+#                                        added node by node, --inline-edges), flare bench;
 #                                        smolr-pdl-ab, r1b-pdl-ab first do the same for a --pdl off core (the baseline)
 #   r1b-spec     (carry .dev/b2)         issue 21: the ~1B with speculative programs, checks, copy/decode benches (bg)
 #   r1b-spec-bw  (carry .dev/b2)         issues 19 + 21: one ~1B prepare (gemv, fused sampler, speculative programs): the
@@ -394,6 +395,9 @@ case "$STAGE" in
     timeout 150 python3 -m ignition replay /tmp/${m}pdl --bench --full-edges --out "$OUT/ignition_replay_full_edges.json" \
       > "$OUT/ignition_replay_full_edges.log" 2>&1
     echo "ignition replay --full-edges rc=$?"; tail -8 "$OUT/ignition_replay_full_edges.log"
+    timeout 150 python3 -m ignition replay /tmp/${m}pdl --bench --inline-edges --out "$OUT/ignition_replay_inline_edges.json" \
+      > "$OUT/ignition_replay_inline_edges.log" 2>&1
+    echo "ignition replay --inline-edges rc=$?"; tail -8 "$OUT/ignition_replay_inline_edges.log"
     timing_unlock ;;
   r1b-spec|r1b-spec-bw)  # issue 21 (bg; carry .dev/b2): the ~1B with speculative programs (gemv, the fused sampler) and
                          # every check, then the copy and decode benches at depth 4 and 0 as smol-spec; r1b-spec-bw

@@ -109,7 +109,10 @@ class LoadReport:
 class DeviceCore:
     """One core mapped, uploaded and instantiated on device 0; `launch(graph)` enqueues a replay.
     `full_edges`: programmatic edges rebuilt as full dependencies (the same results, since each
-    dependent kernel waits for its predecessor; a comparison of the launch overlap they buy)."""
+    dependent kernel waits for its predecessor; a comparison of the launch overlap they buy).
+    `inline_edges`: each node's programmatic edges added right after the node, as stream capture
+    builds a graph, instead of once every node exists (the same graph; a comparison of whether
+    the order of construction changes how it runs)."""
 
     def __init__(
         self,
@@ -118,9 +121,11 @@ class DeviceCore:
         relocate: bool = False,
         progress: Callable[[str], None] = lambda _m: None,
         full_edges: bool = False,
+        inline_edges: bool = False,
     ) -> None:
         self.core = core
         self.full_edges = full_edges
+        self.inline_edges = inline_edges
         self.lib = _driver()
         self.report = LoadReport()
         self.modules: list[int] = []
@@ -284,6 +289,9 @@ class DeviceCore:
                 for a in k.launch_attributes:
                     self._launch_attribute(h, a)
                 self.report.relocated_words += len(k.relocations)
+                if self.inline_edges:  # its predecessors exist: the order follows every edge
+                    handles[i] = h.value or 0
+                    self._add_programmatic(g.name, graph, handles, [e for e in programmatic if e[1] == i])
             elif op == "memcpy":
                 c = n.memcpy
                 m = Memcpy3D()
@@ -314,21 +322,27 @@ class DeviceCore:
             else:
                 raise CudaError(f"graph {g.name} node {n.id}", -1, f"node kind {op}")
             handles[i] = h.value or 0
-        if programmatic and not hasattr(self.lib, "cuGraphAddDependencies_v2"):
-            raise CudaError(f"graph {g.name}", -1, "programmatic edges need cuGraphAddDependencies_v2 (CUDA 12.3+)")
-        for src, dst, port in programmatic:
-            # CUgraphEdgeData: the manifest's dependency value is the kernel node port it waits
-            # on (1 programmatic, 2 launch order); type CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC.
-            data = (C.c_ubyte * 8)(port, 0, 1)
-            a, b = (vp * 1)(handles[src]), (vp * 1)(handles[dst])
-            self.call("cuGraphAddDependencies_v2", graph, a, b, data, sz(1))
-            self.report.programmatic_edges += 1
+        if not self.inline_edges:
+            self._add_programmatic(g.name, graph, handles, programmatic)
         exe = vp()
         self.call("cuGraphInstantiateWithFlags", C.byref(exe), graph, u64(0))
         self.call("cuGraphUpload", exe, self.stream)
         self.execs[g.id] = exe.value or 0
         self.report.graphs += 1
         self.report.nodes += len(msg.nodes)
+
+    def _add_programmatic(
+        self, name: str, graph: Any, handles: dict[int, int], edges: list[tuple[int, int, int]]
+    ) -> None:
+        if edges and not hasattr(self.lib, "cuGraphAddDependencies_v2"):
+            raise CudaError(f"graph {name}", -1, "programmatic edges need cuGraphAddDependencies_v2 (CUDA 12.3+)")
+        for src, dst, port in edges:
+            # CUgraphEdgeData: the manifest's dependency value is the kernel node port it waits
+            # on (1 programmatic, 2 launch order); type CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC.
+            data = (C.c_ubyte * 8)(port, 0, 1)
+            a, b = (vp * 1)(handles[src]), (vp * 1)(handles[dst])
+            self.call("cuGraphAddDependencies_v2", graph, a, b, data, sz(1))
+            self.report.programmatic_edges += 1
 
     def _launch_attribute(self, node: Any, a: Any) -> None:
         which = a.WhichOneof("value")

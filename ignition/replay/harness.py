@@ -229,17 +229,25 @@ def run(
     decode_tokens: int,
     note: Any = print,
     full_edges: bool = False,
+    inline_edges: bool = False,
 ) -> dict[str, Any]:
     """Loads the core, replays the prompts (and the floor with `bench`), writes the report;
-    `full_edges`: programmatic edges replayed as full dependencies (`DeviceCore`)."""
+    `full_edges`, `inline_edges`: how programmatic edges are rebuilt (`DeviceCore`)."""
     t0 = time.perf_counter()
     core = CoreFiles(core_dir)
-    dev = DeviceCore(core, relocate=relocate, progress=lambda m: note(f"load: {m}"), full_edges=full_edges)
+    dev = DeviceCore(
+        core,
+        relocate=relocate,
+        progress=lambda m: note(f"load: {m}"),
+        full_edges=full_edges,
+        inline_edges=inline_edges,
+    )
     report: dict[str, Any] = {
         "core": str(core_dir),
         "load": {**asdict(dev.report), "fixed_address_honoured": dev.report.fixed_address_honoured},
         "load_s": round(time.perf_counter() - t0, 3),
         "full_edges": full_edges,
+        "inline_edges": inline_edges,
     }
     note(
         f"loaded in {report['load_s']} s: {dev.report.graphs} graphs, {dev.report.nodes} nodes, "

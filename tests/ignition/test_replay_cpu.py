@@ -444,13 +444,12 @@ def test_run_compares_device_fed_decode_where_the_core_reads_pending_tokens(
     dev.close()
 
 
-@pytest.mark.parametrize("full_edges", [False, True])
-def test_programmatic_edges_join_after_their_nodes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, full_edges: bool
-) -> None:
-    """A programmatic edge (ABI 4) is added once both kernel nodes exist, with the driver's edge
-    data (from the programmatic port, type programmatic), not as a node dependency; with
-    `full_edges` it is an ordinary dependency of its node instead."""
+@pytest.mark.parametrize("edges", ["after", "inline", "full"])
+def test_programmatic_edges_join_after_their_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edges: str) -> None:
+    """A programmatic edge (ABI 4) is added with the driver's edge data (from the programmatic
+    port, type programmatic), not as a node dependency: once every node of its graph exists, or
+    with `inline_edges` right after its dependent node; with `full_edges` it is an ordinary
+    dependency of its node instead."""
     import json
 
     import ignition.replay.cuda as cuda
@@ -461,14 +460,23 @@ def test_programmatic_edges_join_after_their_nodes(
     RecordingExporter(rec, FIXTURES).export(tmp_path / "core")
     fake = _FakeDriver()
     monkeypatch.setattr(cuda, "_driver", lambda: fake)
-    dev = cuda.DeviceCore(CoreFiles(tmp_path / "core"), relocate=True, full_edges=full_edges)
+    dev = cuda.DeviceCore(
+        CoreFiles(tmp_path / "core"), relocate=True, full_edges=edges == "full", inline_edges=edges == "inline"
+    )
     node_deps = sum(len(v[1]) for v in fake.nodes.values())
     total = sum(len(g["edges"]) for g in rec["graphs"])
-    if full_edges:
+    if edges == "full":
         assert fake.edges == [] and node_deps == total and dev.report.programmatic_edges == 0
     else:
         assert node_deps == total - 1 and dev.report.programmatic_edges == 1
         [(src, dst, data)] = fake.edges
         assert fake.nodes[src][0] == fake.nodes[dst][0] == "cuGraphAddKernelNode_v2"
         assert data == bytes([1, 0, 1, 0, 0, 0, 0, 0])
+        # Inline: the call right after the dependent's creation; else right before instantiation.
+        calls = [c[0] for c in fake.calls]
+        at = calls.index("cuGraphAddDependencies_v2")
+        if edges == "inline":
+            assert calls[at - 1] == "cuGraphAddKernelNode_v2" and fake.calls[at - 1][1][0]._obj.value == dst
+        else:
+            assert calls[at + 1] == "cuGraphInstantiateWithFlags"
     dev.close()
