@@ -231,8 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.relocate,
                 args.decode_tokens,
                 note,
-                full_edges=args.full_edges,
-                inline_edges=args.inline_edges,
+                edges="full" if args.full_edges else "inline" if args.inline_edges else "after",
             )
         except (CoreReadError, NoDriverError, CudaError, StepError) as e:
             print(f"ignition replay: {e}", file=sys.stderr)

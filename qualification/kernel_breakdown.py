@@ -34,9 +34,10 @@ from typing import Any
 
 from hbm import peak_gbps  # a sibling: the script directory is on the path
 
+from ignition.capture.driver import ParamBuffer
 from ignition.core.stepping import Row, Sampling, admit
 from ignition.replay.core import CoreFiles, GraphInfo, topological
-from ignition.replay.cuda import LAUNCH_PARAM_BUFFER_POINTER, LAUNCH_PARAM_BUFFER_SIZE, LAUNCH_PARAM_END, DeviceCore
+from ignition.replay.cuda import DeviceCore
 from ignition.replay.harness import CoreReplay
 
 LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -200,15 +201,7 @@ def alone_us(core: CoreFiles, dev: DeviceCore, nodes: list[dict[str, Any]]) -> l
     keep = []
     for n in nodes:
         k = n["_message"].kernel
-        params = C.create_string_buffer(core.kernel_params(n["_message"], dev.base), len(k.param_bytes))
-        size = C.c_size_t(len(k.param_bytes))
-        extra = (C.c_void_p * 5)(
-            LAUNCH_PARAM_BUFFER_POINTER,
-            C.addressof(params),
-            LAUNCH_PARAM_BUFFER_SIZE,
-            C.addressof(size),
-            LAUNCH_PARAM_END,
-        )
+        buf = ParamBuffer(core.kernel_params(n["_message"], dev.base))
         a, b = C.c_void_p(), C.c_void_p()
         dev.call("cuEventCreate", C.byref(a), C.c_uint(0))
         dev.call("cuEventCreate", C.byref(b), C.c_uint(0))
@@ -225,11 +218,11 @@ def alone_us(core: CoreFiles, dev: DeviceCore, nodes: list[dict[str, Any]]) -> l
             C.c_uint(k.dynamic_shared_memory),
             dev.stream,
             None,
-            extra,
+            buf.extra,
         )
         dev.call("cuEventRecord", b, dev.stream)
         lib_events.append((a, b))
-        keep.append((params, size, extra))
+        keep.append(buf)
     dev.synchronize()
     out = []
     for a, b in lib_events:

@@ -54,7 +54,6 @@ from ignition.capture import driver as D
 from ignition.capture.gemv import CANDIDATES, precompile, tune
 
 sz, vp, u64 = C.c_size_t, C.c_void_p, C.c_uint64
-LAUNCH_PARAM_END, LAUNCH_PARAM_BUFFER_POINTER, LAUNCH_PARAM_BUFFER_SIZE = 0, 1, 2
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 USE_NODE_PRIORITY = 8  # CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY
 
@@ -128,17 +127,14 @@ def rebuild(graph: int, programmatic: str, copy_attrs: bool, pss: bool = False) 
             if D.node_kind(n) != "kernel":
                 raise RuntimeError(f"node kind {D.node_kind(n)}: the chain should hold kernels only")
             k = D.kernel_launch(n)
-            params = C.create_string_buffer(k.param_bytes, len(k.param_bytes))
-            size = sz(len(k.param_bytes))
-            extra = (vp * 5)(LAUNCH_PARAM_BUFFER_POINTER, C.addressof(params), LAUNCH_PARAM_BUFFER_SIZE,
-                             C.addressof(size), LAUNCH_PARAM_END)  # fmt: skip
-            keep += [params, size, extra]
+            buf = D.ParamBuffer(k.param_bytes)
+            keep.append(buf)
             p = D.KernelNodeParams()
             p.func = k.function
             p.gx, p.gy, p.gz = k.grid
             p.bx, p.by, p.bz = k.block
             p.smem = k.dynamic_shared_memory
-            p.extra = C.addressof(extra)
+            p.extra = C.addressof(buf.extra)
             deps = [made[x] for x in preds.get(n, [])]
             arr = (vp * max(1, len(deps)))(*deps)
             h = vp()
@@ -158,8 +154,7 @@ def rebuild(graph: int, programmatic: str, copy_attrs: bool, pss: bool = False) 
 
 def add_programmatic(graph: Any, made: dict[int, int], edges: list[tuple[int, int, str]], pss: bool) -> None:
     for a, b, kind in edges:
-        port = 1 if kind == "programmatic" else 2
-        data = (C.c_ubyte * 8)(port, 0, 1)
+        data = D.programmatic_edge_data(D.EDGE_PORTS[kind])
         D.call("cuGraphAddDependencies_v2", graph, (vp * 1)(made[a]), (vp * 1)(made[b]), data, sz(1))
         if pss:
             value = (C.c_ubyte * 64)(1)

@@ -51,6 +51,32 @@ class KernelNodeParams(C.Structure):  # CUDA_KERNEL_NODE_PARAMS_v2
     ]
 
 
+# `extra` entries of cuLaunchKernel and kernel node parameters: the parameters as one buffer.
+LAUNCH_PARAM_END, LAUNCH_PARAM_BUFFER_POINTER, LAUNCH_PARAM_BUFFER_SIZE = 0, 1, 2
+
+
+class ParamBuffer:
+    """A kernel's parameter bytes in the `extra` form cuLaunchKernel and kernel nodes take; it
+    owns the memory `extra` points into, so it must outlive the launch or the node's creation."""
+
+    def __init__(self, param_bytes: bytes) -> None:
+        self.params = C.create_string_buffer(param_bytes, len(param_bytes))
+        self.size = sz(len(param_bytes))
+        self.extra = (vp * 5)(
+            LAUNCH_PARAM_BUFFER_POINTER,
+            C.addressof(self.params),
+            LAUNCH_PARAM_BUFFER_SIZE,
+            C.addressof(self.size),
+            LAUNCH_PARAM_END,
+        )
+
+
+def programmatic_edge_data(port: int) -> C.Array[C.c_ubyte]:
+    """CUgraphEdgeData of a programmatic edge from kernel node port `port` (1 programmatic, 2
+    launch order: the manifest's `EdgeDependency` value), type CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC."""
+    return (C.c_ubyte * 8)(port, 0, 1)
+
+
 class Memcpy3D(C.Structure):  # CUDA_MEMCPY3D
     _fields_ = [
         ("srcXInBytes", sz),
@@ -124,6 +150,8 @@ class _EdgeData(C.Structure):
 # (CUgraphDependencyType, from port) -> the manifest's `EdgeDependency` name: a full dependency,
 # or a programmatic one on CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC / _LAUNCH_ORDER.
 EDGE_KINDS = {(0, 0): "full", (1, 1): "programmatic", (1, 2): "launch_order"}
+# A programmatic kind's kernel node port (`programmatic_edge_data`).
+EDGE_PORTS = {kind: port for (kind_type, port), kind in EDGE_KINDS.items() if kind_type == 1}
 
 
 def graph_edges(graph: int) -> list[tuple[int, int, str]]:

@@ -22,6 +22,8 @@ from ignition.capture.driver import (
     KernelNodeParams,
     Memcpy3D,
     MemsetNodeParams,
+    ParamBuffer,
+    programmatic_edge_data,
 )
 from ignition.replay.core import CoreFiles, CoreReadError, GraphInfo, topological
 
@@ -32,6 +34,8 @@ u32, u64, sz, vp = C.c_uint, C.c_uint64, C.c_size_t, C.c_void_p
 CU_MEM_ALLOCATION_TYPE_PINNED, CU_MEM_LOCATION_TYPE_DEVICE, CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 1, 1, 3
 CU_EVENT_DISABLE_TIMING = 2
 CU_STREAM_NON_BLOCKING = 1
+# How `DeviceCore` rebuilds programmatic edges.
+EDGE_MODES = ("after", "inline", "full")
 LAUNCH_ATTRIBUTE_IDS = {
     "cooperative": 2,
     "cluster_dim": 4,
@@ -39,7 +43,6 @@ LAUNCH_ATTRIBUTE_IDS = {
     "priority": 8,
     "mem_sync_domain": 10,
 }
-LAUNCH_PARAM_END, LAUNCH_PARAM_BUFFER_POINTER, LAUNCH_PARAM_BUFFER_SIZE = 0, 1, 2
 
 
 class MemLocation(C.Structure):
@@ -108,11 +111,11 @@ class LoadReport:
 
 class DeviceCore:
     """One core mapped, uploaded and instantiated on device 0; `launch(graph)` enqueues a replay.
-    `full_edges`: programmatic edges rebuilt as full dependencies (the same results, since each
-    dependent kernel waits for its predecessor; a comparison of the launch overlap they buy).
-    `inline_edges`: each node's programmatic edges added right after the node, as stream capture
-    builds a graph, instead of once every node exists (the same graph; a comparison of whether
-    the order of construction changes how it runs)."""
+    `edges` (`EDGE_MODES`), how programmatic edges are rebuilt: "after" every node exists (as
+    Helios does); "inline", each right after its dependent node, as stream capture builds a graph
+    (the same graph: a comparison of whether the order of construction changes how it runs);
+    "full", as full dependencies (the same results, since each dependent kernel waits for its
+    predecessor: a comparison of the launch overlap they buy)."""
 
     def __init__(
         self,
@@ -120,12 +123,12 @@ class DeviceCore:
         device: int = 0,
         relocate: bool = False,
         progress: Callable[[str], None] = lambda _m: None,
-        full_edges: bool = False,
-        inline_edges: bool = False,
+        edges: str = "after",
     ) -> None:
+        if edges not in EDGE_MODES:
+            raise ValueError(f"edges {edges!r}: expected one of {EDGE_MODES}")
         self.core = core
-        self.full_edges = full_edges
-        self.inline_edges = inline_edges
+        self.edges = edges
         self.lib = _driver()
         self.report = LoadReport()
         self.modules: list[int] = []
@@ -256,7 +259,7 @@ class DeviceCore:
             src, dst = index[getattr(e, "from")], index[e.to]
             if e.dependency not in (0, 1, 2):  # full, programmatic, launch order (the kernel node port)
                 raise CoreReadError(f"graph {g.name}", f"edge {src}->{dst}: unknown dependency {e.dependency}")
-            if e.dependency and not self.full_edges:
+            if e.dependency and self.edges != "full":
                 programmatic.append((src, dst, e.dependency))
             else:
                 preds.setdefault(dst, []).append(src)
@@ -270,28 +273,17 @@ class DeviceCore:
             op = n.WhichOneof("op")
             if op == "kernel":
                 k = n.kernel
-                params = C.create_string_buffer(self.core.kernel_params(n, self.base), len(k.param_bytes))
-                size = sz(len(k.param_bytes))
-                extra = (vp * 5)(
-                    LAUNCH_PARAM_BUFFER_POINTER,
-                    C.addressof(params),
-                    LAUNCH_PARAM_BUFFER_SIZE,
-                    C.addressof(size),
-                    LAUNCH_PARAM_END,
-                )
+                buf = ParamBuffer(self.core.kernel_params(n, self.base))
                 p = KernelNodeParams()
                 p.func = functions[k.kernel_id]
                 p.gx, p.gy, p.gz = k.grid.x, k.grid.y, k.grid.z
                 p.bx, p.by, p.bz = k.block.x, k.block.y, k.block.z
                 p.smem = k.dynamic_shared_memory
-                p.extra = C.addressof(extra)
+                p.extra = C.addressof(buf.extra)
                 self.call("cuGraphAddKernelNode_v2", C.byref(h), graph, deparr, nd, C.byref(p))
                 for a in k.launch_attributes:
                     self._launch_attribute(h, a)
                 self.report.relocated_words += len(k.relocations)
-                if self.inline_edges:  # its predecessors exist: the order follows every edge
-                    handles[i] = h.value or 0
-                    self._add_programmatic(g.name, graph, handles, [e for e in programmatic if e[1] == i])
             elif op == "memcpy":
                 c = n.memcpy
                 m = Memcpy3D()
@@ -322,7 +314,9 @@ class DeviceCore:
             else:
                 raise CudaError(f"graph {g.name} node {n.id}", -1, f"node kind {op}")
             handles[i] = h.value or 0
-        if not self.inline_edges:
+            if self.edges == "inline":  # its predecessors exist: the order follows every edge
+                self._add_programmatic(g.name, graph, handles, [e for e in programmatic if e[1] == i])
+        if self.edges == "after":
             self._add_programmatic(g.name, graph, handles, programmatic)
         exe = vp()
         self.call("cuGraphInstantiateWithFlags", C.byref(exe), graph, u64(0))
@@ -337,11 +331,8 @@ class DeviceCore:
         if edges and not hasattr(self.lib, "cuGraphAddDependencies_v2"):
             raise CudaError(f"graph {name}", -1, "programmatic edges need cuGraphAddDependencies_v2 (CUDA 12.3+)")
         for src, dst, port in edges:
-            # CUgraphEdgeData: the manifest's dependency value is the kernel node port it waits
-            # on (1 programmatic, 2 launch order); type CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC.
-            data = (C.c_ubyte * 8)(port, 0, 1)
             a, b = (vp * 1)(handles[src]), (vp * 1)(handles[dst])
-            self.call("cuGraphAddDependencies_v2", graph, a, b, data, sz(1))
+            self.call("cuGraphAddDependencies_v2", graph, a, b, programmatic_edge_data(port), sz(1))
             self.report.programmatic_edges += 1
 
     def _launch_attribute(self, node: Any, a: Any) -> None:

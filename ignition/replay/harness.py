@@ -228,26 +228,19 @@ def run(
     relocate: bool,
     decode_tokens: int,
     note: Any = print,
-    full_edges: bool = False,
-    inline_edges: bool = False,
+    edges: str = "after",
 ) -> dict[str, Any]:
     """Loads the core, replays the prompts (and the floor with `bench`), writes the report;
-    `full_edges`, `inline_edges`: how programmatic edges are rebuilt (`DeviceCore`)."""
+    `edges`: how programmatic edges are rebuilt (`DeviceCore`)."""
     t0 = time.perf_counter()
     core = CoreFiles(core_dir)
-    dev = DeviceCore(
-        core,
-        relocate=relocate,
-        progress=lambda m: note(f"load: {m}"),
-        full_edges=full_edges,
-        inline_edges=inline_edges,
-    )
+    dev = DeviceCore(core, relocate=relocate, progress=lambda m: note(f"load: {m}"), edges=edges)
     report: dict[str, Any] = {
         "core": str(core_dir),
         "load": {**asdict(dev.report), "fixed_address_honoured": dev.report.fixed_address_honoured},
         "load_s": round(time.perf_counter() - t0, 3),
-        "full_edges": full_edges,
-        "inline_edges": inline_edges,
+        "full_edges": edges == "full",
+        "edges": edges,
     }
     note(
         f"loaded in {report['load_s']} s: {dev.report.graphs} graphs, {dev.report.nodes} nodes, "

@@ -448,8 +448,8 @@ def test_run_compares_device_fed_decode_where_the_core_reads_pending_tokens(
 def test_programmatic_edges_join_after_their_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edges: str) -> None:
     """A programmatic edge (ABI 4) is added with the driver's edge data (from the programmatic
     port, type programmatic), not as a node dependency: once every node of its graph exists, or
-    with `inline_edges` right after its dependent node; with `full_edges` it is an ordinary
-    dependency of its node instead."""
+    with "inline" right after its dependent node; with "full" it is an ordinary dependency of its
+    node instead."""
     import json
 
     import ignition.replay.cuda as cuda
@@ -460,9 +460,7 @@ def test_programmatic_edges_join_after_their_nodes(tmp_path: Path, monkeypatch: 
     RecordingExporter(rec, FIXTURES).export(tmp_path / "core")
     fake = _FakeDriver()
     monkeypatch.setattr(cuda, "_driver", lambda: fake)
-    dev = cuda.DeviceCore(
-        CoreFiles(tmp_path / "core"), relocate=True, full_edges=edges == "full", inline_edges=edges == "inline"
-    )
+    dev = cuda.DeviceCore(CoreFiles(tmp_path / "core"), relocate=True, edges=edges)
     node_deps = sum(len(v[1]) for v in fake.nodes.values())
     total = sum(len(g["edges"]) for g in rec["graphs"])
     if edges == "full":
