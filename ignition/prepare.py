@@ -561,7 +561,11 @@ def _tune_attention(rec: Any, buckets: list[int]) -> dict[str, Any]:
             model.rope_in_attention,
         )  # fmt: skip
     rec.timings["attention_tune_s"] = round(time.time() - t0, 3)
-    note(f"attention: {out['pages_per_split']} page(s) per decode program ({out['splits']} groups per table)")
+    how = "inside the page-group kernel" if out["fused_combine"] else "by a kernel of their own"
+    note(
+        f"attention: {out['pages_per_split']} page(s) per decode program ({out['splits']} groups per table), "
+        f"groups combined {how}"
+    )
     return out
 
 

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
+from ignition.capture import attention, fallback
 from ignition.capture import driver as D
-from ignition.capture import fallback
 from ignition.capture.arena import DEFAULT_BASE, FixedArena, Segment, build_allocator
 from ignition.capture.gemv import time_graphs
 from ignition.capture.paged import HEADER_WORDS
@@ -256,6 +256,9 @@ class Recorder:
         self.state_pool = self.arena.pool()
         with torch.cuda.use_mem_pool(self.state_pool):
             self.program = self.build(torch.device("cuda"))
+            # Kept across launches by the prepared attention (its fused combine's tickets): in
+            # the arena, exported with their zeros as the constants no named tensor covers.
+            attention.combine_counters(torch.device("cuda"), fresh=True)
         self.graphs = self.program.graphs
         torch.cuda.synchronize()
         self._t("weights_to_device_s", t0)
