@@ -134,6 +134,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="add each node's programmatic edges right after it, as stream capture does (to compare the orders)",
     )
+    edges.add_argument(
+        "--serialized-edges",
+        action="store_true",
+        help="also set programmatic stream serialization on each kernel a programmatic edge ends at, as a "
+        "PDL launch carries it (to compare)",
+    )
     return parser
 
 
@@ -231,7 +237,13 @@ def main(argv: list[str] | None = None) -> int:
                 args.relocate,
                 args.decode_tokens,
                 note,
-                edges="full" if args.full_edges else "inline" if args.inline_edges else "after",
+                edges="full"
+                if args.full_edges
+                else "inline"
+                if args.inline_edges
+                else "serialized"
+                if args.serialized_edges
+                else "after",
             )
         except (CoreReadError, NoDriverError, CudaError, StepError) as e:
             print(f"ignition replay: {e}", file=sys.stderr)

@@ -399,6 +399,9 @@ case "$STAGE" in
     timeout 150 python3 -m ignition replay /tmp/${m}pdl --bench --inline-edges --out "$OUT/ignition_replay_inline_edges.json" \
       > "$OUT/ignition_replay_inline_edges.log" 2>&1
     echo "ignition replay --inline-edges rc=$?"; tail -8 "$OUT/ignition_replay_inline_edges.log"
+    timeout 150 python3 -m ignition replay /tmp/${m}pdl --bench --serialized-edges \
+      --out "$OUT/ignition_replay_serialized_edges.json" > "$OUT/ignition_replay_serialized_edges.log" 2>&1
+    echo "ignition replay --serialized-edges rc=$?"; tail -8 "$OUT/ignition_replay_serialized_edges.log"
     timing_unlock ;;
   r1b-spec|r1b-spec-bw)  # issue 21 (bg; carry .dev/b2): the ~1B with speculative programs (gemv, the fused sampler) and
                          # every check, then the copy and decode benches at depth 4 and 0 as smol-spec; r1b-spec-bw

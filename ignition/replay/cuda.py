@@ -35,7 +35,9 @@ CU_MEM_ALLOCATION_TYPE_PINNED, CU_MEM_LOCATION_TYPE_DEVICE, CU_MEM_ACCESS_FLAGS_
 CU_EVENT_DISABLE_TIMING = 2
 CU_STREAM_NON_BLOCKING = 1
 # How `DeviceCore` rebuilds programmatic edges.
-EDGE_MODES = ("after", "inline", "full")
+EDGE_MODES = ("after", "inline", "full", "serialized")
+# CUlaunchAttributeID: what a programmatic dependent launch sets on its stream launch.
+PROGRAMMATIC_STREAM_SERIALIZATION = 6
 LAUNCH_ATTRIBUTE_IDS = {
     "cooperative": 2,
     "cluster_dim": 4,
@@ -115,7 +117,9 @@ class DeviceCore:
     Helios does); "inline", each right after its dependent node, as stream capture builds a graph
     (the same graph: a comparison of whether the order of construction changes how it runs);
     "full", as full dependencies (the same results, since each dependent kernel waits for its
-    predecessor: a comparison of the launch overlap they buy)."""
+    predecessor: a comparison of the launch overlap they buy); "serialized", as "after" with
+    programmatic stream serialization also set on each kernel a programmatic edge ends at (the
+    attribute its captured launch carried; a comparison)."""
 
     def __init__(
         self,
@@ -316,8 +320,14 @@ class DeviceCore:
             handles[i] = h.value or 0
             if self.edges == "inline":  # its predecessors exist: the order follows every edge
                 self._add_programmatic(g.name, graph, handles, [e for e in programmatic if e[1] == i])
-        if self.edges == "after":
+        if self.edges in ("after", "serialized"):
             self._add_programmatic(g.name, graph, handles, programmatic)
+        if self.edges == "serialized":
+            one = (C.c_ubyte * 64)(1)
+            for dst in sorted({e[1] for e in programmatic}):
+                self.call(
+                    "cuGraphKernelNodeSetAttribute", vp(handles[dst]), C.c_int(PROGRAMMATIC_STREAM_SERIALIZATION), one
+                )
         exe = vp()
         self.call("cuGraphInstantiateWithFlags", C.byref(exe), graph, u64(0))
         self.call("cuGraphUpload", exe, self.stream)

@@ -444,12 +444,13 @@ def test_run_compares_device_fed_decode_where_the_core_reads_pending_tokens(
     dev.close()
 
 
-@pytest.mark.parametrize("edges", ["after", "inline", "full"])
+@pytest.mark.parametrize("edges", ["after", "inline", "full", "serialized"])
 def test_programmatic_edges_join_after_their_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edges: str) -> None:
     """A programmatic edge (ABI 4) is added with the driver's edge data (from the programmatic
     port, type programmatic), not as a node dependency: once every node of its graph exists, or
     with "inline" right after its dependent node; with "full" it is an ordinary dependency of its
-    node instead."""
+    node instead; "serialized" adds it as "after" does, then sets programmatic stream
+    serialization (launch attribute 6, value 1) on the dependent node."""
     import json
 
     import ignition.replay.cuda as cuda
@@ -475,6 +476,11 @@ def test_programmatic_edges_join_after_their_nodes(tmp_path: Path, monkeypatch: 
         at = calls.index("cuGraphAddDependencies_v2")
         if edges == "inline":
             assert calls[at - 1] == "cuGraphAddKernelNode_v2" and fake.calls[at - 1][1][0]._obj.value == dst
+        elif edges == "serialized":
+            name, (node, attr, value) = fake.calls[at + 1]
+            assert name == "cuGraphKernelNodeSetAttribute" and node.value == dst
+            assert attr.value == 6 and value[0] == 1
+            assert calls[at + 2] == "cuGraphInstantiateWithFlags"
         else:
             assert calls[at + 1] == "cuGraphInstantiateWithFlags"
     dev.close()
