@@ -237,13 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.relocate,
                 args.decode_tokens,
                 note,
-                edges="full"
-                if args.full_edges
-                else "inline"
-                if args.inline_edges
-                else "serialized"
-                if args.serialized_edges
-                else "after",
+                edges=next((m for m in ("full", "inline", "serialized") if getattr(args, f"{m}_edges")), "after"),
             )
         except (CoreReadError, NoDriverError, CudaError, StepError) as e:
             print(f"ignition replay: {e}", file=sys.stderr)

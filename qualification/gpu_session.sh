@@ -511,7 +511,7 @@ case "$STAGE" in
 import json, sys
 for c in json.load(open(sys.argv[1]))["decode"]:
     p = c["pps"]
-    print(c["geometry"], c["rows"], c["context"], {k: (v["us_per_layer"], v.get("bitwise_vs_combine_kernel")) for k, v in p.items()})
+    print(c["geometry"], c["rows"], c["context"], {k: (v["us_per_layer"], v.get("bitwise_vs_combine_kernel"), v.get("counters_zero")) for k, v in p.items()})
 PY
     ;;
   spec-diag|spec-diag-hybrid)  # issue 21: speculative lanes against decode on a tiny model (kernels, compile, gemv,

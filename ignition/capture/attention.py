@@ -76,6 +76,7 @@ COMBINE_COUNTERS = 4096
 # page-group kernel: past it the last group's partial outputs stop fitting its registers beside the
 # kernel's own (sm_90: 832 bytes of stack at 128 groups of head dim 256), and the kernel combines.
 FUSED_COMBINE_TILE = 128 * 64
+# The counters of each device (`combine_counters`), kept for the process: graphs hold their address.
 _counters: dict[torch.device, torch.Tensor] = {}
 # From this many query tokens on (prefill chunks), (token, KV head) programs already fill the GPU:
 # one program walks all pages and stores the normalized output, with no partials and no combine.
@@ -204,12 +205,15 @@ def fused_combine_fits(splits: int, head_dim: int) -> bool:
 
 
 def combine_counters(device: torch.device, fresh: bool = False) -> torch.Tensor:
-    """The fused combine's counters on `device`, allocated zeroed at the first call (`fresh`:
-    allocated again). Preparation allocates them in the arena's state pool before anything
-    launches (`Recorder.prepare`), so the graphs' pointer to them lies in the arena; the graphs
-    leave them 0, so a core exports them as zero constants. Elsewhere the first fused launch
+    """The fused combine's counters on `device` ("cuda" is the current CUDA device), allocated
+    zeroed at the first call (`fresh`: allocated again). Preparation allocates them in the
+    arena's state pool before anything launches (`Recorder.prepare`) and exports them as a
+    zero-filled scratch buffer: every launch leaves them 0. Elsewhere the first fused launch
     allocates them, which must come before any capture (a capture would place them in its
-    graph's pool, whose bytes are nobody's between replays)."""
+    graph's pool, whose bytes are nobody's between replays). One stream at a time: two launches
+    in flight at once would share the tickets."""
+    if str(device) == "cuda":  # no index: the current device's, as tensors on it report
+        device = torch.device("cuda", torch.cuda.current_device())
     c = _counters.get(device)
     if c is None or fresh:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():

@@ -119,7 +119,8 @@ class DeviceCore:
     "full", as full dependencies (the same results, since each dependent kernel waits for its
     predecessor: a comparison of the launch overlap they buy); "serialized", as "after" with
     programmatic stream serialization also set on each kernel a programmatic edge ends at (the
-    attribute its captured launch carried; a comparison)."""
+    attribute its captured launch carried; a comparison: the driver documents it for stream
+    launches, and a refusal on a graph node fails the load with the driver's error)."""
 
     def __init__(
         self,

@@ -167,3 +167,15 @@ def test_a_candidate_that_fails_is_skipped(timed: list[tuple[int, int, int]], mo
     monkeypatch.setattr(attention_tune, "time_decode", broken)
     with pytest.raises(RuntimeError, match="no pages-per-program candidate ran"):
         attention_tune.tune(9, 3, 64, 64, 72, 30, [1], rope=True)
+
+
+def test_the_combine_counters_are_one_tensor_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ "cuda" and "cuda:N" (what a tensor on the current device reports) find the same counters:
+    preparation allocates them as the first and the launches look them up as the second."""
+    held = torch.zeros(attention.COMBINE_COUNTERS, dtype=torch.int32)
+    monkeypatch.setattr(attention, "_counters", {torch.device("cuda", 1): held})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert attention.combine_counters(torch.device("cuda")) is held
+    assert attention.combine_counters(torch.device("cuda", 1)) is held
+    cpu = attention.combine_counters(torch.device("cpu"))
+    assert cpu is not held and not cpu.any() and attention.combine_counters(torch.device("cpu")) is cpu
