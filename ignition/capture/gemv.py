@@ -26,7 +26,8 @@ Invariants:
   launches `DOT_ROWS`-row tiles, and an MMA reduces each output element on its own. So decode
   buckets agree bitwise with each other (the lifecycle checks compare requests batched together
   with their solo runs). The configuration is chosen per weight shape, never per bucket, and the
-  tuner keeps only tiles it has seen keep this property on the device.
+  tuner keeps only tiles it has seen keep this property on the device. The per-row kernel's
+  group size, which leaves every row's arithmetic alone, is chosen per bucket (checked the same way).
 - Deterministic: no atomics. A split configuration (K in slices, for weights with few rows)
   writes each slice's float32 sums, and one program per output element adds them in slice
   order, so the first invariant holds for it too.
@@ -49,9 +50,12 @@ from ignition.capture.fallback import declare
 if TYPE_CHECKING:
     from torch._library.custom_ops import CustomOpDef
 
-# Rows one program multiplies against its weight tile. Larger groups reuse the tile more but hold
-# one accumulator per row; a decode bucket larger than this runs several groups.
+# Rows one program of the per-row kernel multiplies against its weight tile, at most. Larger
+# groups reuse the tile more but hold one accumulator per row and do that many rows' arithmetic
+# per tile; a bucket's group size is tuned (`_GROUPS`), the default is the largest.
 MAX_GROUP_ROWS = 8
+# Group sizes the tuner times for a bucket of more than one row (below the default).
+GROUP_CANDIDATES = (1, 2, 4)
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,20 @@ class LaunchMode:
     pf_k: int = 0
 
 
+# (N, K, variant key, rows) -> rows per program of the per-row kernel that the tuner chose for
+# that bucket; absent: min(rows, MAX_GROUP_ROWS). Any size gives every row the same arithmetic (one
+# code path per row), so unlike the tile it may differ per bucket.
+_GROUPS: dict[tuple[int, int, str, int], int] = {}
+
+
+def group_rows_for(n: int, k: int, variant: Variant, m: int) -> int:
+    return _GROUPS.get((n, k, variant.key(), m), min(m, MAX_GROUP_ROWS))
+
+
+def set_group_rows(n: int, k: int, variant: Variant, m: int, rows: int) -> None:
+    _GROUPS[(n, k, variant.key(), m)] = rows
+
+
 PLAIN = LaunchMode()
 # (N, K, variant key) -> the launch mode prepare chose for that projection shape; absent: plain.
 _MODES: dict[tuple[int, int, str], LaunchMode] = {}
@@ -224,10 +242,12 @@ def launch(
     pdl: int | None = None,
     norm_mode: str = "rms",
     pf_k: int = 0,
+    group_rows: int | None = None,
 ) -> torch.Tensor:
     """Runs the kernel (what `flare::gemv` calls); `config` overrides the tuned configuration,
     `pdl` (with `pf_k`) the launch mode prepare chose (`LaunchMode`; 2, for the probe only:
-    the first weight tile loaded into registers before the wait)."""
+    the first weight tile loaded into registers before the wait), `group_rows` the per-row
+    kernel's rows per program (`group_rows_for`)."""
     m = x.shape[0]
     n, k = weight.shape
     if x.dim() != 2 or x.shape[1] != (2 * k if glu else k):
@@ -290,8 +310,10 @@ def launch(
         grid = (-(-n // cfg.block_n), -(-m // DOT_ROWS), cfg.split)
         _dot_kernel()[grid](*args, partial, BLOCK_M=DOT_ROWS, SPLIT=cfg.split, **flags)
     else:
-        rows = min(m, MAX_GROUP_ROWS)
-        grid = (-(-n // cfg.block_n), -(-m // rows), cfg.split)
+        rows = group_rows or group_rows_for(n, k, variant, m)
+        if not 1 <= rows <= MAX_GROUP_ROWS:
+            raise ValueError(f"gemv: {rows} rows per program (1 to {MAX_GROUP_ROWS})")
+        grid = (-(-n // cfg.block_n) * -(-m // rows), 1, cfg.split)
         _kernel()[grid](*args[:6], partial, *args[6:], ROWS=rows, WIDE=cfg.wide, SPLIT=cfg.split, **flags)
     if cfg.split > 1:
         block = min(1024, 1 << (n - 1).bit_length())
@@ -435,9 +457,16 @@ def time_graphs(steps: Sequence[Callable[[], object]], reps: int) -> float:
 
 
 def _layer(
-    p: Problem, i: int, x: torch.Tensor, r: torch.Tensor, cfg: GemvConfig | None = None, mode: LaunchMode = PLAIN
+    p: Problem,
+    i: int,
+    x: torch.Tensor,
+    r: torch.Tensor,
+    cfg: GemvConfig | None = None,
+    mode: LaunchMode = PLAIN,
+    group_rows: int | None = None,
 ) -> torch.Tensor:
-    """The problem's projection through layer i's weight (its bias and norm), launched as `mode`."""
+    """The problem's projection through layer i's weight (its bias and norm), launched as `mode`
+    (`group_rows`: as `launch`)."""
     return launch(
         x,
         p.weights[i],
@@ -450,15 +479,23 @@ def _layer(
         pdl=mode.pdl,
         pf_k=mode.pf_k,
         norm_mode=p.norm_mode,
+        group_rows=group_rows,
     )
 
 
-def _run(p: Problem, x: torch.Tensor, r: torch.Tensor, cfg: GemvConfig, layers: int | None = None) -> torch.Tensor:
+def _run(
+    p: Problem,
+    x: torch.Tensor,
+    r: torch.Tensor,
+    cfg: GemvConfig,
+    layers: int | None = None,
+    group_rows: int | None = None,
+) -> torch.Tensor:
     """The problem's projection over its first `layers` weights (all by default), plainly; the
     last output."""
     y = x
     for i in range(len(p.weights[:layers])):
-        y = _layer(p, i, x, r, cfg)
+        y = _layer(p, i, x, r, cfg, group_rows=group_rows)
     return y
 
 
@@ -491,11 +528,41 @@ def _cold(p: Problem) -> Problem:
     )
 
 
-def _bucket_invariant(p: Problem, x: torch.Tensor, r: torch.Tensor, cfg: GemvConfig) -> bool:
-    """Whether the rows of `x` projected together equal the same rows projected one by one."""
-    grouped = _run(p, x, r, cfg, 1)
+def _bucket_invariant(
+    p: Problem, x: torch.Tensor, r: torch.Tensor, cfg: GemvConfig, group_rows: int | None = None
+) -> bool:
+    """Whether the rows of `x` projected together (`group_rows` per program) equal the same rows
+    projected one by one."""
+    grouped = _run(p, x, r, cfg, 1, group_rows)
     alone = torch.cat([_run(p, x[i : i + 1], r[i : i + 1], cfg, 1) for i in range(x.shape[0])])
     return bool(torch.equal(grouped, alone))
+
+
+def _tune_groups(
+    p: Problem, cold: Problem, xs: dict[int, torch.Tensor], res: dict[int, torch.Tensor], cfg: GemvConfig, reps: int
+) -> dict[str, Any]:
+    """Rows per program of the per-row kernel for each bucket of more than one row: the default
+    (`min(rows, MAX_GROUP_ROWS)`) and the smaller `GROUP_CANDIDATES` timed over `cold`, the fastest
+    that keeps the bucket's rows equal to the same rows alone kept (`set_group_rows`). Returns
+    per bucket the choice and every size's time per layer (us)."""
+    n, k = p.weights[0].shape
+    out: dict[str, Any] = {}
+    for m in sorted(xs):
+        default = min(m, MAX_GROUP_ROWS)
+        if m == 1 or cfg.dot:
+            continue
+        times: dict[int, float] = {}
+        for g in sorted({default, *(c for c in GROUP_CANDIDATES if c < default)}):
+            ms = _time_ms(functools.partial(_run, cold, xs[m], res[m], cfg, None, g), reps)
+            times[g] = ms * 1e3 / len(cold.weights)
+        kept = default
+        for g in sorted(times, key=lambda g: times[g]):
+            if g == default or _bucket_invariant(p, xs[m], res[m], cfg, g):
+                kept = g
+                break
+        set_group_rows(n, k, p.variant, m, kept)
+        out[str(m)] = {"rows_per_program": kept, "us_per_layer": {str(g): round(t, 2) for g, t in times.items()}}
+    return out
 
 
 def _fits(cfg: GemvConfig, k: int) -> bool:
@@ -667,6 +734,7 @@ def tune(
         if best is None:
             raise RuntimeError(f"gemv {p.name}: no tile keeps rows grouped by {big} equal to the same rows alone")
         set_config(n, k, p.variant, best)
+        groups = _tune_groups(p, cold, {m: xs[m] for m in rows}, res, best, reps)
         one = _time_ms(functools.partial(_run, cold, xs[min(rows)], res[min(rows)], best), reps) / len(cold.weights)
         report[p.name] = {
             "shape": [n, k],
@@ -682,6 +750,7 @@ def tune(
             "bucket_invariant": True,
             "invariance_checked_at_rows": big,
             "tiles_breaking_invariance": broken,
+            "group_rows": groups,
         }
     return report
 

@@ -218,7 +218,7 @@ def flare_gemv(
     PF_K: tl.constexpr = 0,
     ESIZE: tl.constexpr = 2,
 ):
-    """Program (n, g, s): weight rows [n*BLOCK_N, +BLOCK_N) against activation rows
+    """Program (n * groups + g, 0, s): weight rows [n*BLOCK_N, +BLOCK_N) against activation rows
     [g*ROWS, +ROWS), over K slice s of SPLIT (BLOCK_K-aligned). With SPLIT > 1 each slice's
     float32 sums go to P [SPLIT, M, N] and `flare_gemv_reduce` finishes the rows (more programs
     for a weight with few, long rows: N / BLOCK_N alone may not fill the GPU).
@@ -231,8 +231,11 @@ def flare_gemv(
     launch at once: the next kernel's prefetch then overlaps this one's whole loop; 4 prefetches
     as 3 does and lets the next kernel launch after its loop, as 1 does. The
     arithmetic is the same in every mode (the first tile accumulated first either way)."""
-    pid_n = tl.program_id(0)
-    m0 = tl.program_id(1) * ROWS
+    # Program (n, g) is linear id n * groups + g: the groups reading one weight tile run side by
+    # side, so the tile is read from HBM once and from L2 by the others.
+    groups = tl.cdiv(M, ROWS)
+    pid_n = tl.program_id(0) // groups
+    m0 = (tl.program_id(0) % groups) * ROWS
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = cols < N
     wrow = tl.minimum(cols, N - 1)  # out-of-range weight rows read row N-1, never stored

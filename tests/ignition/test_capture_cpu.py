@@ -279,6 +279,41 @@ def test_the_gemv_tuner_streams_more_weights_than_l2_holds(monkeypatch: Any) -> 
     assert gemv._cold(p) is p
 
 
+def test_the_gemv_tuner_picks_rows_per_program_per_bucket(monkeypatch: Any) -> None:
+    """For each bucket of more than one row, the per-row kernel's rows per program is timed at the
+    default (the whole bucket, up to `MAX_GROUP_ROWS`) and the smaller `GROUP_CANDIDATES`; the
+    fastest that keeps the bucket's rows equal to the same rows alone is registered for that
+    bucket only. The tensor-core kernel and one-row buckets have nothing to choose."""
+    require_torch()
+    import functools
+
+    import torch
+
+    from ignition.capture import gemv
+
+    cost = {(4, 1): 9.0, (4, 2): 5.0, (4, 4): 7.0, (2, 1): 3.0, (2, 2): 4.0}
+
+    def timed(fn: functools.partial[Any], reps: int) -> float:
+        x, group = fn.args[1], fn.args[5]
+        return cost[(x.shape[0], group)] / 1e3
+
+    broken = {(4, 2)}  # this size's rows differ from the rows alone: passed over
+    monkeypatch.setattr(gemv, "_time_ms", timed)
+    monkeypatch.setattr(gemv, "_bucket_invariant", lambda p, x, r, cfg, g=None: (x.shape[0], g) not in broken)
+    monkeypatch.setattr(gemv, "_GROUPS", {})
+    p = gemv.Problem("down", [torch.zeros(8, 64)], gemv.Variant(glu=True, residual=True))
+    xs = {m: torch.zeros(m, 128) for m in (1, 2, 4)}
+    res = {m: torch.zeros(m, 8) for m in (1, 2, 4)}
+    cfg = gemv.GemvConfig(8, 64, 4)
+    out = gemv._tune_groups(p, p, xs, res, cfg, 1)
+    assert set(out) == {"2", "4"}
+    assert out["4"] == {"rows_per_program": 4, "us_per_layer": {"1": 9.0, "2": 5.0, "4": 7.0}}
+    assert out["2"]["rows_per_program"] == 1
+    assert gemv.group_rows_for(8, 64, p.variant, 2) == 1 and gemv.group_rows_for(8, 64, p.variant, 4) == 4
+    assert gemv.group_rows_for(8, 64, p.variant, 8) == 8  # untuned: the default
+    assert gemv._tune_groups(p, p, xs, res, gemv.GemvConfig(16, 64, 4, dot=True), 1) == {}
+
+
 def test_the_launch_tuner_revisits_a_projection_once_its_successor_has_chosen(monkeypatch: Any) -> None:
     """`gemv.tune_launch` over a timing model where o_proj's early trigger (mode 3) pays only
     once gate_up prefetches (mode 3 with a prefetch): a single greedy pass keeps o_proj at mode

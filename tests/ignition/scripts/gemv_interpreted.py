@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ignition.capture import gemv_triton
-from ignition.capture.gemv import DOT_ROWS, MAX_GROUP_ROWS, GemvConfig, launch, reference
+from ignition.capture.gemv import DOT_ROWS, GROUP_CANDIDATES, MAX_GROUP_ROWS, GemvConfig, launch, reference
 
 
 @triton.jit
@@ -92,6 +92,10 @@ for cfg, variants, counts in (
                 ]
             )
             invariant = invariant and torch.equal(alone, got)
+            # The tuner's rows per program of the per-row kernel (a size per bucket): the same bits.
+            for g in (c for c in GROUP_CANDIDATES if c < min(m, MAX_GROUP_ROWS) and not cfg.dot):
+                y = launch(x, w, bias, norm, r, 1e-6, glu, config=cfg, norm_mode=mode, group_rows=g)
+                invariant = invariant and torch.equal(y, got)
             for pdl, pf in MODES if cfg.split == 1 else MODES[:1]:
                 y = launch(x, w, bias, norm, r, 1e-6, glu, config=cfg, pdl=pdl, pf_k=pf, norm_mode=mode)
                 pdl_bitwise = pdl_bitwise and torch.equal(y, got)
