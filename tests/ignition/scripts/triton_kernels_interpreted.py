@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 import torch
 import triton
@@ -181,7 +182,7 @@ for pps in (1, 4):
 # included, and the counters back at 0 after every launch.
 fused_combine_bitwise = True
 for pps, decode in ((1, True), (2, False), (3, True), (1, False)):
-    kw = {"tokens": "decode", "write": (rk, rv, slots4)} if decode else {}
+    kw: dict[str, Any] = {"tokens": "decode", "write": (rk, rv, slots4)} if decode else {}
     plain_kv, fused_kv = kv4.clone(), kv4.clone()
     want5 = _launch_attention(rq, plain_kv, tables4, req4, pos4, 1, scale, pps, cos=cos, sin=sin, **kw)
     attention.FUSED_COMBINE = True
