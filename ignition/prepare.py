@@ -493,6 +493,8 @@ def _tune_projections(rec: Any, buckets: list[int], lanes: int) -> dict[str, Any
     rec.timings["gemv_tune_s"] = round(time.time() - t0, 3)
     for name, r in out.items():
         note(f"gemv {name} {r['shape']}: {r['config']}, {r['weight_gb_per_s']} GB/s at {r['rows']} row(s)")
+        for m, g in r.get("group_rows", {}).items():
+            note(f"gemv {name} at {m} rows: {g['rows_per_program']} per program (us per layer {g['us_per_layer']})")
     return out
 
 
@@ -564,7 +566,7 @@ def _tune_attention(rec: Any, buckets: list[int]) -> dict[str, Any]:
     how = "inside the page-group kernel" if out["fused_combine"] else "by a kernel of their own"
     note(
         f"attention: {out['pages_per_split']} page(s) per decode program ({out['splits']} groups per table), "
-        f"groups combined {how}"
+        f"groups combined {how}; us per layer {out['us_per_layer']}, fused bitwise {out['fused_combine_bitwise']}"
     )
     return out
 
