@@ -163,6 +163,11 @@ def set_group_rows(n: int, k: int, variant: Variant, m: int, rows: int) -> None:
     _GROUPS[(n, k, variant.key(), m)] = rows
 
 
+def clear_group_rows() -> None:
+    """Every bucket back to the default group size (a new tuning starts from it)."""
+    _GROUPS.clear()
+
+
 PLAIN = LaunchMode()
 # (N, K, variant key) -> the launch mode prepare chose for that projection shape; absent: plain.
 _MODES: dict[tuple[int, int, str], LaunchMode] = {}
@@ -543,8 +548,8 @@ def _tune_groups(
 ) -> dict[str, Any]:
     """Rows per program of the per-row kernel for each bucket of more than one row: the default
     (`min(rows, MAX_GROUP_ROWS)`) and the smaller `GROUP_CANDIDATES` timed over `cold`, the fastest
-    that keeps the bucket's rows equal to the same rows alone kept (`set_group_rows`). Returns
-    per bucket the choice and every size's time per layer (us)."""
+    that keeps the bucket's rows equal to the same rows alone kept (`set_group_rows`; none keeping
+    them is an error). Returns per bucket the choice and every size's time per layer (us)."""
     n, k = p.weights[0].shape
     out: dict[str, Any] = {}
     for m in sorted(xs):
@@ -555,11 +560,11 @@ def _tune_groups(
         for g in sorted({default, *(c for c in GROUP_CANDIDATES if c < default)}):
             ms = _time_ms(functools.partial(_run, cold, xs[m], res[m], cfg, None, g), reps)
             times[g] = ms * 1e3 / len(cold.weights)
-        kept = default
-        for g in sorted(times, key=lambda g: times[g]):
-            if g == default or _bucket_invariant(p, xs[m], res[m], cfg, g):
-                kept = g
-                break
+        kept = next(
+            (g for g in sorted(times, key=lambda g: times[g]) if _bucket_invariant(p, xs[m], res[m], cfg, g)), 0
+        )
+        if not kept:
+            raise RuntimeError(f"gemv {p.name}: no group size keeps {m} rows equal to the same rows alone ({cfg})")
         set_group_rows(n, k, p.variant, m, kept)
         out[str(m)] = {"rows_per_program": kept, "us_per_layer": {str(g): round(t, 2) for g, t in times.items()}}
     return out
@@ -691,6 +696,7 @@ def tune(
     Returns a report: per problem the chosen tile, its time per layer and achieved bytes/s."""
     report: dict[str, Any] = {}
     gen = torch.Generator(device="cuda").manual_seed(0)
+    clear_group_rows()
     for p in problems:
         cold = _cold(p)
         w0 = p.weights[0]

@@ -297,7 +297,7 @@ def test_the_gemv_tuner_picks_rows_per_program_per_bucket(monkeypatch: Any) -> N
         x, group = fn.args[1], fn.args[5]
         return cost[(x.shape[0], group)] / 1e3
 
-    broken = {(4, 2)}  # this size's rows differ from the rows alone: passed over
+    broken = {(4, 2), (4, 4)}  # these sizes' rows differ from the rows alone: passed over
     monkeypatch.setattr(gemv, "_time_ms", timed)
     monkeypatch.setattr(gemv, "_bucket_invariant", lambda p, x, r, cfg, g=None: (x.shape[0], g) not in broken)
     monkeypatch.setattr(gemv, "_GROUPS", {})
@@ -307,11 +307,18 @@ def test_the_gemv_tuner_picks_rows_per_program_per_bucket(monkeypatch: Any) -> N
     cfg = gemv.GemvConfig(8, 64, 4)
     out = gemv._tune_groups(p, p, xs, res, cfg, 1)
     assert set(out) == {"2", "4"}
-    assert out["4"] == {"rows_per_program": 4, "us_per_layer": {"1": 9.0, "2": 5.0, "4": 7.0}}
+    # At 4 rows the two fastest sizes (2, then the default 4) break the invariance: 1 is kept.
+    assert out["4"] == {"rows_per_program": 1, "us_per_layer": {"1": 9.0, "2": 5.0, "4": 7.0}}
     assert out["2"]["rows_per_program"] == 1
-    assert gemv.group_rows_for(8, 64, p.variant, 2) == 1 and gemv.group_rows_for(8, 64, p.variant, 4) == 4
+    assert gemv.group_rows_for(8, 64, p.variant, 2) == 1 and gemv.group_rows_for(8, 64, p.variant, 4) == 1
     assert gemv.group_rows_for(8, 64, p.variant, 8) == 8  # untuned: the default
     assert gemv._tune_groups(p, p, xs, res, gemv.GemvConfig(16, 64, 4, dot=True), 1) == {}
+    # No size keeping the rows: an error, never a silent choice.
+    broken |= {(4, 1)}
+    with pytest.raises(RuntimeError, match="no group size keeps 4 rows"):
+        gemv._tune_groups(p, p, xs, res, cfg, 1)
+    gemv.clear_group_rows()
+    assert gemv.group_rows_for(8, 64, p.variant, 2) == 2
 
 
 def test_the_launch_tuner_revisits_a_projection_once_its_successor_has_chosen(monkeypatch: Any) -> None:
