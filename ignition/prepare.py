@@ -563,13 +563,7 @@ def _tune_attention(rec: Any, buckets: list[int]) -> dict[str, Any]:
             model.rope_in_attention,
         )  # fmt: skip
     rec.timings["attention_tune_s"] = round(time.time() - t0, 3)
-    how = "inside the page-group kernel" if out["fused_combine"] else "by a kernel of their own"
-    note(
-        f"attention: {out['pages_per_split']} page(s) per decode program ({out['splits']} groups per table), "
-        f"groups combined {how}; us per layer summed over the timed points "
-        f"{ {k: round(sum(t.values()), 1) for k, t in out['us_per_layer'].items()} }, "
-        f"fused bitwise {out['fused_combine_bitwise']}"
-    )
+    note(f"attention: {out['pages_per_split']} page(s) per decode program ({out['splits']} groups per table)")
     return out
 
 

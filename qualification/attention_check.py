@@ -9,12 +9,9 @@ at 1, 2, 4, 8 and 16, for 1 and 4 requests at 256, 1,024 and 4,096 tokens over 7
 (a 4,608-token context limit), each token's K/V written inside the attention as decode graphs
 do; all layers as one graph, with the relative error against the current setting. (SmolLM2's
 decode step took 88 us longer at 288 tokens of context than at a few: ~3 us per attention layer,
-with 4 pages walked one after another by each program.) Each `pps` is timed twice: with the
-groups combined by the combine kernel, and inside the page-group kernel (`attention.FUSED_COMBINE`,
-key "PPS+fused", where it fits), with whether the two outputs are the same bits.
-`--decode-only` skips the prefill cases (about 1 minute less).
+with 4 pages walked one after another by each program.)
 
-    python3 qualification/attention_check.py OUT.json [--decode-only]
+    python3 qualification/attention_check.py OUT.json
 """
 
 from __future__ import annotations
@@ -83,8 +80,8 @@ def decode(name: str, layers: int, h: int, kvh: int, d: int, rope: bool, rows: i
     """One decode case as preparation's tuner times it (`attention_tune.time_decode`, 72-page
     tables): every `PPS` setting over all layers, with the relative error against the current one."""
 
-    def timed(pps: int, fused: bool = False) -> tuple[float, torch.Tensor]:
-        return attention_tune.time_decode(h, kvh, d, 64, WIDTH, layers, rows, context, pps, rope, fused)
+    def timed(pps: int) -> tuple[float, torch.Tensor]:
+        return attention_tune.time_decode(h, kvh, d, 64, WIDTH, layers, rows, context, pps, rope)
 
     want = timed(attention.PAGES_PER_SPLIT)[1].float()
     case: dict[str, Any] = {"geometry": name, "layers": layers, "rows": rows, "context": context, "pps": {}}
@@ -94,15 +91,6 @@ def decode(name: str, layers: int, h: int, kvh: int, d: int, rope: bool, rows: i
             "us_per_layer": round(ms * 1e3 / layers, 2),
             "rel_l2": float((got.float() - want).norm() / want.norm()),
         }
-        if attention.fused_combine_fits(-(-WIDTH // pps), d):
-            fms, fgot = timed(pps, fused=True)
-            case["pps"][f"{pps}+fused"] = {
-                "us_per_layer": round(fms * 1e3 / layers, 2),
-                "rel_l2": float((fgot.float() - want).norm() / want.norm()),
-                "bitwise_vs_combine_kernel": torch.equal(fgot, got),
-                # After the timed replays (hundreds of launches): every ticket given back.
-                "counters_zero": not attention.combine_counters(fgot.device).any().item(),
-            }
     case["fastest"] = min(case["pps"], key=lambda key: case["pps"][key]["us_per_layer"])
     return case
 
@@ -111,7 +99,7 @@ def main() -> int:
     dev = torch.device("cuda")
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "cases": [], "decode": []}
     worst = 0.0
-    for name, layers, h, kvh, d, rope in GEOMETRIES if "--decode-only" not in sys.argv else ():
+    for name, layers, h, kvh, d, rope in GEOMETRIES:
         for context in (1024, 4096):
             chunk = 256
             pages = context // 64

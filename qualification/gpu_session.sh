@@ -33,7 +33,6 @@
 #   sampler-check                        issue 19: flare::sample against the torch sampler, tokens and graph time (no core)
 #   gdn-check                            issue 18: GDN components vs Transformers' torch functions, times (chunked prefill)
 #   attention-check                      issue 19: prefill attention, block kernel against per-token, three geometries
-#   attention-decode                     issue 19: decode attention pages per program, combine kernel or fused (~1 min)
 #   pdl-probe                            issue 19: gemv chains as one graph, plain and with programmatic dependent launch
 #   pdl-rebuild                          issue 19: that chain with programmatic edges, torch's graph against it rebuilt node by node
 #   graph-probe                          issue 19: a graph replay's cost beyond its kernels, per replay and per kernel
@@ -502,18 +501,6 @@ case "$STAGE" in
     timing_lock
     timeout 300 python3 qualification/attention_check.py "$OUT/attention_check.json" > "$OUT/attention_check.log" 2>&1
     echo "attention_check rc=$?"; tail -8 "$OUT/attention_check.log" | cut -c1-300 ;;
-  attention-decode)  # issue 19: attention-check's decode half alone: pages per program, each with the combine kernel
-                     # and with the combine inside the page-group kernel (~1 min)
-    timing_lock
-    timeout 240 python3 qualification/attention_check.py "$OUT/attention_decode.json" --decode-only \
-      > "$OUT/attention_decode.log" 2>&1
-    echo "attention_check --decode-only rc=$?"; python3 - "$OUT/attention_decode.json" <<'PY'
-import json, sys
-for c in json.load(open(sys.argv[1]))["decode"]:
-    p = c["pps"]
-    print(c["geometry"], c["rows"], c["context"], {k: (v["us_per_layer"], v.get("bitwise_vs_combine_kernel"), v.get("counters_zero")) for k, v in p.items()})
-PY
-    ;;
   spec-diag|spec-diag-hybrid)  # issue 21: speculative lanes against decode on a tiny model (kernels, compile, gemv,
               # precision casts); spec-diag-hybrid (CASES=hybrid): first the GDN lane kernels at the 0.8B geometry and
               # far row offsets (gdn_verify_check.py), then the tiny Qwen3.5 cases

@@ -156,8 +156,6 @@ def prepare_section(report: Any) -> dict[str, Any]:
     split = report.get("attention_split")
     if isinstance(split, dict):  # the pages per decode attention program preparation chose
         out["attention_pages_per_split"] = split.get("pages_per_split")
-        if "fused_combine" in split:
-            out["attention_fused_combine"] = split["fused_combine"]
     spec = report.get("speculative")
     if isinstance(spec, dict):  # speculative generation against decoding through the torch replay
         out["speculative_identical_to_decoding"] = spec.get("identical")

@@ -64,20 +64,6 @@ PAGES_PER_SPLIT = 4
 # weights while they run. Preparation sets it with the projections' launch modes
 # (`ignition.capture.gemv.set_launch_mode`) before capture; off for runs that do not tune.
 PDL = False
-# Whether the page groups of a token are combined by the last group to finish, inside the
-# page-group kernel (`attention_triton._combine_if_last`), instead of by a combine kernel after it:
-# one kernel fewer per layer for an atomic ticket per group. Preparation's attention tuner times
-# both (`ignition.capture.attention_tune`) and sets it before capture; off for runs that do not tune.
-FUSED_COMBINE = False
-# Counters the fused combine takes tickets from: one int32 per (token, KV head) of a launch. Larger
-# launches combine with the kernel (prefill chunks past `SPLIT_MAX_TOKENS` never split).
-COMBINE_COUNTERS = 4096
-# The widest combine (page groups rounded up to a power of two, times the head dim) done inside the
-# page-group kernel: past it the last group's partial outputs stop fitting its registers beside the
-# kernel's own (sm_90: 832 bytes of stack at 128 groups of head dim 256), and the kernel combines.
-FUSED_COMBINE_TILE = 128 * 64
-# The counters of each device (`combine_counters`), kept for the process: graphs hold their address.
-_counters: dict[torch.device, torch.Tensor] = {}
 # From this many query tokens on (prefill chunks), (token, KV head) programs already fill the GPU:
 # one program walks all pages and stores the normalized output, with no partials and no combine.
 # Measured on the H200 with splits for prefill too: a 256-token chunk took 2.82 ms instead of
@@ -198,30 +184,6 @@ def _launch_write(
     )
 
 
-def fused_combine_fits(splits: int, head_dim: int) -> bool:
-    """Whether `splits` page groups of `head_dim` are combined inside the page-group kernel when
-    `FUSED_COMBINE` is set (`FUSED_COMBINE_TILE`); one group needs no combine."""
-    return splits > 1 and max(2, 1 << (splits - 1).bit_length()) * head_dim <= FUSED_COMBINE_TILE
-
-
-def combine_counters(device: torch.device, fresh: bool = False) -> torch.Tensor:
-    """The fused combine's counters on `device` ("cuda" is the current CUDA device), allocated
-    zeroed at the first call (`fresh`: allocated again). Preparation allocates them in the
-    arena's state pool before anything launches (`Recorder.prepare`) and exports them as a
-    zero-filled scratch buffer: every launch leaves them 0. Elsewhere the first fused launch
-    allocates them, which must come before any capture (a capture would place them in its
-    graph's pool, whose bytes are nobody's between replays). One stream at a time: two launches
-    in flight at once would share the tickets."""
-    if str(device) == "cuda":  # no index: the current device's, as tensors on it report
-        device = torch.device("cuda", torch.cuda.current_device())
-    c = _counters.get(device)
-    if c is None or fresh:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("attention: the fused combine's first launch is inside a capture; run it once before")
-        c = _counters[device] = torch.zeros(COMBINE_COUNTERS, dtype=torch.int32, device=device)
-    return c
-
-
 def _pdl() -> dict[str, bool]:
     """The launch flags of a page-group kernel under `PDL` (none when off)."""
     return {"PDL": True, "launch_pdl": True} if PDL else {}
@@ -260,8 +222,6 @@ def _launch_attention(
     pps = pps or pages_per_split(n, pages.shape[1])
     splits = -(-pages.shape[1] // pps)
     out = torch.empty((n, h, d), dtype=q.dtype, device=q.device)
-    sp = max(2, 1 << (splits - 1).bit_length())
-    fused = FUSED_COMBINE and n * kvh <= COMBINE_COUNTERS and fused_combine_fits(splits, d)
     if splits == 1:
         part_acc = part_m = part_l = out  # not read or written with one group
     else:
@@ -309,15 +269,12 @@ def _launch_attention(
         ROPE=rope,
         WRITE=write is not None,
         num_warps=4,
-        CNT=combine_counters(q.device) if fused else pos,  # pos: never read unfused
-        COMBINE=fused,
-        SP=sp,
         **_pdl(),
     )
-    if splits > 1 and not fused:
+    if splits > 1:
         _combine_kernel()[(n, h)](
             part_acc, part_m, part_l, out, pos, H=h, D=d, T=t, PPS=pps, SPLITS=splits,
-            SP=sp, **_pdl(),
+            SP=max(2, 1 << (splits - 1).bit_length()), **_pdl(),
         )  # fmt: skip
     return out
 

@@ -101,7 +101,6 @@ def paged_attention_kernel(
     s_tok,
     s_head,
     pt_stride,
-    CNT,
     SCALE: tl.constexpr,
     H: tl.constexpr,
     G: tl.constexpr,
@@ -114,8 +113,6 @@ def paged_attention_kernel(
     ROPE: tl.constexpr,
     WRITE: tl.constexpr,
     PDL: tl.constexpr = False,
-    COMBINE: tl.constexpr = False,
-    SP: tl.constexpr = 2,
 ):
     """One (token, KV head, page group): the group's unnormalized softmax state (m, l, acc);
     with a single group, the normalized output itself (into OUT). `ROPE`: q is rotated here
@@ -124,10 +121,7 @@ def paged_attention_kernel(
     first writes the token's K/V into its slot, then reads the page after a barrier; no other
     program reads that position, so the separate write kernel is not needed. `PDL` (launched
     as a programmatic dependent): waits for the previous kernel before anything else, then lets
-    the next one launch (its own wait covers this kernel's writes). `COMBINE` (SPLITS > 1): the
-    last group of a (token, KV head) to finish combines the groups' states into OUT
-    (`_combine_if_last`, over the int32 counters at CNT, [tokens, KV heads], 0 between launches),
-    so no combine kernel follows; SP is SPLITS rounded up to a power of two."""
+    the next one launch (its own wait covers this kernel's writes)."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -175,48 +169,6 @@ def paged_attention_kernel(
         tl.store(PM + at, m, mask=qmask)
         tl.store(PL + at, lsum, mask=qmask)
         tl.store(PACC + at[:, None] * D + di[None, :], acc, mask=qmask[:, None])
-        if COMBINE:
-            _combine_if_last(PACC, PM, PL, OUT, CNT, n, kh, sp, pos, H, G, D, T, PPS, SPLITS, SP)
-
-
-@triton.jit
-def _combine_if_last(PACC, PM, PL, OUT, CNT, n, kh, sp, pos, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                     T: tl.constexpr, PPS: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):  # fmt: skip
-    """The combine inside the page-group kernel (no kernel of its own): each group holding
-    some of the token's pages takes a ticket from the (token, KV head)'s counter after storing
-    its state; the group that takes the last one combines the G heads, as
-    `paged_attention_combine` does, and puts the counter back to 0 for the next launch (so the
-    counters are 0 between launches, as they start). Groups past the token's last page take no
-    ticket. Release/acquire at GPU scope orders the other groups' stores before the reads."""
-    active = tl.minimum((pos // T) // PPS + 1, SPLITS)
-    if sp < active:
-        tl.debug_barrier()  # every thread's stores precede the releasing ticket
-        at = CNT + n * (H // G) + kh
-        ticket = tl.atomic_add(at, 1, sem="acq_rel", scope="gpu")
-        if ticket == active - 1:
-            tl.debug_barrier()  # the acquiring ticket precedes every thread's reads
-            tl.store(at, 0)
-            for gi in tl.static_range(G):
-                _combine_head(PACC, PM, PL, OUT, n, kh * G + gi, pos, H, D, T, PPS, SPLITS, SP, ".cg")
-
-
-@triton.jit
-def _combine_head(PACC, PM, PL, OUT, n, h, pos, H: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
-                  PPS: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
-    """Token n's head h: the page groups' states rescaled to their common max and normalized
-    (see `paged_attention_combine`). `CACHE`: the partial states' load modifier (".cg" where
-    other programs of the same launch wrote them)."""
-    si = tl.arange(0, SP)
-    di = tl.arange(0, D)
-    smask = (si < SPLITS) & (si <= (pos // T) // PPS)
-    at = (n * SPLITS + si) * H + h
-    m = tl.load(PM + at, mask=smask, other=float("-inf"), cache_modifier=CACHE)
-    lsum = tl.load(PL + at, mask=smask, other=0.0, cache_modifier=CACHE)
-    mx = tl.max(m, 0)
-    w = tl.where(smask, tl.exp(m - mx), 0.0)
-    acc = tl.load(PACC + at[:, None] * D + di[None, :], mask=smask[:, None], other=0.0, cache_modifier=CACHE)
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(lsum * w, 0)
-    tl.store(OUT + (n * H + h) * D + di, out.to(OUT.dtype.element_ty))
 
 
 @triton.jit
@@ -296,7 +248,19 @@ def paged_attention_combine(
         gdc_wait()
         gdc_launch_dependents()
     n = tl.program_id(0)
-    _combine_head(PACC, PM, PL, OUT, n, tl.program_id(1), tl.load(POS + n), H, D, T, PPS, SPLITS, SP, "")
+    h = tl.program_id(1)
+    si = tl.arange(0, SP)
+    di = tl.arange(0, D)
+    pos = tl.load(POS + n)
+    smask = (si < SPLITS) & (si <= (pos // T) // PPS)
+    at = (n * SPLITS + si) * H + h
+    m = tl.load(PM + at, mask=smask, other=float("-inf"))
+    lsum = tl.load(PL + at, mask=smask, other=0.0)
+    mx = tl.max(m, 0)
+    w = tl.where(smask, tl.exp(m - mx), 0.0)
+    acc = tl.load(PACC + at[:, None] * D + di[None, :], mask=smask[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(lsum * w, 0)
+    tl.store(OUT + (n * H + h) * D + di, out.to(OUT.dtype.element_ty))
 
 
 @triton.jit

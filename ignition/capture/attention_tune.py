@@ -7,9 +7,7 @@ Which wins depends on the geometry and on the number of requests in the step (H1
 `qualification/attention_check.py`, 72-page tables): one page per program was fastest for a
 single request on all three geometries measured (SmolLM2 5.4 against 7.3 us per layer at 256
 tokens with four), while at four requests the ~1B's and Qwen3.5's geometries were fastest with two
-to eight (one page: up to 4 us per layer slower). So preparation times the candidates here, each
-with the page groups combined by a kernel of their own and inside the page-group kernel
-(`attention.FUSED_COMBINE`) where the combine fits there.
+to eight (one page: up to 4 us per layer slower). So preparation times the candidates here.
 
 One value serves every program of a core: decode buckets, speculative lanes and short prefill
 chunks all split the same way, so a row's arithmetic does not depend on the bucket it was packed
@@ -43,23 +41,12 @@ REPS = 20
 
 
 def time_decode(heads: int, kv_heads: int, head_dim: int, page_tokens: int, table_pages: int, layers: int,
-                rows: int, context: int, pps: int, rope: bool,
-                fused: bool = False) -> tuple[float, torch.Tensor]:  # fmt: skip
+                rows: int, context: int, pps: int, rope: bool) -> tuple[float, torch.Tensor]:  # fmt: skip
     """Milliseconds of one decode step's attention over `layers` layers (CUDA graphs, as a core
     replays them, over K/V that is not in L2): `rows` requests, each at position `context - 1`
     of its own `table_pages`-wide page table, writing its token's K/V inside the attention as
     decode programs do; and the output of the last layer (the operands are seeded: calls with
-    other `pps` compare). `fused`: `attention.FUSED_COMBINE` while it captures and replays."""
-    before = attention.FUSED_COMBINE
-    attention.FUSED_COMBINE = fused
-    try:
-        return _time_decode(heads, kv_heads, head_dim, page_tokens, table_pages, layers, rows, context, pps, rope)
-    finally:
-        attention.FUSED_COMBINE = before
-
-
-def _time_decode(heads: int, kv_heads: int, head_dim: int, page_tokens: int, table_pages: int, layers: int,
-                 rows: int, context: int, pps: int, rope: bool) -> tuple[float, torch.Tensor]:  # fmt: skip
+    other `pps` compare)."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     used = -(-context // page_tokens)
@@ -98,12 +85,9 @@ def _time_decode(heads: int, kv_heads: int, head_dim: int, page_tokens: int, tab
 
 def tune(heads: int, kv_heads: int, head_dim: int, page_tokens: int, table_pages: int, layers: int,
          buckets: list[int], rope: bool) -> dict[str, Any]:  # fmt: skip
-    """Times every candidate (`CANDIDATES`, within `MAX_SPLITS`; each with the combine kernel
-    and, where `attention.fused_combine_fits`, inside the page-group kernel) at each timed bucket
-    and context, keeps the fastest total and sets `attention.PAGES_PER_SPLIT` and
-    `attention.FUSED_COMBINE` to it (before capture: the graphs bake them in). Returns a report:
-    the choice, every candidate's times (fused ones keyed "PPS+fused") and whether each fused
-    candidate's output equals its combine kernel's bitwise."""
+    """Times every candidate (`CANDIDATES`, within `MAX_SPLITS`) at each timed bucket and
+    context, keeps the fastest total and sets `attention.PAGES_PER_SPLIT` to it (before capture:
+    the graphs bake it in). Returns a report: the choice and every candidate's times."""
     limit = table_pages * page_tokens
     contexts = [c for c in CONTEXTS if c <= limit] or [limit]
     rows = [b for b in buckets if b <= MAX_ROWS] or [min(buckets)]
@@ -111,49 +95,30 @@ def tune(heads: int, kv_heads: int, head_dim: int, page_tokens: int, table_pages
     candidates = [p for p in CANDIDATES if -(-table_pages // p) <= MAX_SPLITS]
     if not candidates:  # a table this wide: the fewest groups the largest candidate gives
         candidates = [-(-table_pages // MAX_SPLITS)]
-    timed: dict[tuple[int, bool], dict[str, float]] = {}
+    timed: dict[int, dict[str, float]] = {}
     skipped: dict[str, str] = {}
-    outputs: dict[tuple[int, bool], list[torch.Tensor]] = {}
     for pps in candidates:
-        splits = -(-table_pages // pps)
-        for fused in (False, True):
-            if fused and not attention.fused_combine_fits(splits, head_dim):
-                continue
-            key = (pps, fused)
-            try:
-                points, outputs[key] = {}, []
-                for r in rows:
-                    for c in contexts:
-                        ms, out = time_decode(heads, kv_heads, head_dim, page_tokens, table_pages, layers, r, c, pps,
-                                              rope, fused)  # fmt: skip
-                        points[f"rows{r}_ctx{c}"] = round(ms * 1e3 / layers, 2)
-                        outputs[key].append(out)
-            except Exception as e:  # a group size the compiler cannot fit: reported, never chosen
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()  # a fault that broke the context raises here, not skipped
-                skipped[_name(key)] = f"{type(e).__name__}: {str(e)[:200]}"
-                continue
-            timed[key] = points
+        try:
+            points = {}
+            for r in rows:
+                for c in contexts:
+                    ms, _ = time_decode(heads, kv_heads, head_dim, page_tokens, table_pages, layers, r, c, pps, rope)
+                    points[f"rows{r}_ctx{c}"] = round(ms * 1e3 / layers, 2)
+        except Exception as e:  # a group size the compiler cannot fit: reported, never chosen
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # a fault that broke the context raises here, not skipped
+            skipped[str(pps)] = f"{type(e).__name__}: {str(e)[:200]}"
+            continue
+        timed[pps] = points
     if not timed:
         raise RuntimeError(f"attention tuning: no pages-per-program candidate ran: {skipped}")
-    best = min(timed, key=lambda k: sum(timed[k].values()))
-    attention.PAGES_PER_SPLIT, attention.FUSED_COMBINE = best
-    same = {
-        str(p): all(torch.equal(a, b) for a, b in zip(outputs[(p, True)], outputs[(p, False)], strict=True))
-        for p, f in timed
-        if f and (p, False) in timed
-    }
+    best = min(timed, key=lambda p: sum(timed[p].values()))
+    attention.PAGES_PER_SPLIT = best
     torch.cuda.empty_cache()
     return {
-        "pages_per_split": best[0],
-        "fused_combine": best[1],
-        "splits": -(-table_pages // best[0]),
-        "us_per_layer": {_name(k): t for k, t in timed.items()},
-        "fused_combine_bitwise": same,
+        "pages_per_split": best,
+        "splits": -(-table_pages // best),
+        "us_per_layer": {str(p): t for p, t in timed.items()},
         "skipped": skipped,
         "layers_timed": layers,
     }
-
-
-def _name(key: tuple[int, bool]) -> str:
-    return f"{key[0]}+fused" if key[1] else str(key[0])

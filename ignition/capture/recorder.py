@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ignition.capture import attention, fallback
 from ignition.capture import driver as D
+from ignition.capture import fallback
 from ignition.capture.arena import DEFAULT_BASE, FixedArena, Segment, build_allocator
 from ignition.capture.gemv import time_graphs
 from ignition.capture.paged import HEADER_WORDS
@@ -256,9 +256,6 @@ class Recorder:
         self.state_pool = self.arena.pool()
         with torch.cuda.use_mem_pool(self.state_pool):
             self.program = self.build(torch.device("cuda"))
-            # Kept across launches by the prepared attention (its fused combine's tickets): in the
-            # arena before anything launches, and exported by name (`_named`).
-            self.counters = attention.combine_counters(torch.device("cuda"), fresh=True)
         self.graphs = self.program.graphs
         torch.cuda.synchronize()
         self._t("weights_to_device_s", t0)
@@ -365,13 +362,6 @@ class Recorder:
         for g in self.graphs:
             assert g.output is not None
             out[f"{g.name}.output"] = (g.output, "graph_pool", "uninitialized", TORCH_DTYPES[g.output.dtype])
-        # Zero between launches, and a graph's fused combine needs them so at its next replay: a
-        # launch that left one set would have broken that row's combine for good.
-        if self.counters is not attention.combine_counters(self.counters.device):
-            raise RuntimeError("the attention's combine counters were allocated again after the arena's")
-        if self.counters.any():
-            raise RuntimeError("the attention's combine counters are not all 0 after the graphs ran")
-        out["attention.combine_counters"] = (self.counters, "scratch", "zero", "i32")
         return out
 
     def _segments(self) -> tuple[list[dict[str, Any]], list[list[str]]]:

@@ -11,83 +11,39 @@ import torch
 
 from ignition.capture import attention, attention_tune
 
-# The cost model's combine, us per layer: the combine kernel's, and the fused one's (a base and
-# a part per page of the token's context); tests change the fused base.
-COMBINE_KERNEL_US = 1.5
-FUSED = {"base": 0.5, "per_page": 0.01}
-
 
 @pytest.fixture
 def timed(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int, int]]]:
-    """Records (rows, context, pps) of every timing (and `fused_calls` the fused ones); a step
-    costs what the cost model below says per layer."""
+    """Records (rows, context, pps) of every timing; a step costs what `COST` says per layer."""
     calls: list[tuple[int, int, int]] = []
-    fused_calls.clear()
 
     def fake(heads: int, kv_heads: int, head_dim: int, page_tokens: int, table_pages: int, layers: int,
-             rows: int, context: int, pps: int, rope: bool,
-             fused: bool = False) -> tuple[float, torch.Tensor]:  # fmt: skip
-        (fused_calls if fused else calls).append((rows, context, pps))
+             rows: int, context: int, pps: int, rope: bool) -> tuple[float, torch.Tensor]:  # fmt: skip
+        calls.append((rows, context, pps))
         # Serial pages per program plus a combine that widens with the groups; more rows make
-        # groups queue (one page per program loses at four rows). The combine kernel costs a
-        # launch; the fused one a ticket and a serial read of the token's groups.
+        # groups queue (one page per program loses at four rows).
         groups = -(-table_pages // pps)
         pages = -(-context // page_tokens)
         us = min(pps, pages) * 0.6 + groups * 0.004 + (rows * groups * kv_heads / 400 if rows > 1 else 0)
-        if groups > 1:
-            us += FUSED["base"] + FUSED["per_page"] * pages if fused else COMBINE_KERNEL_US
         return us * layers / 1e3, torch.zeros(1)
 
     monkeypatch.setattr(attention_tune, "time_decode", fake)
-    was = attention.PAGES_PER_SPLIT, attention.FUSED_COMBINE, dict(FUSED)
+    was = attention.PAGES_PER_SPLIT
     yield calls
-    attention.PAGES_PER_SPLIT, attention.FUSED_COMBINE = was[:2]
-    FUSED.update(was[2])
-
-
-fused_calls: list[tuple[int, int, int]] = []
-
-
-def _totals(out: dict[str, Any]) -> dict[str, float]:
-    return {k: sum(t.values()) for k, t in out["us_per_layer"].items()}
+    attention.PAGES_PER_SPLIT = was
 
 
 def test_keeps_the_fastest_total_and_sets_it(timed: list[tuple[int, int, int]]) -> None:
     out = attention_tune.tune(9, 3, 64, 64, 72, 30, [1, 2, 4, 8, 16], rope=True)
-    totals = _totals(out)
-    best = min(totals, key=lambda k: totals[k])
-    chosen = f"{out['pages_per_split']}+fused" if out["fused_combine"] else str(out["pages_per_split"])
-    assert chosen == best
+    totals = {int(p): sum(t.values()) for p, t in out["us_per_layer"].items()}
+    assert out["pages_per_split"] == min(totals, key=lambda p: totals[p])
     assert out["pages_per_split"] == attention.PAGES_PER_SPLIT
-    assert out["fused_combine"] == attention.FUSED_COMBINE
     assert out["splits"] == -(-72 // out["pages_per_split"])
-    # Buckets past MAX_ROWS are not timed; layers are capped; every candidate at every point,
-    # with the combine kernel and fused (head dim 64: every candidate's combine fits).
+    # Buckets past MAX_ROWS are not timed; layers are capped; every candidate at every point.
     assert {r for r, _, _ in timed} == {1, 2, 4}
     assert {c for _, c, _ in timed} == set(attention_tune.CONTEXTS)
     assert out["layers_timed"] == attention_tune.MAX_LAYERS
     assert len(timed) == 3 * len(attention_tune.CONTEXTS) * len(attention_tune.CANDIDATES)
-    assert sorted(fused_calls) == sorted(timed)
-    assert set(out["fused_combine_bitwise"]) == {str(p) for p in attention_tune.CANDIDATES}
-
-
-@pytest.mark.parametrize("fused_costs", [0.2, 3.0])
-def test_the_combine_is_fused_only_where_it_measures_faster(
-    timed: list[tuple[int, int, int]], fused_costs: float
-) -> None:
-    FUSED["base"] = fused_costs
-    out = attention_tune.tune(9, 3, 64, 64, 72, 30, [1], rope=True)
-    assert out["fused_combine"] is (fused_costs < COMBINE_KERNEL_US)
-    assert attention.FUSED_COMBINE is out["fused_combine"]
-
-
-def test_the_combine_is_not_fused_where_it_does_not_fit(timed: list[tuple[int, int, int]]) -> None:
-    """Head dim 256 over 72-page tables: only groups of 4 pages or more (18 groups, a 32-wide
-    combine tile) fit `FUSED_COMBINE_TILE`; the others are timed with the combine kernel alone."""
-    out = attention_tune.tune(8, 2, 256, 64, 72, 6, [1], rope=False)
-    assert {p for _, _, p in fused_calls} == {p for p in attention_tune.CANDIDATES if p >= 4}
-    assert {"4+fused", "8+fused"} <= set(out["us_per_layer"])
-    assert not {"1+fused", "2+fused"} & set(out["us_per_layer"])
 
 
 def test_four_rows_can_outweigh_one(timed: list[tuple[int, int, int]]) -> None:
@@ -142,7 +98,6 @@ def test_preparation_tunes_with_the_models_geometry(timed: list[tuple[int, int, 
     assert out["pages_per_split"] == attention.PAGES_PER_SPLIT
     assert out["layers_timed"] == (1 if hybrid else 4)
     assert {c for _, c, _ in timed} == {256, 1024}  # within the 2,048-token limit
-    assert out["fused_combine"] == attention.FUSED_COMBINE
     assert "attention_tune_s" in rec.timings
 
 
@@ -157,9 +112,8 @@ def test_a_candidate_that_fails_is_skipped(timed: list[tuple[int, int, int]], mo
 
     monkeypatch.setattr(attention_tune, "time_decode", failing)
     out = attention_tune.tune(9, 3, 64, 64, 72, 30, [1], rope=True)
-    assert {"1", "1+fused"} <= set(out["skipped"]) and not {"1", "1+fused"} & set(out["us_per_layer"])
+    assert "1" in out["skipped"] and "1" not in out["us_per_layer"]
     assert out["pages_per_split"] != 1
-    assert "1" not in out["fused_combine_bitwise"]
 
     def broken(*args: Any) -> tuple[float, torch.Tensor]:
         raise RuntimeError("no device")
@@ -167,15 +121,3 @@ def test_a_candidate_that_fails_is_skipped(timed: list[tuple[int, int, int]], mo
     monkeypatch.setattr(attention_tune, "time_decode", broken)
     with pytest.raises(RuntimeError, match="no pages-per-program candidate ran"):
         attention_tune.tune(9, 3, 64, 64, 72, 30, [1], rope=True)
-
-
-def test_the_combine_counters_are_one_tensor_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ "cuda" and "cuda:N" (what a tensor on the current device reports) find the same counters:
-    preparation allocates them as the first and the launches look them up as the second."""
-    held = torch.zeros(attention.COMBINE_COUNTERS, dtype=torch.int32)
-    monkeypatch.setattr(attention, "_counters", {torch.device("cuda", 1): held})
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    assert attention.combine_counters(torch.device("cuda")) is held
-    assert attention.combine_counters(torch.device("cuda", 1)) is held
-    cpu = attention.combine_counters(torch.device("cpu"))
-    assert cpu is not held and not cpu.any() and attention.combine_counters(torch.device("cpu")) is cpu

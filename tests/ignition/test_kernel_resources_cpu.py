@@ -108,42 +108,19 @@ def test_decode_attention_fits_sm90(name: str, heads: int, kv_heads: int, d: int
     64 no stack; above it no more than 512 bytes (at 256 the ~480 bytes it spilled before the
     page ids were loaded per group, where a page-offset tile held across the loop once took
     4,960)."""
-    from ignition.capture import attention
-
-    pps = attention.PAGES_PER_SPLIT
-    consts = {"SPLITS": -(-72 // pps), "PPS": pps, "PPSP": max(2, 1 << (pps - 1).bit_length())}
-    res = _decode_attention(heads, kv_heads, d, rope, consts | {"PDL": pdl, "COMBINE": False, "SP": 2})
-    assert res["stack"] <= (0 if d <= 64 else 512) and res["shared"] <= SM90_SHARED, (name, res)
-
-
-def _decode_attention(heads: int, kv_heads: int, d: int, rope: bool, consts: dict[str, Any]) -> dict[str, int]:
-    """`compile_sm90` of the decode attention kernel with a write inside, at this geometry, with
-    `consts` for the split, PDL and combine constexprs."""
-    from ignition.capture import attention_triton
+    from ignition.capture import attention, attention_triton
 
     g = heads // kv_heads
+    pps = attention.PAGES_PER_SPLIT
     pointers = {"PACC": "fp32", "PM": "fp32", "PL": "fp32", "OUT": "bf16", "K": "bf16", "V": "bf16", "SLOT": "i64"}
     ints = ["layer", "q_row", "q_head", "k_row", "k_head", "v_row", "v_head"]
     sig = signature(
-        {**ATTENTION_POINTERS, **pointers, "CNT": "i32"},
-        [*ints, "s_page", "s_layer", "s_sel", "s_tok", "s_head", "pt_stride"],
+        {**ATTENTION_POINTERS, **pointers}, [*ints, "s_page", "s_layer", "s_sel", "s_tok", "s_head", "pt_stride"]
     )
-    geometry = {"SCALE": d**-0.5, "H": heads, "G": g, "GP": max(16, 1 << (g - 1).bit_length()), "D": d, "T": 64}
-    return compile_sm90(
-        attention_triton.paged_attention_kernel, sig, geometry | {"ROPE": rope, "WRITE": True} | consts, num_warps=4
-    )
-
-
-@pytest.mark.parametrize(("name", "heads", "kv_heads", "d", "rope"), ATTENTION)
-def test_fused_combine_fits_sm90_at_the_widest_split(name: str, heads: int, kv_heads: int, d: int, rope: bool) -> None:
-    """The decode attention kernel with the combine inside (`attention.FUSED_COMBINE`) over the
-    most page groups it takes (`FUSED_COMBINE_TILE`, at most the tuner's `MAX_SPLITS`): no stack
-    at head dim 64, and no more at 256 than the kernel alone spills."""
-    from ignition.capture import attention, attention_tune
-
-    splits = min(attention_tune.MAX_SPLITS, attention.FUSED_COMBINE_TILE // d)
-    consts = {"SPLITS": splits, "PPS": 1, "PPSP": 2, "PDL": True, "COMBINE": True, "SP": 1 << (splits - 1).bit_length()}
-    res = _decode_attention(heads, kv_heads, d, rope, consts)
+    consts = {"SCALE": d**-0.5, "H": heads, "G": g, "GP": max(16, 1 << (g - 1).bit_length()), "D": d, "T": 64}
+    consts |= {"SPLITS": -(-72 // pps), "PPS": pps, "PPSP": max(2, 1 << (pps - 1).bit_length())}
+    consts |= {"ROPE": rope, "WRITE": True, "PDL": pdl}
+    res = compile_sm90(attention_triton.paged_attention_kernel, sig, consts, num_warps=4)
     assert res["stack"] <= (0 if d <= 64 else 512) and res["shared"] <= SM90_SHARED, (name, res)
 
 
