@@ -552,10 +552,10 @@ def _tune_groups(
     them is an error). Returns per bucket the choice and every size's time per layer (us)."""
     n, k = p.weights[0].shape
     out: dict[str, Any] = {}
-    for m in sorted(xs):
+    if cfg.dot:  # the tensor-core kernel's row tile is fixed
+        return out
+    for m in sorted(x for x in xs if x > 1):
         default = min(m, MAX_GROUP_ROWS)
-        if m == 1 or cfg.dot:
-            continue
         times: dict[int, float] = {}
         for g in sorted({default, *(c for c in GROUP_CANDIDATES if c < default)}):
             ms = _time_ms(functools.partial(_run, cold, xs[m], res[m], cfg, None, g), reps)

@@ -239,7 +239,6 @@ def run(
         "core": str(core_dir),
         "load": {**asdict(dev.report), "fixed_address_honoured": dev.report.fixed_address_honoured},
         "load_s": round(time.perf_counter() - t0, 3),
-        "full_edges": edges == "full",
         "edges": edges,
     }
     note(
