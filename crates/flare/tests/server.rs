@@ -783,13 +783,13 @@ fn identical_seeded_requests_with_a_stop_end_identically() {
 
 // ---- Visibility: request ids, the per-request log line, `/metrics` families ----
 
-/// A server started with `env` set (and `RUST_LOG` removed unless `env` sets it) on a free
-/// port, ready once `/health` answers 200: it does not need the ready line, which a log
-/// level may hide.
+/// A server started with `env` set (and `RUST_LOG` removed unless `env` sets it) on port 0,
+/// ready once it listens and `/health` answers 200. It does not read the ready line, which a log
+/// level may hide: the port is the one the child's own listening socket holds (`/proc`), so no
+/// other process can take it between a probe and the bind.
 fn start_with_env(env: &[(&str, &str)], extra: &[&str]) -> Server {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let mut command = Command::new(env!("CARGO_BIN_EXE_flare"));
-    command.args(["run", "--port", &port.to_string()]).args(extra).env_remove("RUST_LOG").stderr(Stdio::piped());
+    command.args(["run", "--port", "0"]).args(extra).env_remove("RUST_LOG").stderr(Stdio::piped());
     for (k, v) in env {
         command.env(k, v);
     }
@@ -803,13 +803,40 @@ fn start_with_env(env: &[(&str, &str)], extra: &[&str]) -> Server {
             lines.lock().unwrap().push(line);
         }
     });
-    let server = Server { child, port, log };
+    let mut server = Server { child, port: 0, log };
     let deadline = Instant::now() + Duration::from_secs(60);
-    while TcpStream::connect(("127.0.0.1", port)).is_err() || server.request("GET", "/health", None, "").0 != 200 {
-        assert!(Instant::now() < deadline, "server became ready");
+    loop {
+        if let Some(status) = server.child.try_wait().unwrap() {
+            panic!("the server exited before it was ready ({status}): {:?}", server.log.lock().unwrap());
+        }
+        if server.port == 0 {
+            server.port = listening_port(server.child.id()).unwrap_or(0);
+        }
+        if server.port != 0 && server.request("GET", "/health", None, "").0 == 200 {
+            return server;
+        }
+        assert!(Instant::now() < deadline, "server became ready: {:?}", server.log.lock().unwrap());
         std::thread::sleep(Duration::from_millis(50));
     }
-    server
+}
+
+/// The port of the IPv4 TCP socket that process `pid` listens on, if it listens on one yet.
+fn listening_port(pid: u32) -> Option<u16> {
+    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .ok()?
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter_map(|t| Some(t.to_str()?.strip_prefix("socket:[")?.strip_suffix(']')?.to_owned()))
+        .collect();
+    let table = std::fs::read_to_string("/proc/net/tcp").ok()?;
+    // `sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode`; 0A is LISTEN.
+    table.lines().skip(1).find_map(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let listening = f.get(3) == Some(&"0A") && f.get(9).is_some_and(|i| inodes.iter().any(|n| n == i));
+        if !listening {
+            return None;
+        }
+        u16::from_str_radix(f.get(1)?.rsplit(':').next()?, 16).ok()
+    })
 }
 
 /// A POST with extra request headers; (status, head, body).
