@@ -107,6 +107,16 @@ DOT_ROWS = 16
 # The norm prologues (`rownorm` defines them): Llama's RMSNorm, and Qwen3.5's zero-centred one
 # (x * rstd * (1 + w), float32, rounded once).
 NORM_MODES = {"rms": 1, "zero_centred": 2}
+# Weights with at least this many elements address their rows in int64 (the kernels' `ADDR64`):
+# a row's int32 offset would wrap past it. Below it the kernels keep int32 offsets, unchanged.
+ADDR64_ELEMENTS = 1 << 31
+
+
+def needs_addr64(n: int, row_stride: int) -> bool:
+    """Whether an [n, k] weight whose rows are `row_stride` elements apart needs int64 row
+    offsets: from n * row_stride = 2**31 on, the last tile's lanes (masked ones past the row's
+    end included) would wrap int32."""
+    return n * row_stride >= ADDR64_ELEMENTS
 
 
 @dataclass(frozen=True)
@@ -311,6 +321,8 @@ def launch(
         flags.update(PDL=pdl, launch_pdl=True)
     if pf_k:
         flags.update(PF_K=pf_k, ESIZE=esize)
+    if needs_addr64(n, weight.stride(0)):
+        flags["ADDR64"] = True
     if cfg.dot:
         grid = (-(-n // cfg.block_n), -(-m // DOT_ROWS), cfg.split)
         _dot_kernel()[grid](*args, partial, BLOCK_M=DOT_ROWS, SPLIT=cfg.split, **flags)
@@ -616,7 +628,8 @@ def compile_tasks(
             for m in rows:
                 # The per-row kernel's group size is a constexpr; the tensor-core one's is fixed.
                 rows_key = (m == 1, m % 16 == 0) if cfg.dot else (min(m, MAX_GROUP_ROWS), m == 1, m % 16 == 0)
-                key = (classes, block, rows_key, w.dtype, p.variant, p.norm_mode, cfg, nd, bd)
+                addr64 = needs_addr64(n, k)
+                key = (classes, block, rows_key, addr64, w.dtype, p.variant, p.norm_mode, cfg, nd, bd)
                 if key not in seen:
                     seen.add(key)
                     out.append(CompileTask(n, k, m, w.dtype, p.variant, p.norm_mode, cfg, str(w.device), nd, bd))

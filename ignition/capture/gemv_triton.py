@@ -217,6 +217,7 @@ def flare_gemv(
     SPLIT: tl.constexpr = 1,
     PF_K: tl.constexpr = 0,
     ESIZE: tl.constexpr = 2,
+    ADDR64: tl.constexpr = False,
 ):
     """Program (n * groups + g, 0, s): weight rows [n*BLOCK_N, +BLOCK_N) against activation rows
     [g*ROWS, +ROWS), over K slice s of SPLIT (BLOCK_K-aligned). With SPLIT > 1 each slice's
@@ -239,6 +240,8 @@ def flare_gemv(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = cols < N
     wrow = tl.minimum(cols, N - 1)  # out-of-range weight rows read row N-1, never stored
+    if ADDR64:  # a weight of 2**31 elements or more: row offsets past int32
+        wrow = wrow.to(tl.int64)
     k_first = 0
     if PDL == 2:
         ks0 = tl.arange(0, BLOCK_K)
@@ -396,6 +399,7 @@ def flare_gemv_dot(
     SPLIT: tl.constexpr = 1,
     PF_K: tl.constexpr = 0,
     ESIZE: tl.constexpr = 2,
+    ADDR64: tl.constexpr = False,
 ):
     """The tensor-core variant: program (n, g) multiplies activation rows [g*BLOCK_M, +BLOCK_M)
     (rows past M are zeros) by weight rows [n*BLOCK_N, +BLOCK_N) with `tl.dot`. A row's result
@@ -419,6 +423,8 @@ def flare_gemv_dot(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = cols < N
     wrow = tl.minimum(cols, N - 1)
+    if ADDR64:
+        wrow = wrow.to(tl.int64)
     dt = Y.dtype.element_ty
     rstd = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     if NORM:

@@ -754,6 +754,17 @@ def test_gemv_kernel_matches_the_reference_under_the_interpreter() -> None:
     the rows launched with it (decode buckets agree with solo runs)."""
     report = _interpreted("gemv_interpreted.py", 300)
     assert report["max_rel_err"] < 1e-5 and report["row_invariant"] and report["pdl_modes_bitwise"], report
+    assert report["addr64_bitwise"], report
+
+
+def test_gemv_addresses_weights_past_int32_in_int64() -> None:
+    """Weight row offsets are int64 from 2**31 elements on: a 262144-token vocabulary of
+    width 8192 is the first (its masked lanes past the last row's end would wrap int32), Qwen3.5's
+    248320 x 8192 is not."""
+    from ignition.capture.gemv import needs_addr64
+
+    assert not needs_addr64(262144, 8191) and not needs_addr64(248320, 8192)
+    assert needs_addr64(262144, 8192) and needs_addr64(2, 1 << 30)
 
 
 def test_gemv_precompile_groups_specializations_and_runs_them_in_a_pool() -> None:

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ignition.capture import gemv_triton
+from ignition.capture import gemv, gemv_triton
 from ignition.capture.gemv import DOT_ROWS, GROUP_CANDIDATES, MAX_GROUP_ROWS, GemvConfig, launch, reference
 
 
@@ -117,9 +117,41 @@ for cfg, pdl, pf in (
         launch(x.contiguous(), w, config=cfg, pdl=pdl, pf_k=pf)
     except ValueError:
         refused += 1
-ok = worst < 1e-5 and invariant and strided_ok and empty_ok and pdl_bitwise and refused == 3
+# int64 weight row offsets (a weight of 2**31 elements or more; forced here by lowering the
+# threshold): the same bits as int32 offsets, in the per-row, tensor-core and split kernels.
+x = torch.randn(MAX_GROUP_ROWS + 3, k, generator=gen)
+small = [
+    launch(x, w, config=c)
+    for c in (GemvConfig(8, 128, 4), GemvConfig(16, 64, 4, dot=True), GemvConfig(8, 64, 4, split=3))
+]
+gemv.ADDR64_ELEMENTS = 1
+flags: list[bool] = []  # each main kernel launch's ADDR64 (the check must see the int64 path run)
+
+
+class _Spy:
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            flags.append(kwargs.get("ADDR64", False))
+            return self.kernel[grid](*args, **kwargs)
+
+        return run
+
+
+per_row, dot = gemv._kernel(), gemv._dot_kernel()
+gemv._kernel, gemv._dot_kernel = lambda: _Spy(per_row), lambda: _Spy(dot)  # type: ignore[assignment]
+wide = [
+    launch(x, w, config=c)
+    for c in (GemvConfig(8, 128, 4), GemvConfig(16, 64, 4, dot=True), GemvConfig(8, 64, 4, split=3))
+]
+gemv.ADDR64_ELEMENTS = 1 << 31
+addr64_bitwise = flags == [True] * 3 and all(torch.equal(a, b) for a, b in zip(small, wide, strict=True))
+ok = worst < 1e-5 and invariant and strided_ok and empty_ok and pdl_bitwise and refused == 3 and addr64_bitwise
 report = {"cases": cases, "max_rel_err": worst, "row_invariant": invariant, "strided": strided_ok, "empty": empty_ok}
 report["pdl_modes_bitwise"] = pdl_bitwise
 report["bad_modes_refused"] = refused
+report["addr64_bitwise"] = addr64_bitwise
 print(json.dumps(report))
 sys.exit(0 if ok else 1)
