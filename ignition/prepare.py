@@ -474,7 +474,7 @@ def _tune_projections(rec: Any, buckets: list[int], lanes: int) -> dict[str, Any
     program's lanes must be bitwise what decode computes)."""
     import torch
 
-    from ignition.capture.gemv import precompile, tune
+    from ignition.capture.gemv import precompile, precompile_groups, tune, tune_groups
 
     problems = rec.program.model.projection_problems()
     t0 = time.time()
@@ -488,6 +488,19 @@ def _tune_projections(rec: Any, buckets: list[int], lanes: int) -> dict[str, Any
     rec.report["gemv_precompile"] = pre
     with _timing_lock(rec.timings):
         out = tune(problems, buckets, invariant_rows=lanes)
+        torch.cuda.synchronize()
+    # Rows per program per bucket, for the tiles just chosen: their compiles in a pool first.
+    t1 = time.time()
+    pre_groups = precompile_groups(problems, buckets)
+    rec.timings["gemv_precompile_groups_s"] = round(time.time() - t1, 3)
+    rec.report["gemv_precompile_groups"] = pre_groups
+    note(
+        f"{pre_groups['tasks']} group-size specializations compiled in "
+        f"{rec.timings['gemv_precompile_groups_s']} s by {pre_groups['workers']} processes"
+    )
+    with _timing_lock(rec.timings):
+        for name, groups in tune_groups(problems, buckets).items():
+            out[name]["group_rows"] = groups
         torch.cuda.synchronize()
     torch.cuda.empty_cache()
     rec.timings["gemv_tune_s"] = round(time.time() - t0, 3)

@@ -1,10 +1,10 @@
 """GPU machine: `flare::gemv` on a model's projection shapes, before any core is prepared.
 
 Random bf16 weights at the geometry of a config.json (every layer, so the stream leaves L2), the
-tuner run as prepare runs it, then for each projection: the kernel against the eager reference
-(max relative error, bf16), the chosen tile's time per layer and achieved GB/s at each row count,
-and torch's own `F.linear` (cuBLAS, what a core may not carry) on the same weights as a yardstick
-measured in the same run.
+tuner run as prepare runs it (tiles, then rows per program per bucket), then for each projection:
+the kernel against the eager reference (max relative error, bf16), the chosen tile's time per
+layer and achieved GB/s at each row count, and torch's own `F.linear` (cuBLAS, what a core may
+not carry) on the same weights as a yardstick measured in the same run.
 
     python3 qualification/gemv_check.py CONFIG.json OUT.json [--rows 1,2,4]
 """
@@ -22,7 +22,18 @@ import torch
 import torch.nn.functional as F
 from hbm import peak_gbps  # a sibling: the script directory is on the path
 
-from ignition.capture.gemv import Problem, Variant, _run, _time_ms, config_for, precompile, reference, tune
+from ignition.capture.gemv import (
+    Problem,
+    Variant,
+    _run,
+    _time_ms,
+    config_for,
+    precompile,
+    precompile_groups,
+    reference,
+    tune,
+    tune_groups,
+)
 
 
 def problems(cfg: dict[str, Any], layers: int) -> list[Problem]:
@@ -60,10 +71,17 @@ def main() -> int:
     precompile(probs, rows)  # the candidates compiled in a process pool first, as prepare does
     t1 = time.time()
     tuned = tune(probs, rows)
+    t2 = time.time()
+    pre_groups = precompile_groups(probs, rows)  # then the rows per program, as prepare does
+    t3 = time.time()
+    for name, groups in tune_groups(probs, rows).items():
+        tuned[name]["group_rows"] = groups
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
         "precompile_s": round(t1 - t0, 1),
-        "tune_s": round(time.time() - t1, 1),
+        "tune_s": round(t2 - t1, 1),
+        "precompile_groups": pre_groups | {"s": round(t3 - t2, 1)},
+        "tune_groups_s": round(time.time() - t3, 1),
         "hbm_gbps": args.hbm_gbps,
         "hbm_source": hbm_source,
         "rows": rows,

@@ -604,6 +604,8 @@ class CompileTask:
     # The norm weight's and bias's dtypes (a pointer's element type is part of the signature).
     norm_dtype: torch.dtype | None = None
     bias_dtype: torch.dtype | None = None
+    # The per-row kernel's rows per program (None: the bucket's default).
+    group_rows: int | None = None
 
 
 def compile_tasks(
@@ -648,7 +650,7 @@ def _compile_one(t: CompileTask) -> bool:
     norm = torch.zeros(t.k, dtype=t.norm_dtype or t.dtype, device=dev) if v.norm else None
     res = torch.zeros(t.m, t.n, dtype=t.dtype, device=dev) if v.residual else None
     try:
-        launch(x, w, bias, norm, res, 1e-6, v.glu, t.config, pdl=0, norm_mode=t.norm_mode)
+        launch(x, w, bias, norm, res, 1e-6, v.glu, t.config, pdl=0, norm_mode=t.norm_mode, group_rows=t.group_rows)
         if dev.type == "cuda":
             torch.cuda.synchronize()
     except Exception:  # reported by the tuner, which meets the same failure
@@ -673,9 +675,48 @@ def precompile(
     has its own CUDA context), so the tuner's launches load them from Triton's cache instead of
     compiling one after another in this process (~600 compiles, ~190 s on an idle H100 host
     for SmolLM2). Needs the cache directory (`TRITON_CACHE_DIR`) set before the pool starts."""
+    return _compile_in_pool(compile_tasks(problems, rows, candidates), workers)
+
+
+def group_compile_tasks(problems: Sequence[Problem], rows: Sequence[int]) -> list[CompileTask]:
+    """The per-row kernel's specializations `tune_groups` launches beyond `compile_tasks`' (each
+    bucket's default group): each problem's registered tile (`tune` chose it) at every smaller
+    group size of `GROUP_CANDIDATES`, for each bucket of more than one row, each once."""
+    seen: set[tuple[Any, ...]] = set()
+    out: list[CompileTask] = []
+    for p in problems:
+        w = p.weights[0]
+        n, k = w.shape
+        cfg = config_for(n, k, p.variant)
+        if cfg.dot:  # the tensor-core kernel's row tile is fixed
+            continue
+        classes = tuple((v % 16 == 0, v == 1) for v in (n, k, 2 * k if p.variant.glu else k))
+        # The first pass compiled each bucket's default group at the bucket's divisibility class.
+        compiled = {(min(m, MAX_GROUP_ROWS), m == 1, m % 16 == 0) for m in rows}
+        nd = None if p.norms is None else p.norms[0].dtype
+        bd = None if p.biases is None else p.biases[0].dtype
+        block = min(1024, 1 << (n - 1).bit_length()) if cfg.split > 1 else 0
+        for m in rows:
+            for g in (c for c in GROUP_CANDIDATES if m > 1 and c < min(m, MAX_GROUP_ROWS)):
+                rows_key = (g, m == 1, m % 16 == 0)
+                key = (classes, block, rows_key, needs_addr64(n, k), w.dtype, p.variant, p.norm_mode, cfg, nd, bd)
+                if rows_key in compiled or key in seen:
+                    continue
+                seen.add(key)
+                out.append(CompileTask(n, k, m, w.dtype, p.variant, p.norm_mode, cfg, str(w.device), nd, bd, g))
+    return out
+
+
+def precompile_groups(problems: Sequence[Problem], rows: Sequence[int], workers: int | None = None) -> dict[str, Any]:
+    """Compiles `group_compile_tasks` in a process pool (after `tune`, before `tune_groups`):
+    otherwise each compiles in the preparing process while the group sizes are timed."""
+    return _compile_in_pool(group_compile_tasks(problems, rows), workers)
+
+
+def _compile_in_pool(tasks: Sequence[CompileTask], workers: int | None) -> dict[str, Any]:
+    """Launches each task once in a pool of spawned processes; reports tasks, workers, failures."""
     import multiprocessing
 
-    tasks = compile_tasks(problems, rows, candidates)
     n = min(compile_workers() if workers is None else workers, len(tasks))
     report: dict[str, Any] = {"tasks": len(tasks), "workers": n if n > 1 else 0, "failed": 0}
     if n <= 1:
@@ -753,7 +794,6 @@ def tune(
         if best is None:
             raise RuntimeError(f"gemv {p.name}: no tile keeps rows grouped by {big} equal to the same rows alone")
         set_config(n, k, p.variant, best)
-        groups = _tune_groups(p, cold, {m: xs[m] for m in rows}, res, best, reps)
         one = _time_ms(functools.partial(_run, cold, xs[min(rows)], res[min(rows)], best), reps) / len(cold.weights)
         report[p.name] = {
             "shape": [n, k],
@@ -769,9 +809,26 @@ def tune(
             "bucket_invariant": True,
             "invariance_checked_at_rows": big,
             "tiles_breaking_invariance": broken,
-            "group_rows": groups,
         }
     return report
+
+
+def tune_groups(problems: Sequence[Problem], rows: Sequence[int], reps: int = 5) -> dict[str, dict[str, Any]]:
+    """The per-row kernel's rows per program for each problem's registered tile (`tune` chose
+    it) and each bucket of more than one row (`_tune_groups`; `precompile_groups` first saves
+    the compiles). Returns per problem what `_tune_groups` reports."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    clear_group_rows()
+    out: dict[str, dict[str, Any]] = {}
+    for p in problems:
+        w0 = p.weights[0]
+        n, k = w0.shape
+        kin = 2 * k if p.variant.glu else k
+        many = [m for m in rows if m > 1]
+        xs = {m: torch.randn(m, kin, generator=gen, device=w0.device).to(w0.dtype) for m in many}
+        res = {m: torch.randn(m, n, generator=gen, device=w0.device).to(w0.dtype) for m in many}
+        out[p.name] = _tune_groups(p, _cold(p), xs, res, config_for(n, k, p.variant), reps)
+    return out
 
 
 # Launch modes `tune_launch` tries for each projection, all programmatic (Hopper PDL): waiting

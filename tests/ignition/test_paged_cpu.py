@@ -770,10 +770,15 @@ def test_gemv_addresses_weights_past_int32_in_int64() -> None:
 def test_gemv_precompile_groups_specializations_and_runs_them_in_a_pool() -> None:
     """The tuner's candidates compiled ahead in spawned workers: one task per specialization as
     Triton keys it (shapes alike in 16-divisibility share one; a split's reduction block, the
-    norm variant and an odd shape do not), every task launched without failure."""
+    norm variant and an odd shape do not), every task launched without failure. Then, for the
+    tiles `tune` registers, the smaller group sizes of each bucket past one row that no bucket's
+    default compiled: buckets 1, 3 and 4 leave 1 and 2 rows per program at 3 rows, once."""
     report = _interpreted("gemv_precompile_interpreted.py", 120)
     assert report["per_problem"] == {"a": 6, "b": 2, "c": 6, "d": 6}, report
     assert report["precompile"] == {"tasks": 20, "workers": 2, "failed": 0}, report
+    shapes = [(32, 64), (48, 64), (37, 300), (32, 128)]
+    assert report["group_tasks"] == [[n, k, 3, g] for n, k in shapes for g in (1, 2)], report
+    assert report["precompile_groups"] == {"tasks": 8, "workers": 2, "failed": 0}, report
 
 
 def test_gemv_compiles_as_an_opaque_op() -> None:

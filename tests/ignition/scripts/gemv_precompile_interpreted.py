@@ -1,6 +1,7 @@
 """`gemv.precompile` end to end on CPU: the specializations the tuner would launch, grouped as
-Triton keys them, launched in a spawned pool (Triton's interpreter stands in for the compiler).
-Prints one JSON line. Needs TRITON_INTERPRET=1 in the environment before Triton is imported."""
+Triton keys them, launched in a spawned pool (Triton's interpreter stands in for the compiler);
+then `precompile_groups` for tiles registered as `tune` would. Prints one JSON line. Needs
+TRITON_INTERPRET=1 in the environment before Triton is imported."""
 
 from __future__ import annotations
 
@@ -8,7 +9,16 @@ import json
 
 import torch
 
-from ignition.capture.gemv import GemvConfig, Problem, Variant, compile_tasks, precompile
+from ignition.capture.gemv import (
+    GemvConfig,
+    Problem,
+    Variant,
+    compile_tasks,
+    group_compile_tasks,
+    precompile,
+    precompile_groups,
+    set_config,
+)
 
 
 def main() -> None:
@@ -27,7 +37,14 @@ def main() -> None:
     tasks = compile_tasks(problems, [1, 3], cands)
     per_problem = {p.name: sum((t.n, t.k) == tuple(p.weights[0].shape) for t in tasks) for p in problems}
     report = precompile(problems, [1, 3], cands, workers=2)
-    print(json.dumps({"tasks": len(tasks), "per_problem": per_problem, "precompile": report}))
+    # The tiles `tune` would register; buckets 1, 3 and 4: group sizes 1 and 2 below the defaults.
+    for p, cfg in zip(problems, (*cands, cands[0]), strict=True):
+        n, k = p.weights[0].shape
+        set_config(n, k, p.variant, cfg)
+    groups = [(t.n, t.k, t.m, t.group_rows) for t in group_compile_tasks(problems, [1, 3, 4])]
+    report_groups = precompile_groups(problems, [1, 3, 4], workers=2)
+    out = {"tasks": len(tasks), "per_problem": per_problem, "precompile": report}
+    print(json.dumps(out | {"group_tasks": groups, "precompile_groups": report_groups}))
 
 
 if __name__ == "__main__":  # the pool's spawned workers import this module
