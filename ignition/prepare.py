@@ -489,14 +489,18 @@ def _tune_projections(rec: Any, buckets: list[int], lanes: int) -> dict[str, Any
     with _timing_lock(rec.timings):
         out = tune(problems, buckets, invariant_rows=lanes)
         torch.cuda.synchronize()
-    # Rows per program per bucket, for the tiles just chosen: their compiles in a pool first.
+    # Rows per program per bucket, for the tiles just chosen: their compiles in a pool first
+    # (the tuner's cold weight copies freed before the workers' contexts start).
+    torch.cuda.empty_cache()
     t1 = time.time()
     pre_groups = precompile_groups(problems, buckets)
     rec.timings["gemv_precompile_groups_s"] = round(time.time() - t1, 3)
     rec.report["gemv_precompile_groups"] = pre_groups
+    error = f", {pre_groups['pool_error']}" if "pool_error" in pre_groups else ""
     note(
         f"{pre_groups['tasks']} group-size specializations compiled in "
-        f"{rec.timings['gemv_precompile_groups_s']} s by {pre_groups['workers']} processes"
+        f"{rec.timings['gemv_precompile_groups_s']} s by {pre_groups['workers']} processes "
+        f"({pre_groups['failed']} failed{error})"
     )
     with _timing_lock(rec.timings):
         for name, groups in tune_groups(problems, buckets).items():

@@ -107,15 +107,15 @@ DOT_ROWS = 16
 # The norm prologues (`rownorm` defines them): Llama's RMSNorm, and Qwen3.5's zero-centred one
 # (x * rstd * (1 + w), float32, rounded once).
 NORM_MODES = {"rms": 1, "zero_centred": 2}
-# Weights with at least this many elements address their rows in int64 (the kernels' `ADDR64`):
-# a row's int32 offset would wrap past it. Below it the kernels keep int32 offsets, unchanged.
+# Weights with at least this many elements offset each tile by its first row in int64 (the
+# kernels' `ADDR64`); below it every offset is int32, as it always was. The bound is 2**31 - 1
+# for the last element's offset; at exactly 2**31 elements that still fits, so this is a margin.
 ADDR64_ELEMENTS = 1 << 31
 
 
 def needs_addr64(n: int, row_stride: int) -> bool:
-    """Whether an [n, k] weight whose rows are `row_stride` elements apart needs int64 row
-    offsets: from n * row_stride = 2**31 on, the last tile's lanes (masked ones past the row's
-    end included) would wrap int32."""
+    """Whether an [n, k] weight whose rows are `row_stride` elements apart takes the kernels'
+    int64 tile offsets (`ADDR64_ELEMENTS`)."""
     return n * row_stride >= ADDR64_ELEMENTS
 
 
@@ -622,6 +622,7 @@ def compile_tasks(
         classes = tuple((v % 16 == 0, v == 1) for v in (n, k, 2 * k if p.variant.glu else k))
         nd = None if p.norms is None else p.norms[0].dtype
         bd = None if p.biases is None else p.biases[0].dtype
+        addr64 = needs_addr64(n, k)
         for cfg in candidates:
             if not _fits(cfg, k):
                 continue
@@ -630,7 +631,6 @@ def compile_tasks(
             for m in rows:
                 # The per-row kernel's group size is a constexpr; the tensor-core one's is fixed.
                 rows_key = (m == 1, m % 16 == 0) if cfg.dot else (min(m, MAX_GROUP_ROWS), m == 1, m % 16 == 0)
-                addr64 = needs_addr64(n, k)
                 key = (classes, block, rows_key, addr64, w.dtype, p.variant, p.norm_mode, cfg, nd, bd)
                 if key not in seen:
                     seen.add(key)
@@ -682,6 +682,8 @@ def group_compile_tasks(problems: Sequence[Problem], rows: Sequence[int]) -> lis
     """The per-row kernel's specializations `tune_groups` launches beyond `compile_tasks`' (each
     bucket's default group): each problem's registered tile (`tune` chose it) at every smaller
     group size of `GROUP_CANDIDATES`, for each bucket of more than one row, each once."""
+    # The first pass compiled each bucket's default group at the bucket's divisibility class.
+    compiled = {(min(m, MAX_GROUP_ROWS), m == 1, m % 16 == 0) for m in rows}
     seen: set[tuple[Any, ...]] = set()
     out: list[CompileTask] = []
     for p in problems:
@@ -691,15 +693,14 @@ def group_compile_tasks(problems: Sequence[Problem], rows: Sequence[int]) -> lis
         if cfg.dot:  # the tensor-core kernel's row tile is fixed
             continue
         classes = tuple((v % 16 == 0, v == 1) for v in (n, k, 2 * k if p.variant.glu else k))
-        # The first pass compiled each bucket's default group at the bucket's divisibility class.
-        compiled = {(min(m, MAX_GROUP_ROWS), m == 1, m % 16 == 0) for m in rows}
         nd = None if p.norms is None else p.norms[0].dtype
         bd = None if p.biases is None else p.biases[0].dtype
         block = min(1024, 1 << (n - 1).bit_length()) if cfg.split > 1 else 0
+        addr64 = needs_addr64(n, k)
         for m in rows:
             for g in (c for c in GROUP_CANDIDATES if m > 1 and c < min(m, MAX_GROUP_ROWS)):
                 rows_key = (g, m == 1, m % 16 == 0)
-                key = (classes, block, rows_key, needs_addr64(n, k), w.dtype, p.variant, p.norm_mode, cfg, nd, bd)
+                key = (classes, block, rows_key, addr64, w.dtype, p.variant, p.norm_mode, cfg, nd, bd)
                 if rows_key in compiled or key in seen:
                     continue
                 seen.add(key)
@@ -823,11 +824,15 @@ def tune_groups(problems: Sequence[Problem], rows: Sequence[int], reps: int = 5)
     for p in problems:
         w0 = p.weights[0]
         n, k = w0.shape
+        cfg = config_for(n, k, p.variant)
+        if cfg.dot:  # the tensor-core kernel's row tile is fixed: nothing to time or copy
+            out[p.name] = {}
+            continue
         kin = 2 * k if p.variant.glu else k
         many = [m for m in rows if m > 1]
         xs = {m: torch.randn(m, kin, generator=gen, device=w0.device).to(w0.dtype) for m in many}
         res = {m: torch.randn(m, n, generator=gen, device=w0.device).to(w0.dtype) for m in many}
-        out[p.name] = _tune_groups(p, _cold(p), xs, res, config_for(n, k, p.variant), reps)
+        out[p.name] = _tune_groups(p, _cold(p), xs, res, cfg, reps)
     return out
 
 

@@ -240,12 +240,14 @@ def flare_gemv(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = cols < N
     wrow = tl.minimum(cols, N - 1)  # out-of-range weight rows read row N-1, never stored
-    if ADDR64:  # a weight of 2**31 elements or more: row offsets past int32
-        wrow = wrow.to(tl.int64)
+    WT = W  # the weight rows' base: W, or with ADDR64 (2**31 elements or more) this tile's first row
+    if ADDR64:  # one int64 scalar offset; the lanes' offsets within the tile stay int32
+        WT = W + (pid_n * BLOCK_N).to(tl.int64) * stride_w
+        wrow = wrow - pid_n * BLOCK_N
     k_first = 0
     if PDL == 2:
         ks0 = tl.arange(0, BLOCK_K)
-        w0 = tl.load(W + wrow[:, None] * stride_w + ks0[None, :], mask=(ks0 < K)[None, :], other=0.0).to(tl.float32)
+        w0 = tl.load(WT + wrow[:, None] * stride_w + ks0[None, :], mask=(ks0 < K)[None, :], other=0.0).to(tl.float32)
         k_first = BLOCK_K
     if PDL >= 3 and PF_K > 0:
         _prefetch_l2(W, pid_n * BLOCK_N, N, K, stride_w, BLOCK_N, PF_K, ESIZE)
@@ -317,7 +319,7 @@ def flare_gemv(
     for k0 in range(k_first, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < K
-        w = tl.load(W + wrow[:, None] * stride_w + ks[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
+        w = tl.load(WT + wrow[:, None] * stride_w + ks[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
         a0 = _accumulate(a0, w, X, NW, r0, ks, kmask, stride_x, K, s0, NORM, GLU, WIDE)
         if ROWS > 1:
             a1 = _accumulate(a1, w, X, NW, r1, ks, kmask, stride_x, K, s1, NORM, GLU, WIDE)
@@ -423,8 +425,10 @@ def flare_gemv_dot(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = cols < N
     wrow = tl.minimum(cols, N - 1)
+    WT = W  # as in `flare_gemv`
     if ADDR64:
-        wrow = wrow.to(tl.int64)
+        WT = W + (pid_n * BLOCK_N).to(tl.int64) * stride_w
+        wrow = wrow - pid_n * BLOCK_N
     dt = Y.dtype.element_ty
     rstd = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     if NORM:
@@ -457,7 +461,7 @@ def flare_gemv_dot(
             elif NORM == 1:
                 nw = tl.load(NW + ks, mask=ks < K, other=0.0)
                 h = nw[None, :] * (h.to(tl.float32) * rstd[:, None]).to(h.dtype)
-        w = tl.load(W + wrow[:, None] * stride_w + ks[None, :], mask=(ks < K)[None, :], other=0.0)
+        w = tl.load(WT + wrow[:, None] * stride_w + ks[None, :], mask=(ks < K)[None, :], other=0.0)
         acc = tl.dot(h.to(w.dtype), tl.trans(w), acc)
     if PDL == 1 or PDL == 2 or PDL == 4:
         gdc_launch_dependents()

@@ -22,17 +22,22 @@ triton = pytest.importorskip("triton")
 SM90_SHARED = 232448
 
 
-def compile_sm90(fn: Any, signature: dict[str, str], constants: dict[str, Any], **options: int) -> dict[str, int]:
-    """Registers, stack bytes per thread and shared bytes of `fn` compiled for sm_90."""
+def compile_kernel(fn: Any, signature: dict[str, str], constants: dict[str, Any], **options: int) -> Any:
+    """`fn` compiled for sm_90 (a `CompiledKernel`: `asm` holds each stage's text and the cubin)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    tool = os.path.join(bin_dir, "cuobjdump")
-    if not (os.path.exists(tool) and os.path.exists(os.path.join(bin_dir, "ptxas"))):
+    if not (os.path.exists(os.path.join(bin_dir, "cuobjdump")) and os.path.exists(os.path.join(bin_dir, "ptxas"))):
         pytest.skip("this Triton ships no ptxas or cuobjdump")
     sig = {**signature, **dict.fromkeys(constants, "constexpr")}
-    kernel = triton.compile(ASTSource(fn, sig, constants), target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(ASTSource(fn, sig, constants), target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def compile_sm90(fn: Any, signature: dict[str, str], constants: dict[str, Any], **options: int) -> dict[str, int]:
+    """Registers, stack bytes per thread and shared bytes of `fn` compiled for sm_90."""
+    kernel = compile_kernel(fn, signature, constants, **options)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"flare_{fn.__name__}_{os.getpid()}.cubin")
     with open(path, "wb") as f:
         f.write(kernel.asm["cubin"])
@@ -193,24 +198,44 @@ def test_fused_sampler_kernels_do_not_spill() -> None:
         assert res["stack"] == 0 and res["shared"] <= SM90_SHARED, (name, res)
 
 
-@pytest.mark.parametrize("dot", [False, True])
-def test_gemv_l2_prefetch_mode_compiles_for_sm90(dot: bool) -> None:
-    """`flare::gemv`'s PDL mode 3 (`qualification/pdl_probe.py`): the bulk L2 prefetch before the
-    grid-dependency wait assembles for sm_90 in both kernels, and its pointer tile adds no stack."""
+def _gemv_kernel(dot: bool, **flags: Any) -> tuple[Any, dict[str, str], dict[str, Any]]:
+    """One of `flare::gemv`'s kernels with its sm_90 signature and constants (bf16, norm
+    prologue), `flags` over the defaults."""
     from ignition.capture import gemv_triton
 
     ptrs = {"X": "bf16", "W": "bf16", "B": "bf16", "NW": "bf16", "R": "bf16", "Y": "bf16", "P": "fp32"}
     ints = ["M", "N", "K", "stride_x", "stride_w", "stride_r", "stride_y"]
     sig = {**signature(ptrs, ints), "eps": "fp32"}
-    flags = {"BLOCK_K": 256, "NORM": 1, "GLU": False, "BIAS": False, "RESIDUAL": False, "PDL": 3}
-    flags |= {"SPLIT": 1, "PF_K": 2048, "ESIZE": 2}
+    base = {"BLOCK_K": 256, "NORM": 1, "GLU": False, "BIAS": False, "RESIDUAL": False, "PDL": 0, "SPLIT": 1}
+    base |= {"PF_K": 0, "ESIZE": 2, "ADDR64": False}
     if dot:
         fn = gemv_triton.flare_gemv_dot
-        consts = {"BLOCK_M": 16, "BLOCK_N": 64, **flags}
+        consts = {"BLOCK_M": 16, "BLOCK_N": 64, **base, **flags}
     else:
         fn = gemv_triton.flare_gemv
-        consts = {"ROWS": 1, "BLOCK_N": 16, "WIDE": False, **flags}
+        consts = {"ROWS": 1, "BLOCK_N": 16, "WIDE": False, **base, **flags}
     # The kernels' parameter order (`sig` gives types by name).
     order = [a for a in fn.arg_names if a not in consts]
-    res = compile_sm90(fn, {a: sig[a] for a in order}, consts, num_warps=4)
+    return fn, {a: sig[a] for a in order}, consts
+
+
+@pytest.mark.parametrize("dot", [False, True])
+def test_gemv_l2_prefetch_mode_compiles_for_sm90(dot: bool) -> None:
+    """`flare::gemv`'s PDL mode 3 (`qualification/pdl_probe.py`): the bulk L2 prefetch before the
+    grid-dependency wait assembles for sm_90 in both kernels, and its pointer tile adds no stack."""
+    res = compile_sm90(*_gemv_kernel(dot, PDL=3, PF_K=2048, ESIZE=2), num_warps=4)
     assert res["stack"] == 0, res
+
+
+@pytest.mark.parametrize("dot", [False, True])
+def test_gemv_addr64_widens_the_weight_row_offsets(dot: bool) -> None:
+    """`ADDR64` (a weight of 2**31 elements or more) offsets the weight by its tile's first row
+    in int64 in both kernels (the lanes stay int32 within the tile), with no stack; without it
+    the kernel computes no int64 product."""
+    tile = {"BLOCK_N": 32 if dot else 16}  # tiles that spill in neither mode (64 x 256 dot does)
+    ttir = {}
+    for wide in (False, True):
+        ttir[wide] = compile_kernel(*_gemv_kernel(dot, ADDR64=wide, **tile), num_warps=4).asm["ttir"]
+    products = {w: len(re.findall(r"arith\.muli .*: i64\b", t)) for w, t in ttir.items()}
+    assert products == {False: 0, True: 1}, products
+    assert compile_sm90(*_gemv_kernel(dot, ADDR64=True, **tile), num_warps=4)["stack"] == 0

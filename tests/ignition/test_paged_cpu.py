@@ -758,9 +758,9 @@ def test_gemv_kernel_matches_the_reference_under_the_interpreter() -> None:
 
 
 def test_gemv_addresses_weights_past_int32_in_int64() -> None:
-    """Weight row offsets are int64 from 2**31 elements on: a 262144-token vocabulary of
-    width 8192 is the first (its masked lanes past the last row's end would wrap int32), Qwen3.5's
-    248320 x 8192 is not."""
+    """Tiles are offset in int64 from 2**31 weight elements on (a margin: the last element's
+    offset at exactly 2**31 still fits int32): a 262144-token vocabulary of width 8192 is the
+    first, Qwen3.5's 248320 x 8192 is not."""
     from ignition.capture.gemv import needs_addr64
 
     assert not needs_addr64(262144, 8191) and not needs_addr64(248320, 8192)
@@ -772,13 +772,16 @@ def test_gemv_precompile_groups_specializations_and_runs_them_in_a_pool() -> Non
     Triton keys it (shapes alike in 16-divisibility share one; a split's reduction block, the
     norm variant and an odd shape do not), every task launched without failure. Then, for the
     tiles `tune` registers, the smaller group sizes of each bucket past one row that no bucket's
-    default compiled: buckets 1, 3 and 4 leave 1 and 2 rows per program at 3 rows, once."""
+    default compiled: buckets 1, 3, 4 and 16 leave 1 and 2 rows per program at 3 rows, and 1, 2
+    and 4 at 16 (a multiple of 16: its own specialization), once per tile and shape class (a
+    problem alike to another adds none), none for a tensor-core tile."""
     report = _interpreted("gemv_precompile_interpreted.py", 120)
     assert report["per_problem"] == {"a": 6, "b": 2, "c": 6, "d": 6}, report
     assert report["precompile"] == {"tasks": 20, "workers": 2, "failed": 0}, report
     shapes = [(32, 64), (48, 64), (37, 300), (32, 128)]
-    assert report["group_tasks"] == [[n, k, 3, g] for n, k in shapes for g in (1, 2)], report
-    assert report["precompile_groups"] == {"tasks": 8, "workers": 2, "failed": 0}, report
+    want = [[n, k, m, g] for n, k in shapes for m, g in ((3, 1), (3, 2), (16, 1), (16, 2), (16, 4))]
+    assert report["group_tasks"] == want, report
+    assert report["precompile_groups"] == {"tasks": 20, "workers": 2, "failed": 0}, report
 
 
 def test_gemv_compiles_as_an_opaque_op() -> None:

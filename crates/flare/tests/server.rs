@@ -815,21 +815,23 @@ fn start_with_env(env: &[(&str, &str)], extra: &[&str]) -> Server {
         if server.port != 0 && server.request("GET", "/health", None, "").0 == 200 {
             return server;
         }
-        assert!(Instant::now() < deadline, "server became ready: {:?}", server.log.lock().unwrap());
+        assert!(Instant::now() < deadline, "the server did not become ready in 60 s: {:?}", server.log.lock().unwrap());
         std::thread::sleep(Duration::from_millis(50));
     }
 }
 
-/// The port of the IPv4 TCP socket that process `pid` listens on, if it listens on one yet.
+/// The port of the TCP socket (IPv4 or IPv6) that process `pid` listens on, if it listens yet.
 fn listening_port(pid: u32) -> Option<u16> {
     let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
         .ok()?
         .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
         .filter_map(|t| Some(t.to_str()?.strip_prefix("socket:[")?.strip_suffix(']')?.to_owned()))
         .collect();
-    let table = std::fs::read_to_string("/proc/net/tcp").ok()?;
-    // `sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode`; 0A is LISTEN.
-    table.lines().skip(1).find_map(|line| {
+    let mut table = std::fs::read_to_string("/proc/net/tcp").ok()?;
+    table += &std::fs::read_to_string("/proc/net/tcp6").unwrap_or_default();
+    // `sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode`; 0A is LISTEN
+    // (each file's header line has no inode among the child's).
+    table.lines().find_map(|line| {
         let f: Vec<&str> = line.split_whitespace().collect();
         let listening = f.get(3) == Some(&"0A") && f.get(9).is_some_and(|i| inodes.iter().any(|n| n == i));
         if !listening {

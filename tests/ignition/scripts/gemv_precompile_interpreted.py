@@ -37,12 +37,14 @@ def main() -> None:
     tasks = compile_tasks(problems, [1, 3], cands)
     per_problem = {p.name: sum((t.n, t.k) == tuple(p.weights[0].shape) for t in tasks) for p in problems}
     report = precompile(problems, [1, 3], cands, workers=2)
-    # The tiles `tune` would register; buckets 1, 3 and 4: group sizes 1 and 2 below the defaults.
-    for p, cfg in zip(problems, (*cands, cands[0]), strict=True):
+    # The tiles `tune` would register. "e" is "a" at another multiple of 16 with a's tile (no
+    # task of its own); "f" has a tensor-core tile (no group size to choose).
+    more = [problem("e", 64, 64, res), problem("f", 32, 64, Variant())]
+    for p, cfg in zip(problems + more, (*cands, cands[0], cands[0], GemvConfig(16, 64, 4, dot=True)), strict=True):
         n, k = p.weights[0].shape
         set_config(n, k, p.variant, cfg)
-    groups = [(t.n, t.k, t.m, t.group_rows) for t in group_compile_tasks(problems, [1, 3, 4])]
-    report_groups = precompile_groups(problems, [1, 3, 4], workers=2)
+    groups = [(t.n, t.k, t.m, t.group_rows) for t in group_compile_tasks(problems + more, [1, 3, 4, 16])]
+    report_groups = precompile_groups(problems + more, [1, 3, 4, 16], workers=2)
     out = {"tasks": len(tasks), "per_problem": per_problem, "precompile": report}
     print(json.dumps(out | {"group_tasks": groups, "precompile_groups": report_groups}))
 
