@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -545,6 +545,19 @@ def _cold(p: Problem) -> Problem:
     )
 
 
+def _inputs(
+    p: Problem, counts: Iterable[int], gen: torch.Generator
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """Random activations (twice as wide for the SiLU-gated prologue) and residuals of `p`, per
+    row count."""
+    w = p.weights[0]
+    n, k = w.shape
+    kin = 2 * k if p.variant.glu else k
+    xs = {m: torch.randn(m, kin, generator=gen, device=w.device).to(w.dtype) for m in counts}
+    res = {m: torch.randn(m, n, generator=gen, device=w.device).to(w.dtype) for m in counts}
+    return xs, res
+
+
 def _bucket_invariant(
     p: Problem, x: torch.Tensor, r: torch.Tensor, cfg: GemvConfig, group_rows: int | None = None
 ) -> bool:
@@ -617,25 +630,32 @@ def compile_tasks(
     seen: set[tuple[Any, ...]] = set()
     out: list[CompileTask] = []
     for p in problems:
-        w = p.weights[0]
-        n, k = w.shape
-        classes = tuple((v % 16 == 0, v == 1) for v in (n, k, 2 * k if p.variant.glu else k))
-        nd = None if p.norms is None else p.norms[0].dtype
-        bd = None if p.biases is None else p.biases[0].dtype
-        addr64 = needs_addr64(n, k)
+        k = p.weights[0].shape[1]
         for cfg in candidates:
             if not _fits(cfg, k):
                 continue
-            # A split's reduction kernel takes its block from N.
-            block = min(1024, 1 << (n - 1).bit_length()) if cfg.split > 1 else 0
             for m in rows:
                 # The per-row kernel's group size is a constexpr; the tensor-core one's is fixed.
-                rows_key = (m == 1, m % 16 == 0) if cfg.dot else (min(m, MAX_GROUP_ROWS), m == 1, m % 16 == 0)
-                key = (classes, block, rows_key, addr64, w.dtype, p.variant, p.norm_mode, cfg, nd, bd)
+                key, task = _specialization(p, cfg, m, None if cfg.dot else min(m, MAX_GROUP_ROWS))
                 if key not in seen:
                     seen.add(key)
-                    out.append(CompileTask(n, k, m, w.dtype, p.variant, p.norm_mode, cfg, str(w.device), nd, bd))
+                    out.append(task)
     return out
+
+
+def _specialization(p: Problem, cfg: GemvConfig, m: int, group_rows: int | None) -> tuple[tuple[Any, ...], CompileTask]:
+    """The Triton key (as `compile_tasks` describes it) of `p` launched with `cfg` over `m` rows,
+    `group_rows` per program (None: the tensor-core kernel), and a task that compiles it."""
+    w = p.weights[0]
+    n, k = w.shape
+    classes = tuple((v % 16 == 0, v == 1) for v in (n, k, 2 * k if p.variant.glu else k))
+    nd = None if p.norms is None else p.norms[0].dtype
+    bd = None if p.biases is None else p.biases[0].dtype
+    # A split's reduction kernel takes its block from N.
+    block = min(1024, 1 << (n - 1).bit_length()) if cfg.split > 1 else 0
+    rows_key = (group_rows, m == 1, m % 16 == 0)
+    key = (classes, block, rows_key, needs_addr64(n, k), w.dtype, p.variant, p.norm_mode, cfg, nd, bd)
+    return key, CompileTask(n, k, m, w.dtype, p.variant, p.norm_mode, cfg, str(w.device), nd, bd, group_rows)
 
 
 def _compile_one(t: CompileTask) -> bool:
@@ -682,29 +702,21 @@ def group_compile_tasks(problems: Sequence[Problem], rows: Sequence[int]) -> lis
     """The per-row kernel's specializations `tune_groups` launches beyond `compile_tasks`' (each
     bucket's default group): each problem's registered tile (`tune` chose it) at every smaller
     group size of `GROUP_CANDIDATES`, for each bucket of more than one row, each once."""
-    # The first pass compiled each bucket's default group at the bucket's divisibility class.
-    compiled = {(min(m, MAX_GROUP_ROWS), m == 1, m % 16 == 0) for m in rows}
     seen: set[tuple[Any, ...]] = set()
     out: list[CompileTask] = []
     for p in problems:
-        w = p.weights[0]
-        n, k = w.shape
+        n, k = p.weights[0].shape
         cfg = config_for(n, k, p.variant)
         if cfg.dot:  # the tensor-core kernel's row tile is fixed
             continue
-        classes = tuple((v % 16 == 0, v == 1) for v in (n, k, 2 * k if p.variant.glu else k))
-        nd = None if p.norms is None else p.norms[0].dtype
-        bd = None if p.biases is None else p.biases[0].dtype
-        block = min(1024, 1 << (n - 1).bit_length()) if cfg.split > 1 else 0
-        addr64 = needs_addr64(n, k)
+        # What the first pass compiled: each bucket's default group.
+        seen |= {_specialization(p, cfg, m, min(m, MAX_GROUP_ROWS))[0] for m in rows}
         for m in rows:
             for g in (c for c in GROUP_CANDIDATES if m > 1 and c < min(m, MAX_GROUP_ROWS)):
-                rows_key = (g, m == 1, m % 16 == 0)
-                key = (classes, block, rows_key, addr64, w.dtype, p.variant, p.norm_mode, cfg, nd, bd)
-                if rows_key in compiled or key in seen:
-                    continue
-                seen.add(key)
-                out.append(CompileTask(n, k, m, w.dtype, p.variant, p.norm_mode, cfg, str(w.device), nd, bd, g))
+                key, task = _specialization(p, cfg, m, g)
+                if key not in seen:
+                    seen.add(key)
+                    out.append(task)
     return out
 
 
@@ -756,10 +768,8 @@ def tune(
         cold = _cold(p)
         w0 = p.weights[0]
         n, k = w0.shape
-        kin = 2 * k if p.variant.glu else k
         big = max(*rows, invariant_rows)
-        xs = {m: torch.randn(m, kin, generator=gen, device=w0.device).to(w0.dtype) for m in {*rows, big}}
-        res = {m: torch.randn(m, n, generator=gen, device=w0.device).to(w0.dtype) for m in {*rows, big}}
+        xs, res = _inputs(p, {*rows, big}, gen)
         timings: list[tuple[float, GemvConfig]] = []
         skipped: list[str] = []
         for cfg in candidates:
@@ -822,16 +832,12 @@ def tune_groups(problems: Sequence[Problem], rows: Sequence[int], reps: int = 5)
     clear_group_rows()
     out: dict[str, dict[str, Any]] = {}
     for p in problems:
-        w0 = p.weights[0]
-        n, k = w0.shape
+        n, k = p.weights[0].shape
         cfg = config_for(n, k, p.variant)
         if cfg.dot:  # the tensor-core kernel's row tile is fixed: nothing to time or copy
             out[p.name] = {}
             continue
-        kin = 2 * k if p.variant.glu else k
-        many = [m for m in rows if m > 1]
-        xs = {m: torch.randn(m, kin, generator=gen, device=w0.device).to(w0.dtype) for m in many}
-        res = {m: torch.randn(m, n, generator=gen, device=w0.device).to(w0.dtype) for m in many}
+        xs, res = _inputs(p, [m for m in rows if m > 1], gen)
         out[p.name] = _tune_groups(p, _cold(p), xs, res, cfg, reps)
     return out
 
